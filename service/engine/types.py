@@ -1,0 +1,185 @@
+"""Domain types of a generation request and of the events it produces.
+
+These are what the engine sees: no protobuf here. The server converts protobuf <-> these types
+and the CLI builds them from flags. `validate()` methods raise `InvalidRequestError` naming the
+field, so every front end reports the same message for the same mistake.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from service.errors import InvalidRequestError
+
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_SEQUENCE_CHARS = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Token selection. temperature == 0 means greedy (argmax); the other knobs are then unused.
+
+    Defaults follow llama.cpp's: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05.
+    """
+
+    temperature: float = 0.8
+    top_k: int = 40                  # keep the k most likely tokens; 0 = off
+    top_p: float = 0.95              # nucleus: smallest set with cumulative prob >= top_p; 1 = off
+    min_p: float = 0.05              # drop tokens with prob < min_p * max prob; 0 = off
+    repetition_penalty: float = 1.0  # CTRL-style penalty on the last `repeat_last_n` ids; 1 = off
+    repeat_last_n: int = 64
+    seed: int | None = None          # None: the engine picks one and reports it
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, prefix: str = "sampling") -> None:
+        checks = [
+            ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
+            ("top_k", 0 <= self.top_k <= 1_000_000, "must be >= 0 (0 disables top-k)"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0,
+             "must be in (0, 10]"),
+            ("repeat_last_n", 0 <= self.repeat_last_n <= 1_000_000, "must be >= 0"),
+            ("seed", self.seed is None or 0 <= self.seed < 2**64, "must be in [0, 2^64)"),
+        ]
+        for name, ok, msg in checks:
+            value = getattr(self, name)
+            if not ok or (isinstance(value, float) and value != value):  # NaN fails too
+                raise InvalidRequestError(f"{prefix}.{name}", f"{msg}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class StoppingCriteria:
+    max_new_tokens: int = 256
+    stop_sequences: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self, vocab_size: int, prefix: str = "stopping") -> None:
+        if not 1 <= self.max_new_tokens <= 1_000_000:
+            raise InvalidRequestError(f"{prefix}.max_new_tokens",
+                                      f"must be in [1, 1000000], got {self.max_new_tokens}")
+        if len(self.stop_sequences) > MAX_STOP_SEQUENCES:
+            raise InvalidRequestError(f"{prefix}.stop_sequences",
+                                      f"at most {MAX_STOP_SEQUENCES} allowed")
+        for i, s in enumerate(self.stop_sequences):
+            if not s or len(s) > MAX_STOP_SEQUENCE_CHARS:
+                raise InvalidRequestError(
+                    f"{prefix}.stop_sequences[{i}]",
+                    f"must be 1..{MAX_STOP_SEQUENCE_CHARS} characters long")
+        for i, t in enumerate(self.stop_token_ids):
+            if not 0 <= t < vocab_size:
+                raise InvalidRequestError(f"{prefix}.stop_token_ids[{i}]",
+                                          f"token id {t} is outside the vocabulary [0, {vocab_size})")
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"                # max_new_tokens reached
+    EOS = "eos"                      # the model's end-of-generation token
+    STOP_SEQUENCE = "stop_sequence"  # one of stop_sequences appeared in the text
+    STOP_TOKEN = "stop_token"        # one of stop_token_ids was generated
+    CONTEXT_LIMIT = "context_limit"  # the sequence filled the context window
+    CANCELLED = "cancelled"          # the caller cancelled (or its deadline passed)
+    ERROR = "error"                  # the engine failed on this request
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    stopping: StoppingCriteria = StoppingCriteria()
+    top_logprobs: int = 0            # alternatives reported per generated token, 0..20
+    speculative: bool | None = None  # None: the server's default
+
+    def validate(self, vocab_size: int, n_ctx: int) -> None:
+        if not self.prompt_ids:
+            raise InvalidRequestError("input", "the prompt is empty")
+        for i, t in enumerate(self.prompt_ids):
+            if not 0 <= t < vocab_size:
+                raise InvalidRequestError(
+                    f"input.tokens.ids[{i}]",
+                    f"token id {t} is outside the vocabulary [0, {vocab_size})")
+        if len(self.prompt_ids) >= n_ctx:
+            raise InvalidRequestError(
+                "input", f"the prompt has {len(self.prompt_ids)} tokens; the context holds "
+                f"{n_ctx}, leaving no room to generate", reason="PROMPT_TOO_LONG")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError("output.top_logprobs",
+                                      f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        self.sampling.validate()
+        self.stopping.validate(vocab_size)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()   # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_ms: float = 0.0            # submit -> first engine step for this request
+    time_to_first_token_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0           # first token -> last token
+    per_token_decode_ms: float = 0.0
+
+
+# ---------------------------------------------------------------- events, in stream order
+@dataclass(frozen=True)
+class Started:
+    prompt_tokens: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    token_ids: tuple[int, ...]
+    text: str                        # valid UTF-8; never a partial stop sequence
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: FinishReason
+    usage: Usage
+    timings: Timings
+    matched_stop: str | int | None = None
+    error: str | None = None         # set only with FinishReason.ERROR
+
+
+Event = Started | Delta | Finished
+
+
+@dataclass
+class Collected:
+    """All events of one request folded together (CLI --json, tests)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    started: Started | None = None
+    finished: Finished | None = None
+
+    def add(self, event: Event) -> None:
+        if isinstance(event, Started):
+            self.started = event
+        elif isinstance(event, Delta):
+            self.token_ids.extend(event.token_ids)
+            self.text += event.text
+        else:
+            self.finished = event
