@@ -6,7 +6,9 @@ CLI, startup and the ValidateConfig RPC report the same problems with the same w
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 # Every KV cache element type a GGUF engine may name; SUPPORTED_KV_PAIRS is what our kernels do.
 KV_TYPES = ("f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
@@ -75,3 +77,15 @@ class EngineConfig:
         if not 0 <= self.threads <= 1024:
             out.append(("threads", f"{self.threads} is out of range; allowed 0..1024"))
         return out
+
+
+# ---------------------------------------------------------------- model directory
+MODELS_DIR_ENV = "SPECSTREAM_MODELS_DIR"
+
+
+def models_dir_from_env() -> Path:
+    """Where fetched models live: $SPECSTREAM_MODELS_DIR, else `models/` at the repository root."""
+    value = os.environ.get(MODELS_DIR_ENV, "").strip()
+    if value:
+        return Path(value).expanduser()
+    return Path(__file__).resolve().parent.parent / "models"

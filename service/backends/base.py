@@ -1,0 +1,139 @@
+"""The backend interface: the ops the transformer is written against, once.
+
+Design rules (they are what lets the CUDA backend capture one step as one CUDA graph):
+- Every op writes into a caller-provided `out` buffer; buffers come from `zeros()` at load time
+  (the transformer's workspace), so nothing is allocated inside a step.
+- A step processes T tokens, 1 <= T <= max_tokens. Per-step values (token ids, positions, KV
+  slots) arrive as small int32 arrays; `kv_len` is a host-side bucket (>= every position + 1)
+  so that shapes depend only on (T, kv_len), never on data.
+- Arrays are the backend's own (numpy for CPU, CuPy for CUDA); the model layer only slices,
+  reshapes and passes them along.
+
+Weight handles (`Matrix`, `Experts`, `Embedding`) are opaque to the model layer.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from service.gguf.reader import TensorInfo
+
+Array = Any   # numpy.ndarray or cupy.ndarray, by backend
+
+
+class KVCache(abc.ABC):
+    """Per-layer K and V rows for `n_slots` sequences of up to `n_ctx` positions."""
+
+    type_k: str
+    type_v: str
+    n_slots: int
+    n_ctx: int
+
+
+class Backend(abc.ABC):
+    name: str
+
+    # ---------------------------------------------------------------- memory
+    @abc.abstractmethod
+    def zeros(self, shape: tuple[int, ...], dtype: str = "float32") -> Array: ...
+
+    @abc.abstractmethod
+    def to_host(self, x: Array) -> Any:
+        """A numpy copy of `x` (synchronizes)."""
+
+    @abc.abstractmethod
+    def upload_ints(self, host: Any, out: Array) -> None:
+        """Copy a small host int32 array into the device buffer `out` (async where possible)."""
+
+    def synchronize(self) -> None:
+        """Wait for queued work (no-op on synchronous backends)."""
+
+    # ---------------------------------------------------------------- weights (load time)
+    @abc.abstractmethod
+    def load_matrix(self, tensors: list[TensorInfo]) -> Any:
+        """A (sum of rows, K) matrix from one or more tensors stacked by rows (q|k|v fusion).
+
+        All tensors must share K; the backend may refuse to fuse mixed formats, in which case
+        `can_fuse` returns False and the caller loads them one by one.
+        """
+
+    @abc.abstractmethod
+    def can_fuse(self, tensors: list[TensorInfo]) -> bool: ...
+
+    @abc.abstractmethod
+    def load_experts(self, tensor: TensorInfo) -> Any:
+        """(n_expert, N, K) expert matrices."""
+
+    @abc.abstractmethod
+    def upload_vector(self, host: Any) -> Array:
+        """A device copy of a host float32 vector."""
+
+    def load_vector(self, tensor: TensorInfo) -> Array:
+        """A 1-D float32 tensor (norm weights, biases)."""
+        from service.gguf.quants import dequantize
+
+        return self.upload_vector(dequantize(tensor.raw, tensor.qtype, tensor.shape))
+
+    @abc.abstractmethod
+    def load_embedding(self, tensor: TensorInfo) -> Any:
+        """A (vocab, n_embd) table read by row."""
+
+    @abc.abstractmethod
+    def new_kv_cache(self, n_layer: int, n_slots: int, n_ctx: int, n_head_kv: int,
+                     head_dim: int, head_dim_v: int, type_k: str, type_v: str) -> KVCache: ...
+
+    # ---------------------------------------------------------------- ops (write into out)
+    @abc.abstractmethod
+    def embed(self, table: Any, ids: Array, scale: float, out: Array) -> None:
+        """out[t] = table[ids[t]] * scale.  out (T, E) f32."""
+
+    @abc.abstractmethod
+    def rms_norm(self, x: Array, w: Array, eps: float, out: Array) -> None:
+        """out = x / sqrt(mean(x^2, -1) + eps) * w over the last axis."""
+
+    @abc.abstractmethod
+    def matmul(self, x: Array, w: Any, out: Array) -> None:
+        """out (T, N) = x (T, K) @ W^T."""
+
+    @abc.abstractmethod
+    def add(self, a: Array, b: Array, out: Array) -> None:
+        """out = a + b (b may broadcast, e.g. a bias)."""
+
+    @abc.abstractmethod
+    def rope_table(self, n_ctx: int, n_dims: int, base: float) -> Any:
+        """cos/sin of pos * base^(-2i/n_dims) for pos < n_ctx, i < n_dims/2 (load time)."""
+
+    @abc.abstractmethod
+    def rope(self, x: Array, positions: Array, table: Any, neox: bool) -> None:
+        """Rotate the first n_dims of each head of x (T, H, D) in place by position.
+
+        NORMAL mode rotates pairs (x[2i], x[2i+1]); NEOX rotates (x[i], x[i + n_dims/2]).
+        """
+
+    @abc.abstractmethod
+    def glu(self, gate: Array, up: Array, activation: str, out: Array) -> None:
+        """out = act(gate) * up; activation 'silu' or 'gelu_tanh'."""
+
+    @abc.abstractmethod
+    def kv_write(self, cache: KVCache, layer: int, k: Array, v: Array, slots: Array,
+                 positions: Array) -> None:
+        """Store k (T, Hkv, D), v (T, Hkv, Dv) at rows positions[t] of sequence slots[t]."""
+
+    @abc.abstractmethod
+    def attention(self, q: Array, cache: KVCache, layer: int, slots: Array, positions: Array,
+                  kv_len: int, window: int, scale: float, out: Array) -> None:
+        """Causal (optionally sliding-window) GQA attention of q (T, H, D) over the cache.
+
+        Query t sees cache rows j of its slot with j <= positions[t] (and positions[t] - j <
+        window when window > 0). out (T, H, Dv).
+        """
+
+    @abc.abstractmethod
+    def moe(self, x: Array, router: Any, gate: Any, up: Any, down: Any, n_used: int,
+            normalize: bool, activation: str, out: Array) -> None:
+        """Top-n_used softmax-routed mixture of GLU experts. x, out (T, E)."""
+
+    @abc.abstractmethod
+    def argmax(self, logits: Array, out: Array) -> None:
+        """out[t] = argmax(logits[t]) as int32 (the lowest index on exact ties)."""

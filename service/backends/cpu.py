@@ -1,0 +1,279 @@
+"""CPU reference backend: numpy for the small ops, numba kernels for quantized matmuls.
+
+It is the numerical oracle the CUDA kernels are checked against, so it favours exactness:
+activations stay float32, quantized weights are repacked exactly (cpu_kernels.py), and the KV
+cache holds exactly the values its element type represents (each row goes through a
+quantize -> dequantize round trip when written, so attention sees what a q8_0/q4_0/f16 cache
+would return; rows are kept as float32 here, the memory saving of a quantized cache is the GPU
+backend's business).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from service.backends import cpu_kernels as K
+from service.backends.base import Backend, KVCache
+from service.errors import ModelFormatError
+from service.gguf import quants
+from service.gguf.quants import QuantType
+from service.gguf.reader import TensorInfo
+
+_KV_QTYPES = {"f16": QuantType.F16, "q8_0": QuantType.Q8_0, "q4_0": QuantType.Q4_0}
+_EMPTY = np.zeros((0, 0), dtype=np.float32)
+
+
+@dataclass
+class CpuMatrix:
+    """A repacked weight matrix (N, K): format 'q4', 'q8' or 'f32' (see cpu_kernels)."""
+
+    fmt: str
+    n: int
+    k: int
+    data: np.ndarray                 # q4: (N, K/2) u8 | q8: (N, K) i8 | f32: (K, N) f32 (W^T)
+    scale: np.ndarray = field(default_factory=lambda: _EMPTY)   # (N, K/group) f32
+    offset: np.ndarray = field(default_factory=lambda: _EMPTY)  # (N, K/group) f32 | (0, 0)
+    group: int = 32
+
+
+@dataclass
+class CpuEmbedding:
+    raw: np.ndarray                  # (vocab, row_bytes) u8, the file's own rows
+    qtype: QuantType
+    n_embd: int
+
+
+@dataclass
+class CpuKVCache(KVCache):
+    k: list[np.ndarray]              # per layer (n_slots, n_ctx, Hkv, D) f32
+    v: list[np.ndarray]              # per layer (n_slots, n_ctx, Hkv, Dv) f32
+    type_k: str
+    type_v: str
+    n_slots: int
+    n_ctx: int
+    n_head_kv: int
+
+
+def _format_of(t: TensorInfo) -> tuple[str, int]:
+    spec = quants.block_spec(t.qtype)
+    if spec.bits == 32:
+        return "f32", 0
+    _, _, _, group = quants.affine_rows(t.raw[: spec.type_size], t.qtype, (1, spec.block_size))
+    return ("q4" if spec.bits == 4 else "q8"), group
+
+
+def _rows(t: TensorInfo) -> tuple[int, int]:
+    """A tensor viewed as a (rows, K) matrix."""
+    return int(np.prod(t.shape[:-1])), t.shape[-1]
+
+
+def _round_trip(x: np.ndarray, kv_type: str) -> np.ndarray:
+    """The values an element type stores for x (..., D) f32 (ggml's quantizers, bit-exact)."""
+    qt = _KV_QTYPES[kv_type]
+    raw = quants.quantize(np.ascontiguousarray(x, dtype=np.float32), qt)
+    return quants.dequantize(raw, qt, x.shape)
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    kv_types = tuple(_KV_QTYPES)
+
+    def __init__(self, threads: int = 0):
+        import numba
+
+        if threads:
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+
+    # ---------------------------------------------------------------- memory
+    def zeros(self, shape, dtype="float32"):
+        return np.zeros(shape, dtype=dtype)
+
+    def to_host(self, x):
+        return np.array(x)
+
+    def upload_ints(self, host, out):
+        out[: len(host)] = host
+
+    # ---------------------------------------------------------------- weights
+    def can_fuse(self, tensors: list[TensorInfo]) -> bool:
+        fmts = {_format_of(t) for t in tensors}
+        return len(fmts) == 1 and len({t.shape[-1] for t in tensors}) == 1
+
+    def load_matrix(self, tensors: list[TensorInfo]) -> CpuMatrix:
+        if not self.can_fuse(tensors):
+            raise ModelFormatError("cannot fuse tensors of different formats: "
+                                   + ", ".join(f"{t.name} {t.qtype.name}" for t in tensors))
+        fmt, _ = _format_of(tensors[0])
+        k = tensors[0].shape[-1]
+        n = sum(int(np.prod(t.shape[:-1])) for t in tensors)
+        if fmt == "f32":
+            w = np.concatenate([quants.dequantize(t.raw, t.qtype, _rows(t)) for t in tensors])
+            return CpuMatrix("f32", n, k, np.ascontiguousarray(w.T))   # (K, N) f32
+        parts = [quants.affine_rows(t.raw, t.qtype, _rows(t)) for t in tensors]
+        codes = np.concatenate([p[0] for p in parts])                    # (N, K) i8
+        scale = np.ascontiguousarray(np.concatenate([p[1] for p in parts]), np.float32)
+        offset = np.ascontiguousarray(np.concatenate([p[2] for p in parts]), np.float32)
+        group = parts[0][3]
+        if not offset.any():
+            offset = _EMPTY
+        if fmt == "q4":
+            c = codes.astype(np.uint8).reshape(n, k // 32, 2, 16)
+            packed = (c[:, :, 0, :] | (c[:, :, 1, :] << 4)).reshape(n, k // 2)  # (N, K/2) u8
+            if offset is _EMPTY:
+                offset = np.zeros_like(scale)
+            return CpuMatrix("q4", n, k, np.ascontiguousarray(packed), scale, offset, 32)
+        return CpuMatrix("q8", n, k, np.ascontiguousarray(codes, np.int8), scale, offset, group)
+
+    def load_experts(self, tensor: TensorInfo) -> list[CpuMatrix]:
+        n_expert = tensor.shape[0]
+        per = tensor.raw.reshape(n_expert, -1)
+        return [self.load_matrix([TensorInfo(f"{tensor.name}[{e}]", tensor.qtype,
+                                             tensor.shape[1:], per[e])])
+                for e in range(n_expert)]
+
+    def upload_vector(self, host) -> np.ndarray:
+        return np.ascontiguousarray(host, dtype=np.float32)
+
+    def load_embedding(self, tensor: TensorInfo) -> CpuEmbedding:
+        vocab, e = tensor.shape
+        return CpuEmbedding(tensor.raw.reshape(vocab, -1), tensor.qtype, e)
+
+    def new_kv_cache(self, n_layer, n_slots, n_ctx, n_head_kv, head_dim, head_dim_v,
+                     type_k, type_v) -> CpuKVCache:
+        for t in (type_k, type_v):
+            if t not in _KV_QTYPES:
+                raise ValueError(f"KV cache type {t!r} not supported by the CPU backend")
+        # np.zeros maps untouched pages lazily: memory grows with the positions written.
+        k = [np.zeros((n_slots, n_ctx, n_head_kv, head_dim), np.float32) for _ in range(n_layer)]
+        v = [np.zeros((n_slots, n_ctx, n_head_kv, head_dim_v), np.float32)
+             for _ in range(n_layer)]
+        return CpuKVCache(k, v, type_k, type_v, n_slots, n_ctx, n_head_kv)
+
+    # ---------------------------------------------------------------- ops
+    def embed(self, table: CpuEmbedding, ids, scale, out):
+        rows = table.raw[ids]                                          # (T, row_bytes) u8
+        out[...] = quants.dequantize(rows, table.qtype, (len(ids), table.n_embd))
+        if scale != 1.0:
+            out *= np.float32(scale)
+
+    def rms_norm(self, x, w, eps, out):
+        ms = np.einsum("...i,...i->...", x, x, dtype=np.float32) / np.float32(x.shape[-1])
+        np.multiply(x, (1.0 / np.sqrt(ms + np.float32(eps)))[..., None], out=out)
+        out *= w
+
+    def matmul(self, x, w: CpuMatrix, out):
+        if w.fmt == "f32":
+            np.matmul(x, w.data, out=out)
+            return
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        xsum = np.empty((x.shape[0], w.k // w.group), np.float32)
+        K.group_sums(x, w.group, xsum)
+        one = x.shape[0] == 1
+        if w.fmt == "q4":
+            (K.gemv_q4 if one else K.gemm_q4)(x, xsum, w.data, w.scale, w.offset, out)
+        else:
+            kern = K.gemv_q8 if one else K.gemm_q8
+            kern(x, xsum, w.data, w.scale, w.offset, w.group, out)
+
+    def add(self, a, b, out):
+        np.add(a, b, out=out)
+
+    def rope_table(self, n_ctx, n_dims, base):
+        inv = base ** (-np.arange(0, n_dims, 2, dtype=np.float64) / n_dims)    # (n_dims/2,)
+        ang = np.arange(n_ctx, dtype=np.float64)[:, None] * inv[None, :]      # (n_ctx, n_dims/2)
+        return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+    def rope(self, x, positions, table, neox):
+        cos, sin = table[0][positions][:, None, :], table[1][positions][:, None, :]  # (T,1,d/2)
+        half = cos.shape[-1]
+        if neox:
+            a, b = x[..., :half], x[..., half:2 * half]
+        else:
+            a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        a0 = a.copy()
+        a[...] = a0 * cos - b * sin
+        b[...] = a0 * sin + b * cos
+
+    def glu(self, gate, up, activation, out):
+        # out must not alias gate or up.
+        if activation == "silu":
+            np.negative(gate, out=out)
+            np.exp(out, out=out)
+            out += 1.0
+            np.divide(gate, out, out=out)
+        else:  # gelu_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+            g = gate
+            np.multiply(g, g, out=out)
+            out *= np.float32(0.044715)
+            out += 1.0
+            out *= g
+            out *= np.float32(np.sqrt(2.0 / np.pi))
+            np.tanh(out, out=out)
+            out += 1.0
+            out *= g
+            out *= np.float32(0.5)
+        out *= up
+
+    def kv_write(self, cache: CpuKVCache, layer, k, v, slots, positions):
+        kq = k if cache.type_k == "f32" else _round_trip(k, cache.type_k)
+        vq = v if cache.type_v == "f32" else _round_trip(v, cache.type_v)
+        cache.k[layer][slots, positions] = kq
+        cache.v[layer][slots, positions] = vq
+
+    def attention(self, q, cache: CpuKVCache, layer, slots, positions, kv_len, window, scale,
+                  out):
+        T, H, D = q.shape
+        hkv = cache.n_head_kv
+        g = H // hkv
+        for slot in np.unique(slots):
+            idx = slice(None) if len(slots) == 1 or (slots == slot).all() else (
+                np.nonzero(slots == slot)[0])
+            pos = positions[idx]                                           # (Tq,)
+            n = int(pos.max()) + 1
+            kc = cache.k[layer][slot, :n]                                  # (n, Hkv, D)
+            vc = cache.v[layer][slot, :n]                                  # (n, Hkv, Dv)
+            tq = len(pos)
+            qh = q[idx].reshape(tq, hkv, g, D).transpose(1, 0, 2, 3).reshape(hkv, tq * g, D)
+            s = np.matmul(qh, kc.transpose(1, 2, 0)) * np.float32(scale)   # (Hkv, Tq*G, n)
+            j = np.arange(n)
+            p = np.repeat(pos, g)[:, None]                                 # (Tq*G, 1)
+            visible = j[None, :] <= p
+            if window:
+                visible &= (p - j[None, :]) < window
+            s = np.where(visible[None], s, -np.inf)
+            s -= s.max(axis=-1, keepdims=True)
+            np.exp(s, out=s)
+            s /= s.sum(axis=-1, keepdims=True)
+            o = np.matmul(s, vc.transpose(1, 0, 2))                         # (Hkv, Tq*G, Dv)
+            out[idx] = o.reshape(hkv, tq, g, -1).transpose(1, 0, 2, 3).reshape(tq, H, -1)
+
+    def moe(self, x, router: CpuMatrix, gate, up, down, n_used, normalize, activation, out):
+        T = x.shape[0]
+        logits = np.empty((T, router.n), np.float32)
+        self.matmul(x, router, logits)
+        logits -= logits.max(axis=-1, keepdims=True)
+        probs = np.exp(logits)
+        probs /= probs.sum(axis=-1, keepdims=True)                          # (T, n_expert)
+        top = np.argsort(-probs, axis=-1, kind="stable")[:, :n_used]        # (T, n_used)
+        w = np.take_along_axis(probs, top, axis=-1)
+        if normalize:
+            w /= w.sum(axis=-1, keepdims=True)
+        out[...] = 0.0
+        f = gate[0].n
+        hg = np.empty((1, f), np.float32)
+        hu = np.empty((1, f), np.float32)
+        ha = np.empty((1, f), np.float32)
+        y = np.empty((1, x.shape[1]), np.float32)
+        for t in range(T):
+            xt = x[t: t + 1]
+            for e, we in zip(top[t], w[t], strict=True):
+                self.matmul(xt, gate[e], hg)
+                self.matmul(xt, up[e], hu)
+                self.glu(hg, hu, activation, ha)
+                self.matmul(ha, down[e], y)
+                out[t] += we * y[0]
+
+    def argmax(self, logits, out):
+        K.argmax_rows(logits, out)

@@ -1,0 +1,118 @@
+"""The decoder-only transformer, written once against the backend interface.
+
+One `forward` call is one engine step: T tokens (1 <= T <= max_tokens) of any mix of sequences,
+each with its position and KV slot. All activations live in a workspace allocated at load time;
+a step only slices it, so the same sequence of ops (and, on the GPU, the same captured graph)
+serves every step with the same (T, kv_len).
+
+Per layer (architecture differences come from ModelSpec.traits as data):
+    h = rms_norm(x) ; q|k|v = h @ Wqkv (+ bias) ; q,k = rms_norm_per_head(q,k) if qk_norm
+    q,k = rope(q,k) ; cache[slot, pos] = k,v ; a = attention(q, cache) ; o = a @ Wo
+    x += post_norm(o) if post_norms else o
+    h = rms_norm(x) ; o = down(act(gate(h)) * up(h))  or  mixture of experts
+    x += post_norm(o) if post_norms else o
+logits = rms_norm(x) @ Wout
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from service.backends.base import Backend
+from service.gguf.reader import GGUFFile
+from service.model.spec import ModelSpec, RopeMode
+from service.model.weights import load_weights
+
+
+class Transformer:
+    def __init__(self, spec: ModelSpec, f: GGUFFile, backend: Backend, *, n_ctx: int,
+                 n_slots: int, max_tokens: int, type_k: str = "f16", type_v: str = "f16"):
+        self.spec, self.backend = spec, backend
+        self.n_ctx, self.n_slots, self.max_tokens = n_ctx, n_slots, max_tokens
+        self.weights = load_weights(spec, f, backend)
+        self.cache = backend.new_kv_cache(spec.n_layer, n_slots, n_ctx, spec.n_head_kv,
+                                          spec.head_dim, spec.head_dim_v, type_k, type_v)
+        tables = {}
+        for layer in spec.layers:
+            key = (spec.rope_dims, layer.rope_base)
+            if key not in tables:
+                tables[key] = backend.rope_table(n_ctx, *key)
+        self.rope_tables = [tables[(spec.rope_dims, la.rope_base)] for la in spec.layers]
+        s, m, z = spec, max_tokens, backend.zeros
+        self.q_dim, self.k_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+        self.v_dim = s.n_head_kv * s.head_dim_v
+        ff = s.moe.n_ff_expert if s.moe else s.n_ff
+        self.ws_x = z((m, s.n_embd))                                    # (M, E) f32 residual
+        self.ws_h = z((m, s.n_embd))                                    # (M, E) f32 normed
+        self.ws_o = z((m, s.n_embd))                                    # (M, E) f32 block out
+        self.ws_qkv = z((m, self.q_dim + self.k_dim + self.v_dim))      # (M, Q+K+V) f32
+        self.ws_attn = z((m, s.n_head * s.head_dim_v))                  # (M, H*Dv) f32
+        self.ws_gu = z((m, 2 * ff))                                     # (M, 2F) f32 gate|up
+        self.ws_act = z((m, ff))                                        # (M, F) f32
+        self.ws_logits = z((m, s.vocab_size))                           # (M, V) f32
+
+    def _matmuls(self, x, parts, out) -> None:
+        for w, c0, c1 in parts:
+            self.backend.matmul(x, w, out[:, c0:c1])
+
+    def forward(self, ids, positions, slots, kv_len: int, n_logits: int = 1):
+        """Run one step; return logits (n_logits, V) for the last n_logits tokens.
+
+        ids, positions, slots: (T,) int32 backend arrays. kv_len >= max(positions) + 1.
+        """
+        s, be, W = self.spec, self.backend, self.weights
+        T = len(ids)
+        if not 1 <= T <= self.max_tokens or not 0 <= n_logits <= T:
+            raise ValueError(f"step of {T} tokens / {n_logits} logits outside the workspace "
+                             f"(max {self.max_tokens})")
+        eps, neox = s.rms_eps, s.traits.rope_mode is RopeMode.NEOX
+        x, h, o = self.ws_x[:T], self.ws_h[:T], self.ws_o[:T]
+        qkv, attn = self.ws_qkv[:T], self.ws_attn[:T]
+        Q, K = self.q_dim, self.k_dim
+        be.embed(W.embedding, ids, s.embed_scale, x)                    # (T, E)
+        for i, L in enumerate(W.layers):
+            lay = s.layers[i]
+            be.rms_norm(x, L.attn_norm, eps, h)
+            self._matmuls(h, L.qkv, qkv)                                # (T, Q+K+V)
+            if L.qkv_bias is not None:
+                be.add(qkv, L.qkv_bias, qkv)
+            q = qkv[:, :Q].reshape(T, s.n_head, s.head_dim)             # (T, H, hd)
+            k = qkv[:, Q:Q + K].reshape(T, s.n_head_kv, s.head_dim)     # (T, Hkv, hd)
+            v = qkv[:, Q + K:].reshape(T, s.n_head_kv, s.head_dim_v)    # (T, Hkv, hv)
+            if L.q_norm is not None:
+                be.rms_norm(q, L.q_norm, eps, q)
+                be.rms_norm(k, L.k_norm, eps, k)
+            be.rope(q, positions, self.rope_tables[i], neox)
+            be.rope(k, positions, self.rope_tables[i], neox)
+            be.kv_write(self.cache, i, k, v, slots, positions)
+            a = attn.reshape(T, s.n_head, s.head_dim_v)                 # (T, H, hv)
+            be.attention(q, self.cache, i, slots, positions, kv_len, lay.window, s.attn_scale, a)
+            be.matmul(attn, L.wo, o)                                    # (T, E)
+            if L.post_attn_norm is not None:
+                be.rms_norm(o, L.post_attn_norm, eps, o)
+            be.add(x, o, x)
+            be.rms_norm(x, L.ffn_norm, eps, h)
+            if s.moe:
+                be.moe(h, L.router, L.gate_exps, L.up_exps, L.down_exps, s.moe.n_expert_used,
+                       s.moe.normalize_top_k, s.traits.activation.value, o)
+            else:
+                gu, act = self.ws_gu[:T], self.ws_act[:T]
+                self._matmuls(h, L.gate_up, gu)                         # (T, 2F)
+                ff = act.shape[1]
+                be.glu(gu[:, :ff], gu[:, ff:], s.traits.activation.value, act)
+                be.matmul(act, L.down, o)                               # (T, E)
+            if L.post_ffw_norm is not None:
+                be.rms_norm(o, L.post_ffw_norm, eps, o)
+            be.add(x, o, x)
+        if n_logits == 0:
+            return self.ws_logits[:0]
+        xs, hs = x[T - n_logits:], h[:n_logits]
+        be.rms_norm(xs, W.output_norm, eps, hs)
+        logits = self.ws_logits[:n_logits]
+        be.matmul(hs, W.output, logits)                                 # (n, V)
+        return logits
+
+
+def positions_for(start: int, n: int) -> np.ndarray:
+    """(n,) int32 positions start..start+n-1."""
+    return np.arange(start, start + n, dtype=np.int32)

@@ -1,0 +1,113 @@
+"""Generates the gRPC stubs of protos/specstream/v1/*.proto into service/proto/ (gitignored).
+
+Stubs are never committed: they are generated with the grpcio-tools installed next to the
+grpcio that will load them, so a generated file never asks for a newer runtime than is present.
+`ensure_stubs()` runs at import time of the server and the client and regenerates only when the
+.proto files, this script or the grpcio-tools version changed (a stamp file records them).
+
+Files land flat in service/proto/ (generation_pb2.py, config_pb2_grpc.py, ...) with their
+imports rewritten from `specstream.v1` to `service.proto`, so no sys.path tricks are needed.
+
+    python -m service.proto_build [--force]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTO_ROOT = ROOT / "protos"
+PROTO_DIR = PROTO_ROOT / "specstream" / "v1"
+OUT_DIR = Path(__file__).resolve().parent / "proto"
+STAMP = OUT_DIR / ".stamp"
+_IMPORT_RE = re.compile(r"^from specstream\.v1 import ", re.MULTILINE)
+
+
+def _proto_files() -> list[Path]:
+    return sorted(PROTO_DIR.glob("*.proto"))
+
+
+def _fingerprint() -> str:
+    import grpc
+
+    h = hashlib.sha256()
+    h.update(grpc.__version__.encode())  # a new grpcio runtime gets freshly generated stubs
+    try:
+        from importlib.metadata import version
+
+        h.update(version("grpcio-tools").encode())
+    except Exception:  # noqa: BLE001 - metadata may be missing in odd installs; hash the rest
+        pass
+    h.update(Path(__file__).read_bytes())
+    for p in _proto_files():
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def stubs_current() -> bool:
+    try:
+        return STAMP.read_text().strip() == _fingerprint()
+    except OSError:
+        return False
+
+
+def generate() -> None:
+    """Runs protoc into a temporary folder, rewrites imports, then moves files into place."""
+    from grpc_tools import protoc
+
+    protos = _proto_files()
+    if not protos:
+        raise RuntimeError(f"no .proto files under {PROTO_DIR}")
+    well_known = Path(protoc.__file__).resolve().parent / "_proto"
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=OUT_DIR.parent, prefix=".proto-") as tmp:
+        args = ["grpc_tools.protoc", f"-I{PROTO_ROOT}", f"-I{well_known}",
+                f"--python_out={tmp}", f"--pyi_out={tmp}", f"--grpc_python_out={tmp}"]
+        rc = protoc.main(args + [str(p.relative_to(PROTO_ROOT)) for p in protos])
+        if rc != 0:
+            raise RuntimeError(f"protoc failed with status {rc} on {PROTO_DIR}")
+        built = Path(tmp) / "specstream" / "v1"
+        staged = Path(tmp) / "flat"
+        staged.mkdir()
+        for src in sorted(built.iterdir()):
+            if src.suffix in (".py", ".pyi"):
+                text = _IMPORT_RE.sub("from service.proto import ", src.read_text())
+                (staged / src.name).write_text(text)
+        (staged / "__init__.py").write_text('"""Generated gRPC stubs (service/proto_build.py)."""\n')
+        for f in staged.iterdir():
+            os.replace(f, OUT_DIR / f.name)  # atomic per file: concurrent builders write the same
+    tmp_stamp = OUT_DIR / f".stamp.{os.getpid()}"
+    tmp_stamp.write_text(_fingerprint() + "\n")
+    os.replace(tmp_stamp, STAMP)
+
+
+def ensure_stubs() -> bool:
+    """Generates the stubs if missing or stale. Returns True when it generated them."""
+    if stubs_current():
+        return False
+    generate()
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--clean" in argv:
+        shutil.rmtree(OUT_DIR, ignore_errors=True)
+        return 0
+    if "--force" in argv:
+        generate()
+    else:
+        ensure_stubs()
+    print(f"stubs in {OUT_DIR}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
