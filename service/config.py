@@ -6,9 +6,14 @@ CLI, startup and the ValidateConfig RPC report the same problems with the same w
 
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import dataclass
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
+
+from service.errors import ConfigError
 
 # Every KV cache element type a GGUF engine may name; SUPPORTED_KV_PAIRS is what our kernels do.
 KV_TYPES = ("f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
@@ -89,3 +94,229 @@ def models_dir_from_env() -> Path:
     if value:
         return Path(value).expanduser()
     return Path(__file__).resolve().parent.parent / "models"
+
+
+# ---------------------------------------------------------------- server configuration
+DEFAULT_MODEL = "smollm2-135m"   # the embedded default model (service.gguf.fetch.MODELS)
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("json", "console")
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str = DEFAULT_MODEL       # a .gguf path or a known model name (fetched on first use)
+    models_dir: str = ""             # where fetched models live; "" = repository models/
+    host: str = "[::]"               # gRPC listen address; [::] listens on IPv6 and IPv4
+    port: int = 50051                # gRPC port; 0 picks a free one (logged)
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 9464         # Prometheus /metrics; 0 picks a free one; -1 turns it off
+    grace_period_s: float = 10.0     # SIGTERM: in-flight streams get this long to finish
+    drain_delay_s: float = 0.0       # SIGTERM: report NOT_SERVING this long before closing
+    max_receive_message_bytes: int = 32 * MIB  # long token-id prompts fit; not unlimited
+    max_send_message_bytes: int = 32 * MIB
+    keepalive_time_s: float = 60.0   # server pings a connection quiet for this long
+    keepalive_timeout_s: float = 20.0  # ...and drops it if the ping is not answered in time
+    min_ping_interval_s: float = 10.0  # client pings closer together than this count as abuse
+    max_connection_age_s: float = 0.0  # > 0: GOAWAY after this long, so load balancers rebalance
+    stream_buffer: int = 64          # events held per stream before pending deltas are merged
+    log_level: str = "info"
+    log_format: str = "json"
+
+    def problems(self) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+
+        def check(name: str, ok: bool, message: str) -> None:
+            if not ok:
+                out.append((name, f"{getattr(self, name)!r} is out of range; {message}"))
+
+        if not self.model.strip():
+            out.append(("model", "must name a .gguf file or a known model"))
+        check("port", 0 <= self.port <= 65535, "allowed 0..65535")
+        check("metrics_port", -1 <= self.metrics_port <= 65535, "allowed -1..65535 (-1: off)")
+        if self.port and self.port == self.metrics_port:
+            out.append(("metrics_port", f"{self.metrics_port} is also the gRPC port"))
+        check("grace_period_s", 0 <= self.grace_period_s <= 3600, "allowed 0..3600 s")
+        check("drain_delay_s", 0 <= self.drain_delay_s <= 3600, "allowed 0..3600 s")
+        for name in ("max_receive_message_bytes", "max_send_message_bytes"):
+            check(name, 1024 <= getattr(self, name) <= 2**31 - 1, "allowed 1024..2147483647")
+        check("keepalive_time_s", 1 <= self.keepalive_time_s <= 86400, "allowed 1..86400 s")
+        check("keepalive_timeout_s", 1 <= self.keepalive_timeout_s <= 3600, "allowed 1..3600 s")
+        check("min_ping_interval_s", 0 <= self.min_ping_interval_s <= 3600, "allowed 0..3600 s")
+        check("max_connection_age_s", 0 <= self.max_connection_age_s <= 10**7,
+              "allowed 0 (unlimited) .. 10000000 s")
+        check("stream_buffer", 1 <= self.stream_buffer <= 100_000, "allowed 1..100000")
+        if self.log_level not in LOG_LEVELS:
+            out.append(("log_level", f"unknown log level {self.log_level!r}; one of "
+                                     + ", ".join(LOG_LEVELS)))
+        if self.log_format not in LOG_FORMATS:
+            out.append(("log_format", f"unknown log format {self.log_format!r}; one of "
+                                      + ", ".join(LOG_FORMATS)))
+        return out
+
+    def resolved_models_dir(self) -> Path:
+        return Path(self.models_dir).expanduser() if self.models_dir else models_dir_from_env()
+
+
+# ---------------------------------------------------------------- the loader
+# Precedence: defaults < config file < SPECSTREAM_* env vars < flags. Every setting has one flag;
+# its env var is SPECSTREAM_ + the flag name in capitals (--cache-type-k: SPECSTREAM_CACHE_TYPE_K)
+# and its config-file key is the field name inside a [server] or [engine] table.
+ENV_PREFIX = "SPECSTREAM_"
+CONFIG_FILE_ENV = "SPECSTREAM_CONFIG"
+_FLAG_NAMES = {  # field -> flag, where the flag is not the field name with dashes
+    "kv_cache_type_k": "--cache-type-k", "kv_cache_type_v": "--cache-type-v",
+    "n_ctx": "--ctx-size", "n_slots": "--slots", "grace_period_s": "--grace-period",
+    "drain_delay_s": "--drain-delay", "keepalive_time_s": "--keepalive-time",
+    "keepalive_timeout_s": "--keepalive-timeout", "min_ping_interval_s": "--min-ping-interval",
+    "max_connection_age_s": "--max-connection-age",
+}
+_HELP = {
+    "model": "GGUF file or known model name (default %(default)s, fetched on first use)",
+    "kv_cache_type_k": "KV cache element type of keys (see the supported pairs below)",
+    "kv_cache_type_v": "KV cache element type of values",
+    "verify_width": "tokens verified per speculative step, 1..16 (1: no speculation)",
+    "backend": "compute backend: auto, cpu or cuda",
+    "drafter": "speculative drafter: none or ngram",
+    "metrics_port": "Prometheus port; 0 picks a free one, -1 turns metrics off",
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    section: str                     # "server" | "engine": the config-file table
+    name: str                        # dataclass field and config-file key
+    kind: type                       # int | float | str | bool
+    default: object
+
+    @property
+    def flag(self) -> str:
+        return _FLAG_NAMES.get(self.name, "--" + self.name.replace("_", "-"))
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.flag[2:].upper().replace("-", "_")
+
+
+def settings() -> list[Setting]:
+    """Every configurable value of ServerConfig and EngineConfig, in declaration order."""
+    out = []
+    for section, cls in (("server", ServerConfig), ("engine", EngineConfig)):
+        for f in fields(cls):
+            out.append(Setting(section, f.name, type(f.default), f.default))
+    return out
+
+
+def _convert(setting: Setting, raw: object, source: str) -> tuple[object, str | None]:
+    """(value, None) or (None, problem message). Strings come from env and flags; TOML is typed."""
+    kind = setting.kind
+    if isinstance(raw, str) and kind is not str:
+        text = raw.strip().lower()
+        try:
+            if kind is bool:
+                if text not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                    raise ValueError
+                return text in ("1", "true", "yes", "on"), None
+            return kind(text), None
+        except ValueError:
+            return None, f"{raw!r} is not {_KIND_WORDS[kind]} (from {source})"
+    if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
+        return float(raw), None
+    if type(raw) is not kind:
+        return None, f"{raw!r} is not {_KIND_WORDS[kind]} (from {source})"
+    return raw, None
+
+
+_KIND_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def build_serve_parser() -> argparse.ArgumentParser:
+    """`specstream serve` flags. Values stay strings here; the loader converts and checks them."""
+    p = argparse.ArgumentParser(
+        prog="specstream serve", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve a GGUF model over gRPC (GenerationService, ConfigService, health, "
+                    "reflection) with Prometheus metrics on their own port.",
+        epilog="Every flag also reads SPECSTREAM_<FLAG> (e.g. SPECSTREAM_CACHE_TYPE_K) and the "
+               "config file's [server]/[engine] tables (keys are the field names, e.g. "
+               "kv_cache_type_k). Precedence: defaults < config file < env < flags.\n\n"
+               + supported_pairs_listing()
+               + f"\nverify width: {MIN_VERIFY_WIDTH}..{MAX_VERIFY_WIDTH}")
+    p.add_argument("--config", help=f"TOML config file (env {CONFIG_FILE_ENV})")
+    for s in settings():
+        help_text = _HELP.get(s.name, s.name.replace("_", " ")) + f" (default: {s.default!r})"
+        if s.name == "model":
+            p.add_argument("model", nargs="?", metavar="MODEL", help=help_text)
+        else:
+            p.add_argument(s.flag, dest=s.name, metavar=s.kind.__name__.upper(), help=help_text)
+    return p
+
+
+def _read_config_file(path: Path, problems: list[tuple[str, str]]) -> dict[str, dict]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as e:
+        problems.append(("config", f"cannot read config file {str(path)!r}: {e.strerror}"))
+        return {}
+    except tomllib.TOMLDecodeError as e:
+        problems.append(("config", f"config file {str(path)!r} is not valid TOML: {e}"))
+        return {}
+    known = {(s.section, s.name) for s in settings()}
+    out: dict[str, dict] = {"server": {}, "engine": {}}
+    for section, table in data.items():
+        if section not in out or not isinstance(table, dict):
+            problems.append(("config", f"unknown table [{section}] in {str(path)!r}; "
+                                       "use [server] and [engine]"))
+            continue
+        for key, value in table.items():
+            if (section, key) not in known:
+                problems.append((f"{section}.{key}", f"unknown setting in {str(path)!r}"))
+            else:
+                out[section][key] = value
+    return out
+
+
+def load_config(argv: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                config_file: str | os.PathLike | None = None
+                ) -> tuple[ServerConfig, EngineConfig]:
+    """Merges defaults < config file < env < flags and checks both configs.
+
+    Raises ConfigError listing every problem (unknown flags, unparsable values, out-of-range
+    settings, unsupported KV pairs with the supported listing). argparse exits on --help only.
+    """
+    env = os.environ if env is None else env
+    problems: list[tuple[str, str]] = []
+    args, unknown = build_serve_parser().parse_known_args(list(argv))
+    for arg in unknown:
+        problems.append(("argv", f"unrecognized argument {arg!r}"))
+    path = config_file or args.config or env.get(CONFIG_FILE_ENV, "").strip() or None
+    from_file = _read_config_file(Path(path).expanduser(), problems) if path else {}
+
+    values: dict[str, dict[str, object]] = {"server": {}, "engine": {}}
+    for s in settings():
+        layers = [(from_file.get(s.section, {}).get(s.name), f"{path} [{s.section}] {s.name}"),
+                  (env.get(s.env), s.env),
+                  (getattr(args, s.name), "MODEL" if s.name == "model" else s.flag)]
+        for raw, source in layers:
+            if raw is None:
+                continue
+            value, problem = _convert(s, raw, source)
+            if problem:
+                problems.append((s.name, problem))
+            else:
+                values[s.section][s.name] = value
+    server = ServerConfig(**values["server"])
+    engine = EngineConfig(**values["engine"])
+    problems += server.problems() + engine.problems()
+    if problems:
+        raise ConfigError(problems)
+    return server, engine
+
+
+def format_problems(problems: Sequence[tuple[str, str]]) -> str:
+    """One block per problem, for a terminal: `field: message` with continuation lines indented."""
+    lines = [f"invalid configuration ({len(problems)} problem{'s' * (len(problems) != 1)}):"]
+    for name, message in problems:
+        first, *rest = message.split("\n")
+        lines.append(f"  {name}: {first}")
+        lines += [f"    {r}" for r in rest]
+    return "\n".join(lines)

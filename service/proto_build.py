@@ -80,7 +80,7 @@ def generate() -> None:
             if src.suffix in (".py", ".pyi"):
                 text = _IMPORT_RE.sub("from service.proto import ", src.read_text())
                 (staged / src.name).write_text(text)
-        (staged / "__init__.py").write_text('"""Generated gRPC stubs (service/proto_build.py)."""\n')
+        (staged / "__init__.py").write_text('"""Generated stubs (service/proto_build.py)."""\n')
         for f in staged.iterdir():
             os.replace(f, OUT_DIR / f.name)  # atomic per file: concurrent builders write the same
     tmp_stamp = OUT_DIR / f".stamp.{os.getpid()}"

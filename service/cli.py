@@ -1,0 +1,205 @@
+"""`specstream` command line: models fetch/list, inspect, generate, serve."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from service.errors import SpecstreamError
+
+EPILOG = """examples:
+  specstream models fetch smollm2-135m
+  specstream generate smollm2-135m --prompt "The capital of France is" --temperature 0
+  specstream generate smollm2-135m --chat --prompt "What is 12 times 7?"
+  specstream inspect gemma3-270m
+  specstream serve                      # gRPC on :50051 with the default model
+"""
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids: {exc}") from exc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specstream", epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Stream tokens from GGUF models (CPU or CUDA).")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    models = sub.add_parser("models", help="fetch or list the known models")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    fetch = msub.add_parser("fetch", help="download a known model into the models directory")
+    fetch.add_argument("name", nargs="?", default=None, help="model name (default: the default)")
+    msub.add_parser("list", help="list the known models and whether they are fetched")
+
+    insp = sub.add_parser("inspect", help="print a GGUF file's metadata and tensor summary")
+    insp.add_argument("model", help="a .gguf path or a known model name")
+
+    gen = sub.add_parser("generate", help="generate text from a prompt, streaming it")
+    gen.add_argument("model", help="a .gguf path or a known model name")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (special tokens such as <|im_start|> parsed)")
+    src.add_argument("--prompt-ids", type=_ids, help="comma-separated prompt token ids")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap --prompt as one user message in the model's chat template")
+    gen.add_argument("--system", help="system message for --chat")
+    gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=40)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--min-p", type=float, default=0.05)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--no-speculative", action="store_true",
+                     help="decode one token per step even when greedy")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object at the end instead of streaming text")
+    _engine_flags(gen)
+
+    sub.add_parser("serve", help="run the gRPC server (see `specstream serve --help`)",
+                   add_help=False)
+    return p
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    from service.config import EngineConfig
+
+    d = EngineConfig()
+    p.add_argument("--backend", default=d.backend, help="auto | cpu | cuda")
+    p.add_argument("--cache-type-k", default=d.kv_cache_type_k)
+    p.add_argument("--cache-type-v", default=d.kv_cache_type_v)
+    p.add_argument("--verify-width", type=int, default=d.verify_width)
+    p.add_argument("--drafter", default=d.drafter, help="none | ngram")
+    p.add_argument("--n-ctx", type=int, default=d.n_ctx)
+    p.add_argument("--threads", type=int, default=d.threads)
+
+
+def _models_dir():
+    from service.config import models_dir_from_env
+
+    return models_dir_from_env()
+
+
+def _resolve(name_or_path: str):
+    from service.gguf.fetch import resolve_model
+
+    return resolve_model(name_or_path, _models_dir())
+
+
+def cmd_models(args) -> int:
+    from service.gguf import fetch
+
+    if args.models_command == "fetch":
+        name = args.name or fetch.DEFAULT_MODEL
+        path = fetch.fetch_model(name, _models_dir())
+        print(path)
+        return 0
+    directory = _models_dir()
+    for name, src in fetch.MODELS.items():
+        here = fetch.model_path(name, directory)
+        mark = "fetched" if here.exists() else "not fetched"
+        default = " (default)" if name == fetch.DEFAULT_MODEL else ""
+        print(f"{name}{default}: {src.description} [{mark}: {here}]")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from service.gguf.inspect import describe
+
+    print(describe(_resolve(args.model)))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from service.config import EngineConfig
+    from service.engine.scheduler import Engine
+    from service.engine.types import (
+        Delta, Finished, GenerationRequest, SamplingParams, Started, StoppingCriteria)
+
+    config = EngineConfig(kv_cache_type_k=args.cache_type_k, kv_cache_type_v=args.cache_type_v,
+                          verify_width=args.verify_width, drafter=args.drafter,
+                          backend=args.backend, n_ctx=args.n_ctx, threads=args.threads,
+                          n_slots=1)
+    engine = Engine.load(_resolve(args.model), config)
+    if args.prompt_ids is not None:
+        ids = args.prompt_ids
+    elif args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        ids = engine.chat_prompt_ids(messages)
+    else:
+        ids = engine.text_prompt_ids(args.prompt)
+    request = GenerationRequest(
+        request_id="cli", prompt_ids=tuple(ids),
+        sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, min_p=args.min_p,
+                                repetition_penalty=args.repetition_penalty, seed=args.seed),
+        stopping=StoppingCriteria(max_new_tokens=args.max_new_tokens,
+                                  stop_sequences=tuple(args.stop), ignore_eos=args.ignore_eos),
+        speculative=False if args.no_speculative else None)
+    engine.start()
+    out_ids: list[int] = []
+    text, started, finished = [], None, None
+    try:
+        for ev in engine.generate(request):
+            if isinstance(ev, Started):
+                started = ev
+            elif isinstance(ev, Delta):
+                out_ids.extend(ev.token_ids)
+                text.append(ev.text)
+                if not args.json:
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+            elif isinstance(ev, Finished):
+                finished = ev
+    finally:
+        engine.stop()
+    if args.json:
+        print(json.dumps({
+            "prompt_ids": list(ids), "token_ids": out_ids, "text": "".join(text),
+            "finish_reason": finished.reason.value, "seed": started.seed if started else None,
+            "usage": vars(finished.usage), "timings": vars(finished.timings),
+            "error": finished.error}, ensure_ascii=False))
+    else:
+        u, t = finished.usage, finished.timings
+        print(f"\n[{finished.reason.value}: {u.prompt_tokens} prompt + {u.completion_tokens} "
+              f"generated tokens, {t.per_token_decode_ms:.1f} ms/token"
+              + (f", {u.accepted_draft_tokens}/{u.draft_tokens} drafts accepted"
+                 if u.draft_tokens else "") + "]", file=sys.stderr)
+    return 0 if finished.error is None else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        from service.server import serve_main
+
+        return serve_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    from service.logging import configure_logging
+
+    # Logs go to stderr: stdout carries the generated text or JSON.
+    configure_logging("warning" if getattr(args, "json", False) else "info", fmt="console")
+    handlers = {"models": cmd_models, "inspect": cmd_inspect, "generate": cmd_generate}
+    try:
+        return handlers[args.command](args)
+    except SpecstreamError as exc:
+        from service.config import format_problems
+        from service.errors import ConfigError
+
+        msg = format_problems(exc.problems) if isinstance(exc, ConfigError) else str(exc)
+        print(f"specstream: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Drafters: cheap guesses of the next tokens, verified by the target model in one step.
+
+`NgramDrafter` (prompt lookup): find the most recent earlier occurrence of the last n tokens
+of the sequence (trying n = ngram_size down to 1) and propose the tokens that followed it.
+It costs no model and does well on code, quoting, summaries and repetitive text; on text with
+no repeats it proposes nothing and the step degenerates to plain decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class NgramDrafter:
+    def __init__(self, ngram_size: int = 3, max_lookback: int = 4096):
+        self.ngram_size = ngram_size
+        self.max_lookback = max_lookback
+
+    def propose(self, history: Sequence[int], n_draft: int) -> list[int]:
+        """Up to n_draft tokens predicted to follow `history` (its last token is the seed)."""
+        if n_draft <= 0 or len(history) < 2:
+            return []
+        h = np.asarray(history[-self.max_lookback:], dtype=np.int64)     # (L,)
+        L = len(h)
+        for n in range(min(self.ngram_size, L - 1), 0, -1):
+            key = h[L - n:]
+            # windows[i] = h[i:i+n] for every start i whose continuation exists (i + n < L)
+            windows = np.lib.stride_tricks.sliding_window_view(h[:L - 1], n)  # (L-n, n)
+            hits = np.nonzero((windows == key).all(axis=1))[0]
+            if len(hits):
+                start = int(hits[-1]) + n                                # most recent match
+                return [int(t) for t in h[start:start + n_draft]]
+        return []
+
+
+def create_drafter(name: str, ngram_size: int):
+    """The drafter named by the engine config, or None ('none')."""
+    return NgramDrafter(ngram_size) if name == "ngram" else None

@@ -1,0 +1,317 @@
+"""The engine: one thread that owns the model and interleaves requests step by step.
+
+Requests wait in a bounded FIFO until a KV slot is free. Each loop iteration runs ONE step for
+ONE active sequence (round-robin): a prefill chunk of up to `prefill_chunk` prompt tokens, or a
+decode step of 1..verify_width tokens (the seed plus drafted tokens, verified at once). A
+cancelled request is dropped before its next step, so its slot is free within one step.
+Events go to each request's sink on this thread; sinks must not block.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import structlog
+
+from service.backends import create_backend, resolve_backend_name
+from service.config import EngineConfig
+from service.engine.drafters import create_drafter
+from service.engine.sampling import Sampler, resolve_seed
+from service.engine.sequence import Sequence
+from service.engine.speculative import accept_chain
+from service.engine.textstream import TextStream
+from service.engine.types import Event, FinishReason, GenerationRequest
+from service.errors import CapacityError, ConfigError, UnavailableError
+from service.gguf.reader import GGUFFile
+from service.model.spec import ModelSpec
+from service.model.chat import render_chat, template_for
+from service.model.tokenizer import Tokenizer
+from service.model.transformer import Transformer
+
+log = structlog.get_logger("specstream.engine")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    path: str
+    architecture: str
+    file_type: str
+    n_params: int
+    n_ctx_train: int
+    n_ctx: int
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+    eog_ids: tuple[int, ...]
+    chat_template: str | None
+    backend: str
+    drafter: str
+    kv_cache_type_k: str
+    kv_cache_type_v: str
+    n_layer: int
+    n_embd: int
+
+
+class RequestHandle:
+    def __init__(self, engine: Engine, seq: Sequence):
+        self._engine, self._seq = engine, seq
+        self.request_id = seq.request.request_id
+
+    def cancel(self) -> None:
+        """Stop this request within one engine step; its sink gets Finished(CANCELLED)."""
+        self._seq.cancelled = True
+        self._engine._wake()
+
+
+class Engine:
+    def __init__(self, path: Path, gguf: GGUFFile, spec: ModelSpec, tokenizer: Tokenizer,
+                 model: Transformer, config: EngineConfig, backend_name: str):
+        self.path, self.spec, self.tokenizer, self.model = path, spec, tokenizer, model
+        self.config = config
+        self.drafter = create_drafter(config.drafter, config.ngram_size)
+        self.chat_template = template_for(gguf.metadata)
+        self.info = ModelInfo(
+            name=spec.name, path=str(path), architecture=spec.arch, file_type=spec.file_type,
+            n_params=spec.n_params, n_ctx_train=spec.n_ctx_train, n_ctx=config.n_ctx,
+            vocab_size=spec.vocab_size, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+            eog_ids=tuple(sorted(tokenizer.eog_ids)),
+            chat_template=gguf.get("tokenizer.chat_template"), backend=backend_name,
+            drafter=config.drafter, kv_cache_type_k=config.kv_cache_type_k,
+            kv_cache_type_v=config.kv_cache_type_v, n_layer=spec.n_layer, n_embd=spec.n_embd)
+        self._lock = threading.Condition()
+        self._waiting: collections.deque[Sequence] = collections.deque()
+        self._active: list[Sequence] = []
+        self._free_slots = list(range(config.n_slots - 1, -1, -1))
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._rr = 0
+        be = model.backend
+        m = model.max_tokens
+        self._ids, self._pos, self._slots = (be.zeros((m,), "int32") for _ in range(3))
+        self._argmax = be.zeros((m,), "int32")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def load(cls, model_path: str | Path, config: EngineConfig) -> Engine:
+        problems = config.problems()
+        if problems:
+            raise ConfigError(problems)
+        path = Path(model_path)
+        t0 = time.perf_counter()
+        gguf = GGUFFile(path)
+        spec = ModelSpec.from_gguf(gguf)
+        tokenizer = Tokenizer.from_metadata(gguf.metadata) if gguf.get(
+            "tokenizer.ggml.tokens") else Tokenizer.ids_only(spec.vocab_size)
+        backend_name = resolve_backend_name(config.backend)
+        backend = create_backend(backend_name, threads=config.threads)
+        pair = (config.kv_cache_type_k, config.kv_cache_type_v)
+        if any(t not in backend.kv_types for t in pair):
+            raise ConfigError([("kv_cache_type_k,kv_cache_type_v",
+                                f"the {backend_name} backend does not implement the KV cache "
+                                f"type pair (K={pair[0]}, V={pair[1]}); it supports "
+                                + ", ".join(backend.kv_types) + " for each")])
+        n_ctx = min(config.n_ctx, spec.n_ctx_train)
+        config = replace(config, n_ctx=n_ctx, backend=backend_name)
+        model = Transformer(spec, gguf, backend, n_ctx=n_ctx, n_slots=config.n_slots,
+                            max_tokens=max(config.prefill_chunk, config.verify_width),
+                            type_k=config.kv_cache_type_k, type_v=config.kv_cache_type_v)
+        log.info("model_loaded", path=str(path), arch=spec.arch, backend=backend_name,
+                 kv_type_k=config.kv_cache_type_k, kv_type_v=config.kv_cache_type_v,
+                 n_ctx=n_ctx, n_slots=config.n_slots, verify_width=config.verify_width,
+                 seconds=round(time.perf_counter() - t0, 2))
+        return cls(path, gguf, spec, tokenizer, model, config, backend_name)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name="specstream-engine",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Cancel everything still queued or running, then join the engine thread."""
+        with self._lock:
+            self._stopping = True
+            for seq in [*self._waiting, *self._active]:
+                seq.cancelled = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def submit(self, request: GenerationRequest, sink: Callable[[Event], None]) -> RequestHandle:
+        request.validate(self.spec.vocab_size, self.config.n_ctx)
+        if not request.request_id:
+            request = replace(request, request_id=uuid.uuid4().hex)
+        seq = self._new_sequence(request, sink)
+        with self._lock:
+            if self._stopping or self._thread is None:
+                raise UnavailableError("the engine is not running")
+            if len(self._waiting) >= self.config.max_queue + max(0, len(self._free_slots)):
+                raise CapacityError(f"{len(self._waiting)} requests are already waiting",
+                                    retry_after_s=1.0)
+            self._waiting.append(seq)
+            self._lock.notify_all()
+        return RequestHandle(self, seq)
+
+    def generate(self, request: GenerationRequest, timeout: float | None = None
+                 ) -> Iterator[Event]:
+        """Submit and yield the request's events in order (for CLIs and tests)."""
+        import queue
+
+        q: queue.Queue = queue.Queue()
+        handle = self.submit(request, q.put)
+        try:
+            while True:
+                event = q.get(timeout=timeout)
+                yield event
+                if event.__class__.__name__ == "Finished":
+                    return
+        finally:
+            handle.cancel()
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Messages rendered with the model's chat template, then tokenized (specials parsed)."""
+        tok = self.tokenizer
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+        eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
+        text = render_chat(self.chat_template, messages, bos, eos)
+        if bos and text.startswith(bos):
+            # The template wrote BOS itself; the tokenizer adds it where the metadata asks.
+            text = text[len(bos):]
+        return tok.encode(text, parse_special=True)
+
+    def text_prompt_ids(self, text: str) -> list[int]:
+        """Plain text tokenized as llama.cpp does: BOS per metadata, special tokens parsed."""
+        return self.tokenizer.encode(text, parse_special=True)
+
+    def warmup(self) -> None:
+        """One short greedy generation through the whole path (JIT, caches, first pages)."""
+        from service.engine.types import SamplingParams, StoppingCriteria
+
+        prompt = (self.tokenizer.bos_id or 0, 1, 2, 3)
+        req = GenerationRequest("warmup", tuple(t % self.spec.vocab_size for t in prompt),
+                                SamplingParams(temperature=0.0),
+                                StoppingCriteria(max_new_tokens=2, ignore_eos=True))
+        for _ in self.generate(req, timeout=600):
+            pass
+
+    # ------------------------------------------------------------------ engine thread
+    def _new_sequence(self, request: GenerationRequest, sink) -> Sequence:
+        seed = resolve_seed(request.sampling.seed)
+        p = request.sampling
+        spec_on = request.speculative if request.speculative is not None else True
+        spec_on = bool(spec_on and self.drafter is not None and self.config.verify_width > 1
+                       and p.greedy and p.repetition_penalty == 1.0)
+        return Sequence(request=request, sink=sink,
+                        sampler=Sampler(p, self.spec.vocab_size, seed), seed_value=seed,
+                        text=TextStream(self.tokenizer, request.stopping.stop_sequences),
+                        eog_ids=frozenset(self.tokenizer.eog_ids), n_ctx=self.config.n_ctx,
+                        speculative=spec_on)
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                self._reap_cancelled()
+                while self._waiting and self._free_slots:
+                    seq = self._waiting.popleft()
+                    seq.start(self._free_slots.pop())
+                    self._active.append(seq)
+                if not self._active:
+                    if self._stopping:
+                        return
+                    self._lock.wait(0.5)
+                    continue
+                self._rr = (self._rr + 1) % len(self._active)
+                seq = self._active[self._rr]
+            try:
+                self._step(seq)
+            except Exception as exc:   # one request's failure must not stop the engine
+                log.exception("step_failed", request_id=seq.request.request_id)
+                seq.finish(FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
+            if seq.finished:
+                self._release(seq)
+
+    def _reap_cancelled(self) -> None:
+        for seq in [s for s in self._waiting if s.cancelled]:
+            self._waiting.remove(seq)
+            seq.finish(FinishReason.CANCELLED)
+        for seq in [s for s in self._active if s.cancelled]:
+            seq.finish(FinishReason.CANCELLED)
+            self._release_locked(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        with self._lock:
+            self._release_locked(seq)
+
+    def _release_locked(self, seq: Sequence) -> None:
+        if seq in self._active:
+            self._active.remove(seq)
+            self._free_slots.append(seq.slot)
+
+    def _forward(self, seq: Sequence, tokens: list[int], start: int, n_logits: int):
+        be, T = self.model.backend, len(tokens)
+        be.upload_ints(np.asarray(tokens, np.int32), self._ids)
+        be.upload_ints(np.arange(start, start + T, dtype=np.int32), self._pos)
+        be.upload_ints(np.full(T, seq.slot, np.int32), self._slots)
+        return self.model.forward(self._ids[:T], self._pos[:T], self._slots[:T],
+                                  kv_len=start + T, n_logits=n_logits)
+
+    def _step(self, seq: Sequence) -> None:
+        if seq.cancelled:
+            return
+        if seq.prefill_left:
+            n = min(seq.prefill_left, self.config.prefill_chunk)
+            chunk = list(seq.request.prompt_ids[seq.n_past:seq.n_past + n])
+            last = n == seq.prefill_left
+            logits = self._forward(seq, chunk, seq.n_past, 1 if last else 0)
+            seq.n_past += n
+            if last:
+                seq.t_prefill_done = time.perf_counter()
+                row = self.model.backend.to_host(logits[0])
+                seq.emit([seq.choose(row)], [row])
+            return
+        draft = [seq.seed]
+        if seq.speculative:
+            room = self.config.n_ctx - seq.n_past - 1
+            n_draft = min(self.config.verify_width - 1, room,
+                          seq.request.stopping.max_new_tokens - len(seq.generated) - 1)
+            draft += self.drafter.propose(seq.history, n_draft)
+        T = len(draft)
+        logits = self._forward(seq, draft, seq.n_past, T)
+        if T == 1:
+            row = self.model.backend.to_host(logits[0])
+            seq.n_past += 1
+            seq.emit([seq.choose(row)], [row])
+            return
+        self.model.backend.argmax(logits, self._argmax[:T])
+        target = [int(t) for t in self.model.backend.to_host(self._argmax[:T])]
+        n_acc, emitted = accept_chain(draft, target)
+        seq.n_past += n_acc
+        seq.draft_tokens += T - 1
+        seq.accepted_draft_tokens += n_acc - 1
+        rows = None
+        if seq.request.top_logprobs:
+            rows = list(self.model.backend.to_host(logits[:n_acc]))
+        seq.emit(emitted, rows)

@@ -1,0 +1,129 @@
+"""Per-request decoding state and the pure bookkeeping around one sequence's tokens.
+
+A `Sequence` knows its prompt, its KV slot, how many positions are committed (KV rows written),
+the *seed* (the last chosen token, not yet fed to the model), what it has emitted, and when it
+must stop. The scheduler feeds it model outputs; it turns them into events.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from service.engine.sampling import Sampler, top_logprobs
+from service.engine.textstream import TextStream
+from service.engine.types import (
+    Delta, Finished, FinishReason, GenerationRequest, Started, Timings, TokenLogprob, Usage)
+
+
+@dataclass
+class Sequence:
+    request: GenerationRequest
+    sink: object                          # Callable[[Event], None]
+    sampler: Sampler
+    seed_value: int
+    text: TextStream
+    eog_ids: frozenset[int]
+    n_ctx: int
+    speculative: bool
+    slot: int = -1
+    n_past: int = 0                       # committed KV rows
+    seed: int | None = None               # last chosen token, KV row not yet written
+    generated: list[int] = field(default_factory=list)
+    history: list[int] = field(default_factory=list)   # prompt + generated (drafting, penalty)
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    cancelled: bool = False
+    finished: bool = False
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_start: float = 0.0
+    t_prefill_done: float = 0.0
+    t_first: float = 0.0
+    t_last: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.history = list(self.request.prompt_ids)
+
+    @property
+    def prefill_left(self) -> int:
+        return len(self.request.prompt_ids) - self.n_past if self.seed is None else 0
+
+    def start(self, slot: int) -> None:
+        self.slot = slot
+        self.t_start = time.perf_counter()
+        self.sink(Started(prompt_tokens=len(self.request.prompt_ids), seed=self.seed_value))
+
+    # ------------------------------------------------------------------ choosing tokens
+    def choose(self, logits: np.ndarray) -> int:
+        """Sample the next token from one row of logits (V,) f32."""
+        return self.sampler.sample(logits, self.history[-max(1, self.request.sampling
+                                                             .repeat_last_n):])
+
+    def emit(self, tokens: list[int], rows: list[np.ndarray] | None) -> None:
+        """Commit chosen tokens in order, stopping at the first stop condition."""
+        now = time.perf_counter()
+        if not self.generated:
+            self.t_first = now
+        self.t_last = now
+        stop = self.request.stopping
+        out_ids: list[int] = []
+        out_lp: list[TokenLogprob] = []
+        reason, matched = None, None
+        text_parts: list[str] = []
+        for i, tok in enumerate(tokens):
+            # Every generated id is reported (an end token too, as llama.cpp does); only
+            # displayable text goes into `text`.
+            self.generated.append(tok)
+            self.history.append(tok)
+            out_ids.append(tok)
+            if self.request.top_logprobs and rows is not None:
+                out_lp.append(top_logprobs(rows[i], tok, self.request.top_logprobs))
+            if tok in self.eog_ids and not stop.ignore_eos:
+                reason = FinishReason.EOS
+                break
+            if tok in stop.stop_token_ids:
+                reason, matched = FinishReason.STOP_TOKEN, tok
+                break
+            piece, hit = self.text.push([tok])
+            text_parts.append(piece)
+            if hit is not None:
+                reason, matched = FinishReason.STOP_SEQUENCE, hit
+                break
+            if len(self.generated) >= stop.max_new_tokens:
+                reason = FinishReason.LENGTH
+                break
+            if len(self.request.prompt_ids) + len(self.generated) >= self.n_ctx:
+                reason = FinishReason.CONTEXT_LIMIT
+                break
+        if reason is not None and reason is not FinishReason.STOP_SEQUENCE:
+            text_parts.append(self.text.finish())
+        text = "".join(text_parts)
+        if out_ids or text:
+            self.sink(Delta(tuple(out_ids), text, tuple(out_lp)))
+        if reason is not None:
+            self.finish(reason, matched)
+        else:
+            self.seed = tokens[-1]
+
+    def finish(self, reason: FinishReason, matched=None, error: str | None = None) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        now = time.perf_counter()
+        n = len(self.generated)
+        started = self.t_start or now
+        first = self.t_first or now
+        decode_ms = (self.t_last - first) * 1e3 if n > 1 else 0.0
+        timings = Timings(
+            queue_ms=(started - self.t_submit) * 1e3,
+            time_to_first_token_ms=(first - self.t_submit) * 1e3 if self.t_first else 0.0,
+            prefill_ms=((self.t_prefill_done or now) - started) * 1e3,
+            decode_ms=decode_ms,
+            per_token_decode_ms=decode_ms / (n - 1) if n > 1 else 0.0,
+        )
+        usage = Usage(prompt_tokens=len(self.request.prompt_ids), completion_tokens=n,
+                      draft_tokens=self.draft_tokens,
+                      accepted_draft_tokens=self.accepted_draft_tokens)
+        self.sink(Finished(reason, usage, timings, matched, error))

@@ -1,0 +1,218 @@
+"""The one place where exceptions become gRPC status codes, plus the access log and RPC metrics.
+
+Mapping (google.rpc details ride in the `grpc-status-details-bin` trailer via grpcio-status):
+
+    InvalidRequestError   INVALID_ARGUMENT     BadRequest.FieldViolation(field) + ErrorInfo(reason)
+                          (FAILED_PRECONDITION when its reason says so)
+    CapacityError         RESOURCE_EXHAUSTED   RetryInfo(retry_delay) + ErrorInfo(QUEUE_FULL)
+    UnavailableError      UNAVAILABLE          ErrorInfo(UNAVAILABLE)
+    ConfigError           FAILED_PRECONDITION  PreconditionFailure per problem + ErrorInfo
+    FetchError            UNAVAILABLE          ErrorInfo(MODEL_UNAVAILABLE)
+    ModelFormatError      FAILED_PRECONDITION  ErrorInfo(MODEL_FORMAT)
+    anything else         INTERNAL             ErrorInfo(INTERNAL); the message names the request
+                                               id only, the stack trace goes to the server log
+
+Cancellation and deadlines are produced by gRPC itself and pass through untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import grpc
+import structlog
+from google.protobuf import duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from service.errors import (
+    CapacityError,
+    ConfigError,
+    FetchError,
+    InvalidRequestError,
+    ModelFormatError,
+    UnavailableError,
+)
+from service.logging import bind_request_id
+from service.metrics import Metrics
+
+log = structlog.get_logger(__name__)
+
+ERROR_DOMAIN = "specstream.v1"
+REQUEST_ID_METADATA = "x-request-id"
+_QUIET_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")  # probes: debug-level access log
+
+
+# ------------------------------------------------------------------------- error -> status
+def _pack(code: int, message: str, *details) -> status_pb2.Status:
+    st = status_pb2.Status(code=code, message=message)
+    for d in details:
+        st.details.add().Pack(d)
+    return st
+
+
+def _info(reason: str, **metadata: str) -> error_details_pb2.ErrorInfo:
+    return error_details_pb2.ErrorInfo(reason=reason, domain=ERROR_DOMAIN, metadata=metadata)
+
+
+def status_for(exc: BaseException, request_id: str = "") -> status_pb2.Status:
+    """The google.rpc.Status a client sees for `exc`."""
+    if isinstance(exc, InvalidRequestError):
+        violation = error_details_pb2.BadRequest.FieldViolation(
+            field=exc.field, description=str(exc).removeprefix(f"{exc.field}: "))
+        code = (code_pb2.FAILED_PRECONDITION if exc.reason == "FAILED_PRECONDITION"
+                else code_pb2.INVALID_ARGUMENT)  # e.g. text sent to a model without vocabulary
+        return _pack(code, str(exc),
+                     error_details_pb2.BadRequest(field_violations=[violation]),
+                     _info(exc.reason, field=exc.field))
+    if isinstance(exc, CapacityError):
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(max(exc.retry_after_s, 0.0) * 1e9))
+        return _pack(code_pb2.RESOURCE_EXHAUSTED, str(exc),
+                     error_details_pb2.RetryInfo(retry_delay=delay),
+                     _info("QUEUE_FULL", retry_after_s=f"{exc.retry_after_s:g}"))
+    if isinstance(exc, UnavailableError):
+        return _pack(code_pb2.UNAVAILABLE, str(exc), _info("UNAVAILABLE"))
+    if isinstance(exc, FetchError):
+        return _pack(code_pb2.UNAVAILABLE, str(exc), _info("MODEL_UNAVAILABLE"))
+    if isinstance(exc, ConfigError):
+        failure = error_details_pb2.PreconditionFailure(violations=[
+            error_details_pb2.PreconditionFailure.Violation(
+                type="CONFIG", subject=field, description=message)
+            for field, message in exc.problems])
+        return _pack(code_pb2.FAILED_PRECONDITION, str(exc), failure,
+                     _info("SERVER_CONFIG"))
+    if isinstance(exc, ModelFormatError):
+        return _pack(code_pb2.FAILED_PRECONDITION, str(exc), _info("MODEL_FORMAT"))
+    rid = f" (request id {request_id})" if request_id else ""
+    return _pack(code_pb2.INTERNAL, f"internal error{rid}", _info("INTERNAL"))
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException,
+                     request_id: str = "") -> None:
+    """Ends the RPC with the status for `exc` (raises grpc's AbortError)."""
+    await context.abort_with_status(rpc_status.to_status(status_for(exc, request_id)))
+
+
+# ------------------------------------------------------------------------- request ids
+def request_id_of(request: object, context: grpc.aio.ServicerContext) -> str:
+    """The request's own id, else the x-request-id metadata value, else a new one.
+
+    A minted id is written back into the request (when it has a request_id field) so the
+    servicer, the access log and the responses all carry the same id.
+    """
+    rid = getattr(request, "request_id", "") or ""
+    if not rid:
+        for key, value in context.invocation_metadata() or ():
+            if key == REQUEST_ID_METADATA and isinstance(value, str):
+                rid = value[:128]
+                break
+    if not rid:
+        rid = uuid.uuid4().hex
+    if hasattr(request, "request_id") and not request.request_id:
+        request.request_id = rid
+    return rid
+
+
+# ------------------------------------------------------------------------- the interceptor
+class ServiceInterceptor(grpc.aio.ServerInterceptor):
+    """Error mapping, request-id binding, access log and RPC metrics for unary and
+    server-streaming methods (the only kinds our services and health use)."""
+
+    def __init__(self, metrics: Metrics | None = None) -> None:
+        self._metrics = metrics
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming:
+            return handler  # unknown method (UNIMPLEMENTED) or reflection's bidi stream
+        method = handler_call_details.method
+        if handler.response_streaming:
+            behavior = handler.unary_stream
+            wrapped = (self._wrap_stream_gen(method, behavior)
+                       if inspect.isasyncgenfunction(behavior)
+                       else self._wrap_call(method, behavior))
+            return grpc.unary_stream_rpc_method_handler(
+                wrapped, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            self._wrap_call(method, handler.unary_unary),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+
+    def _wrap_call(self, method: str, behavior: Callable) -> Callable:
+        async def call(request, context):
+            rid, t0 = self._begin(request, context)
+            code = "OK"
+            try:
+                return await behavior(request, context)
+            except BaseException as exc:  # noqa: BLE001 - classified and re-raised or mapped
+                code = await self._handle(exc, context, method, rid)
+            finally:
+                self._end(method, rid, context, t0, code)
+        return call
+
+    def _wrap_stream_gen(self, method: str, behavior: Callable) -> Callable:
+        async def stream(request, context):
+            rid, t0 = self._begin(request, context)
+            code = "OK"
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except BaseException as exc:  # noqa: BLE001 - classified and re-raised or mapped
+                code = await self._handle(exc, context, method, rid)
+            finally:
+                self._end(method, rid, context, t0, code)
+        return stream
+
+    # -- helpers
+    def _begin(self, request, context) -> tuple[str, float]:
+        rid = request_id_of(request, context)
+        bind_request_id(rid)
+        return rid, time.perf_counter()
+
+    async def _handle(self, exc: BaseException, context, method: str, rid: str) -> str:
+        """Maps exc to a status (raising AbortError), or re-raises gRPC's own outcomes."""
+        if isinstance(exc, asyncio.CancelledError):
+            raise exc  # client cancel or deadline: the servicer's finally freed the work
+        if isinstance(exc, grpc.aio.AbortError) or isinstance(exc, GeneratorExit):
+            raise exc  # the servicer already chose a status
+        if not isinstance(exc, Exception):
+            raise exc
+        st = status_for(exc, rid)
+        if st.code == code_pb2.INTERNAL:
+            log.error("rpc_internal_error", method=method, exc_info=exc)
+        await context.abort_with_status(rpc_status.to_status(st))
+        return code_pb2.Code.Name(st.code)  # unreachable: abort raises
+
+    def _end(self, method: str, rid: str, context, t0: float, code: str) -> None:
+        seconds = time.perf_counter() - t0
+        code = _final_code(context, code)
+        if self._metrics is not None:
+            self._metrics.observe_rpc(method, code, seconds)
+        quiet = method.startswith(_QUIET_PREFIXES) and code == "OK"
+        (log.debug if quiet else log.info)(
+            "rpc", method=method, code=code, peer=context.peer(),
+            duration_ms=round(seconds * 1e3, 3))
+
+
+def _final_code(context: grpc.aio.ServicerContext, fallback: str) -> str:
+    """The status the RPC ends with, as a name (OK, CANCELLED, INVALID_ARGUMENT, ...)."""
+    try:
+        code = context.code()
+    except Exception:  # noqa: BLE001 - older grpcio: no code() on aio contexts
+        code = None
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if isinstance(code, int):
+        return code_pb2.Code.Name(code)
+    if context.cancelled():
+        return "CANCELLED"
+    return fallback

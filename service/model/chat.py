@@ -1,0 +1,112 @@
+"""Chat messages -> prompt text through the model's Jinja chat template, sandboxed.
+
+The environment is set up as HuggingFace's `apply_chat_template` sets it: trim_blocks and
+lstrip_blocks, the loop-controls extension, `raise_exception`, `strftime_now` and a `tojson` filter
+that keeps non-ASCII text. Templates come from model files, so they run in an immutable sandbox and
+any attribute the sandbox deems unsafe (dunders, mutating methods) fails the render instead of
+rendering as empty. Every failure becomes `InvalidRequestError("input.chat", ...)`.
+
+A model without `tokenizer.chat_template` gets a built-in template by architecture
+(`BUILTIN_TEMPLATES`), ChatML otherwise. The built-ins never write `bos_token`: the tokenizer adds
+BOS itself where the metadata asks. A template from the metadata may write it anyway (as Gemma's
+and Llama 3's do); encoding such text with add_bos=True gives two BOS, so a caller that adds BOS
+should drop a leading `bos_token` text from the render first, as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+from service.errors import InvalidRequestError
+
+FIELD = "input.chat"
+KEY_TEMPLATE = "tokenizer.chat_template"
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Gemma turns: roles user/model, system text folded into the next turn, content trimmed.
+GEMMA_TURNS = (
+    "{% set state = namespace(prefix='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{% set state.prefix = state.prefix + (message['content'] | trim) + '\\n\\n' %}"
+    "{% else %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' + state.prefix + (message['content'] | trim)"
+    " + '<end_of_turn>\\n' }}"
+    "{% set state.prefix = '' %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+
+BUILTIN_TEMPLATES: dict[str, str] = {"gemma": GEMMA_TURNS, "gemma2": GEMMA_TURNS,
+                                     "gemma3": GEMMA_TURNS}
+
+
+def template_for(metadata: Mapping[str, Any]) -> str:
+    """The model's own template, else the built-in one for its architecture, else ChatML."""
+    own = metadata.get(KEY_TEMPLATE)
+    if isinstance(own, str) and own.strip():
+        return own
+    return BUILTIN_TEMPLATES.get(str(metadata.get("general.architecture", "")), CHATML)
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
+        raise SecurityError(f"access to attribute {attribute!r} of "
+                            f"{type(obj).__name__!r} object is unsafe")
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def _compile(template: str) -> Any:
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+    return env.from_string(template)
+
+
+def render_chat(template: str, messages: Sequence[Mapping[str, str]], bos_token: str,
+                eos_token: str, add_generation_prompt: bool = True) -> str:
+    """Render `messages` ([{'role': ..., 'content': ...}, ...]) into one prompt string."""
+    checked = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not all(
+                isinstance(m.get(k), str) for k in ("role", "content")):
+            raise InvalidRequestError(FIELD, f"message {i} needs string 'role' and 'content'")
+        checked.append(dict(m))
+    if not checked:
+        raise InvalidRequestError(FIELD, "no messages")
+    try:
+        return _compile(template).render(
+            messages=checked, bos_token=bos_token, eos_token=eos_token,
+            add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # syntax, sandbox, raise_exception, type errors inside the template
+        raise InvalidRequestError(FIELD, f"chat template failed: {exc}") from exc

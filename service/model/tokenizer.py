@@ -1,0 +1,508 @@
+"""Text <-> token ids for GGUF vocabularies, reproducing llama.cpp's tokenizer.
+
+Two vocabulary kinds are served, both run by a HuggingFace `tokenizers` BPE model built in memory
+from the GGUF metadata (nothing is read from disk or the network):
+
+- `gpt2` (byte-level BPE): the text is split by the pre-tokenizer regexes that
+  `tokenizer.ggml.pre` selects (registry below, same regexes as llama.cpp), each piece is mapped
+  byte -> printable char (GPT-2's table) and merged by `tokenizer.ggml.merges` rank.
+- `llama` (SentencePiece-style): llama.cpp merges adjacent symbols greedily, always the pair whose
+  concatenation is the vocabulary piece with the highest score. That is BPE whose merge list holds,
+  for every piece p and every split p = a + b with a and b pieces, the pair (a, b) ranked by
+  score(p) descending. Chars that are no piece become <0xNN> byte tokens; ' ' is written U+2581.
+
+Special tokens are cut out of the text first, longest first (llama.cpp's partition): user-defined
+tokens always, control and unknown tokens only when `parse_special` is true.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum, IntEnum
+from typing import Any
+
+from service.errors import InvalidRequestError, ModelFormatError
+
+KEY_MODEL = "tokenizer.ggml.model"
+KEY_PRE = "tokenizer.ggml.pre"
+KEY_TOKENS = "tokenizer.ggml.tokens"
+KEY_TYPES = "tokenizer.ggml.token_type"
+KEY_SCORES = "tokenizer.ggml.scores"
+KEY_MERGES = "tokenizer.ggml.merges"
+KEY_ADD_BOS = "tokenizer.ggml.add_bos_token"
+KEY_ADD_EOS = "tokenizer.ggml.add_eos_token"
+KEY_ADD_SPACE_PREFIX = "tokenizer.ggml.add_space_prefix"
+SPACE_MARK = "\u2581"  # SentencePiece's visible space
+
+
+class TokenType(IntEnum):
+    """Values of `tokenizer.ggml.token_type`."""
+
+    UNDEFINED = 0
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6
+
+
+class VocabKind(Enum):
+    BPE = "gpt2"
+    SPM = "llama"
+    NONE = "none"
+
+
+_VOCAB_KINDS = {"gpt2": VocabKind.BPE, "llama": VocabKind.SPM,
+                "none": VocabKind.NONE, "no_vocab": VocabKind.NONE}
+
+
+# ---------------------------------------------------------------- pre-tokenizer registry (BPE)
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    """Regexes applied in order (each one splits every piece of the previous, matches isolated)."""
+
+    regexes: tuple[str, ...]
+    ignore_merges: bool = False  # a whole piece that is a token is emitted without merging
+    add_bos: bool = False        # llama.cpp's default before tokenizer.ggml.add_bos_token
+
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3_HEAD = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+_LLAMA3_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3 = _LLAMA3_HEAD + r"|\p{N}{1,3}" + _LLAMA3_TAIL
+_QWEN2 = _LLAMA3_HEAD + r"|\p{N}" + _LLAMA3_TAIL
+
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {}
+
+
+def _register(names: Iterable[str], spec: PreTokenizer) -> None:
+    for name in names:
+        PRE_TOKENIZERS[name] = spec
+
+
+_register(["default"], PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]")))
+_register(["gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "roberta-bpe"], PreTokenizer((_GPT2,)))
+_register(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
+          PreTokenizer((r"\p{N}", _GPT2)))
+_register(["llama3", "llama-v3", "llama-bpe", "falcon3"],
+          PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True))
+_register(["dbrx", "smaug-bpe"], PreTokenizer((_LLAMA3,)))
+_register(["qwen2", "stablelm2", "megrez"], PreTokenizer((_QWEN2,)))
+
+
+# ---------------------------------------------------------------- special-token roles by text
+# llama.cpp finds these roles by token text and forces such tokens to CONTROL.
+_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+              "<|end_of_text|>", "<EOT>", "_<EOT>", "<\uff5cend\u2581of\u2581sentence\uff5c>",
+              "<end_of_utterance>")
+_EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>",
+                        "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
+                        "<|end_of_text|>", "<end_of_utterance>"})
+# role -> (metadata keys, texts); FIM pad/repo/sep end generation, the others are only control.
+_ROLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "eot": (("tokenizer.ggml.eot_token_id",), _EOT_TEXTS),
+    "eom": (("tokenizer.ggml.eom_token_id",), ("<|eom_id|>",)),
+    "fim_pre": (("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"),
+                ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>",
+                 "<PRE>", "\u2581<PRE>", "<|code_prefix|>")),
+    "fim_suf": (("tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.suffix_token_id"),
+                ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>",
+                 "<SUF>", "\u2581<SUF>", "<|code_suffix|>")),
+    "fim_mid": (("tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.middle_token_id"),
+                ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>",
+                 "<MID>", "\u2581<MID>", "<|code_middle|>")),
+    "fim_pad": (("tokenizer.ggml.fim_pad_token_id",),
+                ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>")),
+    "fim_rep": (("tokenizer.ggml.fim_rep_token_id",),
+                ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")),
+    "fim_sep": (("tokenizer.ggml.fim_sep_token_id",), ("<|file_sep|>",)),
+}
+_EOG_ROLES = ("eot", "eom", "fim_pad", "fim_rep", "fim_sep")
+# llama.cpp's ids when the metadata names none: (bos, eos, unk)
+_DEFAULT_IDS = {VocabKind.SPM: (1, 2, 0), VocabKind.BPE: (11, 11, None)}
+
+
+def _byte_to_char() -> list[str]:
+    """GPT-2's reversible byte -> printable char table used by byte-level BPE vocabularies."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+_CHAR_TO_BYTE = {c: b for b, c in enumerate(_byte_to_char())}
+
+
+# ---------------------------------------------------------------- metadata checks
+
+def _list(md: Mapping[str, Any], key: str, item: type | tuple[type, ...], n: int | None) -> list:
+    value = md.get(key)
+    if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
+        raise ModelFormatError(f"{key}: expected a list of {getattr(item, '__name__', item)}")
+    if n is not None and len(value) != n:
+        raise ModelFormatError(f"{key}: has {len(value)} entries, {KEY_TOKENS} has {n}")
+    return value
+
+
+def _flag(md: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = md.get(key, default)
+    if not isinstance(value, bool):
+        raise ModelFormatError(f"{key}: expected a bool, got {value!r}")
+    return value
+
+
+def _token_id(md: Mapping[str, Any], keys: tuple[str, ...], default: int | None,
+              n: int) -> int | None:
+    for key in keys:
+        if key in md:
+            value = md[key]
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
+                raise ModelFormatError(f"{key}: {value!r} is not a token id below {n}")
+            return value
+    return default if default is not None and default < n else None
+
+
+def _fingerprint(md: Mapping[str, Any]) -> bytes:
+    h = hashlib.blake2b(digest_size=20)
+    for key in sorted(k for k in md if k.startswith("tokenizer.ggml.")):
+        value = md[key]
+        h.update(key.encode() + b"\x00")
+        if isinstance(value, list) and value and isinstance(value[0], str):
+            h.update("\x00".join(map(str, value)).encode("utf-8", "surrogatepass"))
+        elif isinstance(value, list):
+            try:
+                h.update(array("d", value).tobytes())
+            except TypeError:
+                h.update(repr(value).encode())
+        else:
+            h.update(repr(value).encode())
+        h.update(b"\x01")
+    return h.digest()
+
+
+_CACHE: OrderedDict[bytes, Tokenizer] = OrderedDict()
+_CACHE_SIZE = 4
+_CACHE_LOCK = threading.Lock()
+
+
+# ---------------------------------------------------------------- the tokenizer
+
+class Tokenizer:
+    """A model's vocabulary: encode, decode, special ids. Immutable once built; thread-safe."""
+
+    def __init__(self, kind: VocabKind, vocab_size: int):
+        self.kind = kind
+        self.vocab_size = vocab_size
+        self.bos_id: int | None = None
+        self.eos_id: int | None = None
+        self.unk_id: int | None = None
+        self.eog_ids: frozenset[int] = frozenset()
+        self.add_bos = False
+        self.add_eos = False
+        self.add_space_prefix = False
+        self._texts: list[str] = []
+        self._types: list[TokenType] = []
+        self._specials: tuple[tuple[str, int, bool], ...] = ()  # (text, id, control-like)
+        self._hf: Any = None
+        self._pieces: dict[int, bytes] = {}
+
+    # ---- construction
+    @classmethod
+    def ids_only(cls, vocab_size: int) -> Tokenizer:
+        """A model without a vocabulary: ids in, ids out; text cannot be encoded."""
+        if vocab_size <= 0:
+            raise ModelFormatError(f"vocabulary size must be positive, got {vocab_size}")
+        return cls(VocabKind.NONE, vocab_size)
+
+    @classmethod
+    def from_metadata(cls, md: Mapping[str, Any]) -> Tokenizer:
+        """Build from GGUF metadata (plain python values). Same metadata -> cached instance."""
+        name = md.get(KEY_MODEL, "none")
+        kind = _VOCAB_KINDS.get(name) if isinstance(name, str) else None
+        if kind is None:
+            raise ModelFormatError(f"{KEY_MODEL}: unsupported tokenizer {name!r}; supported: "
+                                   + ", ".join(sorted(_VOCAB_KINDS)))
+        if kind is VocabKind.NONE:
+            if KEY_TOKENS in md:
+                return cls.ids_only(len(_list(md, KEY_TOKENS, str, None)))
+            size_key = f"{md.get('general.architecture')}.vocab_size"
+            size = md.get(size_key)
+            if isinstance(size, bool) or not isinstance(size, int):
+                raise ModelFormatError(f"{size_key}: needed for a model without {KEY_TOKENS}")
+            return cls.ids_only(size)
+        key = _fingerprint(md)
+        with _CACHE_LOCK:
+            if key in _CACHE:
+                _CACHE.move_to_end(key)
+                return _CACHE[key]
+        tok = cls(kind, 0)
+        tok._load(md)
+        with _CACHE_LOCK:
+            _CACHE[key] = tok
+            while len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
+        return tok
+
+    def _load(self, md: Mapping[str, Any]) -> None:
+        texts = _list(md, KEY_TOKENS, str, None)
+        n = len(texts)
+        if n == 0:
+            raise ModelFormatError(f"{KEY_TOKENS}: the vocabulary is empty")
+        texts = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(texts)]
+        vocab = {t: i for i, t in enumerate(texts)}
+        if len(vocab) != n:
+            raise ModelFormatError(f"{KEY_TOKENS}: {n - len(vocab)} duplicate token texts")
+        raw_types = _list(md, KEY_TYPES, int, n) if KEY_TYPES in md else [TokenType.NORMAL] * n
+        try:
+            types = [TokenType(t) for t in raw_types]
+        except ValueError as exc:
+            raise ModelFormatError(f"{KEY_TYPES}: {exc}") from exc
+        spec = None
+        if self.kind is VocabKind.BPE:
+            pre = md.get(KEY_PRE, "default")
+            spec = PRE_TOKENIZERS.get(pre) if isinstance(pre, str) else None
+            if spec is None:
+                raise ModelFormatError(f"{KEY_PRE}: unsupported pre-tokenizer {pre!r}; supported: "
+                                       + ", ".join(sorted(PRE_TOKENIZERS)))
+        bos, eos, unk = _DEFAULT_IDS[self.kind]
+        self.vocab_size = n
+        self.bos_id = _token_id(md, ("tokenizer.ggml.bos_token_id",), bos, n)
+        self.eos_id = _token_id(md, ("tokenizer.ggml.eos_token_id",), eos, n)
+        self.unk_id = _token_id(md, ("tokenizer.ggml.unknown_token_id",), unk, n)
+        spm = self.kind is VocabKind.SPM
+        self.add_bos = _flag(md, KEY_ADD_BOS, spm or bool(spec and spec.add_bos))
+        self.add_eos = _flag(md, KEY_ADD_EOS, False)
+        self.add_space_prefix = _flag(md, KEY_ADD_SPACE_PREFIX, spm)
+        self._texts, self._types = texts, types
+        self._find_roles(md, vocab)
+        self._specials = tuple(sorted(
+            ((texts[i], i, t is not TokenType.USER_DEFINED) for i, t in enumerate(types)
+             if t in (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)),
+            key=lambda s: (-len(s[0].encode("utf-8", "surrogatepass")), s[1])))
+        if spm:
+            self._hf = _build_spm(md, texts, vocab, self.unk_id)
+        else:
+            self._hf = _build_bpe(md, vocab, spec)
+
+    def _find_roles(self, md: Mapping[str, Any], vocab: dict[str, int]) -> None:
+        """EOG set and CONTROL overrides as llama.cpp derives them from token texts."""
+        eog = set()
+        for role, (keys, texts) in _ROLES.items():
+            tid = _token_id(md, keys, None, self.vocab_size)
+            if tid is None:
+                found = [vocab[t] for t in texts if t in vocab]
+                tid = min(found) if found else None
+                if tid is not None:
+                    self._types[tid] = TokenType.CONTROL
+            if tid is not None and role in _EOG_ROLES:
+                eog.add(tid)
+        for text in _EOG_TEXTS:
+            if text in vocab:
+                eog.add(vocab[text])
+                self._types[vocab[text]] = TokenType.CONTROL
+        if self.eos_id is not None:
+            eog.add(self.eos_id)
+        self.eog_ids = frozenset(eog)
+
+    # ---- queries
+    @property
+    def can_encode(self) -> bool:
+        return self.kind is not VocabKind.NONE
+
+    def token_text(self, tid: int) -> str:
+        """The vocabulary entry as stored (byte-level / U+2581 form); '' without a vocabulary."""
+        self._check(tid)
+        return self._texts[tid] if self._texts else ""
+
+    def token_type(self, tid: int) -> TokenType:
+        self._check(tid)
+        return self._types[tid] if self._types else TokenType.UNDEFINED
+
+    def is_eog(self, tid: int) -> bool:
+        return tid in self.eog_ids
+
+    def _check(self, tid: int) -> None:
+        if not 0 <= tid < self.vocab_size:
+            raise ValueError(f"token id {tid} outside the vocabulary [0, {self.vocab_size})")
+
+    # ---- encode
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = False,
+               add_eos: bool | None = None) -> list[int]:
+        """Token ids of `text`. add_bos/add_eos None: as the metadata says."""
+        if self._hf is None:
+            raise InvalidRequestError(
+                "input.text", "this model has no vocabulary (tokenizer.ggml.model 'none'); "
+                "it accepts token ids only", reason="FAILED_PRECONDITION")
+        ids: list[int] = []
+        if self.add_bos if add_bos is None else add_bos:
+            if self.bos_id is None:
+                raise ModelFormatError("tokenizer.ggml.bos_token_id: needed to add BOS")
+            ids.append(self.bos_id)
+        prev_special = True
+        for frag in self._partition(text, parse_special):
+            if isinstance(frag, int):
+                ids.append(frag)
+                prev_special = True
+                continue
+            if self.kind is VocabKind.SPM:
+                if self.add_space_prefix and prev_special:
+                    frag = " " + frag
+                frag = frag.replace(" ", SPACE_MARK)
+            ids.extend(self._hf.encode(frag, add_special_tokens=False).ids)
+            prev_special = False
+        if self.add_eos if add_eos is None else add_eos:
+            if self.eos_id is None:
+                raise ModelFormatError("tokenizer.ggml.eos_token_id: needed to add EOS")
+            ids.append(self.eos_id)
+        return ids
+
+    def _partition(self, text: str, parse_special: bool) -> list[str | int]:
+        """Cut special-token texts out, longest first (ties: lower id), as llama.cpp does."""
+        frags: list[str | int] = [text] if text else []
+        for piece, tid, control_like in self._specials:
+            if (control_like and not parse_special) or piece not in text:
+                continue
+            out: list[str | int] = []
+            for frag in frags:
+                if isinstance(frag, int) or piece not in frag:
+                    out.append(frag)
+                    continue
+                for j, part in enumerate(frag.split(piece)):
+                    if j:
+                        out.append(tid)
+                    if part:
+                        out.append(part)
+            frags = out
+        return frags
+
+    # ---- decode
+    def token_piece(self, tid: int, skip_special: bool = False) -> bytes:
+        """The bytes token `tid` stands for (llama.cpp's token_to_piece).
+
+        Control and unknown tokens give their text, or b'' when skip_special; user-defined
+        tokens always give their text; unused tokens give b''; no vocabulary gives b''.
+        """
+        self._check(tid)
+        if not self._texts:
+            return b""
+        kind = self._types[tid]
+        if skip_special and kind in (TokenType.CONTROL, TokenType.UNKNOWN):
+            return b""
+        piece = self._pieces.get(tid)
+        if piece is None:
+            piece = self._pieces[tid] = self._make_piece(tid, kind)
+        return piece
+
+    def _make_piece(self, tid: int, kind: TokenType) -> bytes:
+        text = self._texts[tid]
+        if kind in (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED):
+            return text.encode("utf-8", "surrogatepass")
+        if kind is TokenType.BYTE and self.kind is VocabKind.SPM:
+            return bytes([int(text[3:5], 16)])
+        if kind is not TokenType.NORMAL:
+            return b""
+        if self.kind is VocabKind.SPM:
+            return text.replace(SPACE_MARK, " ").encode("utf-8", "surrogatepass")
+        # byte-level: each char stands for one byte; a char outside the table stays as UTF-8
+        return b"".join(bytes([_CHAR_TO_BYTE[c]]) if c in _CHAR_TO_BYTE
+                        else c.encode("utf-8", "surrogatepass") for c in text)
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text of `ids`: the concatenated pieces, invalid UTF-8 replaced by U+FFFD.
+
+        As llama.cpp's detokenize: with add_space_prefix one leading space of the first piece is
+        dropped, unless the sequence starts with BOS and skip_special removes it.
+        """
+        ids = list(ids)
+        strip = self.add_space_prefix
+        if skip_special and ids and self.add_bos and ids[0] == self.bos_id:
+            ids, strip = ids[1:], False
+        data = b"".join(self.token_piece(t, skip_special) for t in ids)
+        if strip and ids and self.token_piece(ids[0], skip_special).startswith(b" "):
+            data = data[1:]
+        return data.decode("utf-8", "replace")
+
+    def incremental_decoder(self, skip_special: bool = False) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special)
+
+
+class IncrementalDecoder:
+    """Per-request streaming decode: returns only complete UTF-8 text.
+
+    Bytes of a multi-byte character split across tokens are held until the character is complete;
+    bytes that can never form one become U+FFFD at once. No space is stripped: generated tokens
+    continue a prompt.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def push(self, ids: Iterable[int]) -> str:
+        data = b"".join(self.tokenizer.token_piece(t, self.skip_special) for t in ids)
+        return self._utf8.decode(data)
+
+    @property
+    def pending_bytes(self) -> bytes:
+        """Bytes held back, waiting for the rest of a character."""
+        return self._utf8.getstate()[0]
+
+    def flush(self) -> str:
+        """End of stream: a dangling incomplete character becomes U+FFFD."""
+        return self._utf8.decode(b"", final=True)
+
+
+# ---------------------------------------------------------------- HuggingFace models
+
+def _hf_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], **kw: Any) -> Any:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    return HFTokenizer(models.BPE(vocab=vocab, merges=merges, **kw))
+
+
+def _build_bpe(md: Mapping[str, Any], vocab: dict[str, int], spec: PreTokenizer) -> Any:
+    from tokenizers import Regex, pre_tokenizers
+
+    merges: list[tuple[str, str]] = []
+    seen = set()
+    for i, line in enumerate(_list(md, KEY_MERGES, str, None)):
+        cut = line.find(" ", 1)
+        if cut < 0:
+            raise ModelFormatError(f"{KEY_MERGES}[{i}]: {line!r} is not 'left right'")
+        pair = (line[:cut], line[cut + 1:])
+        # llama.cpp keeps the first rank of a repeated pair; a pair whose parts or result are
+        # not tokens can never yield a token, so it is left out.
+        if pair not in seen and pair[0] in vocab and pair[1] in vocab and "".join(pair) in vocab:
+            seen.add(pair)
+            merges.append(pair)
+    hf = _hf_bpe(vocab, merges, ignore_merges=spec.ignore_merges)
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in spec.regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return hf
+
+
+def _build_spm(md: Mapping[str, Any], texts: list[str], vocab: dict[str, int],
+               unk_id: int | None) -> Any:
+    scores = _list(md, KEY_SCORES, (float, int), len(texts))
+    # Every split of every piece into two pieces, best resulting score first (ties: lower id).
+    order = sorted(range(len(texts)), key=lambda i: (-scores[i], i))
+    merges = [(a, b) for i in order if len(p := texts[i]) > 1 for k in range(1, len(p))
+              if (a := p[:k]) in vocab and (b := p[k:]) in vocab]
+    unk = texts[unk_id] if unk_id is not None else None
+    return _hf_bpe(vocab, merges, byte_fallback=True, unk_token=unk)

@@ -1,0 +1,371 @@
+"""grpc.aio servicers: the only place that converts protobuf <-> domain types.
+
+    client --Generate--> GenerationServicer --submit(GenerationRequest, sink)--> Engine thread
+    client <--Started/Delta*/Finished-- EventBuffer <--call_soon_threadsafe(event)-- sink
+
+The engine thread never waits on a client: its sink only schedules a callback on the event
+loop. Each stream buffers at most `stream_buffer` events; past that, pending Deltas are merged
+into one, so a slow reader costs memory proportional to its text, never an engine stall.
+A cancelled or expired call raises CancelledError in the handler, whose `finally` cancels the
+engine request (the engine frees the slot within one step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from service import __version__
+from service.config import EngineConfig, ServerConfig
+from service.engine.types import (
+    Delta,
+    Event,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    Started,
+    StoppingCriteria,
+)
+from service.errors import ConfigError, InvalidRequestError, UnavailableError
+from service.interceptors import ServiceInterceptor
+from service.metrics import Metrics
+from service.proto_build import ensure_stubs
+
+ensure_stubs()  # a fresh clone has no stubs; a changed .proto regenerates them
+
+from service.proto import (  # noqa: E402 - generated just above
+    config_pb2,
+    config_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+)
+
+log = structlog.get_logger(__name__)
+
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+CONFIG_SERVICE = config_pb2.DESCRIPTOR.services_by_name["ConfigService"].full_name
+SERVICE_NAMES = (GENERATION_SERVICE, CONFIG_SERVICE)
+_LARGE_TEXT = 16_384             # characters; longer inputs are tokenized off the event loop
+
+
+# ------------------------------------------------------------------------- serving state
+@dataclass
+class ServingState:
+    """What the servicers share: the engine once loaded, the startup config, the drain flag."""
+
+    engine_config: EngineConfig
+    server_config: ServerConfig = field(default_factory=ServerConfig)
+    metrics: Metrics = field(default_factory=Metrics)
+    health: health.aio.HealthServicer = field(default_factory=health.aio.HealthServicer)
+    engine: Any = None               # service.engine.scheduler.Engine once loaded and warmed up
+    draining: bool = False
+
+    def require_engine(self, *, admitting: bool = False) -> Any:
+        if admitting and self.draining:
+            raise UnavailableError("the server is shutting down; send the request to another "
+                                   "replica")
+        if self.engine is None:
+            raise UnavailableError("the model is still loading; retry shortly")
+        return self.engine
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", *SERVICE_NAMES):
+            await self.health.set(name, status)
+
+
+# ------------------------------------------------------------------------- engine -> stream
+def merge_deltas(a: Delta, b: Delta) -> Delta:
+    return Delta(token_ids=a.token_ids + b.token_ids, text=a.text + b.text,
+                 logprobs=a.logprobs + b.logprobs)
+
+
+class EventBuffer:
+    """Bounded hand-off of one request's events from the engine thread to its stream."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, maxsize: int) -> None:
+        self._loop = loop
+        self._maxsize = max(1, maxsize)
+        self._items: deque[Event] = deque()
+        self._waiter: asyncio.Future | None = None
+        self.merged = 0                  # Deltas folded into an earlier one
+
+    def sink(self, event: Event) -> None:
+        """Called on the engine thread; never blocks, never raises."""
+        try:
+            self._loop.call_soon_threadsafe(self._push, event)
+        except RuntimeError:
+            pass                         # the loop is closed: nobody is listening any more
+
+    def _push(self, event: Event) -> None:
+        items = self._items
+        if (isinstance(event, Delta) and len(items) >= self._maxsize
+                and isinstance(items[-1], Delta)):
+            items[-1] = merge_deltas(items[-1], event)
+            self.merged += 1
+        else:
+            items.append(event)          # Started/Finished are never merged: at most max + 2
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> Event:
+        while not self._items:
+            self._waiter = self._loop.create_future()
+            await self._waiter
+        return self._items.popleft()
+
+
+# ------------------------------------------------------------------------- proto -> domain
+def _opt(msg: Any, name: str, default: Any, conv=lambda v: v) -> Any:
+    return conv(getattr(msg, name)) if msg.HasField(name) else default
+
+
+def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
+    d = SamplingParams()
+    return SamplingParams(
+        temperature=_opt(msg, "temperature", d.temperature, float),
+        top_k=_opt(msg, "top_k", d.top_k, int), top_p=_opt(msg, "top_p", d.top_p, float),
+        min_p=_opt(msg, "min_p", d.min_p, float),
+        repetition_penalty=_opt(msg, "repetition_penalty", d.repetition_penalty, float),
+        repeat_last_n=_opt(msg, "repeat_last_n", d.repeat_last_n, int),
+        seed=_opt(msg, "seed", d.seed, int))
+
+
+def stopping_from_proto(msg: generation_pb2.StoppingCriteria) -> StoppingCriteria:
+    d = StoppingCriteria()
+    return StoppingCriteria(
+        max_new_tokens=_opt(msg, "max_new_tokens", d.max_new_tokens, int),
+        stop_sequences=tuple(msg.stop_sequences), stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=_opt(msg, "ignore_eos", d.ignore_eos, bool))
+
+
+def encode_text(engine: Any, text: str, add_bos: bool | None, parse_special: bool) -> list[int]:
+    if add_bos is None and parse_special:
+        return engine.text_prompt_ids(text)      # exactly what `specstream generate` does
+    return engine.tokenizer.encode(text, add_bos=add_bos, parse_special=parse_special)
+
+
+def encode_chat(engine: Any, messages: Sequence[Any], prefix: str) -> list[int]:
+    """Role/content messages rendered with the model's template (or the built-in fallback),
+    tokenized with special tokens parsed; Generate and Tokenize both use this."""
+    if not messages:
+        raise InvalidRequestError(f"{prefix}.messages", "the conversation is empty")
+    return engine.chat_prompt_ids([{"role": m.role, "content": m.content} for m in messages])
+
+
+async def prompt_ids(engine: Any, msg: Any) -> tuple[int, ...]:
+    """The prompt token ids of a GenerateRequest or TokenizeRequest."""
+    which = msg.WhichOneof("input")
+    add_bos = _opt(msg, "add_bos", None, bool)
+    parse_special = _opt(msg, "parse_special", True, bool)
+    if which == "text":
+        if len(msg.text) > _LARGE_TEXT:
+            ids = await asyncio.to_thread(encode_text, engine, msg.text, add_bos, parse_special)
+        else:
+            ids = encode_text(engine, msg.text, add_bos, parse_special)
+    elif which == "chat":
+        ids = encode_chat(engine, msg.chat.messages, "input.chat")
+    elif which == "tokens":
+        ids = list(msg.tokens.ids)
+    else:
+        raise InvalidRequestError("input", "set exactly one of text, tokens or chat")
+    return tuple(int(i) for i in ids)
+
+
+async def request_from_proto(engine: Any, msg: generation_pb2.GenerateRequest
+                             ) -> GenerationRequest:
+    speculative = _opt(msg.speculative, "enabled", None, bool)
+    if speculative and (engine.config.drafter == "none" or engine.config.verify_width < 2):
+        raise ConfigError([("speculative.enabled", "speculation was requested but the server "
+                            f"runs with drafter={engine.config.drafter!r}, verify_width="
+                            f"{engine.config.verify_width}")])
+    return GenerationRequest(
+        request_id=msg.request_id, prompt_ids=await prompt_ids(engine, msg),
+        sampling=sampling_from_proto(msg.sampling), stopping=stopping_from_proto(msg.stopping),
+        top_logprobs=_opt(msg.output, "top_logprobs", 0, int), speculative=speculative)
+
+
+def engine_config_from_proto(msg: config_pb2.EngineConfig, base: EngineConfig) -> EngineConfig:
+    """The fields set in msg over base (ValidateConfig's dry run)."""
+    return replace(base, **{f.name: getattr(msg, f.name) for f in fields(EngineConfig)
+                            if msg.HasField(f.name)})
+
+
+# ------------------------------------------------------------------------- domain -> proto
+_FINISH = {r: generation_pb2.FinishReason.Value(f"FINISH_REASON_{r.name}")
+           for r in FinishReason if r is not FinishReason.ERROR}
+
+
+def response_from_event(request_id: str, event: Event) -> generation_pb2.GenerateResponse:
+    pb = generation_pb2
+    if isinstance(event, Started):
+        return pb.GenerateResponse(request_id=request_id, started=pb.Started(
+            prompt_tokens=event.prompt_tokens, seed=event.seed))
+    if isinstance(event, Delta):
+        return pb.GenerateResponse(request_id=request_id, delta=pb.Delta(
+            token_ids=event.token_ids, text=event.text,
+            logprobs=[pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                      top=[pb.TopLogprob(token_id=t, logprob=p)
+                                           for t, p in lp.top])
+                      for lp in event.logprobs]))
+    u, t = event.usage, event.timings
+    fin = pb.Finished(
+        reason=_FINISH[event.reason],
+        usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                       draft_tokens=u.draft_tokens, accepted_draft_tokens=u.accepted_draft_tokens),
+        timings=pb.Timings(queue_ms=t.queue_ms, time_to_first_token_ms=t.time_to_first_token_ms,
+                           prefill_ms=t.prefill_ms, decode_ms=t.decode_ms,
+                           per_token_decode_ms=t.per_token_decode_ms))
+    if isinstance(event.matched_stop, str):
+        fin.stop_sequence = event.matched_stop
+    elif isinstance(event.matched_stop, int):
+        fin.stop_token_id = event.matched_stop
+    return pb.GenerateResponse(request_id=request_id, finished=fin)
+
+
+def engine_config_to_proto(cfg: EngineConfig) -> config_pb2.EngineConfig:
+    return config_pb2.EngineConfig(**{f.name: getattr(cfg, f.name) for f in fields(cfg)})
+
+
+def model_info_to_proto(info: Any, cfg: EngineConfig) -> config_pb2.ModelInfo:
+    msg = config_pb2.ModelInfo(
+        name=info.name, architecture=info.architecture, file_type=str(info.file_type),
+        n_params=int(info.n_params), n_ctx_train=int(info.n_ctx_train), n_ctx=int(info.n_ctx),
+        vocab_size=int(info.vocab_size), eog_ids=[int(i) for i in info.eog_ids],
+        backend=str(info.backend), drafter=cfg.drafter,
+        kv_cache_type_k=cfg.kv_cache_type_k, kv_cache_type_v=cfg.kv_cache_type_v,
+        server_version=__version__)
+    if info.bos_id is not None:
+        msg.bos_id = int(info.bos_id)
+    if info.eos_id is not None:
+        msg.eos_id = int(info.eos_id)
+    if info.chat_template:
+        msg.chat_template = info.chat_template
+    return msg
+
+
+# ------------------------------------------------------------------------- servicers
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, state: ServingState) -> None:
+        self._state = state
+
+    async def Generate(self, request: generation_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> None:
+        state = self._state
+        engine = state.require_engine(admitting=True)
+        rid = request.request_id     # the interceptor filled it in when empty
+        domain = await request_from_proto(engine, request)
+        buffer = EventBuffer(asyncio.get_running_loop(), state.server_config.stream_buffer)
+        handle = engine.submit(domain, buffer.sink)
+        state.metrics.streams.inc()
+        finished = False
+        try:
+            while not finished:
+                event = await buffer.get()
+                if isinstance(event, Finished):
+                    finished = True
+                    if event.reason is FinishReason.ERROR:
+                        log.error("engine_request_failed", error=event.error)
+                        raise RuntimeError("the engine failed on this request")
+                    state.metrics.observe_finished(event, buffer.merged)
+                    log.info("generate_finished", reason=event.reason.value,
+                             prompt_tokens=event.usage.prompt_tokens,
+                             completion_tokens=event.usage.completion_tokens,
+                             ttft_ms=round(event.timings.time_to_first_token_ms, 3),
+                             merged_deltas=buffer.merged)
+                await context.write(response_from_event(rid, event))
+        finally:
+            state.metrics.streams.dec()
+            if not finished:         # cancel, deadline, broken connection, shutdown
+                handle.cancel()
+                log.info("generate_cancelled")
+
+    async def Tokenize(self, request: generation_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:
+        engine = self._state.require_engine()
+        if request.WhichOneof("input") is None:
+            raise InvalidRequestError("input", "set one of text or chat")
+        ids = await prompt_ids(engine, request)
+        pieces = [engine.tokenizer.token_piece(i) for i in ids]
+        return generation_pb2.TokenizeResponse(ids=ids, pieces=pieces)
+
+    async def Detokenize(self, request: generation_pb2.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> generation_pb2.DetokenizeResponse:
+        engine = self._state.require_engine()
+        vocab = engine.tokenizer.vocab_size
+        for i, t in enumerate(request.ids):
+            if t >= vocab:
+                raise InvalidRequestError(f"ids[{i}]", f"token id {t} is outside the "
+                                                       f"vocabulary [0, {vocab})")
+        text = engine.tokenizer.decode(list(request.ids),
+                                       skip_special=_opt(request, "skip_special", False, bool))
+        return generation_pb2.DetokenizeResponse(text=text)
+
+
+class ConfigServicer(config_pb2_grpc.ConfigServiceServicer):
+    def __init__(self, state: ServingState) -> None:
+        self._state = state
+
+    def _effective(self) -> EngineConfig:
+        engine = self._state.engine
+        return engine.config if engine is not None else self._state.engine_config
+
+    async def GetModelInfo(self, request, context) -> config_pb2.ModelInfo:
+        engine = self._state.require_engine()
+        return model_info_to_proto(engine.info, engine.config)
+
+    async def GetConfig(self, request, context) -> config_pb2.GetConfigResponse:
+        return config_pb2.GetConfigResponse(config=engine_config_to_proto(self._effective()))
+
+    async def ValidateConfig(self, request: config_pb2.ValidateConfigRequest,
+                             context) -> config_pb2.ValidateConfigResponse:
+        candidate = engine_config_from_proto(request.config, self._effective())
+        problems = candidate.problems()
+        return config_pb2.ValidateConfigResponse(
+            valid=not problems, config=engine_config_to_proto(candidate),
+            problems=[config_pb2.ConfigProblem(field=f, message=m) for f, m in problems])
+
+
+# ------------------------------------------------------------------------- the server
+def server_options(cfg: ServerConfig) -> list[tuple[str, int]]:
+    """Channel arguments chosen on purpose (see README-grpc.md, "Limits and keepalive")."""
+    opts = [
+        ("grpc.max_receive_message_length", cfg.max_receive_message_bytes),
+        ("grpc.max_send_message_length", cfg.max_send_message_bytes),
+        ("grpc.keepalive_time_ms", int(cfg.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms",
+         int(cfg.min_ping_interval_s * 1000)),
+        ("grpc.http2.max_ping_strikes", 2),
+        ("grpc.so_reuseport", 0),    # a second server on the same port fails instead of sharing
+    ]
+    if cfg.max_connection_age_s > 0:
+        opts += [("grpc.max_connection_age_ms", int(cfg.max_connection_age_s * 1000)),
+                 ("grpc.max_connection_age_grace_ms", int(cfg.grace_period_s * 1000))]
+    return opts
+
+
+def build_server(state: ServingState) -> grpc.aio.Server:
+    """A grpc.aio server with our services, health and reflection (not yet bound or started)."""
+    server = grpc.aio.server(interceptors=[ServiceInterceptor(state.metrics)],
+                             options=server_options(state.server_config),
+                             compression=grpc.Compression.NoCompression)
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(
+        GenerationServicer(state), server)
+    config_pb2_grpc.add_ConfigServiceServicer_to_server(ConfigServicer(state), server)
+    health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
+    reflection.enable_server_reflection(
+        (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    return server
