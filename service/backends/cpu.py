@@ -36,6 +36,7 @@ class CpuMatrix:
     scale: np.ndarray = field(default_factory=lambda: _EMPTY)   # (N, K/group) f32
     offset: np.ndarray = field(default_factory=lambda: _EMPTY)  # (N, K/group) f32 | (0, 0)
     group: int = 32
+    src: QuantType = QuantType.F32   # the file's type (selects llama.cpp's activation rounding)
 
 
 @dataclass
@@ -69,6 +70,33 @@ def _rows(t: TensorInfo) -> tuple[int, int]:
     return int(np.prod(t.shape[:-1])), t.shape[-1]
 
 
+def _q8_k_round_trip(x: np.ndarray) -> np.ndarray:
+    """ggml's Q8_K rounding of x (T, K): per 256 values d = max/-127 (max = the value of largest
+    magnitude), q = min(127, round(x/d))."""
+    t, k = x.shape
+    b = x.reshape(t, k // 256, 256)
+    mx = np.take_along_axis(b, np.abs(b).argmax(-1)[..., None], -1)            # (T, K/256, 1)
+    safe = np.where(mx == 0, np.float32(1), mx)
+    iscale = np.where(mx == 0, np.float32(0), np.float32(-127.0) / safe).astype(np.float32)
+    q = np.minimum(np.rint(iscale * b), 127)
+    d = np.where(iscale == 0, np.float32(0), np.float32(1.0) / np.where(iscale == 0, 1, iscale))
+    return (q * d.astype(np.float32)).reshape(t, k).astype(np.float32)
+
+
+_ACT_ROUNDING = {QuantType.F16: "f16", QuantType.BF16: "bf16", QuantType.Q4_K: "q8_k",
+                 QuantType.Q5_K: "q8_k", QuantType.Q6_K: "q8_k", QuantType.F32: None}
+
+
+def _act_round_trip(x: np.ndarray, src: QuantType) -> np.ndarray:
+    kind = _ACT_ROUNDING.get(src, "q8_0")
+    if kind is None:
+        return x
+    if kind == "q8_k" and x.shape[-1] % 256 == 0:
+        return _q8_k_round_trip(x)
+    qt = {"f16": QuantType.F16, "bf16": QuantType.BF16}.get(kind, QuantType.Q8_0)
+    return quants.dequantize(quants.quantize(x, qt), qt, x.shape)
+
+
 def _round_trip(x: np.ndarray, kv_type: str) -> np.ndarray:
     """The values an element type stores for x (..., D) f32 (ggml's quantizers, bit-exact)."""
     qt = _KV_QTYPES[kv_type]
@@ -80,9 +108,15 @@ class CpuBackend(Backend):
     name = "cpu"
     kv_types = tuple(_KV_QTYPES)
 
-    def __init__(self, threads: int = 0):
+    def __init__(self, threads: int = 0, act_quant: bool = False):
+        """act_quant: round activations as llama.cpp's CPU matmuls do before the dot product
+        (8-bit blocks: Q8_K for K-quant weights, Q8_0 for the others; f16/bf16 for f16/bf16
+        weights). Off by default: float32 activations are the reference. Tests turn it on to
+        compare with llama.cpp's logits on random-weight models, where 8-bit noise is amplified.
+        """
         import numba
 
+        self.act_quant = act_quant
         if threads:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
@@ -110,7 +144,8 @@ class CpuBackend(Backend):
         n = sum(int(np.prod(t.shape[:-1])) for t in tensors)
         if fmt == "f32":
             w = np.concatenate([quants.dequantize(t.raw, t.qtype, _rows(t)) for t in tensors])
-            return CpuMatrix("f32", n, k, np.ascontiguousarray(w.T))   # (K, N) f32
+            return CpuMatrix("f32", n, k, np.ascontiguousarray(w.T),  # (K, N) f32
+                             src=tensors[0].qtype)
         parts = [quants.affine_rows(t.raw, t.qtype, _rows(t)) for t in tensors]
         codes = np.concatenate([p[0] for p in parts])                    # (N, K) i8
         scale = np.ascontiguousarray(np.concatenate([p[1] for p in parts]), np.float32)
@@ -118,7 +153,8 @@ class CpuBackend(Backend):
         group = parts[0][3]
         if not offset.any():
             offset = _EMPTY
-        return CpuMatrix("q8", n, k, np.ascontiguousarray(codes, np.int8), scale, offset, group)
+        return CpuMatrix("q8", n, k, np.ascontiguousarray(codes, np.int8), scale, offset, group,
+                         tensors[0].qtype)
 
     def load_experts(self, tensor: TensorInfo) -> list[CpuMatrix]:
         n_expert = tensor.shape[0]
@@ -153,16 +189,20 @@ class CpuBackend(Backend):
             out *= np.float32(scale)
 
     def rms_norm(self, x, w, eps, out):
-        ms = np.einsum("...i,...i->...", x, x, dtype=np.float32) / np.float32(x.shape[-1])
+        ms = np.square(x).sum(axis=-1) / np.float32(x.shape[-1])               # (...,) f32
         np.multiply(x, (1.0 / np.sqrt(ms + np.float32(eps)))[..., None], out=out)
         out *= w
 
     def matmul(self, x, w: CpuMatrix, out):
         if w.fmt == "f32":
+            if self.act_quant:
+                x = _act_round_trip(x, w.src)
             for t in range(x.shape[0]):   # one row at a time: the same BLAS call for any T
                 np.matmul(x[t:t + 1], w.data, out=out[t:t + 1])
             return
         x = np.ascontiguousarray(x, dtype=np.float32)
+        if self.act_quant:
+            x = _act_round_trip(x, w.src)
         xsum = np.empty((x.shape[0], w.k // w.group), np.float32)
         K.group_sums(x, w.group, xsum)
         K.matmul_q8(x, xsum, w.data, w.scale, w.offset, w.group, out)
@@ -214,30 +254,25 @@ class CpuBackend(Backend):
 
     def attention(self, q, cache: CpuKVCache, layer, slots, positions, kv_len, window, scale,
                   out):
+        # One query at a time over exactly the keys it may see (j <= pos, inside the window):
+        # the same shapes and order of operations whatever else is in the step, so a token's
+        # output never depends on how the step was batched.
         T, H, D = q.shape
         hkv = cache.n_head_kv
         g = H // hkv
-        for slot in np.unique(slots):
-            idx = slice(None) if len(slots) == 1 or (slots == slot).all() else (
-                np.nonzero(slots == slot)[0])
-            pos = positions[idx]                                           # (Tq,)
-            n = int(pos.max()) + 1
-            kc = cache.k[layer][slot, :n]                                  # (n, Hkv, D)
-            vc = cache.v[layer][slot, :n]                                  # (n, Hkv, Dv)
-            tq = len(pos)
-            qh = q[idx].reshape(tq, hkv, g, D).transpose(1, 0, 2, 3).reshape(hkv, tq * g, D)
-            s = np.matmul(qh, kc.transpose(1, 2, 0)) * np.float32(scale)   # (Hkv, Tq*G, n)
-            j = np.arange(n)
-            p = np.repeat(pos, g)[:, None]                                 # (Tq*G, 1)
-            visible = j[None, :] <= p
-            if window:
-                visible &= (p - j[None, :]) < window
-            s = np.where(visible[None], s, -np.inf)
+        sc = np.float32(scale)
+        for t in range(T):
+            slot, pos = int(slots[t]), int(positions[t])
+            lo = max(0, pos - window + 1) if window else 0
+            kc = cache.k[layer][slot, lo:pos + 1]                            # (n, Hkv, D)
+            vc = cache.v[layer][slot, lo:pos + 1]                            # (n, Hkv, Dv)
+            qh = q[t].reshape(hkv, g, D)                                     # (Hkv, G, D)
+            s = np.matmul(qh, kc.transpose(1, 2, 0))                         # (Hkv, G, n)
+            s *= sc
             s -= s.max(axis=-1, keepdims=True)
             np.exp(s, out=s)
             s /= s.sum(axis=-1, keepdims=True)
-            o = np.matmul(s, vc.transpose(1, 0, 2))                         # (Hkv, Tq*G, Dv)
-            out[idx] = o.reshape(hkv, tq, g, -1).transpose(1, 0, 2, 3).reshape(tq, H, -1)
+            out[t] = np.matmul(s, vc.transpose(1, 0, 2)).reshape(H, -1)     # (H, Dv)
 
     def moe(self, x, router: CpuMatrix, gate, up, down, n_used, normalize, activation, out):
         T = x.shape[0]
