@@ -121,7 +121,13 @@ def cmd_generate(args) -> int:
     from service.config import EngineConfig
     from service.engine.scheduler import Engine
     from service.engine.types import (
-        Delta, Finished, GenerationRequest, SamplingParams, Started, StoppingCriteria)
+        Delta,
+        Finished,
+        GenerationRequest,
+        SamplingParams,
+        Started,
+        StoppingCriteria,
+    )
 
     config = EngineConfig(kv_cache_type_k=args.cache_type_k, kv_cache_type_v=args.cache_type_v,
                           verify_width=args.verify_width, drafter=args.drafter,

@@ -46,8 +46,8 @@ class Backend(abc.ABC):
     def upload_ints(self, host: Any, out: Array) -> None:
         """Copy a small host int32 array into the device buffer `out` (async where possible)."""
 
-    def synchronize(self) -> None:
-        """Wait for queued work (no-op on synchronous backends)."""
+    def synchronize(self) -> None:  # noqa: B027 - a no-op default on synchronous backends
+        """Wait for queued work."""
 
     # ---------------------------------------------------------------- weights (load time)
     @abc.abstractmethod

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+
 @njit(cache=True, fastmath=True)
 def group_sums(x: np.ndarray, group: int, out: np.ndarray) -> None:
     """out[t, g] = sum(x[t, g*group:(g+1)*group]).  x (T, K) f32, out (T, K//group) f32."""

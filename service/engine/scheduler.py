@@ -30,8 +30,8 @@ from service.engine.textstream import TextStream
 from service.engine.types import Event, FinishReason, GenerationRequest
 from service.errors import CapacityError, ConfigError, UnavailableError
 from service.gguf.reader import GGUFFile
-from service.model.spec import ModelSpec
 from service.model.chat import render_chat, template_for
+from service.model.spec import ModelSpec
 from service.model.tokenizer import Tokenizer
 from service.model.transformer import Transformer
 

@@ -15,7 +15,15 @@ import numpy as np
 from service.engine.sampling import Sampler, top_logprobs
 from service.engine.textstream import TextStream
 from service.engine.types import (
-    Delta, Finished, FinishReason, GenerationRequest, Started, Timings, TokenLogprob, Usage)
+    Delta,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    Started,
+    Timings,
+    TokenLogprob,
+    Usage,
+)
 
 
 @dataclass

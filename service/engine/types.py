@@ -74,8 +74,9 @@ class StoppingCriteria:
                     f"must be 1..{MAX_STOP_SEQUENCE_CHARS} characters long")
         for i, t in enumerate(self.stop_token_ids):
             if not 0 <= t < vocab_size:
-                raise InvalidRequestError(f"{prefix}.stop_token_ids[{i}]",
-                                          f"token id {t} is outside the vocabulary [0, {vocab_size})")
+                raise InvalidRequestError(
+                    f"{prefix}.stop_token_ids[{i}]",
+                    f"token id {t} is outside the vocabulary [0, {vocab_size})")
 
 
 class FinishReason(enum.Enum):
