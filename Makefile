@@ -1,0 +1,66 @@
+# specstream: every task a developer or CI runs. `make help` lists them.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PY     := $(BIN)/python
+PORT   ?= 50051
+MODEL  ?= smollm2-135m
+PROMPT ?= The capital of France is
+GPU_PY ?= 3.12
+
+.PHONY: help setup proto models serve generate test test-gpu bench lint wheelhouse clean
+
+help:
+	@echo "make serve       set up, fetch the default model, start the gRPC server on :$(PORT)"
+	@echo "make test        set up, fetch the test models, run the CPU test suite"
+	@echo "make generate    stream a completion from the CLI (PROMPT=..., MODEL=...)"
+	@echo "make models      fetch smollm2-135m and gemma3-270m into ./models"
+	@echo "make test-gpu    run the GPU tests (needs CUDA and CuPy)"
+	@echo "make bench       CPU decode benchmark and server overhead benchmark"
+	@echo "make lint        ruff"
+	@echo "make wheelhouse  wheels for an offline GPU host (Python $(GPU_PY))"
+
+$(BIN)/specstream: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[dev]"
+	@touch $@
+
+setup: $(BIN)/specstream proto
+
+proto: $(BIN)/specstream
+	$(PY) -m service.proto_build
+
+models: $(BIN)/specstream
+	$(BIN)/specstream models fetch smollm2-135m
+	$(BIN)/specstream models fetch gemma3-270m
+
+serve: setup
+	$(BIN)/specstream models fetch $(MODEL)
+	$(BIN)/specstream serve $(MODEL) --port $(PORT)
+
+generate: setup
+	$(BIN)/specstream generate $(MODEL) --prompt "$(PROMPT)" --max-new-tokens 64
+
+test: setup models
+	$(PY) -m pytest -m "not gpu" -q
+
+test-gpu: setup
+	$(PY) -m pytest -m gpu -q tests/gpu
+
+bench: setup models
+	$(PY) bench/cpu_decode.py
+	$(PY) bench/server_overhead.py
+
+lint: $(BIN)/specstream
+	$(BIN)/ruff check service clients tests bench
+
+wheelhouse:
+	$(PYTHON) -m pip download --dest wheelhouse --only-binary=:all: \
+	  --python-version $(GPU_PY) --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux_2_28_x86_64 --implementation cp \
+	  gguf structlog grpcio-health-checking grpcio-reflection grpcio-status prometheus-client \
+	  tokenizers jinja2 numba protobuf grpcio grpcio-tools pytest hypothesis
+
+clean:
+	rm -rf service/proto build dist *.egg-info .pytest_cache
