@@ -1,0 +1,110 @@
+"""CPU decode speed of both real models, against llama.cpp measured in the same run.
+
+For each model: tokens/s of plain greedy decoding through the engine (one token per step), of
+greedy decoding with n-gram speculation (verify width 4), and, when the `llama_cpp` package is
+importable (see bench/llamacpp_reference.py), of llama.cpp decoding the same tokens with the
+same thread count. Without it the llama.cpp column shows the recorded anchor figures, marked.
+
+    python bench/cpu_decode.py [--tokens 64] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from service.config import EngineConfig, models_dir_from_env  # noqa: E402
+from service.engine.scheduler import Engine  # noqa: E402
+from service.engine.types import (  # noqa: E402
+    Collected, GenerationRequest, SamplingParams, StoppingCriteria)
+from service.gguf.fetch import fetch_model  # noqa: E402
+
+# tok/s of llama.cpp on the 2-core machine, recorded in the project's anchors (used only when
+# llama.cpp cannot be measured in this run).
+RECORDED = {"smollm2-135m": 108.0, "gemma3-270m": 62.0}
+PROMPTS = {
+    "prose": "Once upon a time, in a small village by the sea,",
+    "code": 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+}
+
+
+def engine_tok_s(engine: Engine, ids: list[int], n: int, speculative: bool) -> float:
+    req = GenerationRequest("bench", tuple(ids), SamplingParams(temperature=0.0),
+                            StoppingCriteria(max_new_tokens=n, ignore_eos=True),
+                            speculative=speculative)
+    out = Collected()
+    for ev in engine.generate(req):
+        out.add(ev)
+    t = out.finished.timings
+    return (len(out.token_ids) - 1) / (t.decode_ms / 1e3)
+
+
+def llamacpp_tok_s(path: Path, ids: list[int], n: int, threads: int) -> float | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=str(path), n_ctx=512, n_threads=threads, verbose=False)
+    llm.eval(ids)
+    tok = int(llm.scores[llm.n_tokens - 1].argmax())
+    t0 = time.perf_counter()
+    for _ in range(n - 1):
+        llm.eval([tok])
+        row = llm.scores[llm.n_tokens - 1]
+        tok = int(row.argmax())
+    return (n - 1) / (time.perf_counter() - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args()
+    rows = []
+    for name in RECORDED:
+        path = fetch_model(name, models_dir_from_env())
+        eng = Engine.load(path, EngineConfig(backend="cpu", n_ctx=1024, n_slots=1,
+                                             threads=args.threads, verify_width=4))
+        eng.start()
+        eng.warmup()
+        for label, text in PROMPTS.items():
+            ids = eng.text_prompt_ids(text)
+            plain = statistics.median(engine_tok_s(eng, ids, args.tokens, False)
+                                      for _ in range(args.repeats))
+            spec = statistics.median(engine_tok_s(eng, ids, args.tokens, True)
+                                     for _ in range(args.repeats))
+            ref = llamacpp_tok_s(path, ids, args.tokens, args.threads)
+            measured = ref is not None
+            rows.append({"model": name, "prompt": label, "specstream": plain,
+                         "specstream_spec": spec,
+                         "llama_cpp": ref if measured else RECORDED[name],
+                         "llama_cpp_measured": measured})
+        eng.stop()
+    print(f"\nCPU decode, greedy, {args.tokens} tokens, {args.threads} threads "
+          f"(median of {args.repeats})")
+    print(f"{'model':14} {'prompt':6} {'specstream':>11} {'+ngram spec':>12} "
+          f"{'llama.cpp':>11} {'ratio':>6} {'ratio spec':>10}")
+    for r in rows:
+        mark = "" if r["llama_cpp_measured"] else "*"
+        print(f"{r['model']:14} {r['prompt']:6} {r['specstream']:9.1f}/s "
+              f"{r['specstream_spec']:10.1f}/s {r['llama_cpp']:9.1f}/s{mark:1} "
+              f"{r['specstream'] / r['llama_cpp']:5.2f}x {r['specstream_spec'] / r['llama_cpp']:9.2f}x")
+    if not all(r["llama_cpp_measured"] for r in rows):
+        print("* llama.cpp not importable here: recorded anchor figure, not measured in this run")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
