@@ -166,19 +166,41 @@ ENV_PREFIX = "SPECSTREAM_"
 CONFIG_FILE_ENV = "SPECSTREAM_CONFIG"
 _FLAG_NAMES = {  # field -> flag, where the flag is not the field name with dashes
     "kv_cache_type_k": "--cache-type-k", "kv_cache_type_v": "--cache-type-v",
-    "n_ctx": "--ctx-size", "n_slots": "--slots", "grace_period_s": "--grace-period",
+    "grace_period_s": "--grace-period",
     "drain_delay_s": "--drain-delay", "keepalive_time_s": "--keepalive-time",
     "keepalive_timeout_s": "--keepalive-timeout", "min_ping_interval_s": "--min-ping-interval",
     "max_connection_age_s": "--max-connection-age",
 }
 _HELP = {
-    "model": "GGUF file or known model name (default %(default)s, fetched on first use)",
-    "kv_cache_type_k": "KV cache element type of keys (see the supported pairs below)",
+    "model": "GGUF file or known model name, fetched on first use",
+    "models_dir": "where fetched models live ('' = models/ in the repository)",
+    "host": "gRPC listen address ([::] = every IPv6 and IPv4 interface)",
+    "port": "gRPC port (0 = any free port, logged)",
+    "metrics_host": "Prometheus listen address",
+    "metrics_port": "Prometheus /metrics port (0 = any free port, -1 = off)",
+    "grace_period_s": "seconds in-flight streams get to finish after SIGTERM",
+    "drain_delay_s": "seconds to report NOT_SERVING after SIGTERM before closing the port",
+    "max_receive_message_bytes": "largest request accepted",
+    "max_send_message_bytes": "largest response sent",
+    "keepalive_time_s": "server pings a quiet connection after this many seconds",
+    "keepalive_timeout_s": "drop a connection whose keepalive ping is unanswered this long",
+    "min_ping_interval_s": "client pings closer than this count as abuse (GOAWAY)",
+    "max_connection_age_s": "GOAWAY connections older than this, for rebalancing (0 = never)",
+    "stream_buffer": "events held per stream before pending Deltas are merged",
+    "log_level": "debug, info, warning or error",
+    "log_format": "json or console",
+    "kv_cache_type_k": "KV cache element type of keys (supported pairs below)",
     "kv_cache_type_v": "KV cache element type of values",
-    "verify_width": "tokens verified per speculative step, 1..16 (1: no speculation)",
-    "backend": "compute backend: auto, cpu or cuda",
-    "drafter": "speculative drafter: none or ngram",
-    "metrics_port": "Prometheus port; 0 picks a free one, -1 turns metrics off",
+    "verify_width": f"tokens verified per speculative step, {MIN_VERIFY_WIDTH}..{MAX_VERIFY_WIDTH}"
+                    " (1 = no speculation)",
+    "drafter": "speculative drafter: " + ", ".join(DRAFTERS),
+    "ngram_size": "n-gram length the lookup drafter matches, 1..8",
+    "backend": "compute backend: " + ", ".join(BACKENDS),
+    "n_ctx": "context tokens per sequence (capped at the model's trained length)",
+    "n_slots": "sequences held in the KV cache at once",
+    "prefill_chunk": "prompt tokens per prefill step",
+    "max_queue": "requests that may wait for a slot before RESOURCE_EXHAUSTED",
+    "threads": "CPU backend threads (0 = all cores)",
 }
 
 

@@ -118,6 +118,33 @@ def request_id_of(request: object, context: grpc.aio.ServicerContext) -> str:
     return rid
 
 
+# ------------------------------------------------------------------------- undecodable bytes
+class _Undecodable:
+    """Stands in for a request whose bytes do not parse, so the RPC can answer
+    INVALID_ARGUMENT instead of gRPC's default UNKNOWN (with a logged traceback)."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable | None) -> Callable | None:
+    if deserializer is None:
+        return None
+
+    def load(data: bytes) -> object:
+        try:
+            return deserializer(data)
+        except Exception as e:  # noqa: BLE001 - any parse failure is the caller's malformed input
+            return _Undecodable(str(e))
+    return load
+
+
+def _check_decoded(request: object) -> None:
+    if isinstance(request, _Undecodable):
+        raise InvalidRequestError("request", f"the request bytes do not parse: {request.error}",
+                                  reason="MALFORMED_REQUEST")
+
+
 # ------------------------------------------------------------------------- the interceptor
 class ServiceInterceptor(grpc.aio.ServerInterceptor):
     """Error mapping, request-id binding, access log and RPC metrics for unary and
@@ -140,11 +167,11 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                        if inspect.isasyncgenfunction(behavior)
                        else self._wrap_call(method, behavior))
             return grpc.unary_stream_rpc_method_handler(
-                wrapped, request_deserializer=handler.request_deserializer,
+                wrapped, request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer)
         return grpc.unary_unary_rpc_method_handler(
             self._wrap_call(method, handler.unary_unary),
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_tolerant(handler.request_deserializer),
             response_serializer=handler.response_serializer)
 
     def _wrap_call(self, method: str, behavior: Callable) -> Callable:
@@ -152,6 +179,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             rid, t0 = self._begin(request, context)
             code = "OK"
             try:
+                _check_decoded(request)
                 return await behavior(request, context)
             except BaseException as exc:  # noqa: BLE001 - classified and re-raised or mapped
                 code = await self._handle(exc, context, method, rid)
@@ -164,6 +192,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             rid, t0 = self._begin(request, context)
             code = "OK"
             try:
+                _check_decoded(request)
                 async for response in behavior(request, context):
                     yield response
             except BaseException as exc:  # noqa: BLE001 - classified and re-raised or mapped
@@ -214,5 +243,7 @@ def _final_code(context: grpc.aio.ServicerContext, fallback: str) -> str:
     if isinstance(code, int):
         return code_pb2.Code.Name(code)
     if context.cancelled():
-        return "CANCELLED"
+        remaining = context.time_remaining()
+        return ("DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0
+                else "CANCELLED")
     return fallback

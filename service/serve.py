@@ -180,8 +180,10 @@ class BackgroundServer:
         with BackgroundServer(engine) as srv: SpecstreamClient(srv.target)...
     """
 
-    def __init__(self, engine: Any, server_cfg: ServerConfig | None = None) -> None:
-        self.engine = engine
+    def __init__(self, engine: Any, server_cfg: ServerConfig | None = None,
+                 engine_cfg: EngineConfig | None = None) -> None:
+        self.engine = engine         # None: a server that stays "loading" (tests of that state)
+        self.engine_cfg = engine_cfg or (engine.config if engine is not None else EngineConfig())
         self.server_cfg = server_cfg or ServerConfig(host="127.0.0.1", port=0, metrics_port=0,
                                                      grace_period_s=2.0)
         self._loop = asyncio.new_event_loop()
@@ -193,13 +195,15 @@ class BackgroundServer:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _start(self) -> None:
-        self.service = Service(self.server_cfg, self.engine.config)
+        self.service = Service(self.server_cfg, self.engine_cfg)
         await self.service.start()
-        await self.service.attach(self.engine)
+        if self.engine is not None:
+            await self.service.attach(self.engine)
 
     def start(self) -> BackgroundServer:
-        self._thread.start()
-        self._call(self._start())
+        if self.service is None:
+            self._thread.start()
+            self._call(self._start())
         return self
 
     @property

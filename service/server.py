@@ -38,7 +38,7 @@ from service.engine.types import (
 from service.errors import ConfigError, InvalidRequestError, UnavailableError
 from service.interceptors import ServiceInterceptor
 from service.metrics import Metrics
-from service.proto_build import ensure_stubs
+from service.proto_build import DocumentedPool, ensure_stubs
 
 ensure_stubs()  # a fresh clone has no stubs; a changed .proto regenerates them
 
@@ -367,5 +367,12 @@ def build_server(state: ServingState) -> grpc.aio.Server:
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
     reflection.enable_server_reflection(
         (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
+         reflection.SERVICE_NAME), server, pool=DocumentedPool())
     return server
+
+
+def serve_main(argv: Sequence[str] | None = None) -> int:
+    """`specstream serve` (lives in service/serve.py, which builds on this module)."""
+    from service.serve import serve_main as _serve_main
+
+    return _serve_main(argv)

@@ -35,8 +35,16 @@ def resolve_backend_name(name: str) -> str:
 
 
 def create_backend(name: str, **kwargs) -> Backend:
+    from service.errors import ConfigError
+
     name = resolve_backend_name(name)
     if name not in _REGISTRY:
-        raise ValueError(f"unknown backend {name!r}; known: {', '.join(_REGISTRY)}")
+        raise ConfigError([("backend", f"unknown backend {name!r}; known: "
+                                       + ", ".join(_REGISTRY))])
     module, cls = _REGISTRY[name]
-    return getattr(importlib.import_module(module), cls)(**kwargs)
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError([("backend", f"the {name} backend is not available here ({exc}); "
+                                       "use --backend cpu or auto")]) from exc
+    return getattr(mod, cls)(**kwargs)

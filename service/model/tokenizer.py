@@ -12,7 +12,9 @@ from the GGUF metadata (nothing is read from disk or the network):
   score(p) descending. Chars that are no piece become <0xNN> byte tokens; ' ' is written U+2581.
 
 Special tokens are cut out of the text first, longest first (llama.cpp's partition): user-defined
-tokens always, control and unknown tokens only when `parse_special` is true.
+tokens always, control and unknown tokens only when `parse_special` is true. As in llama.cpp,
+tokens whose text marks a role (end of turn, FIM, ...) gain the CONTROL attribute, and the
+end-of-generation set is eos plus those roles and texts (`_ROLES`, `_EOG_TEXTS`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from enum import Enum, IntEnum
+from enum import Enum, IntEnum, IntFlag
+from numbers import Integral, Real
 from typing import Any
+
+from tokenizers import Regex, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from service.errors import InvalidRequestError, ModelFormatError
 
@@ -51,6 +57,26 @@ class TokenType(IntEnum):
     USER_DEFINED = 4
     UNUSED = 5
     BYTE = 6
+
+
+class TokenAttr(IntFlag):
+    """llama.cpp's token attributes: the GGUF type, plus CONTROL where a role is found by text."""
+
+    UNDEFINED = 0
+    UNKNOWN = 1 << 0
+    UNUSED = 1 << 1
+    NORMAL = 1 << 2
+    CONTROL = 1 << 3
+    USER_DEFINED = 1 << 4
+    BYTE = 1 << 5
+
+
+# Per-token attributes are kept as plain ints (262k IntFlag objects would slow loading).
+_ATTR_OF_TYPE = {int(t): int(TokenAttr[t.name]) for t in TokenType}
+_NORMAL, _CONTROL, _USER, _BYTE = (int(TokenAttr[n]) for n in
+                                   ("NORMAL", "CONTROL", "USER_DEFINED", "BYTE"))
+_SPECIAL = int(TokenAttr.CONTROL | TokenAttr.UNKNOWN)  # hidden by skip_special, parsed on request
+_LITERAL = _SPECIAL | _USER                            # decoded as their stored text
 
 
 class VocabKind(Enum):
@@ -99,26 +125,24 @@ _register(["qwen2", "stablelm2", "megrez"], PreTokenizer((_QWEN2,)))
 
 
 # ---------------------------------------------------------------- special-token roles by text
-# llama.cpp finds these roles by token text and forces such tokens to CONTROL.
-_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-              "<|end_of_text|>", "<EOT>", "_<EOT>", "<\uff5cend\u2581of\u2581sentence\uff5c>",
-              "<end_of_utterance>")
-_EOG_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>",
-                        "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
-                        "<|end_of_text|>", "<end_of_utterance>"})
-# role -> (metadata keys, texts); FIM pad/repo/sep end generation, the others are only control.
+# llama.cpp gives these roles by token text when the metadata names no id, and adds CONTROL to the
+# token's attributes. role -> (metadata keys, texts in order of preference).
+_FW = "\uff5c"  # DeepSeek's full-width bar
 _ROLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "eot": (("tokenizer.ggml.eot_token_id",), _EOT_TEXTS),
+    "eot": (("tokenizer.ggml.eot_token_id",),
+            ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+             "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]",
+             f"<{_FW}end\u2581of\u2581sentence{_FW}>", "<end_of_utterance>")),
     "eom": (("tokenizer.ggml.eom_token_id",), ("<|eom_id|>",)),
     "fim_pre": (("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"),
-                ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>",
-                 "<PRE>", "\u2581<PRE>", "<|code_prefix|>")),
+                ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", f"<{_FW}fim\u2581begin{_FW}>",
+                 "<PRE>", "\u2581<PRE>", "<|code_prefix|>", "<|prefix|>")),
     "fim_suf": (("tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.suffix_token_id"),
-                ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>",
-                 "<SUF>", "\u2581<SUF>", "<|code_suffix|>")),
+                ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", f"<{_FW}fim\u2581hole{_FW}>",
+                 "<SUF>", "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>")),
     "fim_mid": (("tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.middle_token_id"),
-                ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>",
-                 "<MID>", "\u2581<MID>", "<|code_middle|>")),
+                ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", f"<{_FW}fim\u2581end{_FW}>",
+                 "<MID>", "\u2581<MID>", "<|code_middle|>", "<|middle|>")),
     "fim_pad": (("tokenizer.ggml.fim_pad_token_id",),
                 ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>")),
     "fim_rep": (("tokenizer.ggml.fim_rep_token_id",),
@@ -126,11 +150,25 @@ _ROLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "fim_sep": (("tokenizer.ggml.fim_sep_token_id",), ("<|file_sep|>",)),
 }
 _EOG_ROLES = ("eot", "eom", "fim_pad", "fim_rep", "fim_sep")
+# Tokens that end generation whatever their role (also made CONTROL).
+_EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    f"<{_FW}end\u2581of\u2581sentence{_FW}>", "[e~["})
+_ALWAYS_SHOWN = frozenset({"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"})
+# (text, new attribute, groups): the token leaves the EOG set, with the new attribute, when every
+# text of one group is also an EOG token (tokenizers where that text is an ordinary marker).
+_EOG_EXCEPTIONS = (
+    ("<|end|>", "USER_DEFINED", ({"<|return|>", "<|call|>"}, {"<|return|>", "<|calls|>"},
+                                 {"<|call|>", "<|flush|>"}, {"<|calls|>", "<|flush|>"})),
+    ("</s>", "NORMAL", ({"<|tool_response>"}, {"<|plamo:eos|>"})),
+)
 # llama.cpp's ids when the metadata names none: (bos, eos, unk)
 _DEFAULT_IDS = {VocabKind.SPM: (1, 2, 0), VocabKind.BPE: (11, 11, None)}
 
 
-def _byte_to_char() -> list[str]:
+def byte_level_chars() -> list[str]:
     """GPT-2's reversible byte -> printable char table used by byte-level BPE vocabularies."""
     kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
     table, extra = {}, 0
@@ -143,15 +181,17 @@ def _byte_to_char() -> list[str]:
     return [table[b] for b in range(256)]
 
 
-_CHAR_TO_BYTE = {c: b for b, c in enumerate(_byte_to_char())}
+_CHAR_TO_BYTE = {c: b for b, c in enumerate(byte_level_chars())}
 
 
 # ---------------------------------------------------------------- metadata checks
 
-def _list(md: Mapping[str, Any], key: str, item: type | tuple[type, ...], n: int | None) -> list:
+def _list(md: Mapping[str, Any], key: str, item: type, n: int | None) -> list:
     value = md.get(key)
-    if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
-        raise ModelFormatError(f"{key}: expected a list of {getattr(item, '__name__', item)}")
+    fast = {Integral: int, Real: (int, float)}.get(item, item)  # skip the slow ABC check
+    if not isinstance(value, list) or not (all(isinstance(v, fast) for v in value)
+                                           or all(isinstance(v, item) for v in value)):
+        raise ModelFormatError(f"{key}: expected a list of {item.__name__}")
     if n is not None and len(value) != n:
         raise ModelFormatError(f"{key}: has {len(value)} entries, {KEY_TOKENS} has {n}")
     return value
@@ -169,9 +209,9 @@ def _token_id(md: Mapping[str, Any], keys: tuple[str, ...], default: int | None,
     for key in keys:
         if key in md:
             value = md[key]
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n:
+            if isinstance(value, bool) or not isinstance(value, Integral) or not 0 <= value < n:
                 raise ModelFormatError(f"{key}: {value!r} is not a token id below {n}")
-            return value
+            return int(value)
     return default if default is not None and default < n else None
 
 
@@ -214,9 +254,9 @@ class Tokenizer:
         self.add_eos = False
         self.add_space_prefix = False
         self._texts: list[str] = []
-        self._types: list[TokenType] = []
+        self._attrs: list[int] = []  # TokenAttr bits per id
         self._specials: tuple[tuple[str, int, bool], ...] = ()  # (text, id, control-like)
-        self._hf: Any = None
+        self._hf: HFTokenizer | None = None
         self._pieces: dict[int, bytes] = {}
 
     # ---- construction
@@ -240,9 +280,9 @@ class Tokenizer:
                 return cls.ids_only(len(_list(md, KEY_TOKENS, str, None)))
             size_key = f"{md.get('general.architecture')}.vocab_size"
             size = md.get(size_key)
-            if isinstance(size, bool) or not isinstance(size, int):
+            if isinstance(size, bool) or not isinstance(size, Integral):
                 raise ModelFormatError(f"{size_key}: needed for a model without {KEY_TOKENS}")
-            return cls.ids_only(size)
+            return cls.ids_only(int(size))
         key = _fingerprint(md)
         with _CACHE_LOCK:
             if key in _CACHE:
@@ -265,11 +305,10 @@ class Tokenizer:
         vocab = {t: i for i, t in enumerate(texts)}
         if len(vocab) != n:
             raise ModelFormatError(f"{KEY_TOKENS}: {n - len(vocab)} duplicate token texts")
-        raw_types = _list(md, KEY_TYPES, int, n) if KEY_TYPES in md else [TokenType.NORMAL] * n
-        try:
-            types = [TokenType(t) for t in raw_types]
-        except ValueError as exc:
-            raise ModelFormatError(f"{KEY_TYPES}: {exc}") from exc
+        raw_types = (_list(md, KEY_TYPES, Integral, n) if KEY_TYPES in md
+                     else [int(TokenType.NORMAL)] * n)
+        # llama.cpp reads an unknown type as UNDEFINED (such tokens decode to nothing)
+        attrs = [_ATTR_OF_TYPE.get(int(t), 0) for t in raw_types]
         spec = None
         if self.kind is VocabKind.BPE:
             pre = md.get(KEY_PRE, "default")
@@ -286,11 +325,10 @@ class Tokenizer:
         self.add_bos = _flag(md, KEY_ADD_BOS, spm or bool(spec and spec.add_bos))
         self.add_eos = _flag(md, KEY_ADD_EOS, False)
         self.add_space_prefix = _flag(md, KEY_ADD_SPACE_PREFIX, spm)
-        self._texts, self._types = texts, types
+        self._texts, self._attrs = texts, attrs
         self._find_roles(md, vocab)
         self._specials = tuple(sorted(
-            ((texts[i], i, t is not TokenType.USER_DEFINED) for i, t in enumerate(types)
-             if t in (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN)),
+            ((texts[i], i, bool(a & _SPECIAL)) for i, a in enumerate(attrs) if a & _LITERAL),
             key=lambda s: (-len(s[0].encode("utf-8", "surrogatepass")), s[1])))
         if spm:
             self._hf = _build_spm(md, texts, vocab, self.unk_id)
@@ -298,23 +336,28 @@ class Tokenizer:
             self._hf = _build_bpe(md, vocab, spec)
 
     def _find_roles(self, md: Mapping[str, Any], vocab: dict[str, int]) -> None:
-        """EOG set and CONTROL overrides as llama.cpp derives them from token texts."""
-        eog = set()
+        """EOG set and attribute changes, in llama.cpp's order (a found role becomes CONTROL)."""
+        attrs, eog = self._attrs, set()
         for role, (keys, texts) in _ROLES.items():
             tid = _token_id(md, keys, None, self.vocab_size)
             if tid is None:
-                found = [vocab[t] for t in texts if t in vocab]
-                tid = min(found) if found else None
+                tid = next((vocab[t] for t in texts if t in vocab), None)
                 if tid is not None:
-                    self._types[tid] = TokenType.CONTROL
+                    attrs[tid] |= _CONTROL
             if tid is not None and role in _EOG_ROLES:
                 eog.add(tid)
-        for text in _EOG_TEXTS:
-            if text in vocab:
-                eog.add(vocab[text])
-                self._types[vocab[text]] = TokenType.CONTROL
+        for text in _EOG_TEXTS & vocab.keys():
+            eog.add(vocab[text])
+            attrs[vocab[text]] |= _CONTROL
+        for text in _ALWAYS_SHOWN & vocab.keys():
+            attrs[vocab[text]] = _USER
         if self.eos_id is not None:
             eog.add(self.eos_id)
+        eog_texts = {self._texts[i] for i in eog}
+        for text, attr, groups in _EOG_EXCEPTIONS:
+            if text in eog_texts and any(g <= eog_texts for g in groups):
+                eog.discard(vocab[text])
+                attrs[vocab[text]] = int(TokenAttr[attr])
         self.eog_ids = frozenset(eog)
 
     # ---- queries
@@ -327,9 +370,9 @@ class Tokenizer:
         self._check(tid)
         return self._texts[tid] if self._texts else ""
 
-    def token_type(self, tid: int) -> TokenType:
+    def token_attr(self, tid: int) -> TokenAttr:
         self._check(tid)
-        return self._types[tid] if self._types else TokenType.UNDEFINED
+        return TokenAttr(self._attrs[tid] if self._attrs else 0)
 
     def is_eog(self, tid: int) -> bool:
         return tid in self.eog_ids
@@ -370,7 +413,8 @@ class Tokenizer:
         return ids
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
-        """Cut special-token texts out, longest first (ties: lower id), as llama.cpp does."""
+        """Cut special-token texts out, longest (in bytes) first, as llama.cpp does; among
+        equal lengths lower ids go first (llama.cpp leaves that order unspecified)."""
         frags: list[str | int] = [text] if text else []
         for piece, tid, control_like in self._specials:
             if (control_like and not parse_special) or piece not in text:
@@ -398,21 +442,21 @@ class Tokenizer:
         self._check(tid)
         if not self._texts:
             return b""
-        kind = self._types[tid]
-        if skip_special and kind in (TokenType.CONTROL, TokenType.UNKNOWN):
+        attr = self._attrs[tid]
+        if skip_special and attr & _SPECIAL:
             return b""
         piece = self._pieces.get(tid)
         if piece is None:
-            piece = self._pieces[tid] = self._make_piece(tid, kind)
+            piece = self._pieces[tid] = self._make_piece(tid, attr)
         return piece
 
-    def _make_piece(self, tid: int, kind: TokenType) -> bytes:
+    def _make_piece(self, tid: int, attr: int) -> bytes:
         text = self._texts[tid]
-        if kind in (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED):
+        if attr & _LITERAL:
             return text.encode("utf-8", "surrogatepass")
-        if kind is TokenType.BYTE and self.kind is VocabKind.SPM:
-            return bytes([int(text[3:5], 16)])
-        if kind is not TokenType.NORMAL:
+        if attr & _BYTE and not attr & _NORMAL:
+            return bytes([int(text[3:5], 16)]) if self.kind is VocabKind.SPM else b""
+        if not attr & _NORMAL:
             return b""
         if self.kind is VocabKind.SPM:
             return text.replace(SPACE_MARK, " ").encode("utf-8", "surrogatepass")
@@ -424,12 +468,16 @@ class Tokenizer:
         """Text of `ids`: the concatenated pieces, invalid UTF-8 replaced by U+FFFD.
 
         As llama.cpp's detokenize: with add_space_prefix one leading space of the first piece is
-        dropped, unless the sequence starts with BOS and skip_special removes it.
+        dropped, unless the sequence starts with BOS and skip_special removes it; skip_special
+        also drops a BOS/EOS the metadata adds. No clean-up of spaces before punctuation: the
+        text is what a stream of token pieces gives.
         """
         ids = list(ids)
         strip = self.add_space_prefix
         if skip_special and ids and self.add_bos and ids[0] == self.bos_id:
             ids, strip = ids[1:], False
+        if skip_special and ids and self.add_eos and ids[-1] == self.eos_id:
+            ids = ids[:-1]
         data = b"".join(self.token_piece(t, skip_special) for t in ids)
         if strip and ids and self.token_piece(ids[0], skip_special).startswith(b" "):
             data = data[1:]
@@ -468,16 +516,11 @@ class IncrementalDecoder:
 
 # ---------------------------------------------------------------- HuggingFace models
 
-def _hf_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], **kw: Any) -> Any:
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models
-
+def _hf_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], **kw: Any) -> HFTokenizer:
     return HFTokenizer(models.BPE(vocab=vocab, merges=merges, **kw))
 
 
-def _build_bpe(md: Mapping[str, Any], vocab: dict[str, int], spec: PreTokenizer) -> Any:
-    from tokenizers import Regex, pre_tokenizers
-
+def _build_bpe(md: Mapping[str, Any], vocab: dict[str, int], spec: PreTokenizer) -> HFTokenizer:
     merges: list[tuple[str, str]] = []
     seen = set()
     for i, line in enumerate(_list(md, KEY_MERGES, str, None)):
@@ -498,8 +541,8 @@ def _build_bpe(md: Mapping[str, Any], vocab: dict[str, int], spec: PreTokenizer)
 
 
 def _build_spm(md: Mapping[str, Any], texts: list[str], vocab: dict[str, int],
-               unk_id: int | None) -> Any:
-    scores = _list(md, KEY_SCORES, (float, int), len(texts))
+               unk_id: int | None) -> HFTokenizer:
+    scores = [float(s) for s in _list(md, KEY_SCORES, Real, len(texts))]
     # Every split of every piece into two pieces, best resulting score first (ties: lower id).
     order = sorted(range(len(texts)), key=lambda i: (-scores[i], i))
     merges = [(a, b) for i in order if len(p := texts[i]) > 1 for k in range(1, len(p))

@@ -1,0 +1,21 @@
+"""Python client of the specstream gRPC API (sync and asyncio) and the `specstream-client` CLI."""
+
+from clients.client import (
+    DEFAULT_TARGET,
+    AsyncSpecstreamClient,
+    Completion,
+    ErrorDetails,
+    SpecstreamClient,
+    build_generate_request,
+    error_details,
+)
+
+__all__ = [
+    "DEFAULT_TARGET",
+    "AsyncSpecstreamClient",
+    "Completion",
+    "ErrorDetails",
+    "SpecstreamClient",
+    "build_generate_request",
+    "error_details",
+]

@@ -1,0 +1,156 @@
+"""One loader for flags, env and config file; bad settings stop startup with exit status 2 and
+every problem listed; ValidateConfig reports the same problems and changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.config import (
+    MAX_VERIFY_WIDTH,
+    MIN_VERIFY_WIDTH,
+    SUPPORTED_KV_PAIRS,
+    EngineConfig,
+    ServerConfig,
+    load_config,
+    settings,
+)
+from service.errors import ConfigError
+
+from .grpc_harness import run_serve
+
+
+def _problems(argv=(), env=None, config_file=None) -> list[tuple[str, str]]:
+    with pytest.raises(ConfigError) as ei:
+        load_config(argv, env or {}, config_file)
+    return ei.value.problems
+
+
+# ------------------------------------------------------------------ the loader
+def test_defaults():
+    server, engine = load_config([], {})
+    assert server == ServerConfig() and engine == EngineConfig()
+
+
+def test_precedence_defaults_file_env_flags(tmp_path):
+    cfg = tmp_path / "specstream.toml"
+    cfg.write_text('[server]\nport = 6000\nmetrics_port = 6001\ngrace_period_s = 3\n'
+                   '[engine]\nverify_width = 2\nkv_cache_type_k = "q8_0"\nn_ctx = 1024\n')
+    env = {"SPECSTREAM_PORT": "7000", "SPECSTREAM_VERIFY_WIDTH": "3"}
+    server, engine = load_config(["--verify-width", "5", "my.gguf"], env, cfg)
+    assert (server.port, server.metrics_port, server.grace_period_s) == (7000, 6001, 3.0)
+    assert (engine.verify_width, engine.kv_cache_type_k, engine.n_ctx) == (5, "q8_0", 1024)
+    assert server.model == "my.gguf"
+    server, _ = load_config([], {"SPECSTREAM_CONFIG": str(cfg)})
+    assert server.port == 6000
+
+
+def test_every_setting_has_flag_env_and_key():
+    flags = [s.flag for s in settings()]
+    assert len(set(flags)) == len(flags)
+    for s in settings():
+        assert s.env == "SPECSTREAM_" + s.flag[2:].upper().replace("-", "_")
+    names = {s.flag for s in settings()}
+    assert {"--port", "--metrics-port", "--cache-type-k", "--cache-type-v", "--verify-width",
+            "--backend"} <= names
+
+
+def test_all_problems_reported_together(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[engine]\nthreads = "many"\nbogus = 1\n[extra]\n')
+    problems = _problems(["--cache-type-k", "q4_1", "--verify-width", "0", "--port", "x",
+                          "--frobnicate"], {"SPECSTREAM_N_SLOTS": "-3"}, cfg)
+    fields = [f for f, _ in problems]
+    for expected in ("argv", "port", "threads", "engine.bogus", "config", "n_slots",
+                     "kv_cache_type_k,kv_cache_type_v", "verify_width"):
+        assert expected in fields, (expected, problems)
+    pair_msg = dict(problems)["kv_cache_type_k,kv_cache_type_v"]
+    for k, v in SUPPORTED_KV_PAIRS:
+        assert f"  {k} {v}" in pair_msg
+    assert f"{MIN_VERIFY_WIDTH}..{MAX_VERIFY_WIDTH}" in dict(problems)["verify_width"]
+
+
+def test_server_problems():
+    problems = dict(_problems(["--port", "70000", "--metrics-port", "-5", "--log-level",
+                               "loud", "--max-receive-message-bytes", "10"]))
+    assert {"port", "metrics_port", "log_level", "max_receive_message_bytes"} <= set(problems)
+
+
+def test_missing_or_broken_config_file(tmp_path):
+    assert "cannot read" in dict(_problems(config_file=tmp_path / "nope.toml"))["config"]
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[engine\n")
+    assert "not valid TOML" in dict(_problems(config_file=bad))["config"]
+
+
+# ------------------------------------------------------------------ startup exits 2
+def _assert_listing(stderr: str) -> None:
+    for k, v in SUPPORTED_KV_PAIRS:
+        assert f"{k} {v}" in stderr
+    assert "supported KV cache type pairs" in stderr
+
+
+def test_serve_bad_kv_pair_exits_2_with_listing():
+    r = run_serve(["--cache-type-k", "q4_1", "--cache-type-v", "q5_0"])
+    assert r.returncode == 2, r.stderr
+    _assert_listing(r.stderr)
+    assert "K=q4_1, V=q5_0" in r.stderr
+
+
+def test_serve_bad_width_exits_2_with_range():
+    r = run_serve(["--verify-width", "17"])
+    assert r.returncode == 2
+    assert "verify_width" in r.stderr and f"{MIN_VERIFY_WIDTH}..{MAX_VERIFY_WIDTH}" in r.stderr
+
+
+def test_serve_reports_every_problem_from_env_and_flags():
+    r = run_serve(["--verify-width", "0"], env={"SPECSTREAM_CACHE_TYPE_V": "bf16",
+                                               "SPECSTREAM_CACHE_TYPE_K": "q8_0"})
+    assert r.returncode == 2
+    assert "verify_width" in r.stderr and "K=q8_0, V=bf16" in r.stderr
+    _assert_listing(r.stderr)
+    assert "2 problems" in r.stderr
+
+
+def test_serve_help_lists_pairs():
+    r = run_serve(["--help"])
+    assert r.returncode == 0
+    _assert_listing(r.stdout)
+    assert "SPECSTREAM_" in r.stdout
+
+
+# ------------------------------------------------------------------ ValidateConfig parity
+@pytest.mark.parametrize("argv", [
+    ["--cache-type-k", "q4_1", "--cache-type-v", "q5_0"],
+    ["--verify-width", "17"],
+    ["--verify-width", "0", "--cache-type-k", "bf16", "--drafter", "magic", "--n-slots", "0"],
+    ["--cache-type-k", "q8_0", "--cache-type-v", "q4_0", "--verify-width", "8"],
+])
+def test_validate_config_reports_what_startup_reports(client, argv):
+    before = client.get_config()
+    try:
+        load_config(argv, {})
+        expected: list[tuple[str, str]] = []
+    except ConfigError as e:
+        expected = e.problems
+    fields = {s.flag: s for s in settings()}
+    given = {fields[f].name: fields[f].kind(v) for f, v in zip(argv[::2], argv[1::2],
+                                                                strict=True)}
+    r = client.validate_config(**given)
+    assert [(p.field, p.message) for p in r.problems] == expected
+    assert r.valid == (not expected)
+    for name, value in given.items():
+        assert getattr(r.config, name) == value
+    assert client.get_config() == before              # a dry run: nothing changed
+
+
+# ------------------------------------------------------------------ generated stubs
+def test_stale_stubs_are_regenerated():
+    from service import proto_build
+
+    assert proto_build.ensure_stubs() is False            # current: nothing to do
+    proto_build.STAMP.write_text("stale\n")
+    assert not proto_build.stubs_current()
+    assert proto_build.ensure_stubs() is True
+    assert proto_build.stubs_current()
+    files = proto_build.documented_files()
+    assert set(files) == {"specstream/v1/generation.proto", "specstream/v1/config.proto"}
