@@ -76,7 +76,7 @@ class GGUFFile:
                 + ", ".join(q.name for q in QuantType)
             )
         spec = block_spec(qtype)
-        shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
+        shape = tuple(int(d) for d in reversed([int(x) for x in t.shape])) or (1,)  # 0-d: scalar
         if any(d <= 0 for d in shape):
             raise ModelFormatError(f"{self.path}: tensor {t.name!r} has an empty shape {shape}")
         if shape[-1] % spec.block_size:
