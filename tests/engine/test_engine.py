@@ -218,19 +218,20 @@ def test_interleaved_requests_match_solo_runs(smol):
     cases = load_json("llamacpp_smollm2_greedy.json")["cases"][:4]
     solo = [run(smol, c["prompt_ids"], max_new_tokens=16).token_ids for c in cases]
     results: dict[int, Collected] = {i: Collected() for i in range(4)}
-    done = threading.Barrier(5)
+    finished = threading.Semaphore(0)
 
     def sink_for(i):
-        def sink(ev):
+        def sink(ev):      # runs on the engine thread: must not block
             results[i].add(ev)
             if isinstance(ev, Finished):
-                done.wait()
+                finished.release()
         return sink
 
     for i, c in enumerate(cases):
         smol.submit(GenerationRequest(f"r{i}", tuple(c["prompt_ids"]), GREEDY,
                                       StoppingCriteria(max_new_tokens=16)), sink_for(i))
-    done.wait(timeout=120)
+    for _ in range(4):
+        assert finished.acquire(timeout=120)
     assert [results[i].token_ids for i in range(4)] == solo
 
 

@@ -20,8 +20,6 @@ from service.serve import BackgroundServer
 
 from .grpc_harness import TEST_ENGINE, ServeProcess
 
-configure_logging("warning")   # servers run on background threads; keep test output readable
-
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
@@ -41,6 +39,7 @@ def engine(model_path):
 
 @pytest.fixture(scope="session")
 def server(engine) -> Iterator[BackgroundServer]:
+    configure_logging("warning")   # servers log from background threads; keep output readable
     srv = BackgroundServer(engine).start()
     yield srv
     srv.stop()

@@ -27,8 +27,11 @@ def _problems(argv=(), env=None, config_file=None) -> list[tuple[str, str]]:
 
 # ------------------------------------------------------------------ the loader
 def test_defaults():
+    from service.gguf.fetch import DEFAULT_MODEL
+
     server, engine = load_config([], {})
     assert server == ServerConfig() and engine == EngineConfig()
+    assert server.model == DEFAULT_MODEL
 
 
 def test_precedence_defaults_file_env_flags(tmp_path):
