@@ -10,7 +10,7 @@ SmolLM2 Q4_1 2.4x faster than unpacking nibbles in the loop (bench/cpu_decode.py
     out[t, n] = sum_g scale[n,g] * (sum_{k in g} code[n,k] * x[t,k]) + offset[n,g] * xsum[t,g]
 
 where xsum[t, g] is the sum of x[t] over group g, computed once per call. Rows are split over
-threads (prange); each group's codes are widened to float32 once and reused for all T tokens.
+threads (prange).
 Activations stay float32: this backend is the numerical reference.
 """
 
@@ -37,29 +37,27 @@ def matmul_q8(x, xsum, codes, scale, offset, group, out):
     """out (T, N) = x (T, K) @ W^T on int8 codes; offset (N, G) or (0, 0) when symmetric.
 
     Row n, token t is always computed by the same instructions in the same order, whatever T
-    is: a verify step of T tokens gives bit-identical logits to T single-token steps, which
-    keeps speculative decoding exactly equal to plain greedy decoding.
+    is (the token loop is outside the group loop, so T only repeats the same work): a verify
+    step of T tokens gives bit-identical logits to T single-token steps, which keeps
+    speculative decoding exactly equal to plain greedy decoding. For T > 1 the codes of a row
+    are converted again per token; they are in L1 by then, so this costs ALU time only.
     """
     T, K = x.shape
     N = codes.shape[0]
     G = K // group
     has_offset = offset.shape[0] == N
     for n in prange(N):
-        acc = np.zeros(T, dtype=np.float32)
-        cf = np.empty(group, dtype=np.float32)
-        for g in range(G):
-            k0 = g * group
-            for j in range(group):
-                cf[j] = np.float32(codes[n, k0 + j])
-            d = scale[n, g]
-            m = offset[n, g] if has_offset else np.float32(0.0)
-            for t in range(T):
+        for t in range(T):
+            acc = np.float32(0.0)
+            for g in range(G):
+                k0 = g * group
                 s = np.float32(0.0)
                 for j in range(group):
-                    s += cf[j] * x[t, k0 + j]
-                acc[t] += d * s + m * xsum[t, g]
-        for t in range(T):
-            out[t, n] = acc[t]
+                    s += np.float32(codes[n, k0 + j]) * x[t, k0 + j]
+                acc += scale[n, g] * s
+                if has_offset:
+                    acc += offset[n, g] * xsum[t, g]
+            out[t, n] = acc
 
 
 @njit(parallel=True, cache=True, fastmath=True)
