@@ -48,7 +48,7 @@ def test_accept_chain_equals_sequential_greedy():
 
 
 def test_ngram_drafter_proposes_the_continuation_of_the_last_match():
-    d = NgramDrafter(ngram_size=3)
+    d = NgramDrafter(ngram_size=3, min_match=1)
     hist = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
     assert d.propose(hist, 3) == [4, 5, 9]
     assert d.propose(hist, 1) == [4]
@@ -58,6 +58,11 @@ def test_ngram_drafter_proposes_the_continuation_of_the_last_match():
     assert d.propose([1, 2, 3, 9, 3], 2) == [9, 3]
     assert d.propose([1, 2, 3, 4], 2) == []
     assert d.propose([5], 3) == [] and d.propose([1, 1], 0) == []
+
+
+def test_ngram_drafter_min_match():
+    assert NgramDrafter(3, min_match=2).propose([1, 2, 3, 9, 3], 2) == []
+    assert NgramDrafter(3, min_match=2).propose([1, 2, 3, 9, 2, 3], 2) == [9, 2]
 
 
 def test_ngram_drafter_never_proposes_past_the_history():
