@@ -23,8 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from service.config import EngineConfig, models_dir_from_env  # noqa: E402
 from service.engine.scheduler import Engine  # noqa: E402
-from service.engine.types import (  # noqa: E402
-    Collected, GenerationRequest, SamplingParams, StoppingCriteria)
+from service.engine.types import Collected, GenerationRequest, SamplingParams, StoppingCriteria  # noqa: E402
 from service.gguf.fetch import fetch_model  # noqa: E402
 
 # tok/s of llama.cpp on the 2-core machine, recorded in the project's anchors (used only when
@@ -96,9 +95,10 @@ def main() -> int:
           f"{'llama.cpp':>11} {'ratio':>6} {'ratio spec':>10}")
     for r in rows:
         mark = "" if r["llama_cpp_measured"] else "*"
+        base = r["llama_cpp"]
         print(f"{r['model']:14} {r['prompt']:6} {r['specstream']:9.1f}/s "
-              f"{r['specstream_spec']:10.1f}/s {r['llama_cpp']:9.1f}/s{mark:1} "
-              f"{r['specstream'] / r['llama_cpp']:5.2f}x {r['specstream_spec'] / r['llama_cpp']:9.2f}x")
+              f"{r['specstream_spec']:10.1f}/s {base:9.1f}/s{mark:1} "
+              f"{r['specstream'] / base:5.2f}x {r['specstream_spec'] / base:9.2f}x")
     if not all(r["llama_cpp_measured"] for r in rows):
         print("* llama.cpp not importable here: recorded anchor figure, not measured in this run")
     if args.json:

@@ -12,8 +12,15 @@ import pytest
 from service.config import EngineConfig
 from service.engine.scheduler import Engine
 from service.engine.types import (
-    Collected, Delta, Finished, FinishReason, GenerationRequest, SamplingParams, Started,
-    StoppingCriteria)
+    Collected,
+    Delta,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    Started,
+    StoppingCriteria,
+)
 from service.errors import CapacityError, ConfigError, InvalidRequestError
 from tests.conftest import REAL_MODELS, load_json, real_model_path
 
