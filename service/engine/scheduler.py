@@ -27,8 +27,8 @@ from service.engine.sampling import Sampler, resolve_seed
 from service.engine.sequence import Sequence
 from service.engine.speculative import accept_chain
 from service.engine.textstream import TextStream
-from service.engine.types import Event, FinishReason, GenerationRequest
-from service.errors import CapacityError, ConfigError, UnavailableError
+from service.engine.types import Event, Finished, FinishReason, GenerationRequest
+from service.errors import CapacityError, ConfigError, InvalidRequestError, UnavailableError
 from service.gguf.reader import GGUFFile
 from service.model.chat import render_chat, template_for
 from service.model.spec import ModelSpec
@@ -182,7 +182,7 @@ class Engine:
             while True:
                 event = q.get(timeout=timeout)
                 yield event
-                if event.__class__.__name__ == "Finished":
+                if isinstance(event, Finished):
                     return
         finally:
             handle.cancel()
@@ -217,9 +217,15 @@ class Engine:
     def _new_sequence(self, request: GenerationRequest, sink) -> Sequence:
         seed = resolve_seed(request.sampling.seed)
         p = request.sampling
+        applicable = p.greedy and p.repetition_penalty == 1.0
+        if request.speculative and not applicable:
+            raise InvalidRequestError(
+                "speculative.enabled", "speculative decoding verifies greedy choices: it needs "
+                "sampling.temperature = 0 and sampling.repetition_penalty = 1 (leave it unset "
+                "to let the engine decide)")
         spec_on = request.speculative if request.speculative is not None else True
-        spec_on = bool(spec_on and self.drafter is not None and self.config.verify_width > 1
-                       and p.greedy and p.repetition_penalty == 1.0)
+        spec_on = bool(spec_on and applicable and self.drafter is not None
+                       and self.config.verify_width > 1)
         return Sequence(request=request, sink=sink,
                         sampler=Sampler(p, self.spec.vocab_size, seed), seed_value=seed,
                         text=TextStream(self.tokenizer, request.stopping.stop_sequences),

@@ -277,6 +277,8 @@ def test_invalid_requests_name_the_field(smol):
         (GenerationRequest("x", (1,), stopping=StoppingCriteria(max_new_tokens=0)),
          "stopping.max_new_tokens"),
         (GenerationRequest("x", (1,), top_logprobs=50), "output.top_logprobs"),
+        (GenerationRequest("x", (1,), SamplingParams(temperature=0.7), speculative=True),
+         "speculative.enabled"),
     ]
     for req, field in bad:
         with pytest.raises(InvalidRequestError) as e:

@@ -1,0 +1,60 @@
+"""`specstream` CLI: generate --json reproduces llama.cpp's greedy ids; inspect; errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from service.cli import main
+from tests.conftest import load_json, real_model_path
+from tests.engine.test_engine import assert_matches_llamacpp
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("fixture,index", [("llamacpp_smollm2_greedy.json", 0),
+                                           ("llamacpp_smollm2_greedy_extra.json", 2)])
+def test_generate_json_reproduces_llamacpp(capsys, fixture, index):
+    real_model_path("smollm2-135m")
+    capsys.readouterr()          # the fetcher's log line, if it logged, is not CLI output
+    case = load_json(fixture)["cases"][index]
+    ids = ",".join(str(i) for i in case["prompt_ids"])
+    code, out, _ = run_cli(capsys, "generate", "smollm2-135m", "--prompt-ids", ids,
+                           "--max-new-tokens", "48", "--temperature", "0", "--json",
+                           "--backend", "cpu")
+    assert code == 0
+    result = json.loads(out)
+    assert result["prompt_ids"] == case["prompt_ids"]
+    assert_matches_llamacpp("smollm2", case, result["token_ids"])
+    assert result["usage"]["completion_tokens"] == len(result["token_ids"])
+
+
+def test_generate_text_prompt_streams_text(capsys):
+    code, out, err = run_cli(capsys, "generate", "smollm2-135m", "--prompt",
+                             "The capital of France is", "--max-new-tokens", "3",
+                             "--temperature", "0", "--backend", "cpu")
+    assert code == 0 and out.startswith(" Paris")
+    assert "3 generated tokens" in err
+
+
+def test_bad_kv_pair_exits_2_with_the_listing(capsys):
+    code, _, err = run_cli(capsys, "generate", "smollm2-135m", "--prompt", "x",
+                           "--cache-type-k", "q5_1", "--verify-width", "0")
+    assert code == 2
+    assert "unsupported KV cache type pair" in err and "q4_0 q4_0" in err
+    assert "allowed range is 1..16" in err
+
+
+def test_inspect_summarizes_the_model(capsys):
+    code, out, _ = run_cli(capsys, "inspect", "smollm2-135m")
+    assert code == 0 and "llama" in out and "Q4_1" in out
+
+
+def test_unknown_model_is_a_clear_error(capsys):
+    code, _, err = run_cli(capsys, "generate", "no-such-model", "--prompt", "x")
+    assert code == 2 and "smollm2-135m" in err
