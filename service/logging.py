@@ -21,7 +21,7 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 
 def configure_logging(level: str = "info", fmt: str = "json", stream: TextIO | None = None) -> None:
     """JSON (or console) lines with timestamp, level, event, logger and any bound context."""
-    stream = sys.stderr if stream is None else stream
+    stream = _CurrentStderr() if stream is None else stream
     renderer = (structlog.processors.JSONRenderer() if fmt == "json"
                 else structlog.dev.ConsoleRenderer(colors=False))
     structlog.configure(
@@ -43,6 +43,16 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: TextIO | N
     root.handlers = [h for h in root.handlers if not isinstance(h, _ToStructlog)]
     root.addHandler(_ToStructlog())
     root.setLevel(logging.WARNING)
+
+
+class _CurrentStderr:
+    """Whatever sys.stderr is at write time (it may be replaced after logging is configured)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
 
 
 class _ToStructlog(logging.Handler):
