@@ -25,6 +25,7 @@ from service.config import EngineConfig, models_dir_from_env  # noqa: E402
 from service.engine.scheduler import Engine  # noqa: E402
 from service.engine.types import Collected, GenerationRequest, SamplingParams, StoppingCriteria  # noqa: E402
 from service.gguf.fetch import fetch_model  # noqa: E402
+from service.logging import configure_logging  # noqa: E402
 
 # tok/s of llama.cpp on the 2-core machine, recorded in the project's anchors (used only when
 # llama.cpp cannot be measured in this run).
@@ -69,6 +70,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
+    configure_logging("warning")
     rows = []
     for name in RECORDED:
         path = fetch_model(name, models_dir_from_env())
