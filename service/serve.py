@@ -71,6 +71,7 @@ class Service:
         self.server = build_server(self.state)
         self.port = 0
         self.metrics_port: int | None = None
+        self._watch: asyncio.Future | None = None
 
     async def start(self) -> None:
         cfg = self.state.server_config
@@ -86,9 +87,18 @@ class Service:
         self.state.engine = engine
         self.state.metrics.bind_engine(lambda: engine.queue_depth, lambda: engine.active)
         await self.state.set_serving(True)
+        self._watch = asyncio.ensure_future(self._watch_engine(engine))
         info = engine.info
         log.info("serving", model=info.name, backend=str(info.backend), n_ctx=info.n_ctx,
                  port=self.port)
+
+    async def _watch_engine(self, engine: Any, every_s: float = 1.0) -> None:
+        """Health follows the engine: NOT_SERVING as soon as its thread has died."""
+        while getattr(engine, "healthy", True):
+            await asyncio.sleep(every_s)
+        if not self.state.draining:
+            log.error("engine_unhealthy", failure=getattr(engine, "failure", None))
+            await self.state.set_serving(False)
 
     async def load(self) -> None:
         cfg = self.state
@@ -99,6 +109,8 @@ class Service:
         """Health NOT_SERVING, refuse new Generate, let streams finish within the grace period."""
         st, cfg = self.state, self.state.server_config
         st.draining = True
+        if self._watch is not None:
+            self._watch.cancel()
         await st.health.enter_graceful_shutdown()
         log.info("draining", active=st.engine.active if st.engine is not None else 0,
                  grace_s=cfg.grace_period_s)

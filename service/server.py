@@ -75,6 +75,8 @@ class ServingState:
                                    "replica")
         if self.engine is None:
             raise UnavailableError("the model is still loading; retry shortly")
+        if not getattr(self.engine, "healthy", True):
+            raise UnavailableError("the engine has stopped; send the request to another replica")
         return self.engine
 
     async def set_serving(self, serving: bool) -> None:

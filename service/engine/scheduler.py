@@ -91,6 +91,7 @@ class Engine:
         self._active: list[Sequence] = []
         self._free_slots = list(range(config.n_slots - 1, -1, -1))
         self._thread: threading.Thread | None = None
+        self.failure: str | None = None   # why the engine thread died, if it did
         self._stopping = False
         self._rr = 0
         be = model.backend
@@ -162,8 +163,9 @@ class Engine:
             request = replace(request, request_id=uuid.uuid4().hex)
         seq = self._new_sequence(request, sink)
         with self._lock:
-            if self._stopping or self._thread is None:
-                raise UnavailableError("the engine is not running")
+            if self._stopping or self._thread is None or not self.healthy:
+                raise UnavailableError("the engine is not running"
+                                       + (f" ({self.failure})" if self.failure else ""))
             if len(self._waiting) >= self.config.max_queue + max(0, len(self._free_slots)):
                 raise CapacityError(f"{len(self._waiting)} requests are already waiting",
                                     retry_after_s=1.0)
@@ -236,7 +238,26 @@ class Engine:
         with self._lock:
             self._lock.notify_all()
 
+    @property
+    def healthy(self) -> bool:
+        """False once the engine thread has died (health checks turn NOT_SERVING)."""
+        return self.failure is None and (self._thread is None or self._thread.is_alive()
+                                         or self._stopping)
+
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:   # the loop itself failed: fail every request, loudly
+            self.failure = f"{type(exc).__name__}: {exc}"
+            log.exception("engine_failed")
+            with self._lock:
+                doomed = [*self._waiting, *self._active]
+                self._waiting.clear()
+                self._active.clear()
+            for seq in doomed:
+                seq.finish(FinishReason.ERROR, error="the engine stopped: " + self.failure)
+
+    def _loop(self) -> None:
         while True:
             with self._lock:
                 self._reap_cancelled()

@@ -54,6 +54,14 @@ class Sequence:
     def __post_init__(self) -> None:
         self.history = list(self.request.prompt_ids)
 
+    def send(self, event) -> None:
+        """Hand an event to the request's sink. A sink that fails means its consumer is gone
+        (e.g. the server's event loop closed): the request is cancelled, the engine goes on."""
+        try:
+            self.sink(event)
+        except Exception:
+            self.cancelled = True
+
     @property
     def prefill_left(self) -> int:
         return len(self.request.prompt_ids) - self.n_past if self.seed is None else 0
@@ -61,7 +69,7 @@ class Sequence:
     def start(self, slot: int) -> None:
         self.slot = slot
         self.t_start = time.perf_counter()
-        self.sink(Started(prompt_tokens=len(self.request.prompt_ids), seed=self.seed_value))
+        self.send(Started(prompt_tokens=len(self.request.prompt_ids), seed=self.seed_value))
 
     # ------------------------------------------------------------------ choosing tokens
     def choose(self, logits: np.ndarray) -> int:
@@ -109,7 +117,7 @@ class Sequence:
             text_parts.append(self.text.finish())
         text = "".join(text_parts)
         if out_ids or text:
-            self.sink(Delta(tuple(out_ids), text, tuple(out_lp)))
+            self.send(Delta(tuple(out_ids), text, tuple(out_lp)))
         if reason is not None:
             self.finish(reason, matched)
         else:
@@ -134,4 +142,4 @@ class Sequence:
         usage = Usage(prompt_tokens=len(self.request.prompt_ids), completion_tokens=n,
                       draft_tokens=self.draft_tokens,
                       accepted_draft_tokens=self.accepted_draft_tokens)
-        self.sink(Finished(reason, usage, timings, matched, error))
+        self.send(Finished(reason, usage, timings, matched, error))

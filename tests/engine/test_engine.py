@@ -299,3 +299,47 @@ def test_logits_rows_do_not_depend_on_the_step_size(smol):
             np.array(model.forward(np.array([t], np.int32), pos[i:i + 1], z[:1], i + 1, 1))
             for i, t in enumerate(ids)])
     assert np.array_equal(batch, single)
+
+
+def test_a_failing_step_fails_only_its_request(smol, monkeypatch):
+    real = smol._forward
+    calls = {"n": 0}
+
+    def flaky(seq, *a, **kw):
+        calls["n"] += 1
+        if seq.request.request_id == "boom":
+            raise RuntimeError("simulated kernel fault")
+        return real(seq, *a, **kw)
+
+    monkeypatch.setattr(smol, "_forward", flaky)
+    req = GenerationRequest("boom", (1, 2, 3), GREEDY, StoppingCriteria(max_new_tokens=4))
+    events = list(smol.generate(req, timeout=30))
+    assert events[-1].reason is FinishReason.ERROR and "simulated" in events[-1].error
+    monkeypatch.setattr(smol, "_forward", real)
+    assert run(smol, [1, 2, 3], max_new_tokens=2).finished.reason is FinishReason.LENGTH
+    assert smol.healthy
+
+
+def test_engine_thread_death_fails_requests_and_reports_unhealthy():
+    eng = make_engine("smollm2", n_slots=1)
+    try:
+        got: list = []
+        req = GenerationRequest("w", (1, 2, 3), GREEDY,
+                                StoppingCriteria(max_new_tokens=10_000, ignore_eos=True))
+        eng.submit(req, got.append)
+
+        def broken():
+            raise RuntimeError("scheduler bug")
+
+        eng._reap_cancelled = broken
+        t0 = time.perf_counter()
+        while not (got and isinstance(got[-1], Finished)):
+            assert time.perf_counter() - t0 < 10
+            time.sleep(0.01)
+        assert got[-1].reason is FinishReason.ERROR and "scheduler bug" in got[-1].error
+        assert not eng.healthy and "scheduler bug" in eng.failure
+        from service.errors import UnavailableError
+        with pytest.raises(UnavailableError):
+            eng.submit(req, got.append)
+    finally:
+        eng.stop(10)
