@@ -146,3 +146,19 @@ def test_sigterm_drains(serve_subprocess, model_path):
     rc, log = srv.wait(60)
     assert rc == 0, log
     assert '"draining"' in log and '"stopped"' in log
+
+
+def test_dead_engine_turns_health_not_serving_and_refuses_generate():
+    engine = FakeEngine(script=burst(1, "x", threading.Event()))
+    engine.healthy = True
+    with FakeServer(engine) as srv, SpecstreamClient(srv.target) as c:
+        assert c.health() == "SERVING"
+        engine.healthy = False                # the engine thread died
+        deadline = time.monotonic() + 10
+        while c.health() == "SERVING":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert c.health() == "NOT_SERVING"
+        with pytest.raises(grpc.RpcError) as e:
+            list(c.generate(tokens=[1]))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
