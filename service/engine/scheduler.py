@@ -25,7 +25,7 @@ from service.config import EngineConfig
 from service.engine.drafters import create_drafter
 from service.engine.sampling import Sampler, resolve_seed
 from service.engine.sequence import Sequence
-from service.engine.speculative import accept_chain
+from service.engine.speculative import accept_chain, draft_length
 from service.engine.textstream import TextStream
 from service.engine.types import Event, Finished, FinishReason, GenerationRequest
 from service.errors import CapacityError, ConfigError, InvalidRequestError, UnavailableError
@@ -36,6 +36,7 @@ from service.model.tokenizer import Tokenizer
 from service.model.transformer import Transformer
 
 log = structlog.get_logger("specstream.engine")
+PROBE_EVERY = 8   # plain steps after which a sequence that stopped drafting tries one draft
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,9 @@ class Engine:
         m = model.max_tokens
         self._ids, self._pos, self._slots = (be.zeros((m,), "int32") for _ in range(3))
         self._argmax = be.zeros((m,), "int32")
+        # Cost of each extra verified token relative to a plain step (see draft_length);
+        # measured on the engine thread before it serves anything.
+        self.verify_alpha = 0.0
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -244,8 +248,30 @@ class Engine:
         return self.failure is None and (self._thread is None or self._thread.is_alive()
                                          or self._stopping)
 
+    def _calibrate(self, reps: int = 3) -> None:
+        """Time plain steps against full-width verify steps on slot 0 (its rows are rewritten
+        by the first prefill that uses the slot). alpha = (t_w / t_1 - 1) / (w - 1)."""
+        w = self.config.verify_width
+        if w < 2 or self.drafter is None:
+            return
+
+        def best(t: int) -> float:
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                self.model.backend.to_host(self._forward_raw(list(range(1, t + 1)), 0, 0, t)[0])
+                times.append(time.perf_counter() - t0)
+            return min(times)
+
+        best(w)
+        t1, tw = best(1), best(w)
+        self.verify_alpha = min(1.0, max(0.0, (tw / t1 - 1.0) / (w - 1)))
+        log.info("verify_cost", width=w, plain_ms=round(t1 * 1e3, 2),
+                 verify_ms=round(tw * 1e3, 2), alpha=round(self.verify_alpha, 3))
+
     def _run(self) -> None:
         try:
+            self._calibrate()
             self._loop()
         except BaseException as exc:   # the loop itself failed: fail every request, loudly
             self.failure = f"{type(exc).__name__}: {exc}"
@@ -298,10 +324,13 @@ class Engine:
             self._free_slots.append(seq.slot)
 
     def _forward(self, seq: Sequence, tokens: list[int], start: int, n_logits: int):
+        return self._forward_raw(tokens, seq.slot, start, n_logits)
+
+    def _forward_raw(self, tokens: list[int], slot: int, start: int, n_logits: int):
         be, T = self.model.backend, len(tokens)
         be.upload_ints(np.asarray(tokens, np.int32), self._ids)
         be.upload_ints(np.arange(start, start + T, dtype=np.int32), self._pos)
-        be.upload_ints(np.full(T, seq.slot, np.int32), self._slots)
+        be.upload_ints(np.full(T, slot, np.int32), self._slots)
         return self.model.forward(self._ids[:T], self._pos[:T], self._slots[:T],
                                   kv_len=start + T, n_logits=n_logits)
 
@@ -321,10 +350,13 @@ class Engine:
             return
         draft = [seq.seed]
         if seq.speculative:
-            room = self.config.n_ctx - seq.n_past - 1
-            n_draft = min(self.config.verify_width - 1, room,
-                          seq.request.stopping.max_new_tokens - len(seq.generated) - 1)
-            draft += self.drafter.propose(seq.history, n_draft)
+            room = min(self.config.verify_width - 1, self.config.n_ctx - seq.n_past - 1,
+                       seq.request.stopping.max_new_tokens - len(seq.generated) - 1)
+            k = draft_length(seq.accept_rate, self.verify_alpha, room)
+            if k == 0 and seq.steps_without_draft >= PROBE_EVERY:
+                k = min(1, room)            # keep measuring: the text may turn repetitive
+            seq.steps_without_draft = 0 if k else seq.steps_without_draft + 1
+            draft += self.drafter.propose(seq.history, k)
         T = len(draft)
         logits = self._forward(seq, draft, seq.n_past, T)
         if T == 1:
@@ -336,8 +368,7 @@ class Engine:
         target = [int(t) for t in self.model.backend.to_host(self._argmax[:T])]
         n_acc, emitted = accept_chain(draft, target)
         seq.n_past += n_acc
-        seq.draft_tokens += T - 1
-        seq.accepted_draft_tokens += n_acc - 1
+        seq.record_verify(T - 1, n_acc - 1)
         rows = None
         if seq.request.top_logprobs:
             rows = list(self.model.backend.to_host(logits[:n_acc]))

@@ -43,6 +43,8 @@ class Sequence:
     history: list[int] = field(default_factory=list)   # prompt + generated (drafting, penalty)
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    accept_rate: float = 0.6              # running acceptance of this sequence's drafts
+    steps_without_draft: int = 0
     cancelled: bool = False
     finished: bool = False
     t_submit: float = field(default_factory=time.perf_counter)
@@ -61,6 +63,12 @@ class Sequence:
             self.sink(event)
         except Exception:
             self.cancelled = True
+
+    def record_verify(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.draft_tokens += drafted
+            self.accepted_draft_tokens += accepted
+            self.accept_rate = 0.7 * self.accept_rate + 0.3 * (accepted / drafted)
 
     @property
     def prefill_left(self) -> int:

@@ -73,3 +73,19 @@ def test_ngram_drafter_never_proposes_past_the_history():
 def test_create_drafter():
     assert create_drafter("none", 3) is None
     assert isinstance(create_drafter("ngram", 2), NgramDrafter)
+
+
+def test_draft_length_trades_acceptance_against_verify_cost():
+    from service.engine.speculative import draft_length
+
+    assert draft_length(0.0, 0.0, 7) == 0          # nothing is ever accepted
+    assert draft_length(0.3, 0.0, 7) == 7          # verifying is free (a GPU): draft it all
+    assert draft_length(0.95, 0.1, 7) == 7
+    assert draft_length(0.5, 0.8, 3) == 0          # CPU-like cost, coin-flip drafts: plain
+    assert draft_length(0.9, 0.5, 3) >= 2
+    assert draft_length(0.99, 0.5, 0) == 0         # no room
+    # never worse than plain decoding under the model it optimizes
+    for p in (0.1, 0.4, 0.7, 0.9):
+        for a in (0.0, 0.3, 0.8):
+            k = draft_length(p, a, 6)
+            assert (1 + sum(p ** i for i in range(1, k + 1))) / (1 + a * k) >= 1.0
