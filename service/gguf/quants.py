@@ -321,8 +321,25 @@ class _Q8_0(BlockSpec):
 
 
 # ---------------------------------------------------------------- 256-element K-quants
+class _SubblockMinK(BlockSpec):
+    """K-quants with 8 sub-blocks of 32, each with a scale and a min: value = dl * q - ml.
+    Subclasses decode (dl, ml, q) from their own layout in `_fields`."""
+
+    def _fields(self, raw):
+        raise NotImplementedError
+
+    def dequantize(self, raw):
+        dl, ml, q = self._fields(raw)
+        y = dl[:, :, None] * q.astype(np.float32) - ml[:, :, None]
+        return y.reshape(raw.shape[0], QK_K)
+
+    def affine(self, raw):
+        dl, ml, q = self._fields(raw)
+        return Affine(q.reshape(raw.shape[0], QK_K).view(np.int8), dl, -ml, 32)
+
+
 @_register(QuantType.Q4_K, QK_K, 144, 4)
-class _Q4_K(BlockSpec):
+class _Q4_K(_SubblockMinK):
     """d, dmin: f16, 12 bytes of 6-bit (scale, min) for 8 sub-blocks of 32, 128 bytes of
     nibbles (each 32-byte run: low nibbles = one sub-block, high nibbles = the next).
     value = (d * sc) * q - (dmin * m)."""
@@ -335,18 +352,10 @@ class _Q4_K(BlockSpec):
         q = _nibbles(raw[:, 16:144], 32).reshape(n, 8, 32)       # (n, 8, 32) u8
         return dl, ml, q
 
-    def dequantize(self, raw):
-        dl, ml, q = self._fields(raw)
-        y = dl[:, :, None] * q.astype(np.float32) - ml[:, :, None]
-        return y.reshape(raw.shape[0], QK_K)
-
-    def affine(self, raw):
-        dl, ml, q = self._fields(raw)
-        return Affine(q.reshape(raw.shape[0], QK_K).view(np.int8), dl, -ml, 32)
 
 
 @_register(QuantType.Q5_K, QK_K, 176, 8)
-class _Q5_K(BlockSpec):
+class _Q5_K(_SubblockMinK):
     """Q4_K plus 32 bytes of 5th bits: bit s of qh[l] belongs to element l of sub-block s."""
 
     def _fields(self, raw):
@@ -358,14 +367,6 @@ class _Q5_K(BlockSpec):
         q = (_nibbles(raw[:, 48:176], 32) | (hi << 4)).reshape(n, 8, 32)
         return dl, ml, q
 
-    def dequantize(self, raw):
-        dl, ml, q = self._fields(raw)
-        y = dl[:, :, None] * q.astype(np.float32) - ml[:, :, None]
-        return y.reshape(raw.shape[0], QK_K)
-
-    def affine(self, raw):
-        dl, ml, q = self._fields(raw)
-        return Affine(q.reshape(raw.shape[0], QK_K).view(np.int8), dl, -ml, 32)
 
 
 @_register(QuantType.Q6_K, QK_K, 210, 8)
