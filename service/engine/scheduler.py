@@ -10,6 +10,7 @@ Events go to each request's sink on this thread; sinks must not block.
 from __future__ import annotations
 
 import collections
+import queue
 import threading
 import time
 import uuid
@@ -27,7 +28,14 @@ from service.engine.sampling import Sampler, resolve_seed
 from service.engine.sequence import Sequence
 from service.engine.speculative import accept_chain, draft_length
 from service.engine.textstream import TextStream
-from service.engine.types import Event, Finished, FinishReason, GenerationRequest
+from service.engine.types import (
+    Event,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    StoppingCriteria,
+)
 from service.errors import CapacityError, ConfigError, InvalidRequestError, UnavailableError
 from service.gguf.reader import GGUFFile
 from service.model.chat import render_chat, template_for
@@ -180,8 +188,6 @@ class Engine:
     def generate(self, request: GenerationRequest, timeout: float | None = None
                  ) -> Iterator[Event]:
         """Submit and yield the request's events in order (for CLIs and tests)."""
-        import queue
-
         q: queue.Queue = queue.Queue()
         handle = self.submit(request, q.put)
         try:
@@ -210,8 +216,6 @@ class Engine:
 
     def warmup(self) -> None:
         """One short greedy generation through the whole path (JIT, caches, first pages)."""
-        from service.engine.types import SamplingParams, StoppingCriteria
-
         prompt = (self.tokenizer.bos_id or 0, 1, 2, 3)
         req = GenerationRequest("warmup", tuple(t % self.spec.vocab_size for t in prompt),
                                 SamplingParams(temperature=0.0),
