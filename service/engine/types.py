@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from service.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
@@ -101,15 +103,16 @@ class GenerationRequest:
     def validate(self, vocab_size: int, n_ctx: int) -> None:
         if not self.prompt_ids:
             raise InvalidRequestError("input", "the prompt is empty")
-        for i, t in enumerate(self.prompt_ids):
-            if not 0 <= t < vocab_size:
-                raise InvalidRequestError(
-                    f"input.tokens.ids[{i}]",
-                    f"token id {t} is outside the vocabulary [0, {vocab_size})")
         if len(self.prompt_ids) >= n_ctx:
             raise InvalidRequestError(
                 "input", f"the prompt has {len(self.prompt_ids)} tokens; the context holds "
                 f"{n_ctx}, leaving no room to generate", reason="PROMPT_TOO_LONG")
+        ids = np.asarray(self.prompt_ids, dtype=np.int64)          # one pass, not per id
+        bad = np.nonzero((ids < 0) | (ids >= vocab_size))[0]
+        if len(bad):
+            i = int(bad[0])
+            raise InvalidRequestError(f"input.tokens.ids[{i}]", f"token id {int(ids[i])} is "
+                                      f"outside the vocabulary [0, {vocab_size})")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError("output.top_logprobs",
                                       f"must be in [0, {MAX_TOP_LOGPROBS}]")
