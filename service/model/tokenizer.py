@@ -14,7 +14,7 @@ from the GGUF metadata (nothing is read from disk or the network):
 Special tokens are cut out of the text first, longest first (llama.cpp's partition): user-defined
 tokens always, control and unknown tokens only when `parse_special` is true. As in llama.cpp,
 tokens whose text marks a role (end of turn, FIM, ...) gain the CONTROL attribute, and the
-end-of-generation set is eos plus those roles and texts (`_ROLES`, `_EOG_TEXTS`).
+end-of-generation set is eos plus those roles and texts (`ROLES`, `EOG_TEXTS`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from enum import Enum, IntEnum, IntFlag
 from numbers import Integral, Real
 from typing import Any
@@ -34,6 +33,15 @@ from tokenizers import Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from service.errors import InvalidRequestError, ModelFormatError
+from service.model.vocab_rules import (
+    ALWAYS_SHOWN,
+    EOG_EXCEPTIONS,
+    EOG_ROLES,
+    EOG_TEXTS,
+    PRE_TOKENIZERS,
+    ROLES,
+    PreTokenizer,
+)
 
 KEY_MODEL = "tokenizer.ggml.model"
 KEY_PRE = "tokenizer.ggml.pre"
@@ -89,81 +97,6 @@ _VOCAB_KINDS = {"gpt2": VocabKind.BPE, "llama": VocabKind.SPM,
                 "none": VocabKind.NONE, "no_vocab": VocabKind.NONE}
 
 
-# ---------------------------------------------------------------- pre-tokenizer registry (BPE)
-
-@dataclass(frozen=True)
-class PreTokenizer:
-    """Regexes applied in order (each one splits every piece of the previous, matches isolated)."""
-
-    regexes: tuple[str, ...]
-    ignore_merges: bool = False  # a whole piece that is a token is emitted without merging
-    add_bos: bool = False        # llama.cpp's default before tokenizer.ggml.add_bos_token
-
-
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3_HEAD = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
-_LLAMA3_TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_LLAMA3 = _LLAMA3_HEAD + r"|\p{N}{1,3}" + _LLAMA3_TAIL
-_QWEN2 = _LLAMA3_HEAD + r"|\p{N}" + _LLAMA3_TAIL
-
-PRE_TOKENIZERS: dict[str, PreTokenizer] = {}
-
-
-def _register(names: Iterable[str], spec: PreTokenizer) -> None:
-    for name in names:
-        PRE_TOKENIZERS[name] = spec
-
-
-_register(["default"], PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]")))
-_register(["gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais", "roberta-bpe"], PreTokenizer((_GPT2,)))
-_register(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
-          PreTokenizer((r"\p{N}", _GPT2)))
-_register(["llama3", "llama-v3", "llama-bpe", "falcon3"],
-          PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True))
-_register(["dbrx", "smaug-bpe"], PreTokenizer((_LLAMA3,)))
-_register(["qwen2", "stablelm2", "megrez"], PreTokenizer((_QWEN2,)))
-
-
-# ---------------------------------------------------------------- special-token roles by text
-# llama.cpp gives these roles by token text when the metadata names no id, and adds CONTROL to the
-# token's attributes. role -> (metadata keys, texts in order of preference).
-_FW = "\uff5c"  # DeepSeek's full-width bar
-_ROLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "eot": (("tokenizer.ggml.eot_token_id",),
-            ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-             "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]",
-             f"<{_FW}end\u2581of\u2581sentence{_FW}>", "<end_of_utterance>")),
-    "eom": (("tokenizer.ggml.eom_token_id",), ("<|eom_id|>",)),
-    "fim_pre": (("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"),
-                ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", f"<{_FW}fim\u2581begin{_FW}>",
-                 "<PRE>", "\u2581<PRE>", "<|code_prefix|>", "<|prefix|>")),
-    "fim_suf": (("tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.suffix_token_id"),
-                ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", f"<{_FW}fim\u2581hole{_FW}>",
-                 "<SUF>", "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>")),
-    "fim_mid": (("tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.middle_token_id"),
-                ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", f"<{_FW}fim\u2581end{_FW}>",
-                 "<MID>", "\u2581<MID>", "<|code_middle|>", "<|middle|>")),
-    "fim_pad": (("tokenizer.ggml.fim_pad_token_id",),
-                ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>")),
-    "fim_rep": (("tokenizer.ggml.fim_rep_token_id",),
-                ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")),
-    "fim_sep": (("tokenizer.ggml.fim_sep_token_id",), ("<|file_sep|>",)),
-}
-_EOG_ROLES = ("eot", "eom", "fim_pad", "fim_rep", "fim_sep")
-# Tokens that end generation whatever their role (also made CONTROL).
-_EOG_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-    f"<{_FW}end\u2581of\u2581sentence{_FW}>", "[e~["})
-_ALWAYS_SHOWN = frozenset({"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"})
-# (text, new attribute, groups): the token leaves the EOG set, with the new attribute, when every
-# text of one group is also an EOG token (tokenizers where that text is an ordinary marker).
-_EOG_EXCEPTIONS = (
-    ("<|end|>", "USER_DEFINED", ({"<|return|>", "<|call|>"}, {"<|return|>", "<|calls|>"},
-                                 {"<|call|>", "<|flush|>"}, {"<|calls|>", "<|flush|>"})),
-    ("</s>", "NORMAL", ({"<|tool_response>"}, {"<|plamo:eos|>"})),
-)
 # llama.cpp's ids when the metadata names none: (bos, eos, unk)
 _DEFAULT_IDS = {VocabKind.SPM: (1, 2, 0), VocabKind.BPE: (11, 11, None)}
 
@@ -338,23 +271,23 @@ class Tokenizer:
     def _find_roles(self, md: Mapping[str, Any], vocab: dict[str, int]) -> None:
         """EOG set and attribute changes, in llama.cpp's order (a found role becomes CONTROL)."""
         attrs, eog = self._attrs, set()
-        for role, (keys, texts) in _ROLES.items():
+        for role, (keys, texts) in ROLES.items():
             tid = _token_id(md, keys, None, self.vocab_size)
             if tid is None:
                 tid = next((vocab[t] for t in texts if t in vocab), None)
                 if tid is not None:
                     attrs[tid] |= _CONTROL
-            if tid is not None and role in _EOG_ROLES:
+            if tid is not None and role in EOG_ROLES:
                 eog.add(tid)
-        for text in _EOG_TEXTS & vocab.keys():
+        for text in EOG_TEXTS & vocab.keys():
             eog.add(vocab[text])
             attrs[vocab[text]] |= _CONTROL
-        for text in _ALWAYS_SHOWN & vocab.keys():
+        for text in ALWAYS_SHOWN & vocab.keys():
             attrs[vocab[text]] = _USER
         if self.eos_id is not None:
             eog.add(self.eos_id)
         eog_texts = {self._texts[i] for i in eog}
-        for text, attr, groups in _EOG_EXCEPTIONS:
+        for text, attr, groups in EOG_EXCEPTIONS:
             if text in eog_texts and any(g <= eog_texts for g in groups):
                 eog.discard(vocab[text])
                 attrs[vocab[text]] = int(TokenAttr[attr])
