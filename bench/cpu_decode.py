@@ -1,4 +1,4 @@
-"""CPU decode speed of both real models, against llama.cpp measured in the same run.
+"""CPU decode (and prefill) speed of both real models, against llama.cpp in the same run.
 
 For each model: tokens/s of plain greedy decoding through the engine (one token per step), of
 greedy decoding with n-gram speculation (verify width 4), and, when the `llama_cpp` package is
@@ -47,6 +47,28 @@ def engine_tok_s(engine: Engine, ids: list[int], n: int, speculative: bool) -> f
     return (len(out.token_ids) - 1) / (t.decode_ms / 1e3)
 
 
+def engine_prefill_tok_s(engine: Engine, n: int) -> float:
+    ids = tuple(100 + (i * 7919) % 20000 for i in range(n))     # a fixed pseudo-random prompt
+    req = GenerationRequest("prefill", ids, SamplingParams(temperature=0.0),
+                            StoppingCriteria(max_new_tokens=1))
+    out = Collected()
+    for ev in engine.generate(req):
+        out.add(ev)
+    return n / (out.finished.timings.prefill_ms / 1e3)
+
+
+def llamacpp_prefill_tok_s(path: Path, n: int, threads: int) -> float | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    llm = Llama(model_path=str(path), n_ctx=1024, n_threads=threads, verbose=False)
+    ids = [100 + (i * 7919) % 20000 for i in range(n)]
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    return n / (time.perf_counter() - t0)
+
+
 def llamacpp_tok_s(path: Path, ids: list[int], n: int, threads: int) -> float | None:
     try:
         from llama_cpp import Llama
@@ -68,10 +90,11 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill row")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
     configure_logging("warning")
-    rows = []
+    rows, prefill = [], []
     for name in RECORDED:
         path = fetch_model(name, models_dir_from_env())
         eng = Engine.load(path, EngineConfig(backend="cpu", n_ctx=1024, n_slots=1,
@@ -90,6 +113,8 @@ def main() -> int:
                          "specstream_spec": spec,
                          "llama_cpp": ref if measured else RECORDED[name],
                          "llama_cpp_measured": measured})
+        prefill.append((name, engine_prefill_tok_s(eng, args.prefill),
+                        llamacpp_prefill_tok_s(path, args.prefill, args.threads)))
         eng.stop()
     print(f"\nCPU decode, greedy, {args.tokens} tokens, {args.threads} threads "
           f"(median of {args.repeats})")
@@ -101,6 +126,12 @@ def main() -> int:
         print(f"{r['model']:14} {r['prompt']:6} {r['specstream']:9.1f}/s "
               f"{r['specstream_spec']:10.1f}/s {base:9.1f}/s{mark:1} "
               f"{r['specstream'] / base:5.2f}x {r['specstream_spec'] / base:9.2f}x")
+    print(f"\nCPU prefill, {args.prefill} prompt tokens, {args.threads} threads")
+    print(f"{'model':14} {'specstream':>11} {'llama.cpp':>11} {'ratio':>6}")
+    for name, ours, ref in prefill:
+        ref_s = f"{ref:9.1f}/s" if ref else "  (absent)"
+        ratio = f"{ours / ref:5.2f}x" if ref else "    -"
+        print(f"{name:14} {ours:9.1f}/s {ref_s} {ratio}")
     if not all(r["llama_cpp_measured"] for r in rows):
         print("* llama.cpp not importable here: recorded anchor figure, not measured in this run")
     if args.json:
