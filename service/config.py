@@ -44,7 +44,7 @@ class EngineConfig:
     backend: str = "auto"
     n_ctx: int = 4096                # context per sequence; capped at the model's trained length
     n_slots: int = 4                 # sequences held in the KV cache at once
-    prefill_chunk: int = 64          # prompt tokens per prefill step
+    prefill_chunk: int = 256         # prompt tokens per prefill step
     max_queue: int = 64              # requests waiting for a slot before RESOURCE_EXHAUSTED
     threads: int = 0                 # CPU backend threads; 0 = all cores
 

@@ -23,11 +23,13 @@ import numpy as np  # noqa: E402
 
 from service.backends import cpu_kernels as K  # noqa: E402
 from service.backends.base import Backend, KVCache  # noqa: E402
+from service.config import MAX_VERIFY_WIDTH as INVARIANT_TOKENS  # noqa: E402
 from service.errors import ModelFormatError  # noqa: E402
 from service.gguf import quants  # noqa: E402
 from service.gguf.quants import QuantType  # noqa: E402
 from service.gguf.reader import TensorInfo  # noqa: E402
 
+TILE_ROWS = 512         # rows dequantized per sgemm in prefill steps (2.4 MB at K = 1152)
 _KV_QTYPES = {"f16": QuantType.F16, "q8_0": QuantType.Q8_0, "q4_0": QuantType.Q4_0}
 _EMPTY = np.zeros((0, 0), dtype=np.float32)
 
@@ -124,6 +126,7 @@ class CpuBackend(Backend):
         import numba
 
         self.act_quant = act_quant
+        self._tile: np.ndarray | None = None      # scratch of _matmul_tiles, grown once
         if threads:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
@@ -201,18 +204,35 @@ class CpuBackend(Backend):
         out *= w
 
     def matmul(self, x, w: CpuMatrix, out):
+        # Steps of up to INVARIANT_TOKENS tokens (decode, speculative verify) compute every row
+        # exactly as a single-token step would; longer steps (prefill chunks) go through sgemm.
+        invariant = x.shape[0] <= INVARIANT_TOKENS
+        if self.act_quant:
+            x = _act_round_trip(np.ascontiguousarray(x, dtype=np.float32), w.src)
         if w.fmt == "f32":
-            if self.act_quant:
-                x = _act_round_trip(x, w.src)
-            for t in range(x.shape[0]):   # one row at a time: the same BLAS call for any T
-                np.matmul(x[t:t + 1], w.data, out=out[t:t + 1])
+            if invariant:
+                for t in range(x.shape[0]):   # one row at a time: the same BLAS call for any T
+                    np.matmul(x[t:t + 1], w.data, out=out[t:t + 1])
+            else:
+                np.matmul(x, w.data, out=out)
             return
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if self.act_quant:
-            x = _act_round_trip(x, w.src)
+        if not invariant:
+            self._matmul_tiles(x, w, out)
+            return
         xsum = np.empty((x.shape[0], w.k // w.group), np.float32)
         K.group_sums(x, w.group, xsum)
         K.matmul_q8(x, xsum, w.data, w.scale, w.offset, w.group, out)
+
+    def _matmul_tiles(self, x, w: CpuMatrix, out):
+        """out = x @ W^T, W dequantized TILE_ROWS rows at a time into a reused scratch buffer."""
+        if self._tile is None or self._tile.shape[1] < w.k:
+            self._tile = np.empty((TILE_ROWS, w.k), np.float32)
+        for r0 in range(0, w.n, TILE_ROWS):
+            r1 = min(w.n, r0 + TILE_ROWS)
+            tile = self._tile[: r1 - r0, : w.k]                             # (rows, K) f32
+            K.dequantize_rows(w.data, w.scale, w.offset, w.group, r0, tile)
+            np.matmul(x, tile.T, out=out[:, r0:r1])
 
     def add(self, a, b, out):
         np.add(a, b, out=out)
@@ -261,6 +281,12 @@ class CpuBackend(Backend):
 
     def attention(self, q, cache: CpuKVCache, layer, slots, positions, kv_len, window, scale,
                   out):
+        if q.shape[0] <= INVARIANT_TOKENS:
+            self._attention_per_query(q, cache, layer, slots, positions, window, scale, out)
+        else:
+            self._attention_masked(q, cache, layer, slots, positions, window, scale, out)
+
+    def _attention_per_query(self, q, cache, layer, slots, positions, window, scale, out):
         # One query at a time over exactly the keys it may see (j <= pos, inside the window):
         # the same shapes and order of operations whatever else is in the step, so a token's
         # output never depends on how the step was batched.
@@ -280,6 +306,35 @@ class CpuBackend(Backend):
             np.exp(s, out=s)
             s /= s.sum(axis=-1, keepdims=True)
             out[t] = np.matmul(s, vc.transpose(1, 0, 2)).reshape(H, -1)     # (H, Dv)
+
+    def _attention_masked(self, q, cache, layer, slots, positions, window, scale, out):
+        # Prefill chunks: all queries of a slot at once against its keys, with a causal (and
+        # sliding-window) mask; one batched matmul instead of a Python loop per token.
+        T, H, D = q.shape
+        hkv = cache.n_head_kv
+        g = H // hkv
+        for slot in np.unique(slots):
+            idx = np.nonzero(slots == slot)[0]
+            pos = positions[idx]                                             # (Tq,)
+            lo = max(0, int(pos.min()) - window + 1) if window else 0
+            hi = int(pos.max()) + 1
+            kc = cache.k[layer][slot, lo:hi]                                 # (n, Hkv, D)
+            vc = cache.v[layer][slot, lo:hi]                                 # (n, Hkv, Dv)
+            tq = len(idx)
+            qh = q[idx].reshape(tq, hkv, g, D).transpose(1, 2, 0, 3).reshape(hkv, g * tq, D)
+            s = np.matmul(qh, kc.transpose(1, 2, 0))                         # (Hkv, G*Tq, n)
+            s *= np.float32(scale)
+            j = np.arange(lo, hi)[None, :]                                   # key positions
+            p = np.tile(pos, g)[:, None]                                     # (G*Tq, 1)
+            visible = j <= p
+            if window:
+                visible &= (p - j) < window
+            s[:, ~visible] = -np.inf
+            s -= s.max(axis=-1, keepdims=True)
+            np.exp(s, out=s)
+            s /= s.sum(axis=-1, keepdims=True)
+            o = np.matmul(s, vc.transpose(1, 0, 2))                          # (Hkv, G*Tq, Dv)
+            out[idx] = o.reshape(hkv, g, tq, -1).transpose(2, 0, 1, 3).reshape(tq, H, -1)
 
     def moe(self, x, router: CpuMatrix, gate, up, down, n_used, normalize, activation, out):
         T = x.shape[0]

@@ -22,7 +22,7 @@ import numpy as np
 import structlog
 
 from service.backends import create_backend, resolve_backend_name
-from service.config import EngineConfig
+from service.config import MAX_VERIFY_WIDTH, EngineConfig
 from service.engine.drafters import create_drafter
 from service.engine.sampling import Sampler, resolve_seed
 from service.engine.sequence import Sequence
@@ -101,6 +101,7 @@ class Engine:
         self._free_slots = list(range(config.n_slots - 1, -1, -1))
         self._thread: threading.Thread | None = None
         self.failure: str | None = None   # why the engine thread died, if it did
+        self._ready = threading.Event()
         self._stopping = False
         self._rr = 0
         be = model.backend
@@ -135,7 +136,8 @@ class Engine:
         config = replace(config, n_ctx=n_ctx, backend=backend_name)
         model = Transformer(spec, gguf, backend, n_ctx=n_ctx, n_slots=config.n_slots,
                             max_tokens=max(config.prefill_chunk, config.verify_width),
-                            type_k=config.kv_cache_type_k, type_v=config.kv_cache_type_v)
+                            type_k=config.kv_cache_type_k, type_v=config.kv_cache_type_v,
+                            max_logits=MAX_VERIFY_WIDTH)
         log.info("model_loaded", path=str(path), arch=spec.arch, backend=backend_name,
                  kv_type_k=config.kv_cache_type_k, kv_type_v=config.kv_cache_type_v,
                  n_ctx=n_ctx, n_slots=config.n_slots, verify_width=config.verify_width,
@@ -152,11 +154,15 @@ class Engine:
         return len(self._active)
 
     def start(self) -> None:
+        """Start the engine thread; returns once it has measured its verify cost and waits
+        for work (so nothing else touches the model while it measures)."""
         if self._thread is None:
             self._stopping = False
+            self._ready.clear()
             self._thread = threading.Thread(target=self._run, name="specstream-engine",
                                             daemon=True)
             self._thread.start()
+            self._ready.wait()
 
     def stop(self, timeout: float | None = None) -> None:
         """Cancel everything still queued or running, then join the engine thread."""
@@ -275,7 +281,10 @@ class Engine:
 
     def _run(self) -> None:
         try:
-            self._calibrate()
+            try:
+                self._calibrate()
+            finally:
+                self._ready.set()
             self._loop()
         except BaseException as exc:   # the loop itself failed: fail every request, loudly
             self.failure = f"{type(exc).__name__}: {exc}"

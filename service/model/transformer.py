@@ -26,9 +26,11 @@ from service.model.weights import load_weights
 
 class Transformer:
     def __init__(self, spec: ModelSpec, f: GGUFFile, backend: Backend, *, n_ctx: int,
-                 n_slots: int, max_tokens: int, type_k: str = "f16", type_v: str = "f16"):
+                 n_slots: int, max_tokens: int, type_k: str = "f16", type_v: str = "f16",
+                 max_logits: int | None = None):
         self.spec, self.backend = spec, backend
         self.n_ctx, self.n_slots, self.max_tokens = n_ctx, n_slots, max_tokens
+        self.max_logits = max_tokens if max_logits is None else min(max_logits, max_tokens)
         self.weights = load_weights(spec, f, backend)
         self.cache = backend.new_kv_cache(spec.n_layer, n_slots, n_ctx, spec.n_head_kv,
                                           spec.head_dim, spec.head_dim_v, type_k, type_v)
@@ -49,7 +51,7 @@ class Transformer:
         self.ws_attn = z((m, s.n_head * s.head_dim_v))                  # (M, H*Dv) f32
         self.ws_gu = z((m, 2 * ff))                                     # (M, 2F) f32 gate|up
         self.ws_act = z((m, ff))                                        # (M, F) f32
-        self.ws_logits = z((m, s.vocab_size))                           # (M, V) f32
+        self.ws_logits = z((self.max_logits, s.vocab_size))             # (L, V) f32
 
     def _matmuls(self, x, parts, out) -> None:
         for w, c0, c1 in parts:
@@ -62,9 +64,9 @@ class Transformer:
         """
         s, be, W = self.spec, self.backend, self.weights
         T = len(ids)
-        if not 1 <= T <= self.max_tokens or not 0 <= n_logits <= T:
+        if not 1 <= T <= self.max_tokens or not 0 <= n_logits <= min(T, self.max_logits):
             raise ValueError(f"step of {T} tokens / {n_logits} logits outside the workspace "
-                             f"(max {self.max_tokens})")
+                             f"(max {self.max_tokens} / {self.max_logits})")
         eps, neox = s.rms_eps, s.traits.rope_mode is RopeMode.NEOX
         x, h, o = self.ws_x[:T], self.ws_h[:T], self.ws_o[:T]
         qkv, attn = self.ws_qkv[:T], self.ws_attn[:T]

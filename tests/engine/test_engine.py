@@ -289,7 +289,7 @@ def test_invalid_requests_name_the_field(smol):
 def test_logits_rows_do_not_depend_on_the_step_size(smol):
     """The batch-invariance speculation relies on: a verify step's rows equal single steps."""
     model = smol.model
-    ids = load_json("llamacpp_smollm2_greedy.json")["cases"][2]["prompt_ids"]
+    ids = load_json("llamacpp_smollm2_greedy.json")["cases"][2]["prompt_ids"][:16]
     with smol._lock:     # hold the engine thread off the model while we use its workspace
         n = len(ids)
         z = np.full(n, 3, np.int32)    # slot 3, unused by the tests running sequentially

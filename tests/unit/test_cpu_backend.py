@@ -154,3 +154,24 @@ def test_argmax_first_of_ties():
     out = np.empty(2, np.int32)
     be.argmax(logits, out)
     assert out.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_prefill_attention_matches_per_query(window):
+    """Steps longer than 16 tokens use one masked batched product; same result (two slots)."""
+    be = CpuBackend()
+    n, H, hkv, D = 40, 4, 2, 8
+    cache = be.new_kv_cache(1, 2, 64, hkv, D, D, "f16", "f16")
+    k = RNG.standard_normal((n, hkv, D)).astype(np.float32)
+    v = RNG.standard_normal((n, hkv, D)).astype(np.float32)
+    slots = np.array([0] * 20 + [1] * 20, np.int32)
+    pos = np.concatenate([np.arange(20), np.arange(3, 23)]).astype(np.int32)
+    be.kv_write(cache, 0, k, v, slots, pos)
+    q = RNG.standard_normal((n, H, D)).astype(np.float32)
+    batched = np.empty((n, H, D), np.float32)
+    be.attention(q, cache, 0, slots, pos, 23, window, 0.3, batched)
+    per_query = np.empty((n, H, D), np.float32)
+    for t in range(n):
+        be.attention(q[t:t + 1], cache, 0, slots[t:t + 1], pos[t:t + 1], 23, window, 0.3,
+                     per_query[t:t + 1])
+    np.testing.assert_allclose(batched, per_query, rtol=1e-5, atol=1e-6)
