@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 
 # numba's OpenMP workers spin up to 300,000 iterations waiting for the next parallel region.
 # Next to the gRPC threads, or on a busy machine, that spinning steals the cores the next matmul
-# needs (measured: 5x slower decoding under load); not spinning at all (passive) costs a futex
-# wake-up per matmul (measured: 2x slower when idle). A short spin keeps both cases fast.
+# needs (decoding several times slower on a loaded 2-core machine); not spinning at all
+# (passive) costs a futex wake-up per matmul (about 2x slower decoding when idle, in our runs of
+# bench/cpu_decode.py with OMP_WAIT_POLICY / GOMP_SPINCOUNT set by hand). A short spin keeps both
+# cases fast.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 import numpy as np  # noqa: E402

@@ -4,8 +4,9 @@ Every quantized GGUF type is repacked at load time (exactly, see quants.affine) 
 affine group format, value[n, k] = scale[n, g] * code[n, k] + offset[n, g] with g = k // group:
 int8 codes (4-, 5-, 6- and 8-bit types alike), group 16 or 32, offset absent for symmetric
 types (Q8_0, Q6_K). Widening 4-bit codes to a byte doubles their memory but lets the inner loop
-convert and multiply whole vectors of bytes; measured on the 2-core machine that decodes
-SmolLM2 Q4_1 2.4x faster than unpacking nibbles in the loop (bench/cpu_decode.py).
+convert and multiply whole vectors of bytes. Kernels that unpack nibbles in the inner loop
+(tried during development, not kept) were 2-5x slower per call on the 2-core machine: numba
+does not vectorize the shift/mask/convert sequence the way it does int8 -> float32.
 
     out[t, n] = sum_g scale[n,g] * (sum_{k in g} code[n,k] * x[t,k]) + offset[n,g] * xsum[t,g]
 

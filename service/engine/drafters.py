@@ -3,8 +3,7 @@
 `NgramDrafter` (prompt lookup): find the most recent earlier occurrence of the last n tokens
 of the sequence (trying n = ngram_size down to min_match) and propose the tokens that followed
 it. A single-token match is too weak a signal: on prose it mostly proposes drafts that get
-rejected, and each rejected draft still costs a verify row (measured with bench/cpu_decode.py:
-min_match 1 lost 15-20% at width 4 on the CPU, min_match 2 roughly breaks even).
+rejected, and each rejected draft still costs a verify row.
 It costs no model and does well on code, quoting, summaries and repetitive text; on text with
 no repeats it proposes nothing and the step degenerates to plain decoding.
 """
