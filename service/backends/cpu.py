@@ -110,6 +110,8 @@ def _act_round_trip(x: np.ndarray, src: QuantType) -> np.ndarray:
 
 def _round_trip(x: np.ndarray, kv_type: str) -> np.ndarray:
     """The values an element type stores for x (..., D) f32 (ggml's quantizers, bit-exact)."""
+    if kv_type == "f16":   # IEEE round-to-nearest-even, as ggml's f16 conversion; no byte trip
+        return x.astype(np.float16).astype(np.float32)
     qt = _KV_QTYPES[kv_type]
     raw = quants.quantize(np.ascontiguousarray(x, dtype=np.float32), qt)
     return quants.dequantize(raw, qt, x.shape)
