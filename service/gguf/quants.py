@@ -217,12 +217,11 @@ class _Q4_0(BlockSpec):
         return np.concatenate([_f16_bytes(d), q[:, :16] | (q[:, 16:] << 4)], axis=1)
 
 
-@_register(QuantType.Q4_1, 32, 20, 4)
-class _Q4_1(BlockSpec):
-    """d, m: f16, qs: 16 bytes of 4-bit codes q. value = d * q + m."""
+class _ScaleMin32(BlockSpec):
+    """Blocks of 32 with an f16 scale d and min m: value = d * q + m (Q4_1, Q5_1)."""
 
     def _fields(self, raw):
-        return _f16(raw, 0), _f16(raw, 2), _nibbles(raw[:, 4:20], 16)
+        raise NotImplementedError
 
     def dequantize(self, raw):
         d, m, q = self._fields(raw)
@@ -232,11 +231,25 @@ class _Q4_1(BlockSpec):
         d, m, q = self._fields(raw)
         return Affine(q.view(np.int8), d, m, 32)
 
+
+def _min_max_codes(x: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's min/max rounding of blocks x (n, 32) to codes 0..top: (d, min, codes u8)."""
+    lo = x.min(axis=1, keepdims=True)
+    d = (x.max(axis=1, keepdims=True) - lo) / np.float32(top)
+    q = np.trunc((x - lo) * _safe_inverse(d) + np.float32(0.5))
+    return d, lo, np.minimum(q, top).astype(np.uint8)
+
+
+@_register(QuantType.Q4_1, 32, 20, 4)
+class _Q4_1(_ScaleMin32):
+    """d, m: f16, qs: 16 bytes of 4-bit codes q. value = d * q + m."""
+
+    def _fields(self, raw):
+        return _f16(raw, 0), _f16(raw, 2), _nibbles(raw[:, 4:20], 16)
+
+
     def quantize_blocks(self, x):
-        lo = x.min(axis=1, keepdims=True)
-        d = (x.max(axis=1, keepdims=True) - lo) / np.float32(15)
-        q = np.trunc((x - lo) * _safe_inverse(d) + np.float32(0.5))
-        q = np.minimum(q, 15).astype(np.uint8)
+        d, lo, q = _min_max_codes(x, 15)
         return np.concatenate(
             [_f16_bytes(d), _f16_bytes(lo), q[:, :16] | (q[:, 16:] << 4)], axis=1)
 
@@ -275,26 +288,16 @@ class _Q5_0(BlockSpec):
 
 
 @_register(QuantType.Q5_1, 32, 24, 8)
-class _Q5_1(BlockSpec):
+class _Q5_1(_ScaleMin32):
     """d, m: f16, qh: u32 of 5th bits, qs: 16 bytes of low nibbles. value = d * q + m."""
 
     def _fields(self, raw):
         q = _nibbles(raw[:, 8:24], 16) | (_high_bit_32(raw[:, 4:8]) << 4)
         return _f16(raw, 0), _f16(raw, 2), q
 
-    def dequantize(self, raw):
-        d, m, q = self._fields(raw)
-        return d * q.astype(np.float32) + m
-
-    def affine(self, raw):
-        d, m, q = self._fields(raw)
-        return Affine(q.view(np.int8), d, m, 32)
 
     def quantize_blocks(self, x):
-        lo = x.min(axis=1, keepdims=True)
-        d = (x.max(axis=1, keepdims=True) - lo) / np.float32(31)
-        q = np.trunc((x - lo) * _safe_inverse(d) + np.float32(0.5))
-        q = np.minimum(q, 31).astype(np.uint8)
+        d, lo, q = _min_max_codes(x, 31)
         qh, qs = _pack_q5(q)
         return np.concatenate([_f16_bytes(d), _f16_bytes(lo), qh, qs], axis=1)
 
