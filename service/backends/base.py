@@ -79,6 +79,17 @@ class Backend(abc.ABC):
     def load_embedding(self, tensor: TensorInfo) -> Any:
         """A (vocab, n_embd) table read by row."""
 
+    def prepare(self, *, max_tokens: int, n_head: int, head_dim_v: int, n_ctx: int,  # noqa: B027
+                n_embd: int, moe_experts: int = 0, moe_used: int = 0, moe_ff: int = 0) -> None:
+        """Size every scratch buffer a step needs, once, after the weights are loaded (so no
+        step allocates: a CUDA graph cannot). A no-op where ops allocate nothing."""
+
+    def run_step(self, key: tuple, inputs: tuple, fn):
+        """Run one step `fn()` of shape `key` (token count first) reading the device arrays
+        `inputs`; a backend may capture it once and replay it. Returns fn's result."""
+        del key, inputs
+        return fn()
+
     @abc.abstractmethod
     def new_kv_cache(self, n_layer: int, n_slots: int, n_ctx: int, n_head_kv: int,
                      head_dim: int, head_dim_v: int, type_k: str, type_v: str) -> KVCache: ...

@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 
 from service.backends import cpu_kernels as K  # noqa: E402
 from service.backends.base import Backend, KVCache  # noqa: E402
+from service.backends.cuda_layout import round_activations  # noqa: E402
 from service.config import MAX_VERIFY_WIDTH as INVARIANT_TOKENS  # noqa: E402
 from service.errors import ModelFormatError  # noqa: E402
 from service.gguf import quants  # noqa: E402
@@ -121,11 +122,13 @@ class CpuBackend(Backend):
     name = "cpu"
     kv_types = tuple(_KV_QTYPES)
 
-    def __init__(self, threads: int = 0, act_quant: bool = False):
+    def __init__(self, threads: int = 0, act_quant: bool | str = False):
         """act_quant: round activations as llama.cpp's CPU matmuls do before the dot product
         (8-bit blocks: Q8_K for K-quant weights, Q8_0 for the others; f16/bf16 for f16/bf16
         weights). Off by default: float32 activations are the reference. Tests turn it on to
         compare with llama.cpp's logits on random-weight models, where 8-bit noise is amplified.
+        act_quant="gpu" rounds the inputs of quantized matrices exactly as the CUDA backend's
+        8-bit blocks do (cuda_layout.round_activations), for tight GPU-vs-CPU comparisons.
         """
         import numba
 
@@ -211,7 +214,11 @@ class CpuBackend(Backend):
         # Steps of up to INVARIANT_TOKENS tokens (decode, speculative verify) compute every row
         # exactly as a single-token step would; longer steps (prefill chunks) go through sgemm.
         invariant = x.shape[0] <= INVARIANT_TOKENS
-        if self.act_quant:
+        if self.act_quant == "gpu":
+            if w.fmt == "q8":
+                q, d = round_activations(x)
+                x = (q.reshape(len(q), -1, 32) * d[..., None]).reshape(q.shape)
+        elif self.act_quant:
             x = _act_round_trip(np.ascontiguousarray(x, dtype=np.float32), w.src)
         if w.fmt == "f32":
             if invariant:

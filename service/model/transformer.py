@@ -52,6 +52,10 @@ class Transformer:
         self.ws_gu = z((m, 2 * ff))                                     # (M, 2F) f32 gate|up
         self.ws_act = z((m, ff))                                        # (M, F) f32
         self.ws_logits = z((self.max_logits, s.vocab_size))             # (L, V) f32
+        moe = s.moe
+        backend.prepare(max_tokens=m, n_head=s.n_head, head_dim_v=s.head_dim_v, n_ctx=n_ctx,
+                        n_embd=s.n_embd, moe_experts=moe.n_expert if moe else 0,
+                        moe_used=moe.n_expert_used if moe else 0, moe_ff=ff if moe else 0)
 
     def _matmuls(self, x, parts, out) -> None:
         for w, c0, c1 in parts:
@@ -61,12 +65,20 @@ class Transformer:
         """Run one step; return logits (n_logits, V) for the last n_logits tokens.
 
         ids, positions, slots: (T,) int32 backend arrays. kv_len >= max(positions) + 1.
+        The backend may capture the step per (T, n_logits) and replay it: everything that
+        changes between steps of one shape is read from ids, positions, slots and the cache.
         """
-        s, be, W = self.spec, self.backend, self.weights
         T = len(ids)
         if not 1 <= T <= self.max_tokens or not 0 <= n_logits <= min(T, self.max_logits):
             raise ValueError(f"step of {T} tokens / {n_logits} logits outside the workspace "
                              f"(max {self.max_tokens} / {self.max_logits})")
+        return self.backend.run_step(
+            (T, n_logits), (ids, positions, slots),
+            lambda: self._forward(ids, positions, slots, kv_len, n_logits))
+
+    def _forward(self, ids, positions, slots, kv_len: int, n_logits: int):
+        s, be, W = self.spec, self.backend, self.weights
+        T = len(ids)
         eps, neox = s.rms_eps, s.traits.rope_mode is RopeMode.NEOX
         x, h, o = self.ws_x[:T], self.ws_h[:T], self.ws_o[:T]
         qkv, attn = self.ws_qkv[:T], self.ws_attn[:T]

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One command on an offline GPU host: install the carried wheels, put the real models in place
+# (from pieces carried in .gpu/, joined and checked), run the GPU tests, then the benchmarks.
+#   bash bench/gpu_host.sh [tests|bench|all] [pytest args...]
+# Wheels: `make wheelhouse` (or any folder of wheels) in .whl/; model pieces: .gpu/NAME.part.*
+# with .gpu/NAME.sha256. Models land in $SPECSTREAM_MODELS_DIR (default /tmp/specstream-models).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}; shift || true
+export PYTHONUNBUFFERED=1 SPECSTREAM_MODELS_DIR=${SPECSTREAM_MODELS_DIR:-/tmp/specstream-models}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+mkdir -p "$SPECSTREAM_MODELS_DIR"
+for part in .gpu/*.part.*; do
+  [ -e "$part" ] || continue
+  cp -n "$part" "$SPECSTREAM_MODELS_DIR/" && echo "stored $(basename "$part")"
+done
+for sum in .gpu/*.sha256; do
+  [ -e "$sum" ] || continue
+  name=$(basename "$sum" .sha256)
+  out="$SPECSTREAM_MODELS_DIR/$name.gguf"
+  [ -f "$out" ] && continue
+  cat "$SPECSTREAM_MODELS_DIR/$name".part.* > "$out.tmp" 2>/dev/null
+  if [ "$(sha256sum < "$out.tmp" | cut -d' ' -f1)" = "$(cut -d' ' -f1 "$sum")" ]; then
+    mv "$out.tmp" "$out" && echo "joined $out"
+  else
+    rm -f "$out.tmp"; echo "$name: pieces incomplete so far"
+  fi
+done
+python3 -m service.proto_build >/dev/null || exit 1
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+status=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  python3 -m pytest -m gpu -q tests/gpu -p no:cacheprovider "$@"; status=$?
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  python3 bench/gpu_decode.py || status=1
+fi
+exit $status

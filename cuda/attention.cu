@@ -1,0 +1,147 @@
+// attention.cu: causal GQA attention of T queries over the KV cache, split over the KV length.
+//
+//   out[t, h, :] = sum_j softmax_j(scale * q[t, h] . K[j]) V[j]   over the cache rows j of
+//   slot[t] with lo <= j <= pos[t], lo = max(0, pos[t] - window + 1) when window > 0 else 0;
+//   K, V rows of kv head h / (H / Hkv), stored as f16, q8_0 or q4_0 (quantize.cu's layout).
+//
+// attn_split_<K>_<V>: grid (S, H, T), block (32, 4). Split s covers the ABSOLUTE positions
+//   [s * chunk, (s + 1) * chunk): its boundaries never depend on the step or on how long the
+//   context is, and positions past pos[t] are skipped, so the same query gives the same bits in
+//   any step. Warp w takes keys j0 + w, j0 + w + 4, ... with an online softmax (running max m,
+//   sum l, accumulator over Dv, lane d holding dims d, d + 32, ...); the 4 warps merge in order.
+//   Writes part_ml[t, h, s] = (m, l) (l = 0: no key in the split) and part_acc[t, h, s, :].
+//   q (T, H, D) view with strides (q0, q1, 1); D <= 512, Dv <= 256, S = ceil(n_ctx / chunk).
+//   The number of splits is fixed by n_ctx: a step never needs the host to know a KV length,
+//   so one captured graph serves every position.
+// attn_combine: grid (H, T), block 256 (>= Dv):
+//   out[t, h, d] = sum_s acc_s[d] e^(m_s - M) / sum_s l_s e^(m_s - M), M = max m_s over
+//   splits with l_s > 0, in split order.
+#include "common.cuh"
+
+#define ATT_WARPS 4
+#define ATT_MAX_D 512
+#define ATT_MAX_DV 256
+
+struct KvF16 {
+    __device__ static float at(const u8* qs, const u8*, size_t row, int D, int i) {
+        return h2f(reinterpret_cast<const u16*>(qs)[row * D + i]);
+    }
+};
+struct KvQ8_0 {
+    __device__ static float at(const u8* qs, const u8* dd, size_t row, int D, int i) {
+        const float d = h2f(reinterpret_cast<const u16*>(dd)[row * (D / 32) + i / 32]);
+        return __fmul_rn((float)reinterpret_cast<const signed char*>(qs)[row * D + i], d);
+    }
+};
+struct KvQ4_0 {
+    __device__ static float at(const u8* qs, const u8* dd, size_t row, int D, int i) {
+        const float d = h2f(reinterpret_cast<const u16*>(dd)[row * (D / 32) + i / 32]);
+        const u8 b = qs[row * (D / 2) + 16 * (i / 32) + (i & 15)];
+        const int c = ((i & 31) < 16 ? (b & 15) : (b >> 4)) - 8;
+        return __fmul_rn((float)c, d);
+    }
+};
+
+template <class KT, class VT>
+__device__ __forceinline__ void attn_split(
+        const float* __restrict__ q, int q0, int q1, int H, int Hkv, int D, int Dv,
+        const u8* __restrict__ kq, const u8* __restrict__ kd, const u8* __restrict__ vq,
+        const u8* __restrict__ vd, const int* __restrict__ slots, const int* __restrict__ positions,
+        int n_ctx, int window, float scale, int chunk, float2* __restrict__ part_ml,
+        float* __restrict__ part_acc) {
+    __shared__ float qsh[ATT_MAX_D];
+    __shared__ float wm[ATT_WARPS], wl[ATT_WARPS];
+    __shared__ float wacc[ATT_WARPS][ATT_MAX_DV];
+    const int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z, S = gridDim.x;
+    const int lane = threadIdx.x, warp = threadIdx.y, tid = warp * 32 + lane;
+    const size_t part = ((size_t)t * H + h) * S + s;
+    const int slot = slots[t], pos = positions[t];
+    const int lo = window > 0 ? max(0, pos - window + 1) : 0;
+    const int j0 = max(lo, s * chunk), j1 = min(pos + 1, (s + 1) * chunk);
+    if (slot < 0 || j0 >= j1) {
+        if (tid == 0) part_ml[part] = make_float2(NEG_INF, 0.0f);
+        return;
+    }
+    const float* qr = q + (size_t)t * q0 + (size_t)h * q1;
+    for (int i = tid; i < D; i += 32 * ATT_WARPS) qsh[i] = qr[i];
+    __syncthreads();
+    const int hk = h / (H / Hkv);
+    float m = NEG_INF, l = 0.0f, acc[ATT_MAX_DV / 32];
+#pragma unroll
+    for (int i = 0; i < ATT_MAX_DV / 32; i++) acc[i] = 0.0f;
+    for (int j = j0 + warp; j < j1; j += ATT_WARPS) {
+        const size_t row = ((size_t)slot * n_ctx + j) * Hkv + hk;
+        float sc = 0.0f;
+        for (int i = lane; i < D; i += 32) sc += qsh[i] * KT::at(kq, kd, row, D, i);
+        sc = warp_sum(sc) * scale;
+        const float mn = fmaxf(m, sc);
+        const float corr = expf(m - mn), p = expf(sc - mn);
+        l = l * corr + p;
+#pragma unroll
+        for (int i = 0; i < ATT_MAX_DV / 32; i++) {
+            const int d = lane + 32 * i;
+            if (d < Dv) acc[i] = acc[i] * corr + p * VT::at(vq, vd, row, Dv, d);
+        }
+        m = mn;
+    }
+    if (lane == 0) { wm[warp] = m; wl[warp] = l; }
+#pragma unroll
+    for (int i = 0; i < ATT_MAX_DV / 32; i++) {
+        const int d = lane + 32 * i;
+        if (d < Dv) wacc[warp][d] = acc[i];
+    }
+    __syncthreads();
+    float M = NEG_INF;
+    for (int w = 0; w < ATT_WARPS; w++) if (wl[w] > 0.0f) M = fmaxf(M, wm[w]);
+    for (int d = tid; d < Dv; d += 32 * ATT_WARPS) {
+        float a = 0.0f;
+        for (int w = 0; w < ATT_WARPS; w++)
+            if (wl[w] > 0.0f) a += wacc[w][d] * expf(wm[w] - M);
+        part_acc[part * Dv + d] = a;
+    }
+    if (tid == 0) {
+        float L = 0.0f;
+        for (int w = 0; w < ATT_WARPS; w++) if (wl[w] > 0.0f) L += wl[w] * expf(wm[w] - M);
+        part_ml[part] = make_float2(M, L);
+    }
+}
+
+#define ATTN_KERNEL(kn, KT, vn, VT)                                                          \
+    extern "C" __global__ void __launch_bounds__(128) attn_split_##kn##_##vn(               \
+            const float* q, int q0, int q1, int H, int Hkv, int D, int Dv, const u8* kq,     \
+            const u8* kd, const u8* vq, const u8* vd, const int* slots, const int* positions, \
+            int n_ctx, int window, float scale, int chunk, float2* part_ml, float* part_acc) { \
+        attn_split<KT, VT>(q, q0, q1, H, Hkv, D, Dv, kq, kd, vq, vd, slots, positions, n_ctx, \
+                           window, scale, chunk, part_ml, part_acc);                         \
+    }
+#define ATTN_V(kn, KT) ATTN_KERNEL(kn, KT, f16, KvF16) ATTN_KERNEL(kn, KT, q8_0, KvQ8_0) \
+    ATTN_KERNEL(kn, KT, q4_0, KvQ4_0)
+ATTN_V(f16, KvF16)
+ATTN_V(q8_0, KvQ8_0)
+ATTN_V(q4_0, KvQ4_0)
+
+extern "C" __global__ void attn_combine(const float2* __restrict__ part_ml,
+                                        const float* __restrict__ part_acc, int H, int S, int Dv,
+                                        const int* __restrict__ slots, float* __restrict__ out,
+                                        int o0, int o1) {
+    const int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
+    if (d >= Dv) return;
+    float* orow = out + (size_t)t * o0 + (size_t)h * o1;
+    if (slots[t] < 0) { orow[d] = 0.0f; return; }
+    const size_t base = ((size_t)t * H + h) * S;
+    float M = NEG_INF;
+    for (int s = 0; s < S; s++) {
+        const float2 ml = part_ml[base + s];
+        if (ml.y > 0.0f) M = fmaxf(M, ml.x);
+    }
+    float L = 0.0f, a = 0.0f;
+    for (int s = 0; s < S; s++) {
+        const float2 ml = part_ml[base + s];
+        if (ml.y > 0.0f) {
+            const float e = expf(ml.x - M);
+            L += ml.y * e;
+            a += part_acc[(base + s) * Dv + d] * e;
+        }
+    }
+    orow[d] = a / L;
+}

@@ -1,0 +1,327 @@
+// quant_types.cuh: one struct per GGUF weight type; every kernel template includes this file.
+//
+// Weights live on the GPU in the file's own quantization, repacked once at load into PLANES: the
+// fields of every block split into separate arrays (quants, high bits, scales, d/dmin), each
+// row-major over the blocks of the matrix. Block b of row r of plane p starts at byte
+// (r * blocks_per_row + b) * BPB[p]; the quant planes are 16-byte aligned per 32-element group.
+// The byte counts equal the file's (no padding), and service/backends/cuda_layout.py builds the
+// planes (its CPU tests check every element against the gguf package's dequantizer).
+//
+// Each struct gives, for a block `blk` (= r * blocks_per_row + b):
+//   dequant(P, blk, i)        element i of the block, in the order of operations of ggml's
+//                             reference dequantizer (explicit __fmul_rn/__fadd_rn: no FMA
+//                             contraction), so embedding rows equal the CPU backend's bits;
+//   dot(P, blk, j, a, da, sa) sum over the 32 elements of sub-group j (0 for 32-element types,
+//                             0..7 for 256-element K-quants) of w * x, where the activations x
+//                             are an 8-bit block: x_k ~ da * a_k, a = 8 words of int8 codes,
+//                             sa = sum_k a_k. Integer dot products (__dp4a) per group, then
+//                                 w = d * c           : d * da * sum(c a)
+//                                 w = d * (c - z)     : d * da * (sum(c a) - z * sa)
+//                                 w = d * c + m       : d * da * sum(c a) + m * da * sa
+//                                 w = d*sc*c - dmin*m : d*sc * da * sum(c a) - dmin*m * da * sa
+//                             with c the stored codes.
+// Adding a weight type = one struct here + one row in cuda_layout.py's plane table + one line
+// in gemv.cu / elementwise.cu instantiating the templates.
+#ifndef SPECSTREAM_QUANT_TYPES_CUH
+#define SPECSTREAM_QUANT_TYPES_CUH
+
+#include "common.cuh"
+
+struct Planes {
+    const u8* p0;
+    const u8* p1;
+    const u8* p2;
+    const u8* p3;
+};
+
+// 16 bytes at p (16-byte aligned) as 4 words.
+__device__ __forceinline__ void ld16(const u8* p, int w[4]) {
+    const int4 v = *reinterpret_cast<const int4*>(p);
+    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+}
+
+// Spread the 4 low bits of h into bit 4 of each byte: 0x000000ab -> 0x10 per set bit.
+__device__ __forceinline__ int spread4(u32 h) {
+    return (int)(((h & 1u) << 4) | ((h & 2u) << 11) | ((h & 4u) << 18) | ((h & 8u) << 25));
+}
+
+// ------------------------------------------------------------------ Q4_0: d * (q - 8)
+// planes: qs (16 B: element j low nibble of byte j, element j+16 high nibble), d (f16)
+struct Q4_0 {
+    static constexpr int QK = 32;
+    __device__ static float dequant(const Planes& P, size_t blk, int i) {
+        const u8 q = P.p0[blk * 16 + (i & 15)];
+        const int c = (i < 16 ? (q & 15) : (q >> 4)) - 8;
+        return __fmul_rn((float)c, h2f(ld_u16(P.p1 + blk * 2)));
+    }
+    __device__ static float dot(const Planes& P, size_t blk, int, const int* a, float da,
+                                float sa) {
+        int w[4];
+        ld16(P.p0 + blk * 16, w);
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            s = __dp4a(w[i] & 0x0F0F0F0F, a[i], s);
+            s = __dp4a((w[i] >> 4) & 0x0F0F0F0F, a[i + 4], s);
+        }
+        const float d = h2f(ld_u16(P.p1 + blk * 2));
+        return d * da * ((float)s - 8.0f * sa);
+    }
+};
+
+// ------------------------------------------------------------------ Q4_1: d * q + m
+// planes: qs (16 B), dm (f16 d, f16 m)
+struct Q4_1 {
+    static constexpr int QK = 32;
+    __device__ static float dequant(const Planes& P, size_t blk, int i) {
+        const u8 q = P.p0[blk * 16 + (i & 15)];
+        const int c = i < 16 ? (q & 15) : (q >> 4);
+        const float d = h2f(ld_u16(P.p1 + blk * 4)), m = h2f(ld_u16(P.p1 + blk * 4 + 2));
+        return __fadd_rn(__fmul_rn(d, (float)c), m);
+    }
+    __device__ static float dot(const Planes& P, size_t blk, int, const int* a, float da,
+                                float sa) {
+        int w[4];
+        ld16(P.p0 + blk * 16, w);
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            s = __dp4a(w[i] & 0x0F0F0F0F, a[i], s);
+            s = __dp4a((w[i] >> 4) & 0x0F0F0F0F, a[i + 4], s);
+        }
+        const float d = h2f(ld_u16(P.p1 + blk * 4)), m = h2f(ld_u16(P.p1 + blk * 4 + 2));
+        return d * da * (float)s + m * da * sa;
+    }
+};
+
+// 5-bit codes of a Q5_0/Q5_1 block as 8 words (elements 4i..4i+3 in word i).
+__device__ __forceinline__ void q5_codes(const u8* qs, u32 qh, int c[8]) {
+    int w[4];
+    ld16(qs, w);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        c[i] = (w[i] & 0x0F0F0F0F) | spread4(qh >> (4 * i));
+        c[i + 4] = ((w[i] >> 4) & 0x0F0F0F0F) | spread4(qh >> (16 + 4 * i));
+    }
+}
+
+__device__ __forceinline__ int q5_code1(const u8* qs, u32 qh, int i) {
+    const u8 q = qs[i & 15];
+    return (i < 16 ? (q & 15) : (q >> 4)) | (((qh >> i) & 1u) << 4);
+}
+
+// ------------------------------------------------------------------ Q5_0: d * (q - 16)
+// planes: qs (16 B low nibbles), qh (u32: bit j = bit 4 of element j), d (f16)
+struct Q5_0 {
+    static constexpr int QK = 32;
+    __device__ static float dequant(const Planes& P, size_t blk, int i) {
+        const u32 qh = *reinterpret_cast<const u32*>(P.p1 + blk * 4);
+        const int c = q5_code1(P.p0 + blk * 16, qh, i) - 16;
+        return __fmul_rn((float)c, h2f(ld_u16(P.p2 + blk * 2)));
+    }
+    __device__ static float dot(const Planes& P, size_t blk, int, const int* a, float da,
+                                float sa) {
+        int c[8];
+        q5_codes(P.p0 + blk * 16, *reinterpret_cast<const u32*>(P.p1 + blk * 4), c);
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) s = __dp4a(c[i], a[i], s);
+        const float d = h2f(ld_u16(P.p2 + blk * 2));
+        return d * da * ((float)s - 16.0f * sa);
+    }
+};
+
+// ------------------------------------------------------------------ Q5_1: d * q + m
+// planes: qs (16 B), qh (u32), dm (f16 d, f16 m)
+struct Q5_1 {
+    static constexpr int QK = 32;
+    __device__ static float dequant(const Planes& P, size_t blk, int i) {
+        const u32 qh = *reinterpret_cast<const u32*>(P.p1 + blk * 4);
+        const int c = q5_code1(P.p0 + blk * 16, qh, i);
+        const float d = h2f(ld_u16(P.p2 + blk * 4)), m = h2f(ld_u16(P.p2 + blk * 4 + 2));
+        return __fadd_rn(__fmul_rn(d, (float)c), m);
+    }
+    __device__ static float dot(const Planes& P, size_t blk, int, const int* a, float da,
+                                float sa) {
+        int c[8];
+        q5_codes(P.p0 + blk * 16, *reinterpret_cast<const u32*>(P.p1 + blk * 4), c);
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) s = __dp4a(c[i], a[i], s);
+        const float d = h2f(ld_u16(P.p2 + blk * 4)), m = h2f(ld_u16(P.p2 + blk * 4 + 2));
+        return d * da * (float)s + m * da * sa;
+    }
+};
+
+// ------------------------------------------------------------------ Q8_0: d * q
+// planes: qs (32 B signed), d (f16)
+struct Q8_0 {
+    static constexpr int QK = 32;
+    __device__ static float dequant(const Planes& P, size_t blk, int i) {
+        const int c = (signed char)P.p0[blk * 32 + i];
+        return __fmul_rn((float)c, h2f(ld_u16(P.p1 + blk * 2)));
+    }
+    __device__ static float dot(const Planes& P, size_t blk, int, const int* a, float da,
+                                float) {
+        int w[8];
+        ld16(P.p0 + blk * 32, w);
+        ld16(P.p0 + blk * 32 + 16, w + 4);
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) s = __dp4a(w[i], a[i], s);
+        return h2f(ld_u16(P.p1 + blk * 2)) * da * (float)s;
+    }
+};
+
+// 6-bit (scale, min) of sub-block j of a Q4_K/Q5_K super-block from its 12 packed bytes.
+__device__ __forceinline__ void k_scale_min(const u8* q, int j, int& sc, int& m) {
+    if (j < 4) {
+        sc = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+// ------------------------------------------------------------------ Q4_K: d*sc*q - dmin*m
+// 256 elements = 8 sub-blocks of 32; sub-block j uses the low (j even) or high (j odd)
+// nibbles of quant bytes 32*(j/2) .. 32*(j/2)+31.
+// planes: qs (128 B), scales (12 B), dm (f16 d, f16 dmin)
+struct Q4_K {
+    static constexpr int QK = 256;
+    __device__ static float dequant(const Planes& P, size_t blk, int i) {
+        const int j = i >> 5, l = i & 31;
+        const u8 q = P.p0[blk * 128 + 32 * (j >> 1) + l];
+        const int c = (j & 1) ? (q >> 4) : (q & 15);
+        int sc, m;
+        k_scale_min(P.p1 + blk * 12, j, sc, m);
+        const float d = h2f(ld_u16(P.p2 + blk * 4)), dmin = h2f(ld_u16(P.p2 + blk * 4 + 2));
+        return __fsub_rn(__fmul_rn(__fmul_rn(d, (float)sc), (float)c),
+                         __fmul_rn(dmin, (float)m));
+    }
+    __device__ static float dot(const Planes& P, size_t blk, int j, const int* a, float da,
+                                float sa) {
+        int w[8];
+        const u8* qs = P.p0 + blk * 128 + 32 * (j >> 1);
+        ld16(qs, w);
+        ld16(qs + 16, w + 4);
+        const int sh = (j & 1) * 4;
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) s = __dp4a((w[i] >> sh) & 0x0F0F0F0F, a[i], s);
+        int sc, m;
+        k_scale_min(P.p1 + blk * 12, j, sc, m);
+        const float d = h2f(ld_u16(P.p2 + blk * 4)), dmin = h2f(ld_u16(P.p2 + blk * 4 + 2));
+        return d * (float)sc * da * (float)s - dmin * (float)m * da * sa;
+    }
+};
+
+// ------------------------------------------------------------------ Q5_K: d*sc*q - dmin*m
+// As Q4_K, plus bit 4 of element l of sub-block j = bit j of high-bit byte l.
+// planes: qs (128 B), qh (32 B), scales (12 B), dm (f16 d, f16 dmin)
+struct Q5_K {
+    static constexpr int QK = 256;
+    __device__ static float dequant(const Planes& P, size_t blk, int i) {
+        const int j = i >> 5, l = i & 31;
+        const u8 q = P.p0[blk * 128 + 32 * (j >> 1) + l];
+        const int c = ((j & 1) ? (q >> 4) : (q & 15)) | (((P.p1[blk * 32 + l] >> j) & 1) << 4);
+        int sc, m;
+        k_scale_min(P.p2 + blk * 12, j, sc, m);
+        const float d = h2f(ld_u16(P.p3 + blk * 4)), dmin = h2f(ld_u16(P.p3 + blk * 4 + 2));
+        return __fsub_rn(__fmul_rn(__fmul_rn(d, (float)sc), (float)c),
+                         __fmul_rn(dmin, (float)m));
+    }
+    __device__ static float dot(const Planes& P, size_t blk, int j, const int* a, float da,
+                                float sa) {
+        int w[8], h[8];
+        const u8* qs = P.p0 + blk * 128 + 32 * (j >> 1);
+        ld16(qs, w);
+        ld16(qs + 16, w + 4);
+        ld16(P.p1 + blk * 32, h);
+        ld16(P.p1 + blk * 32 + 16, h + 4);
+        const int sh = (j & 1) * 4;
+        int s = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int c = ((w[i] >> sh) & 0x0F0F0F0F) | ((((u32)h[i] >> j) & 0x01010101u) << 4);
+            s = __dp4a(c, a[i], s);
+        }
+        int sc, m;
+        k_scale_min(P.p2 + blk * 12, j, sc, m);
+        const float d = h2f(ld_u16(P.p3 + blk * 4)), dmin = h2f(ld_u16(P.p3 + blk * 4 + 2));
+        return d * (float)sc * da * (float)s - dmin * (float)m * da * sa;
+    }
+};
+
+// ------------------------------------------------------------------ Q6_K: d * sc * (q - 32)
+// 256 elements in two halves of 128; sub-block s of 32 (half h = s/4, t = s%4) takes the low
+// (t < 2) or high (t >= 2) nibbles of ql bytes 64h + 32(t&1) + l and bits 2t, 2t+1 of qh byte
+// 32h + l; elements l < 16 use scale 8h + 2t, the others 8h + 2t + 1 (signed 8-bit scales).
+// planes: ql (128 B), qh (64 B), scales (16 x i8), d (f16)
+struct Q6_K {
+    static constexpr int QK = 256;
+    __device__ static float dequant(const Planes& P, size_t blk, int i) {
+        const int s = i >> 5, l = i & 31, h = s >> 2, t = s & 3;
+        const u8 ql = P.p0[blk * 128 + 64 * h + 32 * (t & 1) + l];
+        const u8 qh = P.p1[blk * 64 + 32 * h + l];
+        const int c = (((t >= 2) ? (ql >> 4) : (ql & 15)) | (((qh >> (2 * t)) & 3) << 4)) - 32;
+        const int sc = (signed char)P.p2[blk * 16 + 8 * h + 2 * t + (l >= 16)];
+        const float d = h2f(ld_u16(P.p3 + blk * 2));
+        return __fmul_rn(__fmul_rn(d, (float)sc), (float)c);
+    }
+    __device__ static float dot(const Planes& P, size_t blk, int s, const int* a, float da,
+                                float) {
+        const int h = s >> 2, t = s & 3;
+        int w[8], q[8];
+        const u8* ql = P.p0 + blk * 128 + 64 * h + 32 * (t & 1);
+        ld16(ql, w);
+        ld16(ql + 16, w + 4);
+        ld16(P.p1 + blk * 64 + 32 * h, q);
+        ld16(P.p1 + blk * 64 + 32 * h + 16, q + 4);
+        const int shl = (t >= 2) ? 4 : 0;
+        int s0 = 0, s1 = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const int c = ((w[i] >> shl) & 0x0F0F0F0F) | ((((u32)q[i] >> (2 * t)) & 0x03030303u) << 4);
+            const int cs = __vsub4(c, 0x20202020);    // per byte c - 32, in -32..31
+            if (i < 4) s0 = __dp4a(cs, a[i], s0);
+            else s1 = __dp4a(cs, a[i], s1);
+        }
+        const signed char* sc = reinterpret_cast<const signed char*>(P.p2 + blk * 16 + 8 * h + 2 * t);
+        const float d = h2f(ld_u16(P.p3 + blk * 2));
+        return d * da * (float)(sc[0] * s0 + sc[1] * s1);
+    }
+};
+
+// ------------------------------------------------------------------ float types (one plane)
+struct F32 {
+    static constexpr int QK = 1;
+    __device__ static float dequant(const Planes& P, size_t blk, int) {
+        return reinterpret_cast<const float*>(P.p0)[blk];
+    }
+    __device__ static float at(const u8* p, size_t i) { return reinterpret_cast<const float*>(p)[i]; }
+};
+
+struct F16 {
+    static constexpr int QK = 1;
+    __device__ static float dequant(const Planes& P, size_t blk, int) {
+        return h2f(reinterpret_cast<const u16*>(P.p0)[blk]);
+    }
+    __device__ static float at(const u8* p, size_t i) { return h2f(reinterpret_cast<const u16*>(p)[i]); }
+};
+
+struct BF16 {
+    static constexpr int QK = 1;
+    __device__ static float dequant(const Planes& P, size_t blk, int) {
+        return bf2f(reinterpret_cast<const u16*>(P.p0)[blk]);
+    }
+    __device__ static float at(const u8* p, size_t i) { return bf2f(reinterpret_cast<const u16*>(p)[i]); }
+};
+
+// X-macro lists of the types, for instantiating kernel templates once per type.
+#define FOR_QUANT_TYPES(X) X(q4_0, Q4_0) X(q4_1, Q4_1) X(q5_0, Q5_0) X(q5_1, Q5_1) \
+    X(q8_0, Q8_0) X(q4_k, Q4_K) X(q5_k, Q5_K) X(q6_k, Q6_K)
+#define FOR_FLOAT_TYPES(X) X(f32, F32) X(f16, F16) X(bf16, BF16)
+
+#endif  // SPECSTREAM_QUANT_TYPES_CUH

@@ -1,0 +1,87 @@
+"""GPU weight layout: each GGUF block type split into planes (numpy only; no CuPy here).
+
+A tensor of R rows x K columns of a block type (B elements in S bytes per block) is stored as
+R * K / B blocks. On the GPU every field of the block goes to its own plane: plane p holds
+bytes [start, start + size) of every block, blocks in row-major order, so the quants of a
+32-element group start 16-byte aligned and a warp reads them in whole 16-byte loads.
+The planes together hold exactly the file's bytes: no dequantized copy, no padding.
+
+The plane order per type is the contract with cuda/quant_types.cuh (P.p0 .. P.p3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PlaneLayout:
+    kernel: str                              # the suffix of gemv_/embed_ kernels
+    block_size: int                          # elements per block (1 for float types)
+    type_size: int                           # bytes per block in the file
+    planes: tuple[tuple[int, int], ...]      # (byte start, byte count) per plane, p0 first
+
+    @property
+    def quantized(self) -> bool:
+        return self.block_size > 1
+
+
+# Byte ranges follow ggml's block structs: e.g. block_q4_K = {f16 d, f16 dmin, u8 scales[12],
+# u8 qs[128]} and block_q6_K = {u8 ql[128], u8 qh[64], i8 scales[16], f16 d}.
+LAYOUTS: dict[str, PlaneLayout] = {
+    "F32": PlaneLayout("f32", 1, 4, ((0, 4),)),
+    "F16": PlaneLayout("f16", 1, 2, ((0, 2),)),
+    "BF16": PlaneLayout("bf16", 1, 2, ((0, 2),)),
+    "Q4_0": PlaneLayout("q4_0", 32, 18, ((2, 16), (0, 2))),
+    "Q4_1": PlaneLayout("q4_1", 32, 20, ((4, 16), (0, 4))),
+    "Q5_0": PlaneLayout("q5_0", 32, 22, ((6, 16), (2, 4), (0, 2))),
+    "Q5_1": PlaneLayout("q5_1", 32, 24, ((8, 16), (4, 4), (0, 4))),
+    "Q8_0": PlaneLayout("q8_0", 32, 34, ((2, 32), (0, 2))),
+    "Q4_K": PlaneLayout("q4_k", 256, 144, ((16, 128), (4, 12), (0, 4))),
+    "Q5_K": PlaneLayout("q5_k", 256, 176, ((48, 128), (16, 32), (4, 12), (0, 4))),
+    "Q6_K": PlaneLayout("q6_k", 256, 210, ((0, 128), (128, 64), (192, 16), (208, 2))),
+}
+
+
+def layout_of(qtype) -> PlaneLayout:
+    """The plane layout of a GGUF type (an enum member whose name is the ggml type name)."""
+    try:
+        return LAYOUTS[qtype.name]
+    except KeyError:
+        raise ValueError(f"no GPU layout for weight type {qtype.name}") from None
+
+
+def split_planes(raw: np.ndarray, layout: PlaneLayout) -> list[np.ndarray]:
+    """(n_bytes,) uint8 of whole blocks -> one contiguous uint8 array per plane."""
+    if raw.size % layout.type_size:
+        raise ValueError(f"{raw.size} bytes is not a whole number of {layout.kernel} blocks")
+    blocks = raw.reshape(-1, layout.type_size)                       # (n_blocks, S) u8
+    if len(layout.planes) == 1:
+        return [np.ascontiguousarray(raw)]
+    return [np.ascontiguousarray(blocks[:, a:a + n]).reshape(-1) for a, n in layout.planes]
+
+
+def join_planes(planes: list[np.ndarray], layout: PlaneLayout) -> np.ndarray:
+    """The inverse of split_planes: the file's block bytes again."""
+    if len(layout.planes) == 1:
+        return planes[0].copy()
+    n_blocks = planes[0].size // layout.planes[0][1]
+    out = np.empty((n_blocks, layout.type_size), np.uint8)
+    for (a, n), p in zip(layout.planes, planes, strict=True):
+        out[:, a:a + n] = p.reshape(n_blocks, n)
+    return out.reshape(-1)
+
+
+def round_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8-bit activation blocks of cuda/quantize.cu, computed the same way in numpy:
+    per 32 values d = amax / 127, q = rint(x / d) (0 where amax = 0).
+    x (T, K) f32 -> codes (T, K) int8, d (T, K/32) f32; x ~ d * q within d / 2 per element."""
+    t, k = x.shape
+    b = np.ascontiguousarray(x, np.float32).reshape(t, k // 32, 32)
+    amax = np.abs(b).max(axis=-1)                                        # (T, G) f32
+    d = (amax / np.float32(127)).astype(np.float32)
+    safe = np.where(amax == 0, np.float32(1), d)
+    q = np.where(amax[..., None] == 0, 0, np.rint(b / safe[..., None]))
+    return q.astype(np.int8).reshape(t, k), d

@@ -1,0 +1,29 @@
+"""GPU test fixtures. Without CuPy or a CUDA device nothing here is collected (the CPU CI
+never imports CuPy); `make test-gpu` then reports that no GPU test ran."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _have_gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+collect_ignore_glob = [] if _have_gpu() else ["test_*.py"]
+
+
+@pytest.fixture(scope="session")
+def cuda():
+    """An eager CUDA backend; tests run on its stream, so their own copies and fills are
+    ordered with its kernels."""
+    from service.backends.cuda import CudaBackend
+
+    be = CudaBackend(graphs=False)
+    with be.stream:
+        yield be

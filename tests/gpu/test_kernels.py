@@ -1,0 +1,285 @@
+"""Every CUDA kernel against the CPU reference (or the gguf package) on fresh random inputs.
+
+Outputs are poisoned with NaN before each launch, so an element a kernel forgets to write
+fails. Shapes are awkward on purpose: K not a multiple of 256 where the type allows, widths
+past one warp's 32 groups, N not a multiple of the 4 rows a block computes, 1..16 columns and a
+40-column prefill chunk.
+
+Error bounds, derived:
+- Quantized GEMV: activations become 8-bit blocks x^ = d q (|x - x^| <= d/2). Against the exact
+  product with x^ (float64), the kernel's error is float32 rounding of its sums: about
+  (groups per lane + butterfly levels + 4) ulps of S = sum |w x^|, under 2e-6 S for these widths;
+  the bound used is 1e-4 S, still tens of thousands of times below what a wrong nibble or scale
+  gives (an error of order S). Against the CPU backend's float32 activations, the rounding adds
+  at most sum |w| |x - x^|, computed exactly from the same codes.
+- Float GEMV: no rounding of x; 1e-5 S.
+- Embedding rows, RoPE and KV-cache stores are computed with the reference's order of float
+  operations and must be bit-identical.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf.quants import dequantize
+
+from service.backends.cpu import CpuBackend
+from service.backends.cuda_layout import round_activations
+from service.gguf.reader import TensorInfo
+from tests.blocks import ALL_TYPES, block_size, qtype, random_tensor
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+N_ROWS = 37
+
+
+def tensor(name: str, rows: int, k: int, seed: int) -> TensorInfo:
+    raw = random_tensor(name, rows, k, np.random.default_rng(seed))
+    return TensorInfo(f"w.{name}.{rows}x{k}.{seed}", qtype(name), (rows, k), raw)
+
+
+def widths(name: str) -> list[int]:
+    bs = block_size(name)
+    if bs == 1:
+        return [200, 512]                 # 200: not a multiple of 32
+    if bs == 32:
+        return [352, 1280]                # 11 groups (idle lanes), 40 groups (lanes loop)
+    return [768, 2304]                    # 24 and 72 groups of K-quant super-blocks
+
+
+def poisoned(cuda, shape):
+    a = cuda.zeros(shape)
+    a.fill(np.nan)
+    return a
+
+
+def gpu_matmul(cuda, w, x: np.ndarray, n: int, pad: int = 0) -> np.ndarray:
+    """out[:, pad:pad + n] of a NaN-filled (T, n + 2 pad) buffer; the rest must stay NaN."""
+    xg = cp.asarray(x)
+    out = poisoned(cuda, (x.shape[0], n + 2 * pad))
+    cuda.matmul(xg, w, out[:, pad:pad + n])
+    host = cuda.to_host(out)
+    if pad:
+        assert np.isnan(host[:, :pad]).all() and np.isnan(host[:, pad + n:]).all()
+    return host[:, pad:pad + n]
+
+
+@pytest.mark.parametrize("name", ALL_TYPES)
+def test_gemv_against_references(cuda, name):
+    for k in widths(name):
+        t = tensor(name, N_ROWS, k, seed=k)
+        w = cuda.load_matrix([t])
+        cuda.prepare(max_tokens=64, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
+        W = dequantize(t.raw, t.qtype).reshape(N_ROWS, k).astype(np.float64)   # (N, K)
+        cpu = CpuBackend()
+        wc = cpu.load_matrix([t])
+        rng = np.random.default_rng(k + 1)
+        for T in (1, 3, 16, 40):
+            x = rng.normal(0, 1, (T, k)).astype(np.float32)
+            got = gpu_matmul(cuda, w, x, N_ROWS, pad=3)
+            assert np.isfinite(got).all()
+            ref_cpu = np.empty((T, N_ROWS), np.float32)
+            cpu.matmul(x, wc, ref_cpu)
+            if block_size(name) == 1:
+                S = np.abs(x.astype(np.float64)) @ np.abs(W).T
+                ref = x.astype(np.float64) @ W.T
+                assert (np.abs(got - ref) <= 1e-5 * S + 1e-7).all(), name
+                assert (np.abs(got - ref_cpu) <= 2e-5 * S + 1e-6).all(), name
+                continue
+            q, d = round_activations(x)
+            xh = (q.reshape(T, -1, 32) * d[..., None].astype(np.float64)).reshape(T, k)
+            S = np.abs(xh) @ np.abs(W).T                                       # (T, N)
+            ref = xh @ W.T
+            err = np.abs(got - ref)
+            assert (err <= 1e-4 * S + 1e-7).all(), (name, k, T, float((err / (S + 1e-9)).max()))
+            rounding = np.abs(x - xh) @ np.abs(W).T
+            assert (np.abs(got - ref_cpu) <= rounding + 1e-4 * S + 1e-6).all(), (name, k, T)
+
+
+@pytest.mark.parametrize("name", ALL_TYPES)
+def test_gemv_columns_are_independent_of_the_step_size(cuda, name):
+    """Column t of a 16- or 40-column launch equals a 1-column launch of x[t], bit for bit."""
+    k = widths(name)[1]
+    t = tensor(name, N_ROWS, k, seed=7)
+    w = cuda.load_matrix([t])
+    cuda.prepare(max_tokens=64, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
+    x = np.random.default_rng(8).normal(0, 1, (40, k)).astype(np.float32)
+    wide = gpu_matmul(cuda, w, x, N_ROWS)
+    sixteen = gpu_matmul(cuda, w, x[:16], N_ROWS)
+    for i in (0, 5, 15, 16, 39):
+        single = gpu_matmul(cuda, w, x[i:i + 1], N_ROWS)
+        assert np.array_equal(single[0], wide[i]), i
+        if i < 16:
+            assert np.array_equal(single[0], sixteen[i]), i
+
+
+@pytest.mark.parametrize("name", ALL_TYPES)
+def test_embedding_rows_are_bit_exact(cuda, name):
+    k = widths(name)[0]
+    t = tensor(name, 40, k, seed=3)
+    table = cuda.load_embedding(t)
+    ref = dequantize(t.raw, t.qtype).reshape(40, k).astype(np.float32)
+    ids = np.array([3, 0, 39, 3, 17], np.int32)
+    for scale in (1.0, 2.5):
+        out = poisoned(cuda, (len(ids), k))
+        cuda.embed(table, cp.asarray(ids), scale, out)
+        want = ref[ids] if scale == 1.0 else ref[ids] * np.float32(scale)
+        assert np.array_equal(cuda.to_host(out), want), (name, scale)
+
+
+def test_rms_norm_add_glu_against_cpu(cuda):
+    cpu, rng = CpuBackend(), np.random.default_rng(11)
+    x = rng.normal(0, 2, (5, 7, 96)).astype(np.float32)
+    w = rng.normal(1, 0.1, 96).astype(np.float32)
+    out = poisoned(cuda, x.shape)
+    cuda.rms_norm(cp.asarray(x), cp.asarray(w), 1e-6, out)
+    ref = np.empty_like(x)
+    cpu.rms_norm(x, w, 1e-6, ref)
+    np.testing.assert_allclose(cuda.to_host(out), ref, rtol=2e-6, atol=1e-7)
+    # In place on a strided view (per-head q norm inside the q|k|v row).
+    qkv = rng.normal(0, 1, (3, 5 * 64 + 40)).astype(np.float32)
+    g = cp.asarray(qkv)
+    view = g[:, :320].reshape(3, 5, 64)
+    wq = rng.normal(1, 0.1, 64).astype(np.float32)
+    cuda.rms_norm(view, cp.asarray(wq), 1e-5, view)
+    ref = qkv[:, :320].reshape(3, 5, 64).copy()
+    cpu.rms_norm(ref, wq, 1e-5, ref)
+    host = cuda.to_host(g)
+    np.testing.assert_allclose(host[:, :320].reshape(3, 5, 64), ref, rtol=2e-6, atol=1e-7)
+    assert np.array_equal(host[:, 320:], qkv[:, 320:])
+    a = rng.normal(0, 1, (4, 300)).astype(np.float32)
+    b = rng.normal(0, 1, 300).astype(np.float32)
+    out = poisoned(cuda, a.shape)
+    cuda.add(cp.asarray(a), cp.asarray(b), out)
+    assert np.array_equal(cuda.to_host(out), a + b)
+    for act in ("silu", "gelu_tanh"):
+        gu = rng.normal(0, 3, (4, 2 * 300)).astype(np.float32)
+        gg = cp.asarray(gu)
+        out = poisoned(cuda, (4, 300))
+        cuda.glu(gg[:, :300], gg[:, 300:], act, out)
+        ref = np.empty((4, 300), np.float32)
+        cpu.glu(gu[:, :300], gu[:, 300:], act, ref)
+        # exp/tanh differ from numpy's by an ulp or two; for very negative g, gelu's
+        # 1 + tanh(...) cancels, so that ulp of 1 is scaled by |g up|: bound it per element.
+        bound = 1e-5 * np.abs(ref) + 4e-7 * np.abs(gu[:, :300] * gu[:, 300:]) + 1e-7
+        assert (np.abs(cuda.to_host(out) - ref) <= bound).all(), act
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_is_bit_exact(cuda, neox):
+    cpu, rng = CpuBackend(), np.random.default_rng(12)
+    n_dims = 48                                   # partial rotary: 48 of 64 dims
+    x = rng.normal(0, 1, (6, 4, 64)).astype(np.float32)
+    pos = np.array([0, 1, 17, 300, 301, 511], np.int32)
+    gx = cp.asarray(x)
+    cuda.rope(gx, cp.asarray(pos), cuda.rope_table(512, n_dims, 10000.0), neox)
+    ref = x.copy()
+    cpu.rope(ref, pos, cpu.rope_table(512, n_dims, 10000.0), neox)
+    assert np.array_equal(cuda.to_host(gx), ref)
+
+
+def _kv_pair_caches(cuda, type_k, type_v, n_ctx=600, hkv=2, d=64):
+    cpu = CpuBackend()
+    cc = cpu.new_kv_cache(1, 2, n_ctx, hkv, d, d, type_k, type_v)
+    gc = cuda.new_kv_cache(1, 2, n_ctx, hkv, d, d, type_k, type_v)
+    rng = np.random.default_rng(13)
+    for slot in (0, 1):
+        for start in range(0, n_ctx, 150):       # write in steps of 150 rows
+            n = min(150, n_ctx - start)
+            k = rng.normal(0, 1, (n, hkv, d)).astype(np.float32)
+            v = rng.normal(0, 1, (n, hkv, d)).astype(np.float32)
+            pos = np.arange(start, start + n, dtype=np.int32)
+            slots = np.full(n, slot, np.int32)
+            cpu.kv_write(cc, 0, k, v, slots, pos)
+            cuda.kv_write(gc, 0, cp.asarray(k), cp.asarray(v), cp.asarray(slots),
+                          cp.asarray(pos))
+    return cpu, cc, gc
+
+
+def _gpu_cache_values(planes, kind: str, shape) -> np.ndarray:
+    """Dequantize the GPU cache planes with the gguf package (planes -> ggml blocks)."""
+    codes, scales = (cp.asnumpy(p) if p is not None else None for p in planes)
+    if kind == "f16":
+        return codes.view(np.float16).astype(np.float32).reshape(shape)
+    per = 32 if kind == "q8_0" else 16
+    n = scales.size
+    blocks = np.concatenate([scales.view(np.uint8).reshape(n, 2), codes.reshape(n, per)], 1)
+    return dequantize(blocks.reshape(-1), qtype(kind.upper())).reshape(shape)
+
+
+@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_0"])
+def test_kv_store_is_bit_exact(cuda, kind):
+    _, cc, gc = _kv_pair_caches(cuda, kind, kind)
+    shape = cc.k[0].shape
+    assert np.array_equal(_gpu_cache_values(gc.k[0], kind, shape), cc.k[0])
+    assert np.array_equal(_gpu_cache_values(gc.v[0], kind, shape), cc.v[0])
+
+
+PAIRS = [(k, v) for k in ("f16", "q8_0", "q4_0") for v in ("f16", "q8_0", "q4_0")]
+
+
+@pytest.mark.parametrize("type_k,type_v", PAIRS)
+def test_attention_against_cpu(cuda, type_k, type_v):
+    """Queries across split boundaries (chunks of 256 positions), GQA 8/2, windows, 2 slots.
+    Softmax weights and sums run in float32 in another order than numpy's: 1e-5 of the
+    output's scale is ~10x their rounding; a wrong key, mask or split merge is off by O(1)."""
+    cpu, cc, gc = _kv_pair_caches(cuda, type_k, type_v)
+    cuda.prepare(max_tokens=16, n_head=8, head_dim_v=64, n_ctx=600, n_embd=64)
+    rng = np.random.default_rng(14)
+    pos = np.array([0, 5, 255, 256, 300, 511, 599, 599], np.int32)
+    slots = np.array([0, 1, 0, 1, 0, 1, 0, 1], np.int32)
+    q = rng.normal(0, 1, (8, 8, 64)).astype(np.float32)
+    for window in (0, 100):
+        out = poisoned(cuda, (8, 8, 64))
+        cuda.attention(cp.asarray(q), gc, 0, cp.asarray(slots), cp.asarray(pos), 600, window,
+                       0.125, out)
+        ref = np.empty((8, 8, 64), np.float32)
+        cpu.attention(q, cc, 0, slots, pos, 600, window, 0.125, ref)
+        got = cuda.to_host(out)
+        assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max(), (window,)
+        for i in (0, 4, 7):                      # the same query alone: the same bits
+            one = poisoned(cuda, (1, 8, 64))
+            cuda.attention(cp.asarray(q[i:i + 1]), gc, 0, cp.asarray(slots[i:i + 1]),
+                           cp.asarray(pos[i:i + 1]), 600, window, 0.125, one)
+            assert np.array_equal(cuda.to_host(one)[0], got[i]), (window, i)
+
+
+def test_argmax_lowest_index_on_ties(cuda):
+    rng = np.random.default_rng(15)
+    x = rng.normal(0, 1, (5, 50000)).astype(np.float32)
+    x[1, [7, 4000, 49999]] = 10.0                # ties: the lowest index wins
+    x[2, :] = -np.inf
+    x[3, 49999] = 99.0
+    out = cuda.zeros((5,), "int32")
+    out.fill(-1)
+    cuda.argmax(cp.asarray(x), out)
+    got = cuda.to_host(out)
+    assert got.tolist() == np.argmax(x, axis=1).tolist()
+    assert got[1] == 7 and got[2] == 0 and got[3] == 49999
+
+
+def test_moe_against_cpu(cuda):
+    """Routing (softmax, top-4 of 8, renormalized), gathered expert GEMVs and the weighted
+    sum. Two 8-bit activation roundings (the experts' inputs and the down projection's) give
+    the GPU an error of about 1% of the output scale against float32 activations; 3% bounds
+    it, a wrong expert choice or weight moves outputs by their full scale."""
+    rng = np.random.default_rng(16)
+    n_exp, f, e = 8, 64, 96
+    router = TensorInfo("r", qtype("F32"), (n_exp, e),
+                        rng.normal(0, 1, n_exp * e).astype(np.float32).view(np.uint8))
+    mats = {}
+    for nm, shape in (("gate", (n_exp, f, e)), ("up", (n_exp, f, e)), ("down", (n_exp, e, f))):
+        raw = random_tensor("Q8_0", shape[0] * shape[1], shape[2], rng)
+        mats[nm] = TensorInfo(nm, qtype("Q8_0"), shape, raw)
+    cpu = CpuBackend()
+    wc = [cpu.load_matrix([router])] + [cpu.load_experts(mats[n]) for n in ("gate", "up", "down")]
+    wg = [cuda.load_matrix([router])] + [cuda.load_experts(mats[n]) for n in ("gate", "up", "down")]
+    cuda.prepare(max_tokens=8, n_head=1, head_dim_v=32, n_ctx=256, n_embd=e, moe_experts=n_exp,
+                 moe_used=4, moe_ff=f)
+    x = rng.normal(0, 1, (6, e)).astype(np.float32)
+    ref = np.empty((6, e), np.float32)
+    cpu.moe(x, *wc, 4, True, "silu", ref)
+    out = poisoned(cuda, (6, e))
+    cuda.moe(cp.asarray(x), *wg, 4, True, "silu", out)
+    got = cuda.to_host(out)
+    assert np.abs(got - ref).max() <= 0.03 * np.abs(ref).max()
