@@ -347,6 +347,18 @@ class Engine:
         return self.model.forward(self._ids[:T], self._pos[:T], self._slots[:T],
                                   kv_len=start + T, n_logits=n_logits)
 
+    def _emit_one(self, seq: Sequence, logits) -> None:
+        """Choose one token from logits (1, V). A plain greedy choice (no repetition penalty,
+        no log-probabilities) is the backend's argmax, and only its int32 id is read back;
+        anything else samples on the host from the row."""
+        p, be = seq.request.sampling, self.model.backend
+        if p.greedy and p.repetition_penalty == 1.0 and not seq.request.top_logprobs:
+            be.argmax(logits[:1], self._argmax[:1])
+            seq.emit([int(be.to_host(self._argmax[:1])[0])], None)
+            return
+        row = be.to_host(logits[0])
+        seq.emit([seq.choose(row)], [row])
+
     def _step(self, seq: Sequence) -> None:
         if seq.cancelled:
             return
@@ -358,8 +370,7 @@ class Engine:
             seq.n_past += n
             if last:
                 seq.t_prefill_done = time.perf_counter()
-                row = self.model.backend.to_host(logits[0])
-                seq.emit([seq.choose(row)], [row])
+                self._emit_one(seq, logits)
             return
         draft = [seq.seed]
         if seq.speculative:
@@ -373,9 +384,8 @@ class Engine:
         T = len(draft)
         logits = self._forward(seq, draft, seq.n_past, T)
         if T == 1:
-            row = self.model.backend.to_host(logits[0])
             seq.n_past += 1
-            seq.emit([seq.choose(row)], [row])
+            self._emit_one(seq, logits)
             return
         self.model.backend.argmax(logits, self._argmax[:T])
         target = [int(t) for t in self.model.backend.to_host(self._argmax[:T])]
