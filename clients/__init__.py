@@ -7,6 +7,7 @@ from clients.client import (
     ErrorDetails,
     SpecstreamClient,
     build_generate_request,
+    default_target,
     error_details,
 )
 
@@ -17,5 +18,6 @@ __all__ = [
     "ErrorDetails",
     "SpecstreamClient",
     "build_generate_request",
+    "default_target",
     "error_details",
 ]

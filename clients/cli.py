@@ -21,10 +21,10 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from clients.client import (
-    DEFAULT_TARGET,
     Completion,
     SpecstreamClient,
     build_generate_request,
+    default_target,
     error_details,
 )
 from service.config import settings
@@ -142,7 +142,7 @@ def _engine_settings():
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specstream-client", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=DEFAULT_TARGET,
+    p.add_argument("--target", default=default_target(),
                    help="server host:port (env SPECSTREAM_TARGET; default %(default)s)")
     p.add_argument("--timeout", type=float, default=None, help="deadline per call, seconds")
     sub = p.add_subparsers(dest="command", required=True)

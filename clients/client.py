@@ -17,24 +17,19 @@ import os
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service.proto_build import ensure_stubs
+from service.proto_build import stubs
 
-ensure_stubs()
+if TYPE_CHECKING:                # generated on first use (service.proto_build.stubs)
+    from service.proto import config_pb2, generation_pb2
 
-from service.proto import (  # noqa: E402 - generated just above
-    config_pb2,
-    config_pb2_grpc,
-    generation_pb2,
-    generation_pb2_grpc,
-)
-
-DEFAULT_TARGET = os.environ.get("SPECSTREAM_TARGET", "localhost:50051")
+DEFAULT_TARGET = "localhost:50051"
+TARGET_ENV = "SPECSTREAM_TARGET"
 MIB = 1 << 20
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 32 * MIB),
@@ -46,9 +41,14 @@ CHANNEL_OPTIONS = (
 ChatInput = Sequence[tuple[str, str] | Mapping[str, str]]
 
 
+def default_target() -> str:
+    """$SPECSTREAM_TARGET, else DEFAULT_TARGET (read when a client is made, not on import)."""
+    return os.environ.get(TARGET_ENV) or DEFAULT_TARGET
+
+
 # ------------------------------------------------------------------------- requests
 def _chat(messages: ChatInput) -> generation_pb2.ChatMessages:
-    out = generation_pb2.ChatMessages()
+    out = stubs().generation_pb2.ChatMessages()
     for m in messages:
         role, content = (m["role"], m["content"]) if isinstance(m, Mapping) else m
         out.messages.add(role=role, content=content)
@@ -76,7 +76,7 @@ def build_generate_request(
     given = [x is not None for x in (prompt, tokens, chat)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, tokens or chat")
-    req = generation_pb2.GenerateRequest(request_id=request_id)
+    req = stubs().generation_pb2.GenerateRequest(request_id=request_id)
     if prompt is not None:
         req.text = prompt
     elif tokens is not None:
@@ -98,7 +98,7 @@ def _tokenize_request(text: str | None, chat: ChatInput | None, add_bos: bool | 
                       parse_special: bool | None) -> generation_pb2.TokenizeRequest:
     if (text is None) == (chat is None):
         raise ValueError("give exactly one of text or chat")
-    req = generation_pb2.TokenizeRequest()
+    req = stubs().generation_pb2.TokenizeRequest()
     if text is not None:
         req.text = text
     else:
@@ -109,13 +109,14 @@ def _tokenize_request(text: str | None, chat: ChatInput | None, add_bos: bool | 
 
 def _detokenize_request(ids: Iterable[int], skip_special: bool | None
                         ) -> generation_pb2.DetokenizeRequest:
-    req = generation_pb2.DetokenizeRequest(ids=list(ids))
+    req = stubs().generation_pb2.DetokenizeRequest(ids=list(ids))
     _set_optional(req, skip_special=skip_special)
     return req
 
 
 def _config_request(settings: Mapping[str, Any]) -> config_pb2.ValidateConfigRequest:
-    return config_pb2.ValidateConfigRequest(config=config_pb2.EngineConfig(
+    pb = stubs().config_pb2
+    return pb.ValidateConfigRequest(config=pb.EngineConfig(
         **{k: v for k, v in settings.items() if v is not None}))
 
 
@@ -149,7 +150,7 @@ class Completion:
             self.logprobs.extend(r.delta.logprobs)
         elif kind == "finished":
             f = r.finished
-            self.finish_reason = generation_pb2.FinishReason.Name(f.reason).removeprefix(
+            self.finish_reason = stubs().generation_pb2.FinishReason.Name(f.reason).removeprefix(
                 "FINISH_REASON_")
             self.usage, self.timings = f.usage, f.timings
             which = f.WhichOneof("matched_stop")
@@ -201,13 +202,16 @@ def _status_name(status: int) -> str:
 
 # ------------------------------------------------------------------------- blocking client
 class SpecstreamClient:
-    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
+    def __init__(self, target: str | None = None, *, timeout: float | None = None,
                  metadata: Sequence[tuple[str, str]] = (), channel: grpc.Channel | None = None,
                  options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS) -> None:
-        self.channel = channel or grpc.insecure_channel(target, options=list(options))
+        """target None: default_target(). The first client generates the stubs if needed."""
+        pb = stubs()
+        self.channel = channel or grpc.insecure_channel(target or default_target(),
+                                                        options=list(options))
         self.timeout, self.metadata = timeout, tuple(metadata)
-        self._gen = generation_pb2_grpc.GenerationServiceStub(self.channel)
-        self._cfg = config_pb2_grpc.ConfigServiceStub(self.channel)
+        self._gen = pb.generation_pb2_grpc.GenerationServiceStub(self.channel)
+        self._cfg = pb.config_pb2_grpc.ConfigServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     def _kw(self, timeout: float | None) -> dict[str, Any]:
@@ -243,10 +247,12 @@ class SpecstreamClient:
                                     **self._kw(timeout)).text
 
     def model_info(self, timeout: float | None = None) -> config_pb2.ModelInfo:
-        return self._cfg.GetModelInfo(config_pb2.GetModelInfoRequest(), **self._kw(timeout))
+        return self._cfg.GetModelInfo(stubs().config_pb2.GetModelInfoRequest(),
+                                      **self._kw(timeout))
 
     def get_config(self, timeout: float | None = None) -> config_pb2.EngineConfig:
-        return self._cfg.GetConfig(config_pb2.GetConfigRequest(), **self._kw(timeout)).config
+        return self._cfg.GetConfig(stubs().config_pb2.GetConfigRequest(),
+                                   **self._kw(timeout)).config
 
     def validate_config(self, timeout: float | None = None, **settings: Any
                         ) -> config_pb2.ValidateConfigResponse:
@@ -284,14 +290,16 @@ class SpecstreamClient:
 
 # ------------------------------------------------------------------------- asyncio client
 class AsyncSpecstreamClient:
-    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
+    def __init__(self, target: str | None = None, *, timeout: float | None = None,
                  metadata: Sequence[tuple[str, str]] = (),
                  channel: grpc.aio.Channel | None = None,
                  options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS) -> None:
-        self.channel = channel or grpc.aio.insecure_channel(target, options=list(options))
+        pb = stubs()
+        self.channel = channel or grpc.aio.insecure_channel(target or default_target(),
+                                                            options=list(options))
         self.timeout, self.metadata = timeout, tuple(metadata)
-        self._gen = generation_pb2_grpc.GenerationServiceStub(self.channel)
-        self._cfg = config_pb2_grpc.ConfigServiceStub(self.channel)
+        self._gen = pb.generation_pb2_grpc.GenerationServiceStub(self.channel)
+        self._cfg = pb.config_pb2_grpc.ConfigServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
     _kw = SpecstreamClient._kw
@@ -326,11 +334,11 @@ class AsyncSpecstreamClient:
         return r.text
 
     async def model_info(self, timeout: float | None = None) -> config_pb2.ModelInfo:
-        return await self._cfg.GetModelInfo(config_pb2.GetModelInfoRequest(),
+        return await self._cfg.GetModelInfo(stubs().config_pb2.GetModelInfoRequest(),
                                             **self._kw(timeout))
 
     async def get_config(self, timeout: float | None = None) -> config_pb2.EngineConfig:
-        r = await self._cfg.GetConfig(config_pb2.GetConfigRequest(), **self._kw(timeout))
+        r = await self._cfg.GetConfig(stubs().config_pb2.GetConfigRequest(), **self._kw(timeout))
         return r.config
 
     async def validate_config(self, timeout: float | None = None, **settings: Any

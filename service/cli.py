@@ -185,7 +185,7 @@ def cmd_generate(args) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
-        from service.server import serve_main
+        from service.serve import serve_main
 
         return serve_main(argv[1:])
     args = build_parser().parse_args(argv)

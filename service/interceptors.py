@@ -12,7 +12,9 @@ Mapping (google.rpc details ride in the `grpc-status-details-bin` trailer via gr
     anything else         INTERNAL             ErrorInfo(INTERNAL); the message names the request
                                                id only, the stack trace goes to the server log
 
-Cancellation and deadlines are produced by gRPC itself and pass through untouched.
+Cancellation and deadlines are produced by gRPC itself and pass through untouched; the access log
+and `specstream_rpcs_total` record them as CANCELLED, DEADLINE_EXCEEDED, or UNAVAILABLE for calls
+cut off when the shutdown grace period ran out (the code the client sees then).
 """
 
 from __future__ import annotations
@@ -92,12 +94,6 @@ def status_for(exc: BaseException, request_id: str = "") -> status_pb2.Status:
     return _pack(code_pb2.INTERNAL, f"internal error{rid}", _info("INTERNAL"))
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException,
-                     request_id: str = "") -> None:
-    """Ends the RPC with the status for `exc` (raises grpc's AbortError)."""
-    await context.abort_with_status(rpc_status.to_status(status_for(exc, request_id)))
-
-
 # ------------------------------------------------------------------------- request ids
 def request_id_of(request: object, context: grpc.aio.ServicerContext) -> str:
     """The request's own id, else the x-request-id metadata value, else a new one.
@@ -150,8 +146,10 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
     """Error mapping, request-id binding, access log and RPC metrics for unary and
     server-streaming methods (the only kinds our services and health use)."""
 
-    def __init__(self, metrics: Metrics | None = None) -> None:
+    def __init__(self, metrics: Metrics | None = None,
+                 cut_off: Callable[[], bool] = lambda: False) -> None:
         self._metrics = metrics
+        self._cut_off = cut_off      # True once the shutdown grace period has run out
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -181,6 +179,9 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             try:
                 _check_decoded(request)
                 return await behavior(request, context)
+            except (asyncio.CancelledError, GeneratorExit):
+                code = self._cancelled_code(context)
+                raise                 # the servicer's finally freed the work
             except BaseException as exc:  # noqa: BLE001 - classified and re-raised or mapped
                 code = await self._handle(exc, context, method, rid)
             finally:
@@ -195,6 +196,9 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
                 _check_decoded(request)
                 async for response in behavior(request, context):
                     yield response
+            except (asyncio.CancelledError, GeneratorExit):
+                code = self._cancelled_code(context)
+                raise
             except BaseException as exc:  # noqa: BLE001 - classified and re-raised or mapped
                 code = await self._handle(exc, context, method, rid)
             finally:
@@ -209,9 +213,7 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
 
     async def _handle(self, exc: BaseException, context, method: str, rid: str) -> str:
         """Maps exc to a status (raising AbortError), or re-raises gRPC's own outcomes."""
-        if isinstance(exc, asyncio.CancelledError):
-            raise exc  # client cancel or deadline: the servicer's finally freed the work
-        if isinstance(exc, grpc.aio.AbortError) or isinstance(exc, GeneratorExit):
+        if isinstance(exc, grpc.aio.AbortError):
             raise exc  # the servicer already chose a status
         if not isinstance(exc, Exception):
             raise exc
@@ -220,6 +222,17 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             log.error("rpc_internal_error", method=method, exc_info=exc)
         await context.abort_with_status(rpc_status.to_status(st))
         return code_pb2.Code.Name(st.code)  # unreachable: abort raises
+
+    def _cancelled_code(self, context) -> str:
+        """Why gRPC cancelled the handler, which its context does not tell yet while the
+        handler unwinds: our own shutdown, else the deadline when none of it remains, else
+        the client."""
+        if self._cut_off():
+            return "UNAVAILABLE"
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            return "DEADLINE_EXCEEDED"
+        return "CANCELLED"
 
     def _end(self, method: str, rid: str, context, t0: float, code: str) -> None:
         seconds = time.perf_counter() - t0

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TextIO
 
 import structlog
@@ -56,10 +54,18 @@ class _CurrentStderr:
 
 
 class _ToStructlog(logging.Handler):
+    """A stdlib record as one structlog event; its exception and stack go along, rendered by
+    format_exc_info / StackInfoRenderer into the "exception" / "stack" keys."""
+
     def emit(self, record: logging.LogRecord) -> None:
+        extra: dict[str, object] = {}
+        if record.exc_info:
+            extra["exc_info"] = record.exc_info
+        if record.stack_info:
+            extra["stack"] = record.stack_info   # already formatted by the logging module
         try:
             structlog.get_logger(record.name).log(record.levelno, record.getMessage(),
-                                                  logger=record.name)
+                                                  logger=record.name, **extra)
         except Exception:  # noqa: BLE001 - logging must never raise into the caller
             self.handleError(record)
 
@@ -67,10 +73,3 @@ class _ToStructlog(logging.Handler):
 def bind_request_id(request_id: str) -> None:
     """Adds request_id to every log line of the current task (one RPC)."""
     structlog.contextvars.bind_contextvars(request_id=request_id)
-
-
-@contextmanager
-def request_context(**values: object) -> Iterator[None]:
-    """Binds values for the duration of a block (outside an RPC task, e.g. a bench loop)."""
-    with structlog.contextvars.bound_contextvars(**values):
-        yield

@@ -2,8 +2,9 @@
 
 Stubs are never committed: they are generated with the grpcio-tools installed next to the
 grpcio that will load them, so a generated file never asks for a newer runtime than is present.
-`ensure_stubs()` runs at import time of the server and the client and regenerates only when the
-.proto files, this script or the grpcio-tools version changed (a stamp file records them).
+Nothing happens on import: `stubs()` (called by build_server, the clients and the request
+builders on first use) runs `ensure_stubs()`, which regenerates only when the .proto files,
+this script or the grpcio-tools version changed (a stamp file records them), then imports them.
 
 Files land flat in service/proto/ (generation_pb2.py, config_pb2_grpc.py, ...) with their
 imports rewritten from `specstream.v1` to `service.proto`, so no sys.path tricks are needed.
@@ -21,8 +22,10 @@ import re
 import shutil
 import sys
 import tempfile
+from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
@@ -154,6 +157,22 @@ def ensure_stubs() -> bool:
         return False             # an install that ships stubs but not the .proto sources
     generate()
     return True
+
+
+class Stubs(NamedTuple):
+    config_pb2: ModuleType
+    config_pb2_grpc: ModuleType
+    generation_pb2: ModuleType
+    generation_pb2_grpc: ModuleType
+
+
+@lru_cache(maxsize=1)
+def stubs() -> Stubs:
+    """The generated modules, generated first when missing or stale (once per process)."""
+    ensure_stubs()
+    from service.proto import config_pb2, config_pb2_grpc, generation_pb2, generation_pb2_grpc
+
+    return Stubs(config_pb2, config_pb2_grpc, generation_pb2, generation_pb2_grpc)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,11 +116,27 @@ class Service:
                  grace_s=cfg.grace_period_s)
         if cfg.drain_delay_s > 0:
             await asyncio.sleep(cfg.drain_delay_s)
-        await self.server.stop(cfg.grace_period_s)
+        await self._stop_server(cfg.grace_period_s)
+        st.prompt_pool.shutdown(wait=False, cancel_futures=True)
         if stop_engine and st.engine is not None:
             await asyncio.to_thread(st.engine.stop, ENGINE_STOP_TIMEOUT_S)
         st.metrics.stop()
         log.info("stopped")
+
+    async def _stop_server(self, grace_s: float) -> None:
+        """Stops accepting calls and gives open ones grace_s to finish. Calls still open then
+        are cancelled, marked cut off first, so that the access log and metrics record the
+        UNAVAILABLE their clients see."""
+        if grace_s > 0:
+            # A later deadline than ours: the stop(None) below is what cancels.
+            stopping = asyncio.ensure_future(self.server.stop(2 * grace_s))
+            done, _ = await asyncio.wait({stopping}, timeout=grace_s)
+            if done:
+                return await stopping
+        self.state.cut_off = True
+        await self.server.stop(None)
+        if grace_s > 0:
+            await stopping
 
 
 async def _serve(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int:
@@ -138,7 +154,8 @@ async def _serve(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int:
     def on_signal(sig: signal.Signals) -> None:
         if stop.is_set():  # a second signal: stop now
             log.warning("forced_stop", signal=sig.name)
-            asyncio.ensure_future(svc.server.stop(0))
+            svc.state.cut_off = True
+            asyncio.ensure_future(svc.server.stop(None))
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -8,6 +8,10 @@ loop. Each stream buffers at most `stream_buffer` events; past that, pending Del
 into one, so a slow reader costs memory proportional to its text, never an engine stall.
 A cancelled or expired call raises CancelledError in the handler, whose `finally` cancels the
 engine request (the engine frees the slot within one step).
+
+Prompts are rendered and tokenized on a small thread pool (`PROMPT_WORKERS`), never on the event
+loop, and a text that cannot fit the context is refused before it is tokenized (`check_fits`),
+so one large request neither delays other calls nor costs more than a context's worth of work.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -38,29 +44,26 @@ from service.engine.types import (
 from service.errors import ConfigError, InvalidRequestError, UnavailableError
 from service.interceptors import ServiceInterceptor
 from service.metrics import Metrics
-from service.proto_build import DocumentedPool, ensure_stubs
+from service.proto_build import DocumentedPool, stubs
 
-ensure_stubs()  # a fresh clone has no stubs; a changed .proto regenerates them
-
-from service.proto import (  # noqa: E402 - generated just above
-    config_pb2,
-    config_pb2_grpc,
-    generation_pb2,
-    generation_pb2_grpc,
-)
+if TYPE_CHECKING:                # generated on first use (service.proto_build.stubs)
+    from service.proto import config_pb2, generation_pb2
 
 log = structlog.get_logger(__name__)
+PROMPT_WORKERS = 2               # prompts rendered/tokenized at once; more wait their turn
 
-GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
-CONFIG_SERVICE = config_pb2.DESCRIPTOR.services_by_name["ConfigService"].full_name
-SERVICE_NAMES = (GENERATION_SERVICE, CONFIG_SERVICE)
-_LARGE_TEXT = 16_384             # characters; longer inputs are tokenized off the event loop
+
+def service_names() -> tuple[str, str]:
+    """Full names of the GenerationService and the ConfigService."""
+    pb = stubs()
+    return (pb.generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,
+            pb.config_pb2.DESCRIPTOR.services_by_name["ConfigService"].full_name)
 
 
 # ------------------------------------------------------------------------- serving state
 @dataclass
 class ServingState:
-    """What the servicers share: the engine once loaded, the startup config, the drain flag."""
+    """What the servicers share: the engine once loaded, the startup config, the drain flags."""
 
     engine_config: EngineConfig
     server_config: ServerConfig = field(default_factory=ServerConfig)
@@ -68,6 +71,9 @@ class ServingState:
     health: health.aio.HealthServicer = field(default_factory=health.aio.HealthServicer)
     engine: Any = None               # service.engine.scheduler.Engine once loaded and warmed up
     draining: bool = False
+    cut_off: bool = False            # the grace period ran out: calls still open are cancelled
+    prompt_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        PROMPT_WORKERS, thread_name_prefix="prompt"))
 
     def require_engine(self, *, admitting: bool = False) -> Any:
         if admitting and self.draining:
@@ -82,8 +88,12 @@ class ServingState:
     async def set_serving(self, serving: bool) -> None:
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for name in ("", *SERVICE_NAMES):
+        for name in ("", *service_names()):
             await self.health.set(name, status)
+
+    async def off_loop(self, fn: Any, *args: Any) -> Any:
+        """fn(*args) on the prompt pool: tokenizing and rendering never block the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.prompt_pool, fn, *args)
 
 
 # ------------------------------------------------------------------------- engine -> stream
@@ -151,48 +161,89 @@ def stopping_from_proto(msg: generation_pb2.StoppingCriteria) -> StoppingCriteri
         ignore_eos=_opt(msg, "ignore_eos", d.ignore_eos, bool))
 
 
+# A prompt text is rejected before it is tokenized when even its fewest possible tokens
+# overflow the context. The tokenizers of service/model/tokenizer.py run no normalizer, so each
+# token stands for a contiguous run of the text: byte-level BPE writes every input byte as one
+# character of the token's vocabulary text (1 or 2 bytes of UTF-8), SentencePiece writes a space
+# as U+2581 (3 bytes) and a fallback byte as "<0xAB>" (6 bytes), a special token matches its own
+# text, and an unknown character (at most 4 bytes) becomes one token. So one token covers at most
+#     M = max(4, longest vocabulary text in UTF-8 bytes)
+# bytes of the text, and a text of B bytes gives at least ceil(B / M) tokens (BOS/EOS add more).
+@lru_cache(maxsize=8)
+def max_token_bytes(tokenizer: Any) -> int:
+    """M above: the most bytes of input text one token of `tokenizer` can cover."""
+    longest = max((len(tokenizer.token_text(i).encode("utf-8", "surrogatepass"))
+                   for i in range(tokenizer.vocab_size)), default=0)
+    return max(4, longest)
+
+
+def check_fits(tokenizer: Any, text: str, n_ctx: int, field: str) -> None:
+    """PROMPT_TOO_LONG when `text` needs more than n_ctx tokens, decided without tokenizing."""
+    if not tokenizer.can_encode:
+        return                   # encode() itself answers FAILED_PRECONDITION, at once
+    m = max_token_bytes(tokenizer)
+    n_bytes = len(text.encode("utf-8", "surrogatepass"))
+    fewest = -(-n_bytes // m)
+    if fewest > n_ctx:
+        raise InvalidRequestError(
+            field, f"the text is {n_bytes} bytes and one token covers at most {m}, so it needs "
+            f"at least {fewest} tokens; the context holds {n_ctx}", reason="PROMPT_TOO_LONG")
+
+
 def encode_text(engine: Any, text: str, add_bos: bool | None, parse_special: bool) -> list[int]:
+    """Plain text as prompt ids, refused unread when it cannot fit the context. Blocking."""
+    check_fits(engine.tokenizer, text, engine.config.n_ctx, "input.text")
     if add_bos is None and parse_special:
         return engine.text_prompt_ids(text)      # exactly what `specstream generate` does
     return engine.tokenizer.encode(text, add_bos=add_bos, parse_special=parse_special)
 
 
-def encode_chat(engine: Any, messages: Sequence[Any], prefix: str) -> list[int]:
+def encode_chat(engine: Any, messages: list[dict[str, str]]) -> list[int]:
     """Role/content messages rendered with the model's template (or the built-in fallback),
-    tokenized with special tokens parsed; Generate and Tokenize both use this."""
+    tokenized with special tokens parsed, as Engine.chat_prompt_ids; Generate and Tokenize
+    both use this. The rendered text is checked against the context before tokenizing."""
     if not messages:
-        raise InvalidRequestError(f"{prefix}.messages", "the conversation is empty")
-    return engine.chat_prompt_ids([{"role": m.role, "content": m.content} for m in messages])
+        raise InvalidRequestError("input.chat.messages", "the conversation is empty")
+    text = engine.chat_prompt_text(messages)
+    check_fits(engine.tokenizer, text, engine.config.n_ctx, "input.chat")
+    return engine.tokenizer.encode(text, parse_special=True)
 
 
-async def prompt_ids(engine: Any, msg: Any) -> tuple[int, ...]:
-    """The prompt token ids of a GenerateRequest or TokenizeRequest."""
+def token_ids(engine: Any, ids: Sequence[int]) -> tuple[int, ...]:
+    """Token-id input; a list longer than the context is refused before it is copied."""
+    n_ctx = engine.config.n_ctx
+    if len(ids) >= n_ctx:
+        raise InvalidRequestError(
+            "input.tokens.ids", f"the prompt has {len(ids)} tokens; the context holds {n_ctx}, "
+            "leaving no room to generate", reason="PROMPT_TOO_LONG")
+    return tuple(ids)
+
+
+async def prompt_ids(state: ServingState, engine: Any, msg: Any) -> tuple[int, ...]:
+    """The prompt token ids of a GenerateRequest or TokenizeRequest, built on the prompt pool."""
     which = msg.WhichOneof("input")
-    add_bos = _opt(msg, "add_bos", None, bool)
-    parse_special = _opt(msg, "parse_special", True, bool)
     if which == "text":
-        if len(msg.text) > _LARGE_TEXT:
-            ids = await asyncio.to_thread(encode_text, engine, msg.text, add_bos, parse_special)
-        else:
-            ids = encode_text(engine, msg.text, add_bos, parse_special)
+        ids = await state.off_loop(encode_text, engine, msg.text, _opt(msg, "add_bos", None, bool),
+                                   _opt(msg, "parse_special", True, bool))
     elif which == "chat":
-        ids = encode_chat(engine, msg.chat.messages, "input.chat")
+        messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
+        ids = await state.off_loop(encode_chat, engine, messages)
     elif which == "tokens":
-        ids = list(msg.tokens.ids)
+        return token_ids(engine, msg.tokens.ids)
     else:
         raise InvalidRequestError("input", "set exactly one of text, tokens or chat")
-    return tuple(int(i) for i in ids)
+    return tuple(ids)
 
 
-async def request_from_proto(engine: Any, msg: generation_pb2.GenerateRequest
-                             ) -> GenerationRequest:
+async def request_from_proto(state: ServingState, engine: Any,
+                             msg: generation_pb2.GenerateRequest) -> GenerationRequest:
     speculative = _opt(msg.speculative, "enabled", None, bool)
     if speculative and (engine.config.drafter == "none" or engine.config.verify_width < 2):
         raise ConfigError([("speculative.enabled", "speculation was requested but the server "
                             f"runs with drafter={engine.config.drafter!r}, verify_width="
                             f"{engine.config.verify_width}")])
     return GenerationRequest(
-        request_id=msg.request_id, prompt_ids=await prompt_ids(engine, msg),
+        request_id=msg.request_id, prompt_ids=await prompt_ids(state, engine, msg),
         sampling=sampling_from_proto(msg.sampling), stopping=stopping_from_proto(msg.stopping),
         top_logprobs=_opt(msg.output, "top_logprobs", 0, int), speculative=speculative)
 
@@ -204,12 +255,15 @@ def engine_config_from_proto(msg: config_pb2.EngineConfig, base: EngineConfig) -
 
 
 # ------------------------------------------------------------------------- domain -> proto
-_FINISH = {r: generation_pb2.FinishReason.Value(f"FINISH_REASON_{r.name}")
-           for r in FinishReason if r is not FinishReason.ERROR}
+@lru_cache(maxsize=1)
+def _finish_reasons() -> dict[FinishReason, int]:
+    values = stubs().generation_pb2.FinishReason
+    return {r: values.Value(f"FINISH_REASON_{r.name}")
+            for r in FinishReason if r is not FinishReason.ERROR}
 
 
 def response_from_event(request_id: str, event: Event) -> generation_pb2.GenerateResponse:
-    pb = generation_pb2
+    pb = stubs().generation_pb2
     if isinstance(event, Started):
         return pb.GenerateResponse(request_id=request_id, started=pb.Started(
             prompt_tokens=event.prompt_tokens, seed=event.seed))
@@ -222,7 +276,7 @@ def response_from_event(request_id: str, event: Event) -> generation_pb2.Generat
                       for lp in event.logprobs]))
     u, t = event.usage, event.timings
     fin = pb.Finished(
-        reason=_FINISH[event.reason],
+        reason=_finish_reasons()[event.reason],
         usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                        draft_tokens=u.draft_tokens, accepted_draft_tokens=u.accepted_draft_tokens),
         timings=pb.Timings(queue_ms=t.queue_ms, time_to_first_token_ms=t.time_to_first_token_ms,
@@ -236,11 +290,11 @@ def response_from_event(request_id: str, event: Event) -> generation_pb2.Generat
 
 
 def engine_config_to_proto(cfg: EngineConfig) -> config_pb2.EngineConfig:
-    return config_pb2.EngineConfig(**{f.name: getattr(cfg, f.name) for f in fields(cfg)})
+    return stubs().config_pb2.EngineConfig(**{f.name: getattr(cfg, f.name) for f in fields(cfg)})
 
 
 def model_info_to_proto(info: Any, cfg: EngineConfig) -> config_pb2.ModelInfo:
-    msg = config_pb2.ModelInfo(
+    msg = stubs().config_pb2.ModelInfo(
         name=info.name, architecture=info.architecture, file_type=str(info.file_type),
         n_params=int(info.n_params), n_ctx_train=int(info.n_ctx_train), n_ctx=int(info.n_ctx),
         vocab_size=int(info.vocab_size), eog_ids=[int(i) for i in info.eog_ids],
@@ -256,8 +310,26 @@ def model_info_to_proto(info: Any, cfg: EngineConfig) -> config_pb2.ModelInfo:
     return msg
 
 
+def tokenize_response(engine: Any, ids: tuple[int, ...]) -> generation_pb2.TokenizeResponse:
+    pieces = [engine.tokenizer.token_piece(i) for i in ids]
+    return stubs().generation_pb2.TokenizeResponse(ids=ids, pieces=pieces)
+
+
+def detokenize_response(engine: Any, ids: Sequence[int], skip_special: bool
+                        ) -> generation_pb2.DetokenizeResponse:
+    vocab = engine.tokenizer.vocab_size
+    for i, t in enumerate(ids):
+        if t >= vocab:
+            raise InvalidRequestError(f"ids[{i}]", f"token id {t} is outside the "
+                                                   f"vocabulary [0, {vocab})")
+    text = engine.tokenizer.decode(ids, skip_special=skip_special)
+    return stubs().generation_pb2.DetokenizeResponse(text=text)
+
+
 # ------------------------------------------------------------------------- servicers
-class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+class GenerationServicer:
+    """specstream.v1.GenerationService (registered by build_server)."""
+
     def __init__(self, state: ServingState) -> None:
         self._state = state
 
@@ -266,7 +338,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         state = self._state
         engine = state.require_engine(admitting=True)
         rid = request.request_id     # the interceptor filled it in when empty
-        domain = await request_from_proto(engine, request)
+        domain = await request_from_proto(state, engine, request)
         buffer = EventBuffer(asyncio.get_running_loop(), state.server_config.stream_buffer)
         handle = engine.submit(domain, buffer.sink)
         state.metrics.streams.inc()
@@ -294,27 +366,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> generation_pb2.TokenizeResponse:
-        engine = self._state.require_engine()
+        state = self._state
+        engine = state.require_engine()
         if request.WhichOneof("input") is None:
             raise InvalidRequestError("input", "set one of text or chat")
-        ids = await prompt_ids(engine, request)
-        pieces = [engine.tokenizer.token_piece(i) for i in ids]
-        return generation_pb2.TokenizeResponse(ids=ids, pieces=pieces)
+        ids = await prompt_ids(state, engine, request)
+        return await state.off_loop(tokenize_response, engine, ids)
 
     async def Detokenize(self, request: generation_pb2.DetokenizeRequest,
                          context: grpc.aio.ServicerContext) -> generation_pb2.DetokenizeResponse:
-        engine = self._state.require_engine()
-        vocab = engine.tokenizer.vocab_size
-        for i, t in enumerate(request.ids):
-            if t >= vocab:
-                raise InvalidRequestError(f"ids[{i}]", f"token id {t} is outside the "
-                                                       f"vocabulary [0, {vocab})")
-        text = engine.tokenizer.decode(list(request.ids),
-                                       skip_special=_opt(request, "skip_special", False, bool))
-        return generation_pb2.DetokenizeResponse(text=text)
+        state = self._state
+        engine = state.require_engine()
+        return await state.off_loop(detokenize_response, engine, list(request.ids),
+                                    _opt(request, "skip_special", False, bool))
 
 
-class ConfigServicer(config_pb2_grpc.ConfigServiceServicer):
+class ConfigServicer:
+    """specstream.v1.ConfigService (registered by build_server)."""
+
     def __init__(self, state: ServingState) -> None:
         self._state = state
 
@@ -327,20 +396,22 @@ class ConfigServicer(config_pb2_grpc.ConfigServiceServicer):
         return model_info_to_proto(engine.info, engine.config)
 
     async def GetConfig(self, request, context) -> config_pb2.GetConfigResponse:
-        return config_pb2.GetConfigResponse(config=engine_config_to_proto(self._effective()))
+        return stubs().config_pb2.GetConfigResponse(
+            config=engine_config_to_proto(self._effective()))
 
     async def ValidateConfig(self, request: config_pb2.ValidateConfigRequest,
                              context) -> config_pb2.ValidateConfigResponse:
+        pb = stubs().config_pb2
         candidate = engine_config_from_proto(request.config, self._effective())
         problems = candidate.problems()
-        return config_pb2.ValidateConfigResponse(
+        return pb.ValidateConfigResponse(
             valid=not problems, config=engine_config_to_proto(candidate),
-            problems=[config_pb2.ConfigProblem(field=f, message=m) for f, m in problems])
+            problems=[pb.ConfigProblem(field=f, message=m) for f, m in problems])
 
 
 # ------------------------------------------------------------------------- the server
 def server_options(cfg: ServerConfig) -> list[tuple[str, int]]:
-    """Channel arguments chosen on purpose (see README-grpc.md, "Limits and keepalive")."""
+    """Channel arguments chosen on purpose (README.md, "Limits and keepalive")."""
     opts = [
         ("grpc.max_receive_message_length", cfg.max_receive_message_bytes),
         ("grpc.max_send_message_length", cfg.max_send_message_bytes),
@@ -359,22 +430,18 @@ def server_options(cfg: ServerConfig) -> list[tuple[str, int]]:
 
 
 def build_server(state: ServingState) -> grpc.aio.Server:
-    """A grpc.aio server with our services, health and reflection (not yet bound or started)."""
-    server = grpc.aio.server(interceptors=[ServiceInterceptor(state.metrics)],
+    """A grpc.aio server with our services, health and reflection (not yet bound or started).
+    The first call generates the stubs when they are missing or stale."""
+    pb = stubs()
+    interceptor = ServiceInterceptor(state.metrics, cut_off=lambda: state.cut_off)
+    server = grpc.aio.server(interceptors=[interceptor],
                              options=server_options(state.server_config),
                              compression=grpc.Compression.NoCompression)
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(
+    pb.generation_pb2_grpc.add_GenerationServiceServicer_to_server(
         GenerationServicer(state), server)
-    config_pb2_grpc.add_ConfigServiceServicer_to_server(ConfigServicer(state), server)
+    pb.config_pb2_grpc.add_ConfigServiceServicer_to_server(ConfigServicer(state), server)
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
     reflection.enable_server_reflection(
-        (*SERVICE_NAMES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        (*service_names(), health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server, pool=DocumentedPool())
     return server
-
-
-def serve_main(argv: Sequence[str] | None = None) -> int:
-    """`specstream serve` (lives in service/serve.py, which builds on this module)."""
-    from service.serve import serve_main as _serve_main
-
-    return _serve_main(argv)

@@ -207,6 +207,10 @@ class Engine:
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """Messages rendered with the model's chat template, then tokenized (specials parsed)."""
+        return self.tokenizer.encode(self.chat_prompt_text(messages), parse_special=True)
+
+    def chat_prompt_text(self, messages: list[dict[str, str]]) -> str:
+        """The text chat_prompt_ids tokenizes: the rendered messages, less a leading BOS."""
         tok = self.tokenizer
         bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
@@ -214,7 +218,7 @@ class Engine:
         if bos and text.startswith(bos):
             # The template wrote BOS itself; the tokenizer adds it where the metadata asks.
             text = text[len(bos):]
-        return tok.encode(text, parse_special=True)
+        return text
 
     def text_prompt_ids(self, text: str) -> list[int]:
         """Plain text tokenized as llama.cpp does: BOS per metadata, special tokens parsed."""

@@ -16,9 +16,12 @@ from clients import SpecstreamClient
 from service.config import DEFAULT_MODEL
 from service.gguf.fetch import models_dir, resolve_model
 from service.logging import configure_logging
+from service.proto_build import stubs
 from service.serve import BackgroundServer
 
 from .grpc_harness import TEST_ENGINE, ServeProcess
+
+stubs()  # the test modules import service.proto directly; a fresh clone has no stubs yet
 
 
 @pytest.fixture(scope="session")

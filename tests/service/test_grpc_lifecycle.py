@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -10,7 +12,10 @@ import grpc
 import pytest
 
 from clients import SpecstreamClient
-from service.engine.types import Delta
+from service.config import ServerConfig
+from service.engine.types import Delta, Started
+from service.logging import configure_logging
+from service.serve import BackgroundServer
 from service.server import EventBuffer
 
 from .fake_engine import FakeEngine, burst
@@ -162,3 +167,62 @@ def test_dead_engine_turns_health_not_serving_and_refuses_generate():
         with pytest.raises(grpc.RpcError) as e:
             list(c.generate(tokens=[1]))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+# ------------------------------------------------------------------ status of cut-off calls
+GENERATE = "/specstream.v1.GenerationService/Generate"
+
+
+def _endless(request, sink, handle) -> None:
+    """A scripted request that streams until it is cancelled."""
+    sink(Started(prompt_tokens=1, seed=1))
+    while not handle.cancelled.is_set():
+        sink(Delta((1,), "x"))
+        time.sleep(0.02)
+
+
+def _rpc_count(srv, code: str) -> float:
+    value = srv.service.state.metrics.registry.get_sample_value(
+        "specstream_rpcs_total", {"method": GENERATE, "code": code})
+    return value or 0.0
+
+
+def _wait_count(srv, code: str, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while _rpc_count(srv, code) < n:
+        assert time.monotonic() < deadline, f"{code}: {_rpc_count(srv, code)} of {n}"
+        time.sleep(0.02)
+
+
+def test_cancelled_expired_and_cut_off_streams_keep_their_status():
+    """Metrics and the access log record what the client saw, never OK: cancelled streams
+    CANCELLED, expired ones DEADLINE_EXCEEDED, streams cut off by the shutdown grace period
+    UNAVAILABLE."""
+    log = io.StringIO()
+    configure_logging("info", stream=log)
+    engine = FakeEngine(script=_endless)
+    cfg = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, grace_period_s=0.5)
+    srv = BackgroundServer(engine, cfg, engine_cfg=engine.config).start()
+    try:
+        with SpecstreamClient(srv.target) as c:
+            for _ in range(5):
+                stream = c.generate(tokens=[1])
+                assert next(stream).HasField("started")
+                stream.close()
+            _wait_count(srv, "CANCELLED", 5)
+            with pytest.raises(grpc.RpcError) as ei:
+                list(c.generate(tokens=[1], timeout=0.5))
+            assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            _wait_count(srv, "DEADLINE_EXCEEDED", 1)
+            stream = c.generate(tokens=[1])
+            assert next(stream).HasField("started")
+            srv.stop()                                   # the grace period runs out
+            with pytest.raises(grpc.RpcError) as ei:
+                list(stream)
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        configure_logging("warning")
+    assert _rpc_count(srv, "UNAVAILABLE") == 1 and _rpc_count(srv, "OK") == 0
+    codes = [e["code"] for e in map(json.loads, log.getvalue().splitlines())
+             if e.get("event") == "rpc" and e.get("method") == GENERATE]
+    assert codes == ["CANCELLED"] * 5 + ["DEADLINE_EXCEEDED", "UNAVAILABLE"]

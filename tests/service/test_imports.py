@@ -1,0 +1,88 @@
+"""Importing the server and client modules does nothing (no stub generation, no environment
+reads) and imports flow one way."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+
+from .grpc_harness import ROOT
+
+# Run in a fresh interpreter: os.environ records every key looked up, stub generation raises.
+IMPORT_PROBE = r"""
+import json, os, sys
+from collections.abc import MutableMapping
+
+reads = []
+
+
+class Recording(MutableMapping):
+    def __init__(self, env):
+        self._env = env
+
+    def __getitem__(self, key):
+        reads.append(key)
+        return self._env[key]
+
+    def __setitem__(self, key, value):
+        self._env[key] = value
+
+    def __delitem__(self, key):
+        del self._env[key]
+
+    def __iter__(self):
+        return iter(self._env)
+
+    def __len__(self):
+        return len(self._env)
+
+    def copy(self):
+        return dict(self._env)
+
+    def items(self):                 # a bulk copy (wsgiref takes one) reads no one setting
+        return self._env.items()
+
+
+os.environ = Recording(os.environ)
+from service import proto_build
+
+
+def refuse(*args, **kw):
+    raise AssertionError("stubs generated or imported on import")
+
+
+proto_build.ensure_stubs = proto_build.generate = proto_build.stubs = refuse
+import clients, clients.cli, clients.client, service.cli, service.serve, service.server
+
+print(json.dumps({"env": [k for k in reads if k.startswith("SPECSTREAM")],
+                  "proto": sorted(m for m in sys.modules
+                                  if m == "service.proto" or m.startswith("service.proto."))}))
+"""
+
+
+def test_importing_server_and_client_does_nothing():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECSTREAM_TARGET": "127.0.0.1:1"}
+    r = subprocess.run([sys.executable, "-c", IMPORT_PROBE], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    seen = json.loads(r.stdout.splitlines()[-1])
+    assert seen == {"env": [], "proto": []}
+
+
+def _imported_modules(path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def test_server_never_imports_serve_or_clients():
+    """serve builds on server, never the reverse (function-level imports included)."""
+    imported = _imported_modules(ROOT / "service" / "server.py")
+    assert not {m for m in imported if m == "service.serve" or m.startswith("clients")}
