@@ -6,9 +6,10 @@ Each name in `cuda_sources.SOURCES` is expanded by `cuda_sources.source_text` an
 CUBIN for `cuda_sources.ARCH` with `cuda_sources.OPTIONS` plus `--ptxas-options=-v`, so ptxas
 reports the registers, stack, spills and shared memory of every function; those go out as one
 table. The exit status is 1 when a source is missing, does not compile, or has a function that
-spills to local memory (spill stores or loads above 0 bytes): a spill in a decode kernel is a
-round trip to DRAM per use. NVRTC comes from the `nvidia-cuda-nvrtc` and `cuda-bindings` wheels
-(the `dev` extra); neither CuPy nor a driver is needed, and nothing is imported before `main`.
+spills (spill stores or loads above 0 bytes: values kept in local memory, which lives in device
+memory behind the caches, instead of registers). NVRTC comes from the `nvidia-cuda-nvrtc` and
+`cuda-bindings` wheels (the `dev` extra); neither CuPy nor a driver is needed, and
+`cuda.bindings` is imported in `main`, not at import time.
 """
 
 from __future__ import annotations
