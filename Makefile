@@ -8,7 +8,7 @@ MODEL  ?= smollm2-135m
 PROMPT ?= The capital of France is
 GPU_PY ?= 3.12
 
-.PHONY: help setup proto models serve generate test test-gpu bench lint wheelhouse clean
+.PHONY: help setup proto models serve generate test test-gpu check-cuda bench lint wheelhouse clean
 
 help:
 	@echo "make serve       set up, fetch the default model, start the gRPC server on :$(PORT)"
@@ -16,6 +16,7 @@ help:
 	@echo "make generate    stream a completion from the CLI (PROMPT=..., MODEL=...)"
 	@echo "make models      fetch smollm2-135m and gemma3-270m into ./models"
 	@echo "make test-gpu    run the GPU tests (needs CUDA and CuPy)"
+	@echo "make check-cuda  compile the CUDA kernels for sm_90 with NVRTC (no GPU needed)"
 	@echo "make bench       CPU decode benchmark and server overhead benchmark"
 	@echo "make lint        ruff"
 	@echo "make wheelhouse  wheels for an offline GPU host (Python $(GPU_PY))"
@@ -53,6 +54,9 @@ test-gpu:
 	@$(GPU_RUN_PY) -m pytest -m gpu -q tests/gpu -p no:cacheprovider || { s=$$?; \
 	  [ $$s -ne 5 ] || echo "no GPU test ran: CuPy or a CUDA device is missing here"; \
 	  exit $$s; }
+
+check-cuda: $(BIN)/specstream
+	$(PY) -m service.backends.cuda_check
 
 bench: setup models
 	$(PY) bench/cpu_decode.py

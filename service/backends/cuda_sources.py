@@ -21,7 +21,8 @@ SOURCES = ("gemv.cu", "quantize.cu", "elementwise.cu", "attention.cu", "sampling
 # -std=c++17 for constexpr/if constexpr in the per-type traits; no fast-math: the kernels must
 # round like the CPU reference (fused multiply-add contraction stays on, as nvcc's default).
 OPTIONS = ("-std=c++17",)
-_INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.M)
+# [ \t], not \s: an include line is replaced alone, so NVRTC's line numbers stay the file's.
+_INCLUDE = re.compile(r'^[ \t]*#include[ \t]+"([^"]+)"[ \t]*\r?$', re.M)
 
 
 def source_text(name: str, _seen: frozenset[str] = frozenset()) -> str:
