@@ -7,8 +7,9 @@
 // attn_split_<K>_<V>: grid (S, H, T), block (32, 4). Split s covers the ABSOLUTE positions
 //   [s * chunk, (s + 1) * chunk): its boundaries never depend on the step or on how long the
 //   context is, and positions past pos[t] are skipped, so the same query gives the same bits in
-//   any step. Warp w takes keys j0 + w, j0 + w + 4, ... with an online softmax (running max m,
-//   sum l, accumulator over Dv, lane d holding dims d, d + 32, ...); the 4 warps merge in order.
+//   any step. Warp w takes tiles of 32 keys (one per lane) with an online softmax (running max
+//   m, sum l, accumulator over Dv, lane d holding dims d, d + 32, ...); the 4 warps merge in
+//   order.
 //   Writes part_ml[t, h, s] = (m, l) (l = 0: no key in the split) and part_acc[t, h, s, :].
 //   q (T, H, D) view with strides (q0, q1, 1); D <= 512, Dv <= 256, S = ceil(n_ctx / chunk).
 //   The number of splits is fixed by n_ctx: a step never needs the host to know a KV length,
@@ -69,18 +70,34 @@ __device__ __forceinline__ void attn_split(
     float m = NEG_INF, l = 0.0f, acc[ATT_MAX_DV / 32];
 #pragma unroll
     for (int i = 0; i < ATT_MAX_DV / 32; i++) acc[i] = 0.0f;
-    for (int j = j0 + warp; j < j1; j += ATT_WARPS) {
-        const size_t row = ((size_t)slot * n_ctx + j) * Hkv + hk;
-        float sc = 0.0f;
-        for (int i = lane; i < D; i += 32) sc += qsh[i] * KT::at(kq, kd, row, D, i);
-        sc = warp_sum(sc) * scale;
-        const float mn = fmaxf(m, sc);
-        const float corr = expf(m - mn), p = expf(sc - mn);
-        l = l * corr + p;
+    // Tiles of 32 keys, one key per lane: each lane dots q with its key, the warp takes the
+    // tile's max and sum at once, then accumulates V over the tile's keys in order (lane d
+    // holds dims d, d + 32, ...). Warp w takes the tiles starting at j0 + 32 (w + 4 i).
+    for (int base = j0 + 32 * warp; base < j1; base += 32 * ATT_WARPS) {
+        const int j = base + lane;
+        const bool ok = j < j1;
+        float sc = NEG_INF;
+        if (ok) {
+            const size_t row = ((size_t)slot * n_ctx + j) * Hkv + hk;
+            float dot = 0.0f;
+            for (int i = 0; i < D; i++) dot += qsh[i] * KT::at(kq, kd, row, D, i);
+            sc = dot * scale;
+        }
+        const float mn = fmaxf(m, warp_max(sc));      // finite: lane 0's key is valid
+        const float corr = expf(m - mn);
+        const float p = ok ? expf(sc - mn) : 0.0f;
+        l = l * corr + warp_sum(p);
 #pragma unroll
-        for (int i = 0; i < ATT_MAX_DV / 32; i++) {
-            const int d = lane + 32 * i;
-            if (d < Dv) acc[i] = acc[i] * corr + p * VT::at(vq, vd, row, Dv, d);
+        for (int i = 0; i < ATT_MAX_DV / 32; i++) acc[i] *= corr;
+        const int n = min(32, j1 - base);
+        for (int u = 0; u < n; u++) {
+            const float pu = __shfl_sync(FULL_MASK, p, u);
+            const size_t row = ((size_t)slot * n_ctx + base + u) * Hkv + hk;
+#pragma unroll
+            for (int i = 0; i < ATT_MAX_DV / 32; i++) {
+                const int d = lane + 32 * i;
+                if (d < Dv) acc[i] += pu * VT::at(vq, vd, row, Dv, d);
+            }
         }
         m = mn;
     }

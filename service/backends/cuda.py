@@ -26,7 +26,7 @@ from service.gguf.reader import TensorInfo
 
 GEMV_COLS = 16            # columns per GEMV block row (cuda/gemv.cu GEMV_COLS)
 GRAPH_MAX_TOKENS = 16     # steps up to this many tokens are captured (decode and verify)
-ATT_CHUNK = 256           # KV positions per attention split (cuda/attention.cu)
+ATT_CHUNK = 128           # KV positions per attention split: one 32-key tile per warp
 ATT_MAX_D, ATT_MAX_DV = 512, 256
 KV_TYPES = ("f16", "q8_0", "q4_0")
 _I32, _F32 = np.int32, np.float32

@@ -220,7 +220,7 @@ PAIRS = [(k, v) for k in ("f16", "q8_0", "q4_0") for v in ("f16", "q8_0", "q4_0"
 
 @pytest.mark.parametrize("type_k,type_v", PAIRS)
 def test_attention_against_cpu(cuda, type_k, type_v):
-    """Queries across split boundaries (chunks of 256 positions), GQA 8/2, windows, 2 slots.
+    """Queries across split boundaries (chunks of 128 positions), GQA 8/2, windows, 2 slots.
     Softmax weights and sums run in float32 in another order than numpy's: 1e-5 of the
     output's scale is ~10x their rounding; a wrong key, mask or split merge is off by O(1)."""
     cpu, cc, gc = _kv_pair_caches(cuda, type_k, type_v)
