@@ -50,13 +50,18 @@ class EngineConfig:
 
     def problems(self) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
-        for name in ("kv_cache_type_k", "kv_cache_type_v"):
-            value = getattr(self, name)
+        pair = (self.kv_cache_type_k, self.kv_cache_type_v)
+        known = all(p in KV_TYPES for p in pair)
+        for side, (name, value) in enumerate(zip(("kv_cache_type_k", "kv_cache_type_v"), pair,
+                                                 strict=True)):
             if value not in KV_TYPES:
                 out.append((name, f"unknown KV cache type {value!r}; known types: "
                                   + ", ".join(KV_TYPES)))
-        pair = (self.kv_cache_type_k, self.kv_cache_type_v)
-        if all(p in KV_TYPES for p in pair) and pair not in SUPPORTED_KV_PAIRS:
+            elif not known and all(p[side] != value for p in SUPPORTED_KV_PAIRS):
+                # the pair cannot be judged, but this side is wrong whatever the other one is
+                out.append((name, f"KV cache type {value!r} is in no supported pair as "
+                                  f"{'KV'[side]}; " + supported_pairs_listing()))
+        if known and pair not in SUPPORTED_KV_PAIRS:
             out.append(("kv_cache_type_k,kv_cache_type_v",
                         f"unsupported KV cache type pair (K={pair[0]}, V={pair[1]}); "
                         + supported_pairs_listing()))

@@ -72,6 +72,15 @@ def test_all_problems_reported_together(tmp_path):
     assert f"{MIN_VERIFY_WIDTH}..{MAX_VERIFY_WIDTH}" in dict(problems)["verify_width"]
 
 
+@pytest.mark.parametrize("k,v", [("foo", "bf16"), ("q5_1", "bar"), ("foo", "bar")])
+def test_every_bad_kv_type_is_reported(k, v):
+    problems = dict(_problems(["--cache-type-k", k, "--cache-type-v", v]))
+    assert repr(k) in problems["kv_cache_type_k"]
+    assert repr(v) in problems["kv_cache_type_v"]
+    for message in problems.values():
+        assert "f16" in message                   # each one says what is accepted instead
+
+
 def test_server_problems():
     problems = dict(_problems(["--port", "70000", "--metrics-port", "-5", "--log-level",
                                "loud", "--max-receive-message-bytes", "10"]))
