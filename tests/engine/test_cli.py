@@ -42,6 +42,19 @@ def test_generate_text_prompt_streams_text(capsys):
     assert "3 generated tokens" in err
 
 
+def test_generate_text_ends_with_one_newline(capsys):
+    argv = ["generate", "smollm2-135m", "--prompt", "The capital of France is",
+            "--max-new-tokens", "5", "--temperature", "0", "--backend", "cpu"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0
+    code, as_json, _ = run_cli(capsys, *argv, "--json")
+    assert code == 0
+    text = json.loads(as_json)["text"]
+    assert text and out == text + "\n"           # the streamed text, then one newline
+    summary = err.splitlines()[-1]
+    assert summary.startswith("[length: ") and "\n\n" not in err   # no blank line before it
+
+
 def test_bad_kv_pair_exits_2_with_the_listing(capsys):
     code, _, err = run_cli(capsys, "generate", "smollm2-135m", "--prompt", "x",
                            "--cache-type-k", "q5_1", "--verify-width", "0")
