@@ -106,7 +106,8 @@ def cmd_models(args) -> int:
         here = fetch.model_path(name, directory)
         mark = "fetched" if here.exists() else "not fetched"
         default = " (default)" if name == fetch.DEFAULT_MODEL else ""
-        print(f"{name}{default}: {src.description} [{mark}: {here}]")
+        size = f", {fetch.format_size(src.size)}" if src.size else ""
+        print(f"{name}{default}: {src.description}{size} [{mark}: {here}]")
     return 0
 
 
