@@ -4,6 +4,8 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PY     := $(BIN)/python
 PORT   ?= 50051
+METRICS_PORT ?= 9464
+METRICS_HOST ?= 0.0.0.0
 MODEL  ?= smollm2-135m
 PROMPT ?= The capital of France is
 GPU_PY ?= 3.12
@@ -12,6 +14,7 @@ GPU_PY ?= 3.12
 
 help:
 	@echo "make serve       set up, fetch the default model, start the gRPC server on :$(PORT)"
+	@echo "                 (MODEL=..., PORT=..., METRICS_PORT=... (-1 = off), METRICS_HOST=...)"
 	@echo "make test        set up, fetch the test models, run the CPU test suite"
 	@echo "make generate    stream a completion from the CLI (PROMPT=..., MODEL=...)"
 	@echo "make models      fetch smollm2-135m and gemma3-270m into ./models"
@@ -38,7 +41,8 @@ models: $(BIN)/specstream
 
 serve: setup
 	$(BIN)/specstream models fetch $(MODEL)
-	$(BIN)/specstream serve $(MODEL) --port $(PORT)
+	$(BIN)/specstream serve $(MODEL) --port $(PORT) \
+	  --metrics-port $(METRICS_PORT) --metrics-host $(METRICS_HOST)
 
 generate: setup
 	$(BIN)/specstream generate $(MODEL) --prompt "$(PROMPT)" --max-new-tokens 64

@@ -3,7 +3,8 @@
 For each model: tokens/s of plain greedy decoding through the engine (one token per step), of
 greedy decoding with n-gram speculation (verify width 4), and, when the `llama_cpp` package is
 importable (see bench/llamacpp_reference.py), of llama.cpp decoding the same tokens with the
-same thread count. Without it the llama.cpp column shows the recorded anchor figures, marked.
+same thread count. Without it the llama.cpp columns say so and no ratio is printed: the only
+baseline is one measured in the same run.
 
     python bench/cpu_decode.py [--tokens 64] [--threads 2]
 """
@@ -27,9 +28,7 @@ from service.engine.types import Collected, GenerationRequest, SamplingParams, S
 from service.gguf.fetch import fetch_model  # noqa: E402
 from service.logging import configure_logging  # noqa: E402
 
-# tok/s of llama.cpp on the 2-core machine, recorded in the project's anchors (used only when
-# llama.cpp cannot be measured in this run).
-RECORDED = {"smollm2-135m": 108.0, "gemma3-270m": 62.0}
+MODELS = ("smollm2-135m", "gemma3-270m")
 PROMPTS = {
     "prose": "Once upon a time, in a small village by the sea,",
     "code": 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
@@ -85,6 +84,47 @@ def llamacpp_tok_s(path: Path, ids: list[int], n: int, threads: int) -> float | 
     return (n - 1) / (time.perf_counter() - t0)
 
 
+NOT_MEASURED = ("* llama.cpp not measured: the llama_cpp package is not importable here "
+                "(see bench/llamacpp_reference.py), so there is no baseline and no ratio")
+
+
+def _rate(value: float | None) -> str:
+    return f"{value:9.1f}/s" if value is not None else f"{'-':>9}* "
+
+
+def _ratio(ours: float, ref: float | None, width: int) -> str:
+    return f"{ours / ref:{width - 1}.2f}x" if ref is not None else f"{'-':>{width}}"
+
+
+def decode_table(rows: list[dict], tokens: int, threads: int, repeats: int) -> str:
+    """The decode table. rows: model, prompt, specstream, specstream_spec (tok/s) and llama_cpp
+    (tok/s measured in this run, or None when llama.cpp could not run: then no ratio)."""
+    lines = [f"\nCPU decode, greedy, {tokens} tokens, {threads} threads (median of {repeats})",
+             f"{'model':14} {'prompt':6} {'specstream':>11} {'+ngram spec':>12} "
+             f"{'llama.cpp':>11} {'ratio':>6} {'ratio spec':>10}"]
+    for r in rows:
+        ref = r["llama_cpp"]
+        lines.append(f"{r['model']:14} {r['prompt']:6} {r['specstream']:9.1f}/s "
+                     f"{r['specstream_spec']:10.1f}/s {_rate(ref)} "
+                     f"{_ratio(r['specstream'], ref, 6)} {_ratio(r['specstream_spec'], ref, 10)}")
+    if any(r["llama_cpp"] is None for r in rows):
+        lines.append(NOT_MEASURED)
+    return "\n".join(lines)
+
+
+def prefill_table(rows: list[dict], n: int, threads: int) -> str:
+    """The prefill table. rows: model, specstream and llama_cpp (tok/s or None), as above."""
+    lines = [f"\nCPU prefill, {n} prompt tokens, {threads} threads",
+             f"{'model':14} {'specstream':>11} {'llama.cpp':>11} {'ratio':>6}"]
+    for r in rows:
+        ref = r["llama_cpp"]
+        lines.append(f"{r['model']:14} {r['specstream']:9.1f}/s {_rate(ref)} "
+                     f"{_ratio(r['specstream'], ref, 6)}")
+    if any(r["llama_cpp"] is None for r in rows):
+        lines.append(NOT_MEASURED)
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
@@ -95,7 +135,7 @@ def main() -> int:
     args = ap.parse_args()
     configure_logging("warning")
     rows, prefill = [], []
-    for name in RECORDED:
+    for name in MODELS:
         path = fetch_model(name, models_dir_from_env())
         eng = Engine.load(path, EngineConfig(backend="cpu", n_ctx=1024, n_slots=1,
                                              threads=args.threads, verify_width=4))
@@ -107,35 +147,16 @@ def main() -> int:
                                       for _ in range(args.repeats))
             spec = statistics.median(engine_tok_s(eng, ids, args.tokens, True)
                                      for _ in range(args.repeats))
-            ref = llamacpp_tok_s(path, ids, args.tokens, args.threads)
-            measured = ref is not None
             rows.append({"model": name, "prompt": label, "specstream": plain,
                          "specstream_spec": spec,
-                         "llama_cpp": ref if measured else RECORDED[name],
-                         "llama_cpp_measured": measured})
-        prefill.append((name, engine_prefill_tok_s(eng, args.prefill),
-                        llamacpp_prefill_tok_s(path, args.prefill, args.threads)))
+                         "llama_cpp": llamacpp_tok_s(path, ids, args.tokens, args.threads)})
+        prefill.append({"model": name, "specstream": engine_prefill_tok_s(eng, args.prefill),
+                        "llama_cpp": llamacpp_prefill_tok_s(path, args.prefill, args.threads)})
         eng.stop()
-    print(f"\nCPU decode, greedy, {args.tokens} tokens, {args.threads} threads "
-          f"(median of {args.repeats})")
-    print(f"{'model':14} {'prompt':6} {'specstream':>11} {'+ngram spec':>12} "
-          f"{'llama.cpp':>11} {'ratio':>6} {'ratio spec':>10}")
-    for r in rows:
-        mark = "" if r["llama_cpp_measured"] else "*"
-        base = r["llama_cpp"]
-        print(f"{r['model']:14} {r['prompt']:6} {r['specstream']:9.1f}/s "
-              f"{r['specstream_spec']:10.1f}/s {base:9.1f}/s{mark:1} "
-              f"{r['specstream'] / base:5.2f}x {r['specstream_spec'] / base:9.2f}x")
-    print(f"\nCPU prefill, {args.prefill} prompt tokens, {args.threads} threads")
-    print(f"{'model':14} {'specstream':>11} {'llama.cpp':>11} {'ratio':>6}")
-    for name, ours, ref in prefill:
-        ref_s = f"{ref:9.1f}/s" if ref else "  (absent)"
-        ratio = f"{ours / ref:5.2f}x" if ref else "    -"
-        print(f"{name:14} {ours:9.1f}/s {ref_s} {ratio}")
-    if not all(r["llama_cpp_measured"] for r in rows):
-        print("* llama.cpp not importable here: recorded anchor figure, not measured in this run")
+    print(decode_table(rows, args.tokens, args.threads, args.repeats))
+    print(prefill_table(prefill, args.prefill, args.threads))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"decode": rows, "prefill": prefill}, indent=1))
     return 0
 
 

@@ -106,7 +106,8 @@ def cmd_models(args) -> int:
         here = fetch.model_path(name, directory)
         mark = "fetched" if here.exists() else "not fetched"
         default = " (default)" if name == fetch.DEFAULT_MODEL else ""
-        print(f"{name}{default}: {src.description} [{mark}: {here}]")
+        size = f", {fetch.format_size(src.size)}" if src.size else ""
+        print(f"{name}{default}: {src.description}{size} [{mark}: {here}]")
     return 0
 
 
@@ -174,8 +175,9 @@ def cmd_generate(args) -> int:
             "usage": vars(finished.usage), "timings": vars(finished.timings),
             "error": finished.error}, ensure_ascii=False))
     else:
+        print(flush=True)          # the text ends with a newline; the summary goes to stderr
         u, t = finished.usage, finished.timings
-        print(f"\n[{finished.reason.value}: {u.prompt_tokens} prompt + {u.completion_tokens} "
+        print(f"[{finished.reason.value}: {u.prompt_tokens} prompt + {u.completion_tokens} "
               f"generated tokens, {t.per_token_decode_ms:.1f} ms/token"
               + (f", {u.accepted_draft_tokens}/{u.draft_tokens} drafts accepted"
                  if u.draft_tokens else "") + "]", file=sys.stderr)

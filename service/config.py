@@ -7,7 +7,9 @@ CLI, startup and the ValidateConfig RPC report the same problems with the same w
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shlex
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -50,13 +52,18 @@ class EngineConfig:
 
     def problems(self) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
-        for name in ("kv_cache_type_k", "kv_cache_type_v"):
-            value = getattr(self, name)
+        pair = (self.kv_cache_type_k, self.kv_cache_type_v)
+        known = all(p in KV_TYPES for p in pair)
+        for side, (name, value) in enumerate(zip(("kv_cache_type_k", "kv_cache_type_v"), pair,
+                                                 strict=True)):
             if value not in KV_TYPES:
                 out.append((name, f"unknown KV cache type {value!r}; known types: "
                                   + ", ".join(KV_TYPES)))
-        pair = (self.kv_cache_type_k, self.kv_cache_type_v)
-        if all(p in KV_TYPES for p in pair) and pair not in SUPPORTED_KV_PAIRS:
+            elif not known and all(p[side] != value for p in SUPPORTED_KV_PAIRS):
+                # the pair cannot be judged, but this side is wrong whatever the other one is
+                out.append((name, f"KV cache type {value!r} is in no supported pair as "
+                                  f"{'KV'[side]}; " + supported_pairs_listing()))
+        if known and pair not in SUPPORTED_KV_PAIRS:
             out.append(("kv_cache_type_k,kv_cache_type_v",
                         f"unsupported KV cache type pair (K={pair[0]}, V={pair[1]}); "
                         + supported_pairs_listing()))
@@ -229,7 +236,7 @@ def settings() -> list[Setting]:
     return out
 
 
-def _convert(setting: Setting, raw: object, source: str) -> tuple[object, str | None]:
+def _convert(setting: Setting, raw: object) -> tuple[object, str | None]:
     """(value, None) or (None, problem message). Strings come from env and flags; TOML is typed."""
     kind = setting.kind
     if isinstance(raw, str) and kind is not str:
@@ -241,15 +248,28 @@ def _convert(setting: Setting, raw: object, source: str) -> tuple[object, str | 
                 return text in ("1", "true", "yes", "on"), None
             return kind(text), None
         except ValueError:
-            return None, f"{raw!r} is not {_KIND_WORDS[kind]} (from {source})"
+            return None, f"not {_KIND_WORDS[kind]}"
     if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
         return float(raw), None
     if type(raw) is not kind:
-        return None, f"{raw!r} is not {_KIND_WORDS[kind]} (from {source})"
+        return None, f"not {_KIND_WORDS[kind]}"
     return raw, None
 
 
 _KIND_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def toml_value(value: object) -> str:
+    """`value` as a config file spells it: true/false, "text", 1.5, [1, 2]."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)    # a valid TOML basic string
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
+    return str(value)
 
 
 def build_serve_parser() -> argparse.ArgumentParser:
@@ -265,7 +285,8 @@ def build_serve_parser() -> argparse.ArgumentParser:
                + f"\nverify width: {MIN_VERIFY_WIDTH}..{MAX_VERIFY_WIDTH}")
     p.add_argument("--config", help=f"TOML config file (env {CONFIG_FILE_ENV})")
     for s in settings():
-        help_text = _HELP.get(s.name, s.name.replace("_", " ")) + f" (default: {s.default!r})"
+        help_text = (_HELP.get(s.name, s.name.replace("_", " "))
+                     + f" (default: {toml_value(s.default)})")
         if s.name == "model":
             p.add_argument("model", nargs="?", metavar="MODEL", help=help_text)
         else:
@@ -314,24 +335,46 @@ def load_config(argv: Sequence[str] = (), env: Mapping[str, str] | None = None,
     from_file = _read_config_file(Path(path).expanduser(), problems) if path else {}
 
     values: dict[str, dict[str, object]] = {"server": {}, "engine": {}}
+    origins: dict[str, str] = {}     # field -> where its value came from, unless a flag
     for s in settings():
-        layers = [(from_file.get(s.section, {}).get(s.name), f"{path} [{s.section}] {s.name}"),
-                  (env.get(s.env), s.env),
-                  (getattr(args, s.name), "MODEL" if s.name == "model" else s.flag)]
-        for raw, source in layers:
+        layers = [(from_file.get(s.section, {}).get(s.name), "file"),
+                  (env.get(s.env), "env"), (getattr(args, s.name), "flag")]
+        for raw, layer in layers:
             if raw is None:
                 continue
-            value, problem = _convert(s, raw, source)
+            origin = _origin(s, layer, raw, path)
+            value, problem = _convert(s, raw)
             if problem:
-                problems.append((s.name, problem))
+                problems.append((s.name, f"{origin}: {problem}"))
+                continue
+            values[s.section][s.name] = value
+            if layer == "flag":
+                origins.pop(s.name, None)
             else:
-                values[s.section][s.name] = value
+                origins[s.name] = origin
     server = ServerConfig(**values["server"])
     engine = EngineConfig(**values["engine"])
-    problems += server.problems() + engine.problems()
+    problems += [_with_origin(name, message, origins)
+                 for name, message in server.problems() + engine.problems()]
     if problems:
         raise ConfigError(problems)
     return server, engine
+
+
+def _origin(s: Setting, layer: str, raw: object, path: object) -> str:
+    """How the user wrote a value: `SPECSTREAM_PORT=x`, `--port x`, `FILE [server] port = x`."""
+    if layer == "file":
+        return f"{path} [{s.section}] {s.name} = {toml_value(raw)}"
+    if layer == "env":
+        return f"{s.env}={shlex.quote(str(raw))}"
+    return shlex.quote(str(raw)) if s.name == "model" else f"{s.flag} {shlex.quote(str(raw))}"
+
+
+def _with_origin(name: str, message: str, origins: Mapping[str, str]) -> tuple[str, str]:
+    """Prefixes a range problem with the env var or file key that set the value. A flag's value
+    keeps the bare message, which is what ValidateConfig (no flags involved) also reports."""
+    named = [origins[n] for n in name.split(",") if n in origins]
+    return (name, ", ".join(named) + ": " + message) if named else (name, message)
 
 
 def format_problems(problems: Sequence[tuple[str, str]]) -> str:

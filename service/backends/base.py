@@ -4,8 +4,9 @@ Design rules (they are what lets the CUDA backend capture one step as one CUDA g
 - Every op writes into a caller-provided `out` buffer; buffers come from `zeros()` at load time
   (the transformer's workspace), so nothing is allocated inside a step.
 - A step processes T tokens, 1 <= T <= max_tokens. Per-step values (token ids, positions, KV
-  slots) arrive as small int32 arrays; `kv_len` is a host-side bucket (>= every position + 1)
-  so that shapes depend only on (T, kv_len), never on data.
+  slots) arrive as small int32 arrays. `kv_len` is a host-side int; ops may rely only on
+  kv_len >= every position + 1. The engine passes exactly max position + 1
+  (`Engine._forward_raw`: kv_len = start + T), so kv_len changes every step; it is not bucketed.
 - Arrays are the backend's own (numpy for CPU, CuPy for CUDA); the model layer only slices,
   reshapes and passes them along.
 

@@ -3,17 +3,15 @@
 Every quantized GGUF type is repacked at load time (exactly, see quants.affine) into one
 affine group format, value[n, k] = scale[n, g] * code[n, k] + offset[n, g] with g = k // group:
 int8 codes (4-, 5-, 6- and 8-bit types alike), group 16 or 32, offset absent for symmetric
-types (Q8_0, Q6_K). Widening 4-bit codes to a byte doubles their memory but lets the inner loop
-convert and multiply whole vectors of bytes. Kernels that unpack nibbles in the inner loop
-(tried during development, not kept) were 2-5x slower per call on the 2-core machine: numba
-does not vectorize the shift/mask/convert sequence the way it does int8 -> float32.
+types (Q8_0, Q6_K). Widening 4-bit codes to a byte doubles their memory but keeps the inner loop
+a plain int8 -> float32 convert and multiply, with no nibble shift/mask per code.
 
     out[t, n] = sum_g scale[n,g] * (sum_{k in g} code[n,k] * x[t,k]) + offset[n,g] * xsum[t,g]
 
 where xsum[t, g] is the sum of x[t] over group g, computed once per call. Rows are split over
 threads (prange). Steps of more than 16 tokens (prompt prefill chunks) instead dequantize tiles
-of rows with `dequantize_rows` and multiply with BLAS sgemm, which is 1.5-3x faster there.
-Activations stay float32: this backend is the numerical reference.
+of rows with `dequantize_rows` and multiply with BLAS sgemm. Activations stay float32: this
+backend is the numerical reference.
 """
 
 from __future__ import annotations

@@ -11,8 +11,11 @@ min-p's test p_i >= min_p * p_max does not depend on normalisation, so applying 
 then cutting the nucleus inside its survivors (with the pre-min-p normaliser) gives exactly the
 same set as llama.cpp's order, while sorting only the few survivors instead of the vocabulary.
 
-`Sampler.distribution()` returns the final distribution (ids and probabilities) so speculative
-acceptance can compare target and draft probabilities; `Sampler.sample()` draws from it.
+`Sampler.distribution()` returns the final distribution (ids and probabilities) and
+`Sampler.sample()` draws from it; the sampling tests check the filters through it. Speculative
+decoding does not use it: the engine speculates only for greedy requests without a repetition
+penalty (`Engine._new_sequence`) and accepts drafts that equal the target's argmax
+(`speculative.accept_chain`).
 """
 
 from __future__ import annotations

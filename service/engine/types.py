@@ -17,6 +17,8 @@ from service.errors import InvalidRequestError
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_SEQUENCE_CHARS = 256
+MAX_TOP_K = 1_000_000
+MAX_REPEAT_LAST_N = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -41,12 +43,14 @@ class SamplingParams:
     def validate(self, prefix: str = "sampling") -> None:
         checks = [
             ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
-            ("top_k", 0 <= self.top_k <= 1_000_000, "must be >= 0 (0 disables top-k)"),
+            ("top_k", 0 <= self.top_k <= MAX_TOP_K,
+             f"must be in [0, {MAX_TOP_K}] (0 disables top-k)"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0,
              "must be in (0, 10]"),
-            ("repeat_last_n", 0 <= self.repeat_last_n <= 1_000_000, "must be >= 0"),
+            ("repeat_last_n", 0 <= self.repeat_last_n <= MAX_REPEAT_LAST_N,
+             f"must be in [0, {MAX_REPEAT_LAST_N}] (0 turns the repetition penalty off)"),
             ("seed", self.seed is None or 0 <= self.seed < 2**64, "must be in [0, 2^64)"),
         ]
         for name, ok, msg in checks:

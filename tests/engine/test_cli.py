@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -42,12 +44,51 @@ def test_generate_text_prompt_streams_text(capsys):
     assert "3 generated tokens" in err
 
 
+def test_generate_text_ends_with_one_newline(capsys):
+    argv = ["generate", "smollm2-135m", "--prompt", "The capital of France is",
+            "--max-new-tokens", "5", "--temperature", "0", "--backend", "cpu"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0
+    code, as_json, _ = run_cli(capsys, *argv, "--json")
+    assert code == 0
+    text = json.loads(as_json)["text"]
+    assert text and out == text + "\n"           # the streamed text, then one newline
+    summary = err.splitlines()[-1]
+    assert summary.startswith("[length: ") and "\n\n" not in err   # no blank line before it
+
+
 def test_bad_kv_pair_exits_2_with_the_listing(capsys):
     code, _, err = run_cli(capsys, "generate", "smollm2-135m", "--prompt", "x",
                            "--cache-type-k", "q5_1", "--verify-width", "0")
     assert code == 2
     assert "unsupported KV cache type pair" in err and "q4_0 q4_0" in err
     assert "allowed range is 1..16" in err
+
+
+def test_models_list_prints_sizes_in_mib(capsys):
+    from service.config import models_dir_from_env
+
+    code, out, _ = run_cli(capsys, "models", "list")
+    assert code == 0
+    checked = 0
+    for line in out.splitlines():
+        name = line.split(":")[0].removesuffix(" (default)")
+        path = models_dir_from_env() / f"{name}.gguf"
+        if not path.is_file():
+            continue
+        mib = float(re.search(r", (\d+\.\d) MiB \[", line).group(1))
+        assert abs(mib - path.stat().st_size / 2**20) <= 0.05, line
+        checked += 1
+    assert checked, out
+
+
+def test_readme_model_sizes_are_what_models_list_prints(capsys):
+    code, out, _ = run_cli(capsys, "models", "list")
+    assert code == 0
+    printed = dict(re.findall(r"^([\w.-]+)(?: \(default\))?: .*, (\d+\.\d MiB) \[", out, re.M))
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `([\w.-]+)`.*?, (\d+(?:\.\d)? Mi?B) \|", readme, re.M))
+    assert rows.keys() == printed.keys() and rows == printed, (rows, printed)
 
 
 def test_inspect_summarizes_the_model(capsys):

@@ -72,6 +72,48 @@ def test_all_problems_reported_together(tmp_path):
     assert f"{MIN_VERIFY_WIDTH}..{MAX_VERIFY_WIDTH}" in dict(problems)["verify_width"]
 
 
+@pytest.mark.parametrize("k,v", [("foo", "bf16"), ("q5_1", "bar"), ("foo", "bar")])
+def test_every_bad_kv_type_is_reported(k, v):
+    problems = dict(_problems(["--cache-type-k", k, "--cache-type-v", v]))
+    assert repr(k) in problems["kv_cache_type_k"]
+    assert repr(v) in problems["kv_cache_type_v"]
+    for message in problems.values():
+        assert "f16" in message                   # each one says what is accepted instead
+
+
+def test_problems_from_env_name_the_variable():
+    problems = dict(_problems(env={"SPECSTREAM_VERIFY_WIDTH": "20", "SPECSTREAM_PORT": "x",
+                                   "SPECSTREAM_CACHE_TYPE_K": "q4_1"}))
+    width = EngineConfig(verify_width=20).problems()[0][1]
+    assert problems["verify_width"] == f"SPECSTREAM_VERIFY_WIDTH=20: {width}"
+    assert problems["port"].startswith("SPECSTREAM_PORT=x: ")
+    assert problems["kv_cache_type_k,kv_cache_type_v"].startswith(
+        "SPECSTREAM_CACHE_TYPE_K=q4_1: unsupported KV cache type pair (K=q4_1, V=f16)")
+
+
+def test_problems_from_flags_match_validate_config_words():
+    # ValidateConfig has no flags to name, so a flag's range problem keeps the bare message
+    assert _problems(["--verify-width", "20"]) == EngineConfig(verify_width=20).problems()
+    assert dict(_problems(["--port", "x"]))["port"].startswith("--port x: ")
+
+
+def test_problems_from_the_config_file_name_file_and_key_in_toml(tmp_path):
+    cfg = tmp_path / "specstream.toml"
+    cfg.write_text('[server]\nport = true\nlog_level = "loud"\n[engine]\nverify_width = 20\n')
+    problems = dict(_problems(config_file=cfg))
+    assert problems["port"].startswith(f"{cfg} [server] port = true: ")
+    assert "True" not in problems["port"]                 # TOML's spelling, not Python's
+    assert problems["log_level"].startswith(f'{cfg} [server] log_level = "loud": ')
+    assert problems["verify_width"].startswith(f"{cfg} [engine] verify_width = 20: ")
+
+
+def test_later_layer_names_its_own_source(tmp_path):
+    cfg = tmp_path / "specstream.toml"
+    cfg.write_text("[engine]\nverify_width = 30\n")
+    problems = dict(_problems(env={"SPECSTREAM_VERIFY_WIDTH": "20"}, config_file=cfg))
+    assert problems["verify_width"].startswith("SPECSTREAM_VERIFY_WIDTH=20: 20 ")
+
+
 def test_server_problems():
     problems = dict(_problems(["--port", "70000", "--metrics-port", "-5", "--log-level",
                                "loud", "--max-receive-message-bytes", "10"]))

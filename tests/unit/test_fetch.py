@@ -196,9 +196,18 @@ def test_real_models_are_already_fetched(name, monkeypatch):
     assert resolve_model(name, REPO_MODELS, pip_args=["--no-index"]) == target
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_registry_size_is_the_fetched_file_size(name):
+    path = models_dir_from_env() / f"{name}.gguf"
+    if not path.is_file():
+        pytest.skip(f"{path} not fetched")
+    assert MODELS[name].size == path.stat().st_size
+    assert fetch.format_size(MODELS[name].size) == f"{path.stat().st_size / 2**20:.1f} MiB"
+
+
 @pytest.mark.slow
 def test_real_download_smollm2(tmp_path):
     path = fetch_model("smollm2-135m", tmp_path)
-    assert path.stat().st_size == 98362432
+    assert path.stat().st_size == MODELS["smollm2-135m"].size == 98362432
     assert fetch.sha256_file(path) == MODELS["smollm2-135m"].sha256
     assert leftovers(tmp_path) == ["smollm2-135m.gguf", "smollm2-135m.gguf.sha256"]

@@ -1,0 +1,97 @@
+"""What a newcomer runs first: pyproject.toml, the Makefile and the README's commands."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import tomllib
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+README = (ROOT / "README.md").read_text()
+VENV_COMMANDS = ("specstream", "specstream-client", "grpcurl", "python", "pytest", "ruff")
+
+
+# ------------------------------------------------------------------ pyproject.toml
+def test_license_is_an_spdx_string_setuptools_reads_without_warnings(monkeypatch):
+    pytest.importorskip("setuptools")
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    assert PYPROJECT["project"]["license"] == "Apache-2.0"
+    monkeypatch.chdir(ROOT)                       # readme and package paths are relative
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist = apply_configuration(Distribution(), ROOT / "pyproject.toml")
+    assert [str(w.message) for w in caught if "license" in str(w.message).lower()] == []
+    assert dist.metadata.license_expression == "Apache-2.0"
+
+
+def test_build_requires_a_setuptools_that_reads_spdx_licenses():
+    from packaging.requirements import Requirement
+
+    reqs = [Requirement(r) for r in PYPROJECT["build-system"]["requires"]]
+    tools = [r for r in reqs if r.name == "setuptools"]
+    assert tools, reqs
+    for r in tools:                               # SPDX `license = "..."` needs setuptools 77
+        assert not r.specifier.contains("76.3.0"), r
+        assert r.specifier.contains("77.0.0"), r
+
+
+# ------------------------------------------------------------------ Makefile
+def _dry_run(*args: str) -> str:
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    r = subprocess.run(["make", "-n", "-C", str(ROOT), *args], capture_output=True, text=True,
+                       check=True)
+    return r.stdout.replace("\\\n", " ")
+
+
+def test_make_serve_passes_port_metrics_port_and_host():
+    serve = [line for line in _dry_run("serve", "PORT=6001", "METRICS_PORT=6002",
+                                       "METRICS_HOST=127.0.0.1").splitlines()
+             if " serve " in line]
+    assert len(serve) == 1, serve
+    argv = shlex.split(serve[0])
+    assert argv[0].endswith(".venv/bin/specstream")
+    pairs = dict(zip(argv[3::2], argv[4::2], strict=False))
+    assert pairs["--port"] == "6001"
+    assert pairs["--metrics-port"] == "6002"
+    assert pairs["--metrics-host"] == "127.0.0.1"
+
+
+# ------------------------------------------------------------------ README
+def _shell_commands(text: str) -> list[str]:
+    """Every command line of the README's ```sh blocks (comments and continuations dropped)."""
+    out = []
+    for block in re.findall(r"```sh\n(.*?)```", text, re.S):
+        joined = re.sub(r"\\\n", " ", block)
+        for line in joined.splitlines():
+            line = line.split(" #")[0].strip()
+            if line and not line.startswith("#"):
+                out.append(line)
+    return out
+
+
+def test_readme_runs_installed_commands_from_the_venv():
+    commands = _shell_commands(README)
+    assert len(commands) > 20
+    bare = []
+    for line in commands:
+        words = [w for w in line.split() if not re.fullmatch(r"[A-Z_]+=\S*", w)]  # env prefixes
+        if words and words[0] in VENV_COMMANDS:
+            bare.append(line)
+    assert bare == []
+    assert any(c.startswith(".venv/bin/grpcurl ") for c in commands)
+    assert any(c.startswith(".venv/bin/specstream serve") for c in commands)
+
+
+def test_readme_documents_the_make_serve_variables():
+    for var in ("PORT=", "METRICS_PORT=", "METRICS_HOST="):
+        assert f"make serve {var}" in README or re.search(rf"make serve [^`\n]*{var}", README)
