@@ -38,7 +38,7 @@ from service.engine.types import (
 )
 from service.errors import CapacityError, ConfigError, InvalidRequestError, UnavailableError
 from service.gguf.reader import GGUFFile
-from service.model.chat import render_chat, template_for
+from service.model.chat import chat_prompt_ids, template_for
 from service.model.spec import ModelSpec
 from service.model.tokenizer import Tokenizer
 from service.model.transformer import Transformer
@@ -207,14 +207,7 @@ class Engine:
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """Messages rendered with the model's chat template, then tokenized (specials parsed)."""
-        tok = self.tokenizer
-        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
-        eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
-        text = render_chat(self.chat_template, messages, bos, eos)
-        if bos and text.startswith(bos):
-            # The template wrote BOS itself; the tokenizer adds it where the metadata asks.
-            text = text[len(bos):]
-        return tok.encode(text, parse_special=True)
+        return chat_prompt_ids(self.tokenizer, self.chat_template, messages)
 
     def text_prompt_ids(self, text: str) -> list[int]:
         """Plain text tokenized as llama.cpp does: BOS per metadata, special tokens parsed."""

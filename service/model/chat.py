@@ -19,13 +19,16 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from service.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from service.model.tokenizer import Tokenizer
 
 FIELD = "input.chat"
 KEY_TEMPLATE = "tokenizer.chat_template"
@@ -110,3 +113,16 @@ def render_chat(template: str, messages: Sequence[Mapping[str, str]], bos_token:
             add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # syntax, sandbox, raise_exception, type errors inside the template
         raise InvalidRequestError(FIELD, f"chat template failed: {exc}") from exc
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, template: str,
+                    messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """Messages rendered with `template`, then tokenized (specials parsed)."""
+    tok = tokenizer
+    bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+    eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
+    text = render_chat(template, messages, bos, eos)
+    if bos and text.startswith(bos):
+        # The template wrote BOS itself; the tokenizer adds it where the metadata asks.
+        text = text[len(bos):]
+    return tok.encode(text, parse_special=True)
