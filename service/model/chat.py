@@ -8,9 +8,8 @@ rendering as empty. Every failure becomes `InvalidRequestError("input.chat", ...
 
 A model without `tokenizer.chat_template` gets a built-in template by architecture
 (`BUILTIN_TEMPLATES`), ChatML otherwise. The built-ins never write `bos_token`: the tokenizer adds
-BOS itself where the metadata asks. A template from the metadata may write it anyway (as Gemma's
-and Llama 3's do); encoding such text with add_bos=True gives two BOS, so a caller that adds BOS
-should drop a leading `bos_token` text from the render first, as llama.cpp does.
+BOS itself where the metadata asks. `chat_prompt_ids` turns a render into llama.cpp's ids for the
+same text (tests/data/llamacpp_*_greedy*.json hold ChatML prompts for both models).
 """
 
 from __future__ import annotations
@@ -117,12 +116,20 @@ def render_chat(template: str, messages: Sequence[Mapping[str, str]], bos_token:
 
 def chat_prompt_ids(tokenizer: Tokenizer, template: str,
                     messages: Sequence[Mapping[str, str]]) -> list[int]:
-    """Messages rendered with `template`, then tokenized (specials parsed)."""
+    """Messages rendered with `template`, tokenized as prompt text is (special tokens parsed,
+    BOS/EOS where the metadata adds them), with llama.cpp's ids for the same text.
+
+    A BOS the template writes stays in the text unless the metadata adds one too: SmolLM2's BOS
+    is `<|im_start|>` (add_bos_token false), which opens every turn, so its render keeps it and
+    encodes it as token 1. Only where the tokenizer adds BOS itself (Gemma) is a leading
+    `bos_token` text dropped, so the prompt gets one BOS; a trailing `eos_token` likewise.
+    """
     tok = tokenizer
     bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
     eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
     text = render_chat(template, messages, bos, eos)
-    if bos and text.startswith(bos):
-        # The template wrote BOS itself; the tokenizer adds it where the metadata asks.
+    if tok.add_bos and bos and text.startswith(bos):
         text = text[len(bos):]
+    if tok.add_eos and eos and text.endswith(eos):
+        text = text[:-len(eos)]
     return tok.encode(text, parse_special=True)
