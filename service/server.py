@@ -158,7 +158,7 @@ def encode_text(engine: Any, text: str, add_bos: bool | None, parse_special: boo
 
 
 def encode_chat(engine: Any, messages: Sequence[Any], prefix: str) -> list[int]:
-    """Role/content messages rendered with the model's template (or the built-in fallback),
+    """Role/content messages rendered with the chat template (configured, else the model's),
     tokenized with special tokens parsed; Generate and Tokenize both use this."""
     if not messages:
         raise InvalidRequestError(f"{prefix}.messages", "the conversation is empty")

@@ -1,5 +1,5 @@
-"""Chat templates: the model's own (SmolLM2), the built-in fallback (Gemma), the sandbox;
-chat prompt ids against llama.cpp's ids for the same prompt text."""
+"""Chat templates: the model's own (SmolLM2), none (Gemma: chat refused), configured ones
+(built-in names, files), the sandbox; chat prompt ids against llama.cpp's for the same text."""
 
 from __future__ import annotations
 
@@ -9,8 +9,21 @@ from pathlib import Path
 import pytest
 
 from service.config import models_dir_from_env
-from service.errors import InvalidRequestError, ModelFormatError
-from service.model.chat import CHATML, GEMMA_TURNS, chat_prompt_ids, render_chat, template_for
+from service.errors import (
+    ChatTemplateMissingError,
+    ConfigError,
+    InvalidRequestError,
+    ModelFormatError,
+)
+from service.model.chat import (
+    BUILTIN_TEMPLATES,
+    CHATML,
+    GEMMA_TURNS,
+    chat_prompt_ids,
+    load_template,
+    render_chat,
+    template_for,
+)
 from service.model.tokenizer import Tokenizer, byte_level_chars
 from tests.conftest import load_json, open_gguf
 
@@ -46,25 +59,58 @@ def test_smollm2_template_from_metadata_renders_chatml():
                    "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n")
 
 
-def test_gemma_without_template_falls_back_to_turns():
+def test_gemma_has_no_template_and_chat_is_refused():
     md = read_metadata(MODELS / "gemma3-270m.gguf")
     assert "tokenizer.chat_template" not in md
-    assert template_for(md) is GEMMA_TURNS
+    assert template_for(md) is None
+    tok, _ = tokenizer_of("gemma3")
+    with pytest.raises(ChatTemplateMissingError) as err:
+        chat_prompt_ids(tok, template_for(md), USER)
+    assert err.value.field == "input.chat"
+    assert "--chat-template" in str(err.value)
+    assert all(name in str(err.value) for name in BUILTIN_TEMPLATES)
+
+
+def test_gemma_builtin_renders_turns():
     chat = [{"role": "system", "content": "Be terse."}, *USER,
             {"role": "assistant", "content": " 84 "}, {"role": "user", "content": "And 13?"}]
-    assert render_chat(template_for(md), chat, "<bos>", "<eos>") == (
+    assert render_chat(load_template("gemma"), chat, "<bos>", "<eos>") == (
         "<start_of_turn>user\nBe terse.\n\nWhat is 12 times 7?<end_of_turn>\n"
         "<start_of_turn>model\n84<end_of_turn>\n"
         "<start_of_turn>user\nAnd 13?<end_of_turn>\n"
         "<start_of_turn>model\n")
 
 
-def test_builtin_registry_by_architecture():
-    assert template_for({"general.architecture": "gemma3"}) is GEMMA_TURNS
-    assert template_for({"general.architecture": "qwen3"}) is CHATML
-    assert template_for({"general.architecture": "llama", "tokenizer.chat_template": " "}) is CHATML
+def test_template_choice():
+    own = {"general.architecture": "llama", "tokenizer.chat_template": "{{ 'own' }}"}
+    assert template_for(own) == "{{ 'own' }}"
+    assert template_for(own, CHATML) is CHATML                  # the configured one wins
+    assert template_for({"general.architecture": "gemma3"}) is None
+    assert template_for({"general.architecture": "qwen3"}) is None
+    assert template_for({"general.architecture": "llama", "tokenizer.chat_template": " "}) is None
+    assert template_for({"general.architecture": "gemma3"}, GEMMA_TURNS) is GEMMA_TURNS
+    assert load_template("chatml") is CHATML and load_template("gemma") is GEMMA_TURNS
     assert render_chat(CHATML, USER, "", "") == (
         "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_template_file_and_bad_choices(tmp_path):
+    good = tmp_path / "turns.jinja"
+    good.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    assert render_chat(load_template(str(good)), USER, "", "") == "[user] What is 12 times 7?\n"
+    with pytest.raises(ConfigError) as err:
+        load_template("nonesuch")
+    (field, message), = err.value.problems
+    assert field == "chat_template" and "'nonesuch'" in message
+    assert all(name in message for name in BUILTIN_TEMPLATES)
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}")
+    with pytest.raises(ConfigError, match="not a valid Jinja template"):
+        load_template(str(broken))
+    binary = tmp_path / "binary.jinja"
+    binary.write_bytes(b"\xff\xfe{{ x }}")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_template(str(binary))
 
 
 def test_hf_environment_helpers():
