@@ -46,8 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text (special tokens such as <|im_start|> parsed)")
     src.add_argument("--prompt-ids", type=_ids, help="comma-separated prompt token ids")
     gen.add_argument("--chat", action="store_true",
-                     help="wrap --prompt as one user message in the model's chat template")
+                     help="wrap --prompt as one user message in the chat template")
     gen.add_argument("--system", help="system message for --chat")
+    gen.add_argument("--chat-template", metavar="NAME|FILE", default="",
+                     help="chat template for --chat: a built-in (chatml, gemma) or a Jinja file "
+                          "(default: the model's own; a model without one needs this)")
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=40)
@@ -134,7 +137,11 @@ def cmd_generate(args) -> int:
                           verify_width=args.verify_width, drafter=args.drafter,
                           backend=args.backend, n_ctx=args.n_ctx, threads=args.threads,
                           n_slots=1)
-    engine = Engine.load(_resolve(args.model), config)
+    engine = Engine.load(_resolve(args.model), config, chat_template=args.chat_template)
+    if args.chat and args.prompt is not None and engine.chat_template is None:
+        from service.model.chat import missing_template
+
+        raise missing_template("--chat")
     if args.prompt_ids is not None:
         ids = args.prompt_ids
     elif args.chat:

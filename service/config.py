@@ -114,6 +114,7 @@ MIB = 1 << 20
 class ServerConfig:
     model: str = DEFAULT_MODEL       # a .gguf path or a known model name (fetched on first use)
     models_dir: str = ""             # where fetched models live; "" = repository models/
+    chat_template: str = ""          # built-in template name or Jinja file; "" = the model's own
     host: str = "[::]"               # gRPC listen address; [::] listens on IPv6 and IPv4
     port: int = 50051                # gRPC port; 0 picks a free one (logged)
     metrics_host: str = "0.0.0.0"
@@ -139,6 +140,13 @@ class ServerConfig:
 
         if not self.model.strip():
             out.append(("model", "must name a .gguf file or a known model"))
+        if self.chat_template:
+            from service.model.chat import load_template
+
+            try:
+                load_template(self.chat_template)
+            except ConfigError as e:
+                out += e.problems
         check("port", 0 <= self.port <= 65535, "allowed 0..65535")
         check("metrics_port", -1 <= self.metrics_port <= 65535, "allowed -1..65535 (-1: off)")
         if self.port and self.port == self.metrics_port:
@@ -181,6 +189,8 @@ _FLAG_NAMES = {  # field -> flag, where the flag is not the field name with dash
 _HELP = {
     "model": "GGUF file or known model name, fetched on first use",
     "models_dir": "where fetched models live ('' = models/ in the repository)",
+    "chat_template": "chat template for chat input: a built-in (chatml, gemma) or a Jinja file "
+                     "('' = the model's own; chat input is refused without one)",
     "host": "gRPC listen address ([::] = every IPv6 and IPv4 interface)",
     "port": "gRPC port (0 = any free port, logged)",
     "metrics_host": "Prometheus listen address",

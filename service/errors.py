@@ -28,6 +28,15 @@ class InvalidRequestError(SpecstreamError):
         super().__init__(f"{field}: {message}")
 
 
+class ChatTemplateMissingError(SpecstreamError):
+    """Chat input for a model without a chat template while none is configured. `field` names
+    the input that needs one."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
 class CapacityError(SpecstreamError):
     """The engine cannot take more work now; retry after `retry_after_s`."""
 

@@ -4,6 +4,9 @@ Mapping (google.rpc details ride in the `grpc-status-details-bin` trailer via gr
 
     InvalidRequestError   INVALID_ARGUMENT     BadRequest.FieldViolation(field) + ErrorInfo(reason)
                           (FAILED_PRECONDITION when its reason says so)
+    ChatTemplateMissingError
+                          FAILED_PRECONDITION  BadRequest.FieldViolation(field) +
+                                               ErrorInfo(CHAT_TEMPLATE_MISSING)
     CapacityError         RESOURCE_EXHAUSTED   RetryInfo(retry_delay) + ErrorInfo(QUEUE_FULL)
     UnavailableError      UNAVAILABLE          ErrorInfo(UNAVAILABLE)
     ConfigError           FAILED_PRECONDITION  PreconditionFailure per problem + ErrorInfo
@@ -33,6 +36,7 @@ from grpc_status import rpc_status
 
 from service.errors import (
     CapacityError,
+    ChatTemplateMissingError,
     ConfigError,
     FetchError,
     InvalidRequestError,
@@ -71,6 +75,12 @@ def status_for(exc: BaseException, request_id: str = "") -> status_pb2.Status:
         return _pack(code, str(exc),
                      error_details_pb2.BadRequest(field_violations=[violation]),
                      _info(exc.reason, field=exc.field))
+    if isinstance(exc, ChatTemplateMissingError):
+        violation = error_details_pb2.BadRequest.FieldViolation(
+            field=exc.field, description=str(exc).removeprefix(f"{exc.field}: "))
+        return _pack(code_pb2.FAILED_PRECONDITION, str(exc),
+                     error_details_pb2.BadRequest(field_violations=[violation]),
+                     _info("CHAT_TEMPLATE_MISSING", field=exc.field))
     if isinstance(exc, CapacityError):
         delay = duration_pb2.Duration()
         delay.FromNanoseconds(int(max(exc.retry_after_s, 0.0) * 1e9))

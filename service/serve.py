@@ -36,7 +36,7 @@ def load_engine(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> Any:
 
     path = resolve_model(server_cfg.model, server_cfg.resolved_models_dir())
     log.info("model_loading", path=str(path), backend=engine_cfg.backend)
-    engine = Engine.load(path, engine_cfg)
+    engine = Engine.load(path, engine_cfg, chat_template=server_cfg.chat_template)
     engine.start()
     engine.warmup()              # through the engine thread, as requests will go
     return engine

@@ -38,7 +38,7 @@ from service.engine.types import (
 )
 from service.errors import CapacityError, ConfigError, InvalidRequestError, UnavailableError
 from service.gguf.reader import GGUFFile
-from service.model.chat import render_chat, template_for
+from service.model.chat import chat_prompt_ids, chat_prompt_text, load_template, template_for
 from service.model.spec import ModelSpec
 from service.model.tokenizer import Tokenizer
 from service.model.transformer import Transformer
@@ -82,17 +82,19 @@ class RequestHandle:
 
 class Engine:
     def __init__(self, path: Path, gguf: GGUFFile, spec: ModelSpec, tokenizer: Tokenizer,
-                 model: Transformer, config: EngineConfig, backend_name: str):
+                 model: Transformer, config: EngineConfig, backend_name: str,
+                 chat_template: str | None = None):
         self.path, self.spec, self.tokenizer, self.model = path, spec, tokenizer, model
         self.config = config
         self.drafter = create_drafter(config.drafter, config.ngram_size)
-        self.chat_template = template_for(gguf.metadata)
+        # (text) the configured template, else the model's own; None: chat input is refused
+        self.chat_template = template_for(gguf.metadata, chat_template)
         self.info = ModelInfo(
             name=spec.name, path=str(path), architecture=spec.arch, file_type=spec.file_type,
             n_params=spec.n_params, n_ctx_train=spec.n_ctx_train, n_ctx=config.n_ctx,
             vocab_size=spec.vocab_size, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
             eog_ids=tuple(sorted(tokenizer.eog_ids)),
-            chat_template=gguf.get("tokenizer.chat_template"), backend=backend_name,
+            chat_template=self.chat_template, backend=backend_name,
             drafter=config.drafter, kv_cache_type_k=config.kv_cache_type_k,
             kv_cache_type_v=config.kv_cache_type_v, n_layer=spec.n_layer, n_embd=spec.n_embd)
         self._lock = threading.Condition()
@@ -114,10 +116,13 @@ class Engine:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def load(cls, model_path: str | Path, config: EngineConfig) -> Engine:
+    def load(cls, model_path: str | Path, config: EngineConfig,
+             chat_template: str = "") -> Engine:
+        """`chat_template`: a built-in template's name or a Jinja file ('' = the model's own)."""
         problems = config.problems()
         if problems:
             raise ConfigError(problems)
+        template = load_template(chat_template) if chat_template else None
         path = Path(model_path)
         t0 = time.perf_counter()
         gguf = GGUFFile(path)
@@ -142,7 +147,7 @@ class Engine:
                  kv_type_k=config.kv_cache_type_k, kv_type_v=config.kv_cache_type_v,
                  n_ctx=n_ctx, n_slots=config.n_slots, verify_width=config.verify_width,
                  seconds=round(time.perf_counter() - t0, 2))
-        return cls(path, gguf, spec, tokenizer, model, config, backend_name)
+        return cls(path, gguf, spec, tokenizer, model, config, backend_name, template)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -206,19 +211,13 @@ class Engine:
             handle.cancel()
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Messages rendered with the model's chat template, then tokenized (specials parsed)."""
-        return self.tokenizer.encode(self.chat_prompt_text(messages), parse_special=True)
+        """Messages rendered with the chat template, then tokenized as llama.cpp does;
+        ChatTemplateMissingError when there is none."""
+        return chat_prompt_ids(self.tokenizer, self.chat_template, messages)
 
     def chat_prompt_text(self, messages: list[dict[str, str]]) -> str:
-        """The text chat_prompt_ids tokenizes: the rendered messages, less a leading BOS."""
-        tok = self.tokenizer
-        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
-        eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
-        text = render_chat(self.chat_template, messages, bos, eos)
-        if bos and text.startswith(bos):
-            # The template wrote BOS itself; the tokenizer adds it where the metadata asks.
-            text = text[len(bos):]
-        return text
+        """The text chat_prompt_ids tokenizes."""
+        return chat_prompt_text(self.tokenizer, self.chat_template, messages)
 
     def text_prompt_ids(self, text: str) -> list[int]:
         """Plain text tokenized as llama.cpp does: BOS per metadata, special tokens parsed."""

@@ -6,11 +6,12 @@ that keeps non-ASCII text. Templates come from model files, so they run in an im
 any attribute the sandbox deems unsafe (dunders, mutating methods) fails the render instead of
 rendering as empty. Every failure becomes `InvalidRequestError("input.chat", ...)`.
 
-A model without `tokenizer.chat_template` gets a built-in template by architecture
-(`BUILTIN_TEMPLATES`), ChatML otherwise. The built-ins never write `bos_token`: the tokenizer adds
-BOS itself where the metadata asks. A template from the metadata may write it anyway (as Gemma's
-and Llama 3's do); encoding such text with add_bos=True gives two BOS, so a caller that adds BOS
-should drop a leading `bos_token` text from the render first, as llama.cpp does.
+The template is the one configured (`--chat-template NAME|FILE`: a `BUILTIN_TEMPLATES` name or a
+Jinja file), else the model's own `tokenizer.chat_template`. A model with neither (a base model
+such as Gemma-3-270M) refuses chat input with `ChatTemplateMissingError` instead of being given
+a built-in silently. The built-ins never write `bos_token`: the tokenizer adds BOS itself where
+the metadata asks. `chat_prompt_ids` turns a render into llama.cpp's ids for the same text
+(tests/data/llamacpp_*_greedy*.json hold ChatML prompts for both models).
 """
 
 from __future__ import annotations
@@ -19,13 +20,17 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from service.errors import InvalidRequestError
+from service.errors import ChatTemplateMissingError, ConfigError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from service.model.tokenizer import Tokenizer
 
 FIELD = "input.chat"
 KEY_TEMPLATE = "tokenizer.chat_template"
@@ -53,16 +58,46 @@ GEMMA_TURNS = (
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
 )
 
-BUILTIN_TEMPLATES: dict[str, str] = {"gemma": GEMMA_TURNS, "gemma2": GEMMA_TURNS,
-                                     "gemma3": GEMMA_TURNS}
+# --chat-template NAME -> template text
+BUILTIN_TEMPLATES: dict[str, str] = {"chatml": CHATML, "gemma": GEMMA_TURNS}
+SETTING = "chat_template"
 
 
-def template_for(metadata: Mapping[str, Any]) -> str:
-    """The model's own template, else the built-in one for its architecture, else ChatML."""
+def load_template(choice: str) -> str:
+    """The template `choice` names: a built-in's name, else a Jinja file's path. The text is
+    compiled here, so a bad choice is a ConfigError at startup, not a failed request."""
+    if choice in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[choice]
+    names = ", ".join(BUILTIN_TEMPLATES)
+    path = Path(choice).expanduser()
+    if not path.is_file():
+        raise ConfigError([(SETTING, f"{choice!r} is neither a built-in template ({names}) "
+                                     "nor a Jinja template file")])
+    try:
+        text = path.read_text("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([(SETTING, f"cannot read template file {choice!r}: {exc}")]) from exc
+    try:
+        _compile(text)
+    except TemplateError as exc:
+        raise ConfigError([(SETTING, f"{choice!r} is not a valid Jinja template: {exc}")]) from exc
+    return text
+
+
+def template_for(metadata: Mapping[str, Any], configured: str | None = None) -> str | None:
+    """The configured template's text, else the model's own, else None (chat is refused)."""
+    if configured:
+        return configured
     own = metadata.get(KEY_TEMPLATE)
-    if isinstance(own, str) and own.strip():
-        return own
-    return BUILTIN_TEMPLATES.get(str(metadata.get("general.architecture", "")), CHATML)
+    return own if isinstance(own, str) and own.strip() else None
+
+
+def missing_template(field: str = FIELD) -> ChatTemplateMissingError:
+    """The error for chat input to a model without a template, naming the fix."""
+    return ChatTemplateMissingError(field, (
+        f"this model has no chat template ({KEY_TEMPLATE} is absent from its GGUF metadata) "
+        "and none is configured; set one with --chat-template NAME|FILE (a built-in: "
+        + ", ".join(BUILTIN_TEMPLATES) + "; or a Jinja file), or send text or token ids"))
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
@@ -110,3 +145,32 @@ def render_chat(template: str, messages: Sequence[Mapping[str, str]], bos_token:
             add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # syntax, sandbox, raise_exception, type errors inside the template
         raise InvalidRequestError(FIELD, f"chat template failed: {exc}") from exc
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, template: str | None,
+                    messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """Messages rendered with `template`, tokenized as prompt text is (special tokens parsed,
+    BOS/EOS where the metadata adds them), with llama.cpp's ids for the same text.
+
+    A BOS the template writes stays in the text unless the metadata adds one too: SmolLM2's BOS
+    is `<|im_start|>` (add_bos_token false), which opens every turn, so its render keeps it and
+    encodes it as token 1. Only where the tokenizer adds BOS itself (Gemma) is a leading
+    `bos_token` text dropped, so the prompt gets one BOS; a trailing `eos_token` likewise.
+    """
+    return tokenizer.encode(chat_prompt_text(tokenizer, template, messages), parse_special=True)
+
+
+def chat_prompt_text(tokenizer: Tokenizer, template: str | None,
+                     messages: Sequence[Mapping[str, str]]) -> str:
+    """The text chat_prompt_ids tokenizes (the server checks its length before tokenizing)."""
+    if template is None:
+        raise missing_template()
+    tok = tokenizer
+    bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+    eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
+    text = render_chat(template, messages, bos, eos)
+    if tok.add_bos and bos and text.startswith(bos):
+        text = text[len(bos):]
+    if tok.add_eos and eos and text.endswith(eos):
+        text = text[:-len(eos)]
+    return text

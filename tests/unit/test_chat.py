@@ -1,15 +1,34 @@
-"""Chat templates: the model's own (SmolLM2), the built-in fallback (Gemma), the sandbox."""
+"""Chat templates: the model's own (SmolLM2), none (Gemma: chat refused), configured ones
+(built-in names, files), the sandbox; chat prompt ids against llama.cpp's for the same text."""
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 import pytest
 
-from service.errors import InvalidRequestError, ModelFormatError
-from service.model.chat import CHATML, GEMMA_TURNS, render_chat, template_for
+from service.config import models_dir_from_env
+from service.errors import (
+    ChatTemplateMissingError,
+    ConfigError,
+    InvalidRequestError,
+    ModelFormatError,
+)
+from service.model.chat import (
+    BUILTIN_TEMPLATES,
+    CHATML,
+    GEMMA_TURNS,
+    chat_prompt_ids,
+    load_template,
+    render_chat,
+    template_for,
+)
+from service.model.tokenizer import Tokenizer, byte_level_chars
+from tests.conftest import load_json, open_gguf
 
-MODELS = Path(__file__).resolve().parents[2] / "models"
+MODELS = models_dir_from_env()
+FILES = {"smollm2": "smollm2-135m.gguf", "gemma3": "gemma3-270m.gguf"}
 USER = [{"role": "user", "content": "What is 12 times 7?"}]
 
 
@@ -17,9 +36,7 @@ def read_metadata(path: Path) -> dict:
     if not path.is_file():
         pytest.skip(f"{path} is absent; fetch it with `specstream models fetch`")
     try:
-        from service.gguf.reader import GGUFFile
-
-        return GGUFFile(path).metadata
+        return open_gguf(str(path)).metadata
     except (ImportError, ModelFormatError):
         from gguf import GGUFReader
 
@@ -42,25 +59,58 @@ def test_smollm2_template_from_metadata_renders_chatml():
                    "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n")
 
 
-def test_gemma_without_template_falls_back_to_turns():
+def test_gemma_has_no_template_and_chat_is_refused():
     md = read_metadata(MODELS / "gemma3-270m.gguf")
     assert "tokenizer.chat_template" not in md
-    assert template_for(md) is GEMMA_TURNS
+    assert template_for(md) is None
+    tok, _ = tokenizer_of("gemma3")
+    with pytest.raises(ChatTemplateMissingError) as err:
+        chat_prompt_ids(tok, template_for(md), USER)
+    assert err.value.field == "input.chat"
+    assert "--chat-template" in str(err.value)
+    assert all(name in str(err.value) for name in BUILTIN_TEMPLATES)
+
+
+def test_gemma_builtin_renders_turns():
     chat = [{"role": "system", "content": "Be terse."}, *USER,
             {"role": "assistant", "content": " 84 "}, {"role": "user", "content": "And 13?"}]
-    assert render_chat(template_for(md), chat, "<bos>", "<eos>") == (
+    assert render_chat(load_template("gemma"), chat, "<bos>", "<eos>") == (
         "<start_of_turn>user\nBe terse.\n\nWhat is 12 times 7?<end_of_turn>\n"
         "<start_of_turn>model\n84<end_of_turn>\n"
         "<start_of_turn>user\nAnd 13?<end_of_turn>\n"
         "<start_of_turn>model\n")
 
 
-def test_builtin_registry_by_architecture():
-    assert template_for({"general.architecture": "gemma3"}) is GEMMA_TURNS
-    assert template_for({"general.architecture": "qwen3"}) is CHATML
-    assert template_for({"general.architecture": "llama", "tokenizer.chat_template": " "}) is CHATML
+def test_template_choice():
+    own = {"general.architecture": "llama", "tokenizer.chat_template": "{{ 'own' }}"}
+    assert template_for(own) == "{{ 'own' }}"
+    assert template_for(own, CHATML) is CHATML                  # the configured one wins
+    assert template_for({"general.architecture": "gemma3"}) is None
+    assert template_for({"general.architecture": "qwen3"}) is None
+    assert template_for({"general.architecture": "llama", "tokenizer.chat_template": " "}) is None
+    assert template_for({"general.architecture": "gemma3"}, GEMMA_TURNS) is GEMMA_TURNS
+    assert load_template("chatml") is CHATML and load_template("gemma") is GEMMA_TURNS
     assert render_chat(CHATML, USER, "", "") == (
         "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_template_file_and_bad_choices(tmp_path):
+    good = tmp_path / "turns.jinja"
+    good.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    assert render_chat(load_template(str(good)), USER, "", "") == "[user] What is 12 times 7?\n"
+    with pytest.raises(ConfigError) as err:
+        load_template("nonesuch")
+    (field, message), = err.value.problems
+    assert field == "chat_template" and "'nonesuch'" in message
+    assert all(name in message for name in BUILTIN_TEMPLATES)
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}")
+    with pytest.raises(ConfigError, match="not a valid Jinja template"):
+        load_template(str(broken))
+    binary = tmp_path / "binary.jinja"
+    binary.write_bytes(b"\xff\xfe{{ x }}")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_template(str(binary))
 
 
 def test_hf_environment_helpers():
@@ -102,3 +152,84 @@ def test_template_errors_are_request_errors(template, message):
 def test_malformed_messages(messages):
     with pytest.raises(InvalidRequestError):
         render_chat(CHATML, messages, "", "")
+
+
+# ---------------------------------------------------------------- chat prompt ids vs llama.cpp
+
+def chatml_messages(prompt: str) -> list[dict[str, str]]:
+    """The messages of a ChatML prompt that ends with the assistant's generation prompt."""
+    *turns, last = prompt.split("<|im_start|>")[1:]
+    assert last == "assistant\n", prompt
+    messages = []
+    for turn in turns:
+        role, _, rest = turn.partition("\n")
+        content, end, tail = rest.partition("<|im_end|>\n")
+        assert end and not tail, prompt
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def chatml_cases() -> list[tuple[str, dict]]:
+    """Every llama.cpp fixture prompt written in ChatML, per model."""
+    return [(name, case) for name in sorted(FILES) for extra in ("", "_extra")
+            for case in load_json(f"llamacpp_{name}_greedy{extra}.json")["cases"]
+            if case["prompt"].startswith("<|im_start|>")]
+
+
+@cache
+def tokenizer_of(name: str) -> tuple[Tokenizer, dict]:
+    md = read_metadata(MODELS / FILES[name])
+    return Tokenizer.from_metadata(md), md
+
+
+@pytest.mark.parametrize("name, case", chatml_cases(),
+                         ids=[f"{n}-{i}" for i, (n, _) in enumerate(chatml_cases())])
+def test_chatml_prompt_ids_equal_llamacpp(name, case):
+    """The ChatML template's render is the fixture's prompt text; its ids are llama.cpp's, which
+    start with `<|im_start|>` (SmolLM2's BOS, add_bos_token false) or with `<bos>` then the
+    text (Gemma, add_bos_token true, `<|im_start|>` not a token of its vocabulary)."""
+    tok, _ = tokenizer_of(name)
+    messages = chatml_messages(case["prompt"])
+    bos, eos = tok.token_text(tok.bos_id), tok.token_text(tok.eos_id)
+    assert render_chat(CHATML, messages, bos, eos) == case["prompt"]
+    assert chat_prompt_ids(tok, CHATML, messages) == case["prompt_ids"]
+
+
+def test_smollm2_own_template_ids_equal_llamacpp():
+    """SmolLM2's template with a system message renders the fixture's system + user prompt."""
+    tok, md = tokenizer_of("smollm2")
+    case = next(c for n, c in chatml_cases() if n == "smollm2" and "system" in c["prompt"])
+    ids = chat_prompt_ids(tok, template_for(md), chatml_messages(case["prompt"]))
+    assert ids == case["prompt_ids"] and ids[:2] == [tok.bos_id, 9690]   # 9690: "system"
+
+
+def test_template_that_writes_bos_gets_one_bos():
+    """Gemma adds BOS itself: a template writing `bos_token` first still gives one `<bos>`."""
+    tok, _ = tokenizer_of("gemma3")
+    name, case = next(nc for nc in chatml_cases() if nc[0] == "gemma3")
+    ids = chat_prompt_ids(tok, "{{ bos_token }}" + CHATML, chatml_messages(case["prompt"]))
+    assert ids == case["prompt_ids"] and ids.count(tok.bos_id) == 1
+
+
+def _tiny(add_bos: bool, add_eos: bool) -> Tokenizer:
+    tokens = [*byte_level_chars(), "<s>", "</s>"]
+    return Tokenizer.from_metadata({
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": [1] * 256 + [3, 3],
+        "tokenizer.ggml.merges": [], "tokenizer.ggml.bos_token_id": 256,
+        "tokenizer.ggml.eos_token_id": 257, "tokenizer.ggml.add_bos_token": add_bos,
+        "tokenizer.ggml.add_eos_token": add_eos})
+
+
+@pytest.mark.parametrize("add_bos, add_eos", [(False, False), (True, False), (False, True),
+                                              (True, True)])
+@pytest.mark.parametrize("template", ["{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}",
+                                      "{{ messages[0]['content'] }}"])
+def test_bos_and_eos_once_whoever_writes_them(add_bos, add_eos, template):
+    """The render is tokenized with specials parsed; BOS/EOS the metadata adds are not added
+    a second time when the template already wrote them, and are kept when it did."""
+    tok = _tiny(add_bos, add_eos)
+    writes = "bos_token" in template
+    ids = chat_prompt_ids(tok, template, [{"role": "user", "content": "hi"}])
+    hi = [ord("h"), ord("i")]
+    assert ids == [256] * (writes or add_bos) + hi + [257] * (writes or add_eos)

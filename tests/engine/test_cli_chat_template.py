@@ -1,0 +1,58 @@
+"""`specstream generate --chat` with and without a chat template (--chat-template NAME|FILE)."""
+
+from __future__ import annotations
+
+import json
+
+from service.cli import build_parser, main
+from service.config import build_serve_parser
+from service.model.chat import BUILTIN_TEMPLATES
+from tests.conftest import load_json, real_model_path
+from tests.engine.test_engine import assert_matches_llamacpp
+
+USER_CASE = next(c for c in load_json("llamacpp_smollm2_greedy.json")["cases"]
+                 if c["prompt"].startswith("<|im_start|>user\n"))
+QUESTION = "What is 12 times 7?"     # USER_CASE's one user message
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    real_model_path("smollm2-135m")
+    capsys.readouterr()          # the fetcher's log line, if it logged, is not CLI output
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_chat_without_a_template_is_a_clear_error(capsys):
+    real_model_path("gemma3-270m")
+    code, out, err = run_cli(capsys, "generate", "gemma3-270m", "--chat", "--prompt", QUESTION,
+                             "--max-new-tokens", "2", "--backend", "cpu", "--n-ctx", "512")
+    assert code == 2 and out == ""
+    assert "specstream: --chat: this model has no chat template" in err
+    assert "--chat-template NAME|FILE" in err
+    assert all(name in err for name in BUILTIN_TEMPLATES)
+
+
+def test_chat_with_a_builtin_template_gives_llamacpps_ids(capsys):
+    code, out, _ = run_cli(capsys, "generate", "smollm2-135m", "--chat", "--chat-template",
+                           "chatml", "--prompt", QUESTION, "--max-new-tokens", "48",
+                           "--temperature", "0", "--json", "--backend", "cpu")
+    assert code == 0
+    result = json.loads(out)
+    assert result["prompt_ids"] == USER_CASE["prompt_ids"]
+    assert_matches_llamacpp("smollm2", USER_CASE, result["token_ids"])
+
+
+def test_unknown_chat_template_lists_the_names(capsys):
+    code, _, err = run_cli(capsys, "generate", "smollm2-135m", "--chat", "--chat-template",
+                           "no-such-template", "--prompt", QUESTION, "--backend", "cpu")
+    assert code == 2
+    assert "chat_template: 'no-such-template' is neither a built-in template (" in err
+    assert all(name in err for name in BUILTIN_TEMPLATES)
+
+
+def test_help_names_the_builtin_templates():
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"]
+    for text in (generate.format_help(), build_serve_parser().format_help()):
+        assert "--chat-template" in text
+        assert all(name in text for name in BUILTIN_TEMPLATES)
