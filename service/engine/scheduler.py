@@ -125,7 +125,8 @@ class Engine:
         tokenizer = Tokenizer.from_metadata(gguf.metadata) if gguf.get(
             "tokenizer.ggml.tokens") else Tokenizer.ids_only(spec.vocab_size)
         backend_name = resolve_backend_name(config.backend)
-        backend = create_backend(backend_name, threads=config.threads)
+        backend = create_backend(backend_name, threads=config.threads,
+                                 invariant_tokens=MAX_VERIFY_WIDTH)
         pair = (config.kv_cache_type_k, config.kv_cache_type_v)
         if any(t not in backend.kv_types for t in pair):
             raise ConfigError([("kv_cache_type_k,kv_cache_type_v",
