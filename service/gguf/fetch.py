@@ -28,7 +28,6 @@ from typing import BinaryIO
 
 import structlog
 
-from service.config import models_dir_from_env
 from service.errors import FetchError
 
 log = structlog.get_logger(__name__)
@@ -83,11 +82,6 @@ MODELS: dict[str, ModelSource] = {s.name: s for s in (
     ),
 )}
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def models_dir() -> Path:
-    """The models directory: $SPECSTREAM_MODELS_DIR, else `models/` at the repository root."""
-    return models_dir_from_env()
 
 
 def model_path(name: str, directory: Path) -> Path:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from clients import SpecstreamClient
-from service.config import DEFAULT_MODEL
-from service.gguf.fetch import models_dir, resolve_model
+from service.config import DEFAULT_MODEL, models_dir_from_env
+from service.gguf.fetch import resolve_model
 from service.logging import configure_logging
 from service.serve import BackgroundServer
 
@@ -23,7 +23,7 @@ from .grpc_harness import TEST_ENGINE, ServeProcess
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
-    return resolve_model(DEFAULT_MODEL, models_dir())   # fetched on first use
+    return resolve_model(DEFAULT_MODEL, models_dir_from_env())   # fetched on first use
 
 
 @pytest.fixture(scope="session")
