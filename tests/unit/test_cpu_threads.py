@@ -14,7 +14,7 @@ import threading
 import numba
 import numpy as np
 import pytest
-from threadpoolctl import threadpool_info
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from service.backends import cpu, cpu_kernels
 from service.gguf import quants
@@ -27,6 +27,12 @@ CORES = numba.config.NUMBA_NUM_THREADS
 
 def _blas_threads() -> int:
     return max(p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas")
+
+
+def _q8_matrix(be: cpu.CpuBackend) -> tuple[cpu.CpuMatrix, np.ndarray]:
+    w = RNG.standard_normal((64, 128)).astype(np.float32)
+    raw = quants.quantize(w, QuantType.Q8_0).reshape(-1)
+    return be.load_matrix([TensorInfo("w", QuantType.Q8_0, w.shape, raw)]), raw
 
 
 def _pools_during(monkeypatch, threads: int, n_tokens: int) -> list[tuple[str, int, int]]:
@@ -42,9 +48,7 @@ def _pools_during(monkeypatch, threads: int, n_tokens: int) -> list[tuple[str, i
 
         monkeypatch.setattr(cpu_kernels, name, probe)
     be = cpu.CpuBackend(threads=threads)
-    w = RNG.standard_normal((64, 128)).astype(np.float32)
-    raw = quants.quantize(w, QuantType.Q8_0).reshape(-1)
-    m = be.load_matrix([TensorInfo("w", QuantType.Q8_0, w.shape, raw)])
+    m, raw = _q8_matrix(be)
     x = RNG.standard_normal((n_tokens, 128)).astype(np.float32)
     out = np.empty((n_tokens, 64), np.float32)
     errors: list[BaseException] = []
@@ -60,7 +64,7 @@ def _pools_during(monkeypatch, threads: int, n_tokens: int) -> list[tuple[str, i
     t.join()
     if errors:
         raise errors[0]
-    np.testing.assert_allclose(out, x @ quants.dequantize(raw, QuantType.Q8_0, w.shape).T,
+    np.testing.assert_allclose(out, x @ quants.dequantize(raw, QuantType.Q8_0, (64, 128)).T,
                                rtol=1e-4, atol=1e-4)
     return seen
 
@@ -82,3 +86,16 @@ def test_pools_never_oversubscribe(monkeypatch, n_tokens):
         # the pool that does the work of the step gets all the threads
         busy = blas_n if kernel == "dequantize_rows" else numba_n
         assert busy == 2, (kernel, numba_n, blas_n)
+
+
+@pytest.mark.skipif(CORES < 2 or (os.cpu_count() or 1) < 2, reason="needs 2 cores")
+def test_budget_applies_after_main_thread_set(monkeypatch):
+    """Steps run on the main thread first (as in tests and CLIs), and OpenBLAS's count is
+    also set there by other code; a later engine thread still gets its budget."""
+    be = cpu.CpuBackend(threads=1)
+    m, _ = _q8_matrix(be)
+    x = RNG.standard_normal((64, 128)).astype(np.float32)
+    be.matmul(x, m, np.empty((64, 64), np.float32))       # a prefill step on the main thread
+    threadpool_limits(1, user_api="blas")                  # what other code may do, kept
+    seen = _pools_during(monkeypatch, 2, 64)
+    assert ("dequantize_rows", 1, 2) in seen, seen
