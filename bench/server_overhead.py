@@ -24,7 +24,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from clients import SpecstreamClient  # noqa: E402
-from service.config import DEFAULT_MODEL, EngineConfig, ServerConfig  # noqa: E402
+from service.config import (  # noqa: E402
+    DEFAULT_MODEL,
+    EngineConfig,
+    ServerConfig,
+    models_dir_from_env,
+)
 from service.engine.types import (  # noqa: E402
     Delta,
     Finished,
@@ -181,10 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("warning")
 
     from service.engine.scheduler import Engine
-    from service.gguf.fetch import models_dir, resolve_model
+    from service.gguf.fetch import resolve_model
 
     cfg = EngineConfig(backend=a.backend, n_ctx=1024, n_slots=max(4, a.concurrency))
-    engine = Engine.load(resolve_model(a.model, models_dir()), cfg)
+    engine = Engine.load(resolve_model(a.model, models_dir_from_env()), cfg)
     engine.start()
     engine.warmup()
     try:

@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 # cases fast.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
+import threading  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+
 import numpy as np  # noqa: E402
 
 from service.backends import cpu_kernels as K  # noqa: E402
 from service.backends.base import Backend, KVCache  # noqa: E402
 from service.backends.cuda_layout import round_activations  # noqa: E402
-from service.config import MAX_VERIFY_WIDTH as INVARIANT_TOKENS  # noqa: E402
 from service.errors import ModelFormatError  # noqa: E402
 from service.gguf import quants  # noqa: E402
 from service.gguf.quants import QuantType  # noqa: E402
@@ -35,6 +37,63 @@ from service.gguf.reader import TensorInfo  # noqa: E402
 TILE_ROWS = 512         # rows dequantized per sgemm in prefill steps (2.4 MB at K = 1152)
 _KV_QTYPES = {"f16": QuantType.F16, "q8_0": QuantType.Q8_0, "q4_0": QuantType.Q4_0}
 _EMPTY = np.zeros((0, 0), dtype=np.float32)
+
+
+_NUMBA_SET = threading.local()   # .n: numba's pool size last set on this thread
+_BLAS_SET = [0]                  # the BLAS pool size last set here (0: not yet); per process
+
+
+def _blas_setters() -> list[Callable[[int], object]]:
+    """One pool-size setter per loaded BLAS library. For OpenBLAS, openblas_set_num_threads
+    called from a thread other than the main one has no effect once the main thread has
+    called it (test_cpu_threads.py::test_budget_applies_after_main_thread_set shows it with
+    numpy's OpenBLAS); openblas_set_num_threads_local takes effect from any thread."""
+    from threadpoolctl import ThreadpoolController
+
+    setters = []
+    for lib in ThreadpoolController().select(user_api="blas").lib_controllers:
+        local = None
+        if lib.internal_api == "openblas":
+            names = ("openblas_set_num_threads_local", "scipy_openblas_set_num_threads_local",
+                     "openblas_set_num_threads_local64_")
+            local = next((getattr(lib.dynlib, n) for n in names if hasattr(lib.dynlib, n)), None)
+        setters.append(local or lib.set_num_threads)
+    return setters
+
+
+class _ThreadBudget:
+    """The backend's `threads` given to one pool at a time, so the two never oversubscribe.
+
+    Steps of up to `invariant_tokens` tokens run numba kernels on `threads` threads while BLAS
+    (attention's small products) runs on the calling thread alone; longer steps (prefill) run
+    sgemm on `threads` BLAS threads while numba (tile dequantization) runs on the calling thread
+    alone. Either way at most `threads` threads compute at once: pools sized to all cores each
+    compete with each other and with any other busy process for the cores, and sgemm waits for
+    its slowest thread (bench/prefill_contention.py times prefill beside a busy neighbour).
+    numba's count is per calling thread and BLAS's per process, so the budget is applied by the
+    thread that runs the step, whenever the size it needs differs from the last one set.
+    """
+
+    def __init__(self, threads: int, invariant_tokens: int):
+        import numba
+
+        self.threads = min(threads or numba.config.NUMBA_NUM_THREADS,
+                           numba.config.NUMBA_NUM_THREADS)
+        self.invariant_tokens = invariant_tokens
+        self._set_numba = numba.set_num_threads
+        self._set_blas = _blas_setters()
+
+    def enter(self, n_tokens: int) -> None:
+        """Size both pools for a step of `n_tokens` tokens on the calling thread."""
+        sgemm = n_tokens > self.invariant_tokens
+        n_numba, n_blas = (1, self.threads) if sgemm else (self.threads, 1)
+        if getattr(_NUMBA_SET, "n", 0) != n_numba:
+            self._set_numba(n_numba)
+            _NUMBA_SET.n = n_numba
+        if _BLAS_SET[0] != n_blas:
+            for set_blas in self._set_blas:
+                set_blas(n_blas)
+            _BLAS_SET[0] = n_blas
 
 
 @dataclass
@@ -122,20 +181,23 @@ class CpuBackend(Backend):
     name = "cpu"
     kv_types = tuple(_KV_QTYPES)
 
-    def __init__(self, threads: int = 0, act_quant: bool | str = False):
-        """act_quant: round activations as llama.cpp's CPU matmuls do before the dot product
+    def __init__(self, threads: int = 0, act_quant: bool | str = False, invariant_tokens: int = 16):
+        """threads: compute threads of a step (0 = numba's default, all cores), see
+        `_ThreadBudget`. invariant_tokens: steps of up to this many tokens (decode, speculative
+        verify) compute every row exactly as a single-token step would; longer steps (prefill
+        chunks) go through sgemm. The engine passes its largest verify width.
+
+        act_quant: round activations as llama.cpp's CPU matmuls do before the dot product
         (8-bit blocks: Q8_K for K-quant weights, Q8_0 for the others; f16/bf16 for f16/bf16
         weights). Off by default: float32 activations are the reference. Tests turn it on to
         compare with llama.cpp's logits on random-weight models, where 8-bit noise is amplified.
         act_quant="gpu" rounds the inputs of quantized matrices exactly as the CUDA backend's
         8-bit blocks do (cuda_layout.round_activations), for tight GPU-vs-CPU comparisons.
         """
-        import numba
-
         self.act_quant = act_quant
+        self.invariant_tokens = invariant_tokens
+        self.threads = _ThreadBudget(threads, invariant_tokens)
         self._tile: np.ndarray | None = None      # scratch of _matmul_tiles, grown once
-        if threads:
-            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
     # ---------------------------------------------------------------- memory
     def zeros(self, shape, dtype="float32"):
@@ -211,9 +273,10 @@ class CpuBackend(Backend):
         out *= w
 
     def matmul(self, x, w: CpuMatrix, out):
-        # Steps of up to INVARIANT_TOKENS tokens (decode, speculative verify) compute every row
+        # Steps of up to invariant_tokens tokens (decode, speculative verify) compute every row
         # exactly as a single-token step would; longer steps (prefill chunks) go through sgemm.
-        invariant = x.shape[0] <= INVARIANT_TOKENS
+        invariant = x.shape[0] <= self.invariant_tokens
+        self.threads.enter(x.shape[0])
         if self.act_quant == "gpu":
             if w.fmt == "q8":
                 q, d = round_activations(x)
@@ -292,7 +355,8 @@ class CpuBackend(Backend):
 
     def attention(self, q, cache: CpuKVCache, layer, slots, positions, kv_len, window, scale,
                   out):
-        if q.shape[0] <= INVARIANT_TOKENS:
+        self.threads.enter(q.shape[0])
+        if q.shape[0] <= self.invariant_tokens:
             self._attention_per_query(q, cache, layer, slots, positions, window, scale, out)
         else:
             self._attention_masked(q, cache, layer, slots, positions, window, scale, out)

@@ -103,8 +103,11 @@ class CudaBackend(Backend):
     name = "cuda"
     kv_types = KV_TYPES
 
-    def __init__(self, threads: int = 0, graphs: bool = True, device: int = 0):
-        del threads                      # the CPU thread count does not apply here
+    def __init__(self, threads: int = 0, graphs: bool = True, device: int = 0,
+                 invariant_tokens: int = 16):
+        # CPU threads do not apply; every GEMV column and attention query is computed the same
+        # way at any step size, so steps of any width are invariant here.
+        del threads, invariant_tokens
         cp.cuda.Device(device).use()
         self.graphs = graphs
         self.stream = cp.cuda.Stream(non_blocking=True)

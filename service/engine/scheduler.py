@@ -69,6 +69,13 @@ class ModelInfo:
     n_embd: int
 
 
+def _phase(name: str, since: float, **fields) -> float:
+    """Log one model-load phase that began at perf_counter() `since`; returns the time now."""
+    now = time.perf_counter()
+    log.info("load_phase", phase=name, seconds=round(now - since, 3), **fields)
+    return now
+
+
 class RequestHandle:
     def __init__(self, engine: Engine, seq: Sequence):
         self._engine, self._seq = engine, seq
@@ -127,26 +134,38 @@ class Engine:
         t0 = time.perf_counter()
         gguf = GGUFFile(path)
         spec = ModelSpec.from_gguf(gguf)
+        t = _phase("header", t0, path=str(path), n_tensors=len(gguf.tensors),
+                   n_metadata=len(gguf.metadata))
         tokenizer = Tokenizer.from_metadata(gguf.metadata) if gguf.get(
             "tokenizer.ggml.tokens") else Tokenizer.ids_only(spec.vocab_size)
+        t = _phase("tokenizer", t, vocab_size=tokenizer.vocab_size, kind=tokenizer.kind.value)
         backend_name = resolve_backend_name(config.backend)
-        backend = create_backend(backend_name, threads=config.threads)
+        backend = create_backend(backend_name, threads=config.threads,
+                                 invariant_tokens=MAX_VERIFY_WIDTH)
         pair = (config.kv_cache_type_k, config.kv_cache_type_v)
         if any(t not in backend.kv_types for t in pair):
             raise ConfigError([("kv_cache_type_k,kv_cache_type_v",
                                 f"the {backend_name} backend does not implement the KV cache "
                                 f"type pair (K={pair[0]}, V={pair[1]}); it supports "
                                 + ", ".join(backend.kv_types) + " for each")])
+        _phase("backend", t, backend=backend_name, threads=config.threads)
         n_ctx = min(config.n_ctx, spec.n_ctx_train)
         config = replace(config, n_ctx=n_ctx, backend=backend_name)
+        t_model = time.perf_counter()
         model = Transformer(spec, gguf, backend, n_ctx=n_ctx, n_slots=config.n_slots,
                             max_tokens=max(config.prefill_chunk, config.verify_width),
                             type_k=config.kv_cache_type_k, type_v=config.kv_cache_type_v,
                             max_logits=MAX_VERIFY_WIDTH)
+        # the Transformer loads the weights, then allocates the KV cache and its workspace
+        weights_s = model.weights.load_seconds
+        log.info("load_phase", phase="weights", seconds=round(weights_s, 3), backend=backend_name,
+                 n_layer=spec.n_layer)
+        t = _phase("kv_cache", t_model + weights_s, n_ctx=n_ctx, n_slots=config.n_slots,
+                   kv_type_k=config.kv_cache_type_k, kv_type_v=config.kv_cache_type_v)
         log.info("model_loaded", path=str(path), arch=spec.arch, backend=backend_name,
                  kv_type_k=config.kv_cache_type_k, kv_type_v=config.kv_cache_type_v,
                  n_ctx=n_ctx, n_slots=config.n_slots, verify_width=config.verify_width,
-                 seconds=round(time.perf_counter() - t0, 2))
+                 seconds=round(t - t0, 2))
         return cls(path, gguf, spec, tokenizer, model, config, backend_name, template)
 
     # ------------------------------------------------------------------ public API
@@ -229,8 +248,10 @@ class Engine:
         req = GenerationRequest("warmup", tuple(t % self.spec.vocab_size for t in prompt),
                                 SamplingParams(temperature=0.0),
                                 StoppingCriteria(max_new_tokens=2, ignore_eos=True))
+        t0 = time.perf_counter()
         for _ in self.generate(req, timeout=600):
             pass
+        _phase("warmup", t0)
 
     # ------------------------------------------------------------------ engine thread
     def _new_sequence(self, request: GenerationRequest, sink) -> Sequence:

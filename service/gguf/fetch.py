@@ -28,7 +28,6 @@ from typing import BinaryIO
 
 import structlog
 
-from service.config import models_dir_from_env
 from service.errors import FetchError
 
 log = structlog.get_logger(__name__)
@@ -91,11 +90,6 @@ DEFAULT_MODEL = "smollm2-135m"
 def format_size(n_bytes: int) -> str:
     """A file size in MiB (2^20 bytes), as `specstream models list` prints it: '93.8 MiB'."""
     return f"{n_bytes / 2**20:.1f} MiB"
-
-
-def models_dir() -> Path:
-    """The models directory: $SPECSTREAM_MODELS_DIR, else `models/` at the repository root."""
-    return models_dir_from_env()
 
 
 def model_path(name: str, directory: Path) -> Path:

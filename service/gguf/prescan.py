@@ -1,9 +1,12 @@
-"""Pre-scan of a GGUF header: refuse corrupt counts and lengths before anything is allocated.
+"""Read a GGUF header, refusing corrupt counts and lengths before anything is allocated.
 
 The `gguf` package trusts the header: a string length of 2**60 or an array count of 10**15 makes
-it build huge numpy views or loop for ever. `prescan` walks the same layout with `struct` reads
-over a read-only memory map and checks every count and length against the bytes left in the file
-*before* using it, so the worst a corrupt file costs is one pass over its header.
+it build huge numpy views or loop for ever; and it builds a numpy view per array entry, which
+for a 262,144-token vocabulary takes seconds. `prescan` walks the layout with `struct` reads
+over a read-only memory map, checks every count and length against the bytes left in the file
+*before* using it, and returns the metadata as plain Python values (arrays of numbers in one
+`numpy.frombuffer` each) with the tensor table, so the worst a corrupt file costs is one pass
+over its header.
 
 Layout (GGUF v2/v3, all integers little-endian unless the file is byte-swapped):
     magic "GGUF" | u32 version | u64 n_tensors | u64 n_kv
@@ -20,8 +23,11 @@ from __future__ import annotations
 import enum
 import mmap
 import struct
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 from gguf.constants import GGML_QUANT_SIZES
 
 from service.errors import ModelFormatError
@@ -70,6 +76,30 @@ MIN_VALUE_SIZE: dict[ValueType, int] = {
 }
 MIN_KV_SIZE = 8 + 4 + 1          # empty key, value type, smallest value
 MIN_TENSOR_INFO_SIZE = 8 + 4 + 4 + 8   # empty name, n_dims = 0, type, offset
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor info as stored: dims in ggml order (innermost first)."""
+
+    name: str
+    type_id: int
+    dims: tuple[int, ...]
+    offset: int              # bytes from the start of the data section
+    n_bytes: int
+
+
+@dataclass(frozen=True)
+class Header:
+    """What the header says, checked: metadata values and where each tensor's bytes are."""
+
+    version: int
+    byte_order: str          # "<" or ">" (a file written on a big-endian host)
+    alignment: int
+    metadata: dict[str, Any]  # str, int, float, bool, or (nested) lists of them
+    tensors: tuple[TensorEntry, ...]
+    data_start: int          # file offset of the data section
+    file_size: int
 
 
 class _Scanner:
@@ -142,53 +172,63 @@ class _Scanner:
 
 
 # ---------------------------------------------------------------- metadata
-def _skip_value(sc: _Scanner, vtype: ValueType, what: str, depth: int = 0) -> None:
+def _read_value(sc: _Scanner, vtype: ValueType, what: str, depth: int = 0) -> Any:
     if vtype in SCALAR_SIZES:
-        sc.need(SCALAR_SIZES[vtype], what)
-        sc.pos += SCALAR_SIZES[vtype]
-    elif vtype is ValueType.STRING:
-        sc.skip_string(what)
-    else:
-        _skip_array(sc, what, depth)
+        return sc.unpack(SCALAR_CODES[vtype], what)
+    if vtype is ValueType.STRING:
+        return sc.read_string(what)
+    return _read_array(sc, what, depth)
 
 
-def _skip_array(sc: _Scanner, what: str, depth: int) -> None:
+def _read_array(sc: _Scanner, what: str, depth: int) -> list:
     if depth >= MAX_ARRAY_NESTING:
         raise sc.fail(f"{what} nests arrays more than {MAX_ARRAY_NESTING} levels deep")
     item_type = sc.value_type(f"{what} array item")
     count = sc.u64(f"{what} array count")
     sc.check_count(count, MIN_VALUE_SIZE[item_type], f"{what} array count")
     if item_type in SCALAR_SIZES:
+        dtype = np.dtype(sc.order + SCALAR_CODES[item_type])
+        values = np.frombuffer(sc.buf, dtype, count, sc.pos).tolist()
         sc.pos += count * SCALAR_SIZES[item_type]
-    elif item_type is ValueType.STRING:
-        # the hot loop: a vocabulary holds up to a few hundred thousand strings
-        unpack_from, buf, order = struct.unpack_from, sc.buf, sc.order + "Q"
-        pos, size = sc.pos, sc.size
-        for i in range(count):
-            if pos + 8 > size:
-                sc.pos = pos
-                sc.need(8, f"{what}[{i}] string length")
-            (length,) = unpack_from(order, buf, pos)
-            pos += 8
-            if length > size - pos:
-                raise sc.fail(f"{what}[{i}] string length {length} exceeds the {size - pos} "
-                              f"bytes left in the file")
-            pos += length
-        sc.pos = pos
-    else:
-        for i in range(count):
-            _skip_array(sc, f"{what}[{i}]", depth + 1)
+        return values
+    if item_type is ValueType.STRING:
+        return _read_strings(sc, what, count)
+    return [_read_array(sc, f"{what}[{i}]", depth + 1) for i in range(count)]
 
 
-def _scan_metadata(sc: _Scanner, n_kv: int) -> int:
-    """Walk the key/value section; returns the data alignment the file asks for."""
+def _read_strings(sc: _Scanner, what: str, count: int) -> list[str]:
+    # the hot loop: a vocabulary holds up to a few hundred thousand strings
+    unpack_from, buf, order = struct.unpack_from, sc.buf, sc.order + "Q"
+    pos, size = sc.pos, sc.size
+    out: list[str] = []
+    append = out.append
+    for i in range(count):
+        if pos + 8 > size:
+            sc.pos = pos
+            sc.need(8, f"{what}[{i}] string length")
+        (length,) = unpack_from(order, buf, pos)
+        pos += 8
+        if length > size - pos:
+            raise sc.fail(f"{what}[{i}] string length {length} exceeds the {size - pos} "
+                          f"bytes left in the file")
+        try:
+            append(buf[pos:pos + length].decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise sc.fail(f"{what}[{i}] is not valid UTF-8 ({exc.reason} at byte "
+                          f"{pos + exc.start})") from None
+        pos += length
+    sc.pos = pos
+    return out
+
+
+def _scan_metadata(sc: _Scanner, n_kv: int) -> tuple[dict[str, Any], int]:
+    """Read the key/value section; returns it and the data alignment the file asks for."""
     alignment = DEFAULT_ALIGNMENT
-    seen: set[str] = set()
+    metadata: dict[str, Any] = {}
     for i in range(n_kv):
         key = sc.read_string(f"metadata key #{i}")
-        if key in seen:
+        if key in metadata:
             raise sc.fail(f"metadata key {key!r} appears twice")
-        seen.add(key)
         what = f"metadata key {key!r}"
         vtype = sc.value_type(what)
         if key == "general.alignment":
@@ -197,14 +237,15 @@ def _scan_metadata(sc: _Scanner, n_kv: int) -> int:
             alignment = sc.u32(what)
             if alignment == 0 or alignment & (alignment - 1):
                 raise sc.fail(f"{what} is {alignment}, expected a non-zero power of two")
+            metadata[key] = alignment
         else:
-            _skip_value(sc, vtype, what)
-    return alignment
+            metadata[key] = _read_value(sc, vtype, what)
+    return metadata, alignment
 
 
 # ---------------------------------------------------------------- tensor infos
-def _scan_tensor_info(sc: _Scanner, index: int) -> tuple[str, int, int]:
-    """One tensor info; returns (name, data offset relative to the data start, data bytes)."""
+def _scan_tensor_info(sc: _Scanner, index: int) -> TensorEntry:
+    """One tensor info (its offset is relative to the data start)."""
     name = sc.read_string(f"tensor #{index} name")
     what = f"tensor {name!r}"
     n_dims = sc.u32(f"{what} n_dims")
@@ -227,12 +268,13 @@ def _scan_tensor_info(sc: _Scanner, index: int) -> tuple[str, int, int]:
         raise sc.fail(f"{what} row length {dims[0]} is not a multiple of the "
                       f"{QUANT_NAMES[type_id]} block size {block_size}")
     offset = sc.u64(f"{what} offset")
-    return name, offset, n_elements // block_size * type_size
+    return TensorEntry(name, type_id, tuple(dims), offset, n_elements // block_size * type_size)
 
 
-def _check_tensor_data(sc: _Scanner, tensors: list[tuple[str, int, int]],
+def _check_tensor_data(sc: _Scanner, tensors: list[TensorEntry],
                        data_start: int, alignment: int) -> None:
-    for name, offset, n_bytes in tensors:
+    for t in tensors:
+        name, offset, n_bytes = t.name, t.offset, t.n_bytes
         if offset % alignment:
             raise sc.fail(f"tensor {name!r} data offset {offset} is not a multiple of the "
                           f"alignment {alignment}")
@@ -247,7 +289,7 @@ def _check_tensor_data(sc: _Scanner, tensors: list[tuple[str, int, int]],
 
 
 # ---------------------------------------------------------------- entry point
-def _scan(sc: _Scanner) -> None:
+def _scan(sc: _Scanner) -> Header:
     sc.need(4, "magic")
     magic = bytes(sc.buf[0:4])
     if magic != GGUF_MAGIC:
@@ -265,22 +307,24 @@ def _scan(sc: _Scanner) -> None:
     n_kv = sc.u64("metadata key/value count")
     sc.check_count(n_kv, MIN_KV_SIZE, "metadata key/value count")
     sc.check_count(n_tensors, MIN_TENSOR_INFO_SIZE, "tensor count")
-    alignment = _scan_metadata(sc, n_kv)
+    metadata, alignment = _scan_metadata(sc, n_kv)
     sc.check_count(n_tensors, MIN_TENSOR_INFO_SIZE, "tensor count")
     tensors = []
     seen: set[str] = set()
     for i in range(n_tensors):
         info = _scan_tensor_info(sc, i)
-        if info[0] in seen:
-            raise sc.fail(f"tensor {info[0]!r} appears twice")
-        seen.add(info[0])
+        if info.name in seen:
+            raise sc.fail(f"tensor {info.name!r} appears twice")
+        seen.add(info.name)
         tensors.append(info)
     data_start = -(-sc.pos // alignment) * alignment
     _check_tensor_data(sc, tensors, data_start, alignment)
+    return Header(version, sc.order, alignment, metadata, tuple(tensors), data_start, sc.size)
 
 
-def prescan(path: Path) -> None:
-    """Walk the header; raise ModelFormatError before any count or length exceeds the file."""
+def prescan(path: Path) -> Header:
+    """Read and check the header; raise ModelFormatError before any count or length exceeds
+    the file."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -288,6 +332,6 @@ def prescan(path: Path) -> None:
             if size == 0:
                 raise ModelFormatError(f"{path}: the file is empty: not a GGUF file")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                _scan(_Scanner(path, buf, size))
+                return _scan(_Scanner(path, buf, size))
     except OSError as exc:
         raise ModelFormatError(f"{path}: cannot read the file ({exc})") from exc

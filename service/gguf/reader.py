@@ -1,10 +1,10 @@
-"""Open a GGUF file through the `gguf` package (memory-mapped) and refuse what cannot be served.
+"""Open a GGUF file (memory-mapped) and refuse what cannot be served.
 
 `GGUFFile` exposes plain-Python metadata and raw tensor views; every structural problem (bad
 magic, truncated header, tensor data past the end of the file, unsupported quant type) becomes a
-`ModelFormatError` that names the file and the problem. The header is pre-scanned by
-`service.gguf.prescan` before the `gguf` reader runs, so corrupt counts or lengths in the metadata
-are refused before anything is allocated for them.
+`ModelFormatError` that names the file and the problem. The header is read and checked by
+`service.gguf.prescan` (corrupt counts or lengths are refused before anything is allocated for
+them); the tensor bytes are slices of one read-only `numpy.memmap` of the file.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from service.errors import ModelFormatError
-from service.gguf.prescan import prescan
-from service.gguf.quants import QuantType, block_spec
+from service.gguf.prescan import QUANT_NAMES, Header, TensorEntry, prescan
+from service.gguf.quants import QuantType, block_spec, supported_types
 
 
 @dataclass(frozen=True)
@@ -42,61 +42,26 @@ class GGUFFile:
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelFormatError(f"{self.path}: no such file")
-        prescan(self.path)
-        try:
-            from gguf import GGUFReader
+        self.header: Header = prescan(self.path)
+        self.metadata: dict[str, Any] = self.header.metadata
+        data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self.tensors: dict[str, TensorInfo] = {
+            t.name: self._tensor_info(t, data) for t in self.header.tensors}
 
-            reader = GGUFReader(self.path, "r")
-        except ModelFormatError:
-            raise
-        except Exception as exc:  # the gguf package raises ValueError, struct.error, ...
-            raise ModelFormatError(f"{self.path}: not a readable GGUF file ({exc})") from exc
-        self.metadata: dict[str, Any] = {}
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            try:
-                self.metadata[key] = field.contents()
-            except Exception as exc:
-                raise ModelFormatError(f"{self.path}: metadata key {key!r} is unreadable") from exc
-        self.tensors: dict[str, TensorInfo] = {}
-        file_size = self.path.stat().st_size
-        for t in reader.tensors:
-            self.tensors[t.name] = self._tensor_info(t, file_size)
-
-    def _tensor_info(self, t: Any, file_size: int) -> TensorInfo:
-        try:
-            qtype = QuantType(int(t.tensor_type))
-        except ValueError:
-            qtype = None
-        if qtype is None or block_spec(qtype) is None:
+    def _tensor_info(self, t: TensorEntry, data: np.ndarray) -> TensorInfo:
+        spec = block_spec(t.type_id)
+        if spec is None:
             raise ModelFormatError(
                 f"{self.path}: tensor {t.name!r} has unsupported quant type "
-                f"{getattr(t.tensor_type, 'name', t.tensor_type)}; supported: "
-                + ", ".join(q.name for q in QuantType)
+                f"{QUANT_NAMES.get(t.type_id, t.type_id)}; supported: "
+                + ", ".join(q.name for q in supported_types())
             )
-        spec = block_spec(qtype)
-        shape = tuple(int(d) for d in reversed([int(x) for x in t.shape])) or (1,)  # 0-d: scalar
+        shape = tuple(reversed(t.dims)) or (1,)  # 0-d: a scalar
         if any(d <= 0 for d in shape):
             raise ModelFormatError(f"{self.path}: tensor {t.name!r} has an empty shape {shape}")
-        if shape[-1] % spec.block_size:
-            raise ModelFormatError(
-                f"{self.path}: tensor {t.name!r} row length {shape[-1]} is not a multiple of "
-                f"the {qtype.name} block size {spec.block_size}"
-            )
-        n_bytes = int(np.prod(shape)) // spec.block_size * spec.type_size
-        end = int(t.data_offset) + n_bytes
-        if end > file_size:
-            raise ModelFormatError(
-                f"{self.path}: tensor {t.name!r} data ends at byte {end}, past the end of the "
-                f"file ({file_size} bytes): the file is truncated"
-            )
-        raw = np.asarray(t.data).reshape(-1).view(np.uint8)
-        if raw.size != n_bytes:
-            raise ModelFormatError(
-                f"{self.path}: tensor {t.name!r} holds {raw.size} bytes, expected {n_bytes}"
-            )
-        return TensorInfo(t.name, qtype, shape, raw)
+        # prescan checked that rows are whole blocks and that the bytes lie inside the file
+        start = self.header.data_start + t.offset
+        return TensorInfo(t.name, spec.qtype, shape, data[start:start + t.n_bytes])
 
     # ---------------------------------------------------------------- metadata access
     def get(self, key: str, default: Any = None) -> Any:

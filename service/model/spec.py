@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from service.errors import ModelFormatError
 from service.gguf.reader import GGUFFile
@@ -94,7 +94,6 @@ class ModelSpec:
     moe: MoESpec | None = None
     file_type: str = ""
     n_params: int = 0
-    meta: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> ModelSpec:

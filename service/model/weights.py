@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ class Weights:
     output_norm: Any
     output: Any                      # (vocab, E)
     layers: list[LayerWeights]
+    load_seconds: float = 0.0        # how long load_weights took (reported as a load phase)
 
 
 def _fused(backend: Backend, tensors: list[TensorInfo]) -> list[tuple[Any, int, int]]:
@@ -53,6 +55,7 @@ def _fused(backend: Backend, tensors: list[TensorInfo]) -> list[tuple[Any, int, 
 
 
 def load_weights(spec: ModelSpec, f: GGUFFile, backend: Backend) -> Weights:
+    t0 = time.perf_counter()
     vec = backend.load_vector
     layers = []
     for i in range(spec.n_layer):
@@ -95,5 +98,6 @@ def load_weights(spec: ModelSpec, f: GGUFFile, backend: Backend) -> Weights:
         output_norm=vec(f.tensor("output_norm.weight")),
         output=backend.load_matrix([f.tensor(out_name)]),
         layers=layers,
+        load_seconds=time.perf_counter() - t0,
     )
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from clients import SpecstreamClient
-from service.config import DEFAULT_MODEL
-from service.gguf.fetch import models_dir, resolve_model
+from service.config import DEFAULT_MODEL, models_dir_from_env
+from service.gguf.fetch import resolve_model
 from service.logging import configure_logging
 from service.proto_build import stubs
 from service.serve import BackgroundServer
@@ -26,7 +26,7 @@ stubs()  # the test modules import service.proto directly; a fresh clone has no 
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
-    return resolve_model(DEFAULT_MODEL, models_dir())   # fetched on first use
+    return resolve_model(DEFAULT_MODEL, models_dir_from_env())   # fetched on first use
 
 
 @pytest.fixture(scope="session")
