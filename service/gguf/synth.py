@@ -6,14 +6,14 @@ Used to benchmark at sizes no real model in reach has. A file is built from thre
 following llama.cpp's per-tensor rules for its file types) and `_FILLS` (per block type: which
 bytes hold scales and how they are set). Tensor data are streamed in fixed-size chunks, each from
 its own generator seeded by (seed, tensor name, chunk index), so the bytes do not depend on the
-thread count and a tensor's bytes do not depend on the other tensors (a `--layers 2` file's
-layer 0 equals the full file's layer 0).
+thread count and a tensor's bytes do not depend on the other tensors (a tensor of a `--layers 2`
+file equals the full file's tensor of that name when the mix gives both the same type).
 
 Block contents: codes (4/5/6/8-bit quants) are uniformly random bytes; each block's f16 scale d
 is `d0 * u` with u uniform in [0.5, 1.5) per block, and d0 chosen so that the weights' standard
 deviation is `WEIGHT_STD`. Types with a min (Q4_1, Q5_1, Q4_K, Q5_K) get mins that centre every
-(sub-)block on zero. Q4_0 and Q5_0 store d = max / -8 (-16) in real files, so its sign varies;
-here it is random too, which cancels the -0.5 mean of their codes. Norm weights are
+(sub-)block on zero. Real Q4_0 and Q5_0 files store d = max / -8 (Q5_0: / -16), whose sign
+varies; here the sign is random too, which cancels the -0.5 mean of their codes. Norm weights are
 1 + uniform(-0.05, 0.05); float weights are uniform with std `WEIGHT_STD`.
 """
 
