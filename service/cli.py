@@ -1,4 +1,4 @@
-"""`specstream` command line: models fetch/list, inspect, generate, serve."""
+"""`specstream` command line: models fetch/list, inspect, generate, synth, serve."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ EPILOG = """examples:
   specstream generate smollm2-135m --prompt "The capital of France is" --temperature 0
   specstream generate smollm2-135m --chat --prompt "What is 12 times 7?"
   specstream inspect gemma3-270m
+  specstream synth --preset llama3-8b --quant Q4_K_M llama3-8b-synth.gguf
   specstream serve                      # gRPC on :50051 with the default model
 """
 
@@ -65,6 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object at the end instead of streaming text")
     _engine_flags(gen)
+
+    syn = sub.add_parser("synth", help="write a seeded random-weight GGUF with a real "
+                         "architecture's shapes (for benchmarks)")
+    syn.add_argument("out", help="output .gguf path")
+    syn.add_argument("--preset", required=True,
+                     help="llama3-8b | llama3.2-1b | qwen3-30b-a3b | tiny | tiny-moe")
+    syn.add_argument("--quant", default="Q4_K_M",
+                     help="Q4_K_M | Q5_K_M | Q6_K | Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | F16 | BF16 "
+                          "| F32 (llama.cpp's per-tensor mix for that file type)")
+    syn.add_argument("--seed", type=int, default=0, help="same seed -> identical file")
+    syn.add_argument("--layers", type=int, default=None,
+                     help="number of layers (default: the preset's)")
+    syn.add_argument("--threads", type=int, default=0, help="generator threads; 0 = all cores")
 
     sub.add_parser("serve", help="run the gRPC server (see `specstream serve --help`)",
                    add_help=False)
@@ -191,6 +205,16 @@ def cmd_generate(args) -> int:
     return 0 if finished.error is None else 1
 
 
+def cmd_synth(args) -> int:
+    from service.gguf.synth import synthesize
+
+    r = synthesize(args.out, args.preset, args.quant, seed=args.seed, n_layer=args.layers,
+                   threads=args.threads)
+    print(f"{r.path}: {r.n_bytes / 1e6:.1f} MB, {r.n_tensors} tensors, {r.seconds:.1f} s "
+          f"({r.n_bytes / 1e6 / max(r.seconds, 1e-9):.0f} MB/s)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
@@ -202,7 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Logs go to stderr: stdout carries the generated text or JSON.
     configure_logging("warning" if getattr(args, "json", False) else "info", fmt="console")
-    handlers = {"models": cmd_models, "inspect": cmd_inspect, "generate": cmd_generate}
+    handlers = {"models": cmd_models, "inspect": cmd_inspect, "generate": cmd_generate,
+                "synth": cmd_synth}
     try:
         return handlers[args.command](args)
     except SpecstreamError as exc:
