@@ -84,8 +84,16 @@ def test_draft_length_trades_acceptance_against_verify_cost():
     assert draft_length(0.5, 0.8, 3) == 0          # CPU-like cost, coin-flip drafts: plain
     assert draft_length(0.9, 0.5, 3) >= 2
     assert draft_length(0.99, 0.5, 0) == 0         # no room
-    # never worse than plain decoding under the model it optimizes
-    for p in (0.1, 0.4, 0.7, 0.9):
+    # the k it picks maximizes the modeled tokens per unit of cost over every allowed k
+    # (p = 0.7, alpha = 0.3, 6 allowed has its best at k = 2: neither end of the range)
+    def value(p: float, a: float, k: int) -> float:
+        return sum(p ** i for i in range(k + 1)) / (1 + a * k)
+
+    assert draft_length(0.7, 0.3, 6) == 2
+    for p in (0.1, 0.4, 0.7, 0.9, 0.99):
         for a in (0.0, 0.3, 0.8):
-            k = draft_length(p, a, 6)
-            assert (1 + sum(p ** i for i in range(1, k + 1))) / (1 + a * k) >= 1.0
+            for room in (0, 1, 3, 6):
+                k = draft_length(p, a, room)
+                assert 0 <= k <= room
+                best = max(value(p, a, j) for j in range(room + 1))
+                assert value(p, a, k) == pytest.approx(best, rel=1e-12), (p, a, room, k)

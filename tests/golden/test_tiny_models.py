@@ -7,11 +7,15 @@ Tolerance, and why. Random weights make these networks chaotic: llama.cpp's 8-bi
 rounding is amplified (by q/k norms of near-zero heads, and by MoE routing, where a tiny change
 swaps an expert), so single logits can move by several units even when everything is right. We
 therefore run our backend with llama.cpp's activation rounding (`act_quant=True`) and measure,
-per position, the mean |centered difference| relative to the spread of llama.cpp's logits:
-measured median 0.7-3.2% and 75th percentile up to 6%. The bounds (median <= 5%, 75th percentile
-<= 10%) fail a wrong RoPE pairing (median 13-71%) or a wrong norm epsilon (33%), checked below
-as negative controls. Argmax must agree wherever llama.cpp's top-1/top-2 gap is clear, which on
-these models (logit spread ~10, noise up to several units) means a gap of 4 or more.
+per position, the mean |centered difference| relative to the spread of llama.cpp's logits.
+`pytest -s tests/golden/test_tiny_models.py` prints what is quoted here: median 0.7-3.2% and
+75th percentile 0.9-5.5%, with a logit spread (std) of about 8 and single centered differences
+up to 7.5. The bounds (median <= 5%, 75th percentile <= 10%) fail a wrong RoPE pairing (median
+13-72%) or a wrong norm epsilon (53%), checked below as negative controls. Argmax must agree
+wherever both top-1/top-2 gaps, llama.cpp's and ours, are CLEAR_GAP (4) or more: the printed
+largest gap at a position where the two argmaxes differ is 4.1 on our side and 3.0 on
+llama.cpp's. Where only our gap is known, OUR_GAP_ALONE (8) is required instead, and checked
+against llama.cpp's logits at the prompt positions.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ from service.gguf.reader import GGUFFile
 from service.model.spec import ModelSpec, RopeMode
 from service.model.transformer import Transformer, positions_for
 from tests.conftest import TINY, load_json
+from tests.near_ties import assert_teacher_forced_agrees, top2_gap
 
 FIXTURE = "tiny/llamacpp_tiny_logits.json"
-MAX_MEDIAN_REL, MAX_P75_REL, CLEAR_GAP = 0.05, 0.10, 4.0
+MAX_MEDIAN_REL, MAX_P75_REL, CLEAR_GAP, OUR_GAP_ALONE = 0.05, 0.10, 4.0, 8.0
 
 
 def run_tiny(name: str, mutate=None) -> tuple[np.ndarray, np.ndarray]:
@@ -55,12 +60,23 @@ def relative_errors(ours: np.ndarray, ref: np.ndarray) -> np.ndarray:
 def test_tiny_full_logits(name):
     ours, ref = run_tiny(name)
     rel = relative_errors(ours, ref)
+    d = ours - ref
+    d -= d.mean(axis=1, keepdims=True)
+    flipped = ours.argmax(1) != ref.argmax(1)
+    largest = (f"ours {max(top2_gap(r) for r in ours[flipped]):.2f}, llama.cpp's "
+               f"{max(top2_gap(r) for r in ref[flipped]):.2f}") if flipped.any() else "none"
+    print(f"\n{name}: relative error median {np.median(rel):.1%}, 75th percentile "
+          f"{np.percentile(rel, 75):.1%}; llama.cpp logit std (median over rows) "
+          f"{np.median(ref.std(axis=1)):.1f}; worst centered logit diff {np.abs(d).max():.1f}; "
+          f"largest gap at a position where the argmaxes differ: {largest}")
     assert np.median(rel) <= MAX_MEDIAN_REL, rel
     assert np.percentile(rel, 75) <= MAX_P75_REL, rel
-    top2 = np.sort(ref, axis=1)[:, -2:]
-    clear = (top2[:, 1] - top2[:, 0]) >= CLEAR_GAP
-    assert clear.sum() >= 8
-    np.testing.assert_array_equal(ours.argmax(1)[clear], ref.argmax(1)[clear])
+    ref_gaps = [top2_gap(r) for r in ref]
+    assert assert_teacher_forced_agrees(name, ours, ref.argmax(1), ref_gaps, CLEAR_GAP) >= 8
+    # Where only our gap is known (test_tiny_greedy_continuation), OUR_GAP_ALONE must suffice:
+    # at every prompt position with our gap that large, our argmax is llama.cpp's.
+    unknown = [None] * len(ref)
+    assert assert_teacher_forced_agrees(name, ours, ref.argmax(1), unknown, OUR_GAP_ALONE) >= 3
 
 
 def _wrong_rope(spec: ModelSpec) -> ModelSpec:
@@ -68,36 +84,45 @@ def _wrong_rope(spec: ModelSpec) -> ModelSpec:
     return dataclasses.replace(spec, traits=dataclasses.replace(spec.traits, rope_mode=other))
 
 
+def _wrong_eps(spec: ModelSpec) -> ModelSpec:
+    return dataclasses.replace(spec, rms_eps=1e-2)
+
+
 @pytest.mark.parametrize("name,mutate", [
-    ("tiny-llama-mixq", _wrong_rope), ("tiny-qwen3", _wrong_rope),
-    ("tiny-qwen3", lambda s: dataclasses.replace(s, rms_eps=1e-2)),
+    ("tiny-llama-mixq", _wrong_rope), ("tiny-qwen3", _wrong_rope), ("tiny-qwen3", _wrong_eps),
 ])
 def test_tolerance_catches_architecture_mistakes(name, mutate):
     ours, ref = run_tiny(name, mutate)
     rel = relative_errors(ours, ref)
+    print(f"\n{name} {mutate.__name__}: relative error median {np.median(rel):.1%}, "
+          f"75th percentile {np.percentile(rel, 75):.1%}")
     assert np.median(rel) > MAX_MEDIAN_REL or np.percentile(rel, 75) > MAX_P75_REL
 
 
 @pytest.mark.parametrize("name", ["tiny-llama-mixq", "tiny-qwen3", "tiny-qwen3moe"])
 def test_tiny_greedy_continuation(name):
-    """Greedy decoding from the prompt, one token per step, follows llama.cpp's 16 ids until a
-    position where llama.cpp's own top-1/top-2 gap was not clear."""
+    """Decoding one token per step, teacher-forced on llama.cpp's 16 greedy ids (which is greedy
+    decoding for as long as ours agrees): our argmax is llama.cpp's id wherever the gaps are
+    clear. The fixture holds llama.cpp's logits only for the prompt, so its gap is known for the
+    first generated id only (CLEAR_GAP on both sides there); at the others our gap alone
+    decides, with the larger OUR_GAP_ALONE that test_tiny_full_logits checks on the prompt."""
     fx = load_json(FIXTURE)
     m = fx["models"][name]
     f = GGUFFile(TINY / m["file"])
     tr = Transformer(ModelSpec.from_gguf(f), f, CpuBackend(act_quant=True), n_ctx=64,
                      n_slots=1, max_tokens=32)
-    ids = list(fx["prompt_ids"])
-    t = len(ids)
+    ref = m["greedy_ids"]
+    ids = list(fx["prompt_ids"]) + ref
+    t = len(fx["prompt_ids"])
     z = np.zeros(32, np.int32)
-    logits = tr.forward(np.array(ids, np.int32), positions_for(0, t), z[:t], t, 1)
-    got = []
-    for _ in m["greedy_ids"]:
-        nxt = int(np.argmax(logits[0]))
-        got.append(nxt)
-        pos = len(ids) + len(got) - 1
-        logits = tr.forward(np.array([nxt], np.int32), positions_for(pos, 1), z[:1], pos + 1, 1)
-    same = 0
-    while same < len(got) and got[same] == m["greedy_ids"][same]:
-        same += 1
-    assert same >= 4, f"{name}: ours {got} vs llama.cpp {m['greedy_ids']}"
+    rows = [np.array(tr.forward(np.array(ids[:t], np.int32), positions_for(0, t), z[:t], t, 1))]
+    for pos in range(t, len(ids) - 1):          # row pos - t + 1 predicts ref[pos - t + 1]
+        rows.append(np.array(tr.forward(np.array([ids[pos]], np.int32), positions_for(pos, 1),
+                                        z[:1], pos + 1, 1)))
+    rows = np.concatenate(rows)
+    first = assert_teacher_forced_agrees(name, rows[:1], ref[:1], [top2_gap(m["logits"][-1])],
+                                         CLEAR_GAP)
+    rest = assert_teacher_forced_agrees(f"{name}, ids after the first", rows[1:], ref[1:],
+                                        [None] * (len(ref) - 1), OUR_GAP_ALONE)
+    print(f"\n{name}: {first + rest} of {len(ref)} generated positions checked")
+    assert first + rest >= 3
