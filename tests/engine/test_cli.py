@@ -10,7 +10,7 @@ import pytest
 
 from service.cli import main
 from tests.conftest import load_json, real_model_path
-from tests.engine.test_engine import assert_matches_llamacpp
+from tests.engine.test_engine import assert_matches_llamacpp, greedy_with_gaps, make_engine
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -19,9 +19,18 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.fixture(scope="module")
+def smol():
+    eng = make_engine("smollm2")
+    yield eng
+    eng.stop(10)
+
+
 @pytest.mark.parametrize("fixture,index", [("llamacpp_smollm2_greedy.json", 0),
                                            ("llamacpp_smollm2_greedy_extra.json", 2)])
-def test_generate_json_reproduces_llamacpp(capsys, fixture, index):
+def test_generate_json_reproduces_llamacpp(capsys, smol, fixture, index):
+    """The CLI's ids are the engine's (which also reports each row's top-1/top-2 gap), and
+    those equal llama.cpp's up to the first near-tie of either side."""
     real_model_path("smollm2-135m")
     capsys.readouterr()          # the fetcher's log line, if it logged, is not CLI output
     case = load_json(fixture)["cases"][index]
@@ -32,7 +41,9 @@ def test_generate_json_reproduces_llamacpp(capsys, fixture, index):
     assert code == 0
     result = json.loads(out)
     assert result["prompt_ids"] == case["prompt_ids"]
-    assert_matches_llamacpp("smollm2", case, result["token_ids"])
+    got, gaps = greedy_with_gaps(smol, case["prompt_ids"], 48)
+    assert result["token_ids"] == got
+    assert_matches_llamacpp("smollm2", case, got, gaps)
     assert result["usage"]["completion_tokens"] == len(result["token_ids"])
 
 
