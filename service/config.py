@@ -49,6 +49,7 @@ class EngineConfig:
     prefill_chunk: int = 256         # prompt tokens per prefill step
     max_queue: int = 64              # requests waiting for a slot before RESOURCE_EXHAUSTED
     threads: int = 0                 # CPU backend threads; 0 = all cores
+    cuda_graphs: bool = True         # CUDA backend: capture each step shape once and replay it
 
     def problems(self) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
@@ -218,6 +219,8 @@ _HELP = {
     "prefill_chunk": "prompt tokens per prefill step",
     "max_queue": "requests that may wait for a slot before RESOURCE_EXHAUSTED",
     "threads": "CPU backend threads (0 = all cores)",
+    "cuda_graphs": "CUDA backend: replay each step shape from a captured CUDA graph (false: "
+                   "launch every kernel eagerly, for debugging)",
 }
 
 

@@ -140,8 +140,9 @@ class Engine:
             "tokenizer.ggml.tokens") else Tokenizer.ids_only(spec.vocab_size)
         t = _phase("tokenizer", t, vocab_size=tokenizer.vocab_size, kind=tokenizer.kind.value)
         backend_name = resolve_backend_name(config.backend)
+        extra = {"graphs": config.cuda_graphs} if backend_name == "cuda" else {}
         backend = create_backend(backend_name, threads=config.threads,
-                                 invariant_tokens=MAX_VERIFY_WIDTH)
+                                 invariant_tokens=MAX_VERIFY_WIDTH, **extra)
         pair = (config.kv_cache_type_k, config.kv_cache_type_v)
         if any(t not in backend.kv_types for t in pair):
             raise ConfigError([("kv_cache_type_k,kv_cache_type_v",
