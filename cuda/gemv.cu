@@ -42,9 +42,6 @@ __device__ __forceinline__ void gemv_quant(Planes P, int K, int N, const signed 
     float acc[GEMV_COLS];
 #pragma unroll
     for (int c = 0; c < GEMV_COLS; c++) acc[c] = 0.0f;
-    // Two groups per iteration in flight: more loads outstanding per lane (the order of the
-    // additions into acc is unchanged).
-#pragma unroll 2
     for (int g = lane; g < G; g += WARP) {
         const size_t blk = (size_t)row * nb + g / SUB;
         const int j = g % SUB;
