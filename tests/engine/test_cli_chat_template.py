@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from service.cli import build_parser, main
 from service.config import build_serve_parser
 from service.model.chat import BUILTIN_TEMPLATES
 from tests.conftest import load_json, real_model_path
-from tests.engine.test_engine import assert_matches_llamacpp
+from tests.engine.test_engine import assert_matches_llamacpp, greedy_with_gaps, make_engine
 
 USER_CASE = next(c for c in load_json("llamacpp_smollm2_greedy.json")["cases"]
                  if c["prompt"].startswith("<|im_start|>user\n"))
@@ -33,14 +35,25 @@ def test_chat_without_a_template_is_a_clear_error(capsys):
     assert all(name in err for name in BUILTIN_TEMPLATES)
 
 
-def test_chat_with_a_builtin_template_gives_llamacpps_ids(capsys):
+@pytest.fixture(scope="module")
+def smol():
+    eng = make_engine("smollm2")
+    yield eng
+    eng.stop(10)
+
+
+def test_chat_with_a_builtin_template_gives_llamacpps_ids(capsys, smol):
+    """The CLI's ids are the engine's (which also reports each row's top-1/top-2 gap), and
+    those equal llama.cpp's up to the first near-tie of either side."""
     code, out, _ = run_cli(capsys, "generate", "smollm2-135m", "--chat", "--chat-template",
                            "chatml", "--prompt", QUESTION, "--max-new-tokens", "48",
                            "--temperature", "0", "--json", "--backend", "cpu")
     assert code == 0
     result = json.loads(out)
     assert result["prompt_ids"] == USER_CASE["prompt_ids"]
-    assert_matches_llamacpp("smollm2", USER_CASE, result["token_ids"])
+    got, gaps = greedy_with_gaps(smol, USER_CASE["prompt_ids"], 48)
+    assert result["token_ids"] == got
+    assert_matches_llamacpp("smollm2", USER_CASE, got, gaps)
 
 
 def test_unknown_chat_template_lists_the_names(capsys):
