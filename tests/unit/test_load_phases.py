@@ -2,24 +2,29 @@
 
 from __future__ import annotations
 
-from structlog.testing import capture_logs
+from structlog.testing import CapturingLogger
 
 from service.config import EngineConfig
+from service.engine import scheduler
 from service.engine.scheduler import Engine
 from tests.conftest import TINY
 
 PHASES = ["header", "tokenizer", "backend", "weights", "kv_cache", "warmup"]
 
 
-def test_load_logs_every_phase_with_duration():
-    with capture_logs() as events:
-        eng = Engine.load(TINY / "tiny-qwen3.gguf",
-                          EngineConfig(backend="cpu", n_ctx=64, n_slots=1, threads=1))
-        eng.start()
-        try:
-            eng.warmup()
-        finally:
-            eng.stop()
+def test_load_logs_every_phase_with_duration(monkeypatch):
+    # The engine's own logger records the calls: structlog's capture_logs() misses loggers
+    # that an earlier test's configure_logging() cached on first use.
+    rec = CapturingLogger()
+    monkeypatch.setattr(scheduler, "log", rec)
+    eng = Engine.load(TINY / "tiny-qwen3.gguf",
+                      EngineConfig(backend="cpu", n_ctx=64, n_slots=1, threads=1))
+    eng.start()
+    try:
+        eng.warmup()
+    finally:
+        eng.stop()
+    events = [{"event": c.args[0], **c.kwargs} for c in rec.calls if c.args]
     phases = [e for e in events if e["event"] == "load_phase"]
     assert [e["phase"] for e in phases] == PHASES
     for e in phases:
