@@ -2,8 +2,8 @@
 # One command on an offline GPU host: install the carried wheels, put the real models in place
 # (from pieces carried in .gpu/, joined and checked), run the GPU tests, then the benchmarks.
 #   bash bench/gpu_host.sh [tests|bench|all] [pytest args...]
-# Wheels: `make wheelhouse` (or any folder of wheels) in .whl/; model pieces: .gpu/NAME.part.*
-# with .gpu/NAME.sha256. Models land in $SPECSTREAM_MODELS_DIR (default /tmp/specstream-models).
+# Wheels: `make wheelhouse` (or any folder of wheels) in .whl/; model pieces: .gpu*/NAME.part.*
+# with .gpu*/NAME.sha256 (one folder per call when a call carries one piece). Models land in $SPECSTREAM_MODELS_DIR (default /tmp/specstream-models).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
@@ -11,16 +11,19 @@ export PYTHONUNBUFFERED=1 SPECSTREAM_MODELS_DIR=${SPECSTREAM_MODELS_DIR:-/tmp/sp
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
+fi
+if [ -d /tmp/site ]; then   # installed by this call or an earlier one on the same warm host
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
 fi
 mkdir -p "$SPECSTREAM_MODELS_DIR"
-for part in .gpu/*.part.*; do
+for part in .gpu*/*.part.*; do
   [ -e "$part" ] || continue
   cp -n "$part" "$SPECSTREAM_MODELS_DIR/" && echo "stored $(basename "$part")"
 done
-for sum in .gpu/*.sha256; do
+cp -n .gpu*/*.sha256 "$SPECSTREAM_MODELS_DIR/" 2>/dev/null
+for sum in .gpu*/*.sha256 "$SPECSTREAM_MODELS_DIR"/*.sha256; do
   [ -e "$sum" ] || continue
   name=$(basename "$sum" .sha256)
   out="$SPECSTREAM_MODELS_DIR/$name.gguf"
