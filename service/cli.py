@@ -96,6 +96,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=d.drafter, help="none | ngram")
     p.add_argument("--n-ctx", type=int, default=d.n_ctx)
     p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="CUDA backend: launch every kernel eagerly instead of replaying a "
+                        "captured graph per step shape (for debugging)")
 
 
 def _models_dir():
@@ -150,7 +153,7 @@ def cmd_generate(args) -> int:
     config = EngineConfig(kv_cache_type_k=args.cache_type_k, kv_cache_type_v=args.cache_type_v,
                           verify_width=args.verify_width, drafter=args.drafter,
                           backend=args.backend, n_ctx=args.n_ctx, threads=args.threads,
-                          n_slots=1)
+                          cuda_graphs=args.cuda_graphs, n_slots=1)
     engine = Engine.load(_resolve(args.model), config, chat_template=args.chat_template)
     if args.chat and args.prompt is not None and engine.chat_template is None:
         from service.model.chat import missing_template

@@ -15,14 +15,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from service.backends import supported_kv_pairs
 from service.errors import ConfigError
 
-# Every KV cache element type a GGUF engine may name; SUPPORTED_KV_PAIRS is what our kernels do.
+# Every KV cache element type a GGUF engine may name; SUPPORTED_KV_PAIRS is what the backends'
+# kernels do (declared by the backends; 'auto' may pick either, so the pairs both support).
 KV_TYPES = ("f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
-KV_IMPLEMENTED = ("f16", "q8_0", "q4_0")
-SUPPORTED_KV_PAIRS: tuple[tuple[str, str], ...] = tuple(
-    (k, v) for k in KV_IMPLEMENTED for v in KV_IMPLEMENTED
-)
+SUPPORTED_KV_PAIRS: tuple[tuple[str, str], ...] = supported_kv_pairs("auto")
 MIN_VERIFY_WIDTH = 1
 MAX_VERIFY_WIDTH = 16            # one step processes 1..16 tokens (decode, verify, batching)
 BACKENDS = ("auto", "cpu", "cuda")
@@ -304,6 +303,8 @@ def build_serve_parser() -> argparse.ArgumentParser:
             p.add_argument("model", nargs="?", metavar="MODEL", help=help_text)
         else:
             p.add_argument(s.flag, dest=s.name, metavar=s.kind.__name__.upper(), help=help_text)
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const="false",
+                   help="the same as --cuda-graphs false")
     return p
 
 

@@ -199,3 +199,10 @@ def test_stale_stubs_are_regenerated():
     assert proto_build.stubs_current()
     files = proto_build.documented_files()
     assert set(files) == {"specstream/v1/generation.proto", "specstream/v1/config.proto"}
+
+
+def test_no_cuda_graphs_flag_turns_graphs_off():
+    assert load_config([], {})[1].cuda_graphs is True
+    assert load_config(["--no-cuda-graphs"], {})[1].cuda_graphs is False
+    assert load_config(["--cuda-graphs", "false"], {})[1].cuda_graphs is False
+    assert load_config([], {"SPECSTREAM_CUDA_GRAPHS": "off"})[1].cuda_graphs is False

@@ -25,3 +25,15 @@ def test_backends_and_gguf_do_not_import_config():
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False", f"service.config imported by one of {modules}"
+
+
+def test_backend_kv_types_are_the_declared_ones():
+    """Startup validation reads the supported pairs from service.backends.KV_TYPES; the CPU
+    backend's class must implement exactly those (the CUDA one is checked in tests/gpu)."""
+    from service.backends import KV_TYPES, supported_kv_pairs
+    from service.backends.cpu import CpuBackend
+    from service.config import SUPPORTED_KV_PAIRS
+
+    assert tuple(CpuBackend.kv_types) == KV_TYPES["cpu"]
+    assert SUPPORTED_KV_PAIRS == supported_kv_pairs("auto")
+    assert len(supported_kv_pairs("cpu")) == len(KV_TYPES["cpu"]) ** 2
