@@ -186,9 +186,15 @@ def test_model_layer_allocating_a_temporary_fails():
 
 
 # ---------------------------------------------------------------- the engine
-def _generate(rules: bool) -> tuple[list[int], int]:
+def _engine_paths() -> dict:
+    fx = load_json("tiny/llamacpp_tiny_logits.json")["models"]
+    return {"smollm2": real_model_path("smollm2-135m"),
+            **{n: TINY / fx[n]["file"] for n in TINY_MODELS}}
+
+
+def _generate(name: str, rules: bool) -> tuple[list[int], int]:
     cfg = EngineConfig(backend="cpu", n_ctx=256, n_slots=2, threads=1, prefill_chunk=16)
-    path = real_model_path("smollm2-135m")
+    path = _engine_paths()[name]
     if rules:
         with backend_options("cpu", capture_rules=True):
             eng = Engine.load(path, cfg)
@@ -196,7 +202,8 @@ def _generate(rules: bool) -> tuple[list[int], int]:
         eng = Engine.load(path, cfg)
     # a repetitive prompt longer than one prefill chunk: the n-gram drafter proposes, so
     # prefill chunks, single decode steps and verify steps all run
-    prompt = [1] + [504, 3458, 282, 4649, 314, 7042, 30] * 4
+    vocab = eng.spec.vocab_size
+    prompt = [1] + [t % vocab for t in (504, 3458, 282, 4649, 314, 7042, 30)] * 4
     req = GenerationRequest("r", tuple(prompt), SamplingParams(temperature=0.0),
                             StoppingCriteria(max_new_tokens=12, ignore_eos=True))
     eng.start()
@@ -212,7 +219,8 @@ def _generate(rules: bool) -> tuple[list[int], int]:
     return ids, (len(state.sequences) if rules else 0)
 
 
-def test_engine_steps_obey_the_rules():
-    ruled, n_keys = _generate(rules=True)
-    assert len(ruled) == 12 and n_keys >= 3     # prefill chunk(s), decode, verify widths
-    assert ruled == _generate(rules=False)[0]
+@pytest.mark.parametrize("name", ["smollm2", *TINY_MODELS])
+def test_engine_steps_obey_the_rules(name):
+    ruled, n_keys = _generate(name, rules=True)
+    assert len(ruled) == 12 and n_keys >= 4     # prefill chunks, decode and verify widths
+    assert ruled == _generate(name, rules=False)[0]
