@@ -107,7 +107,10 @@ def bench_torch(a) -> list[dict] | dict:
     rows = []
     g = torch.Generator(device="cuda").manual_seed(a.seed)
     for n, k in a.shapes:
-        rows.append(_torch_row(torch, g, n, k, a.columns))
+        try:
+            rows.append(_torch_row(torch, g, n, k, a.columns))
+        except Exception as exc:   # the peer's failure is reported, ours still stand
+            return {"error": f"torch bf16 GEMV {n}x{k} failed: {type(exc).__name__}: {exc}"}
         torch.cuda.empty_cache()                                  # this shape's copies
     return rows
 
@@ -219,9 +222,12 @@ def _decode_model(cp, G, a, model, source, path, synth_s, results: dict) -> None
           f"{graphs:.0f} tok/s, {nodes} nodes", flush=True)
     if prefill:
         be.graphs = False
-        results["prefill"].append({"model": model, "tokens": T.PREFILL_TOKENS,
-                                   "tok_s": _prefill_rate(be, tr, T.PREFILL_TOKENS)})
-    del tr, be
+        row = {"model": model, "tokens": T.PREFILL_TOKENS}
+        try:
+            row["tok_s"] = _prefill_rate(be, tr, T.PREFILL_TOKENS)
+        except Exception as exc:   # the decode figures above stand without it
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        results["prefill"].append(row)
 
 
 def _step_inputs(be, tokens: list[int], start: int):
@@ -288,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     props = cp.cuda.runtime.getDeviceProperties(0)
     copy_bw = G.copy_bandwidth()
-    results: dict = {"meta": {"device": props["name"].decode(), "args": sys.argv[1:],
+    device = props["name"]
+    results: dict = {"meta": {"device": device.decode() if isinstance(device, bytes) else device,
+                              "args": sys.argv[1:] if argv is None else argv,
                               "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                               "cupy": cp.__version__},
                      "copy_bw": copy_bw, "gemv": [], "torch_bf16": [], "decode": [],
@@ -321,7 +329,8 @@ def report(results: dict, a) -> str:
             parts.append(T.kernel_table(k, k["step_s"]))
     if results["prefill"]:
         parts.append("\n".join(f"Prefill {r['model']}, {r['tokens']} tokens in one step: "
-                               f"{r['tok_s']:,.0f} tok/s" for r in results["prefill"]))
+                               + (f"{r['tok_s']:,.0f} tok/s" if "tok_s" in r else r["error"])
+                               for r in results["prefill"]))
     table, results["goals"] = T.goals_table(results)
     parts.append(table)
     parts.append(f"(whole run {results['seconds']:.0f} s)")
