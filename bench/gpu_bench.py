@@ -206,7 +206,7 @@ def _decode_model(cp, G, a, model, source, path, synth_s, results: dict) -> None
     be.synchronize()
     load_s = time.perf_counter() - t0
     eager = G._decode_rate(be, tr, a.tokens)
-    kernels = _eager_breakdown(cp, be, tr, 40 + a.tokens + 8)
+    kernels, launches = _eager_breakdown(cp, be, tr, 40 + a.tokens + 8)
     be.graphs = True                      # the same weights, now one graph per step shape
     graphs = G._decode_rate(be, tr, a.tokens)
     step_graphs = [g for key, (g, _) in be._graphs.items() if key[0] == 1]
@@ -214,7 +214,8 @@ def _decode_model(cp, G, a, model, source, path, synth_s, results: dict) -> None
     results["decode"].append({
         "model": model, "source": source, "weight_bytes": be.weight_bytes,
         "n_layer": spec.n_layer, "eager_tok_s": eager, "graph_tok_s": graphs,
-        "graph_nodes": nodes if isinstance(nodes, int) else None, "load_s": load_s,
+        "graph_nodes": nodes if isinstance(nodes, int) else None, "launches": launches,
+        "load_s": load_s,
         "synth_s": synth_s})
     results["kernels"].append({"model": model, "step_s": 1.0 / graphs,
                                "rows": T.aggregate_kernels(kernels)})
@@ -239,28 +240,36 @@ def _step_inputs(be, tokens: list[int], start: int):
     return ids, pos, slots
 
 
-def _eager_breakdown(cp, be, tr, pos: int) -> list[tuple[str, float]]:
+def _eager_breakdown(cp, be, tr, pos: int) -> tuple[list[tuple[str, float]], dict]:
     """(kernel name, seconds) of each launch of one eager single-token step at `pos`, from
-    CUDA events recorded around `CudaBackend._launch` on the backend's stream."""
+    CUDA events recorded around `CudaBackend._launch` on the backend's stream; and the launch
+    count per part of the step: "embed", "layers" (from the first layer's norm) and "head"
+    (from the output norm on: norm, logits)."""
     ids, p, slots = _step_inputs(be, [1], pos)
     tr.forward(ids, p, slots, pos + 1, 1)              # warm: every kernel loaded
-    records = []
-    launch = be._launch
+    records, part = [], ["embed"]
+    launch, rms_norm = be._launch, be.rms_norm
+    output_norm = tr.weights.output_norm
 
     def timed(name, grid, block, args):
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
         e0.record(be.stream)
         launch(name, grid, block, args)
         e1.record(be.stream)
-        records.append((name, e0, e1))
+        records.append((name, part[0], e0, e1))
 
-    be._launch = timed
+    def norm(x, w, eps, out):
+        part[0] = "head" if w is output_norm else "layers" if part[0] == "embed" else part[0]
+        rms_norm(x, w, eps, out)
+
+    be._launch, be.rms_norm = timed, norm
     try:
         tr.forward(ids, p, slots, pos + 1, 1)
         be.synchronize()
     finally:
-        del be._launch                                 # the class's method again
-    return [(name, cp.cuda.get_elapsed_time(e0, e1) / 1e3) for name, e0, e1 in records]
+        del be._launch, be.rms_norm                    # the class's methods again
+    counts = {k: sum(r[1] == k for r in records) for k in ("embed", "layers", "head")}
+    return [(name, cp.cuda.get_elapsed_time(e0, e1) / 1e3) for name, _, e0, e1 in records], counts
 
 
 def _prefill_rate(be, tr, n: int) -> float:

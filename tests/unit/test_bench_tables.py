@@ -138,14 +138,20 @@ def test_gemv_table_ratios_are_this_runs(gt):
 def test_decode_table_roofline_and_nodes(gt):
     rows = [{"model": "llama3-8b", "source": "synth", "weight_bytes": 4.6e9, "n_layer": 32,
              "eager_tok_s": 150.0, "graph_tok_s": 400.0, "graph_nodes": 300, "load_s": 9.0,
-             "synth_s": 20.0},
+             "synth_s": 20.0, "launches": {"embed": 1, "layers": 288, "head": 3}},
+            {"model": "llama3.2-1b", "source": "synth", "weight_bytes": 0.8e9, "n_layer": 16,
+             "eager_tok_s": 300.0, "graph_tok_s": 900.0, "graph_nodes": None, "load_s": 2.0,
+             "synth_s": None, "launches": {}},
             {"model": "gemma3-270m", "source": "file", "error": "not in $SPECSTREAM_MODELS_DIR"}]
     table = gt.decode_table(rows, BW, 128)
     line = next(x for x in table.splitlines() if x.startswith("llama3-8b"))
     f = _fields(line)
     roof = BW / 4.6e9
     assert f[3] == f"{roof:.0f}/s" and f[6] == f"{400 / roof:.0%}"
-    assert f[7] == "300" and f[8] == f"{300 / 32:.1f}" and f[9] == "274/s"
+    assert f[7] == "300" and f[8] == f"{(300 - 1 - 3) / 32:.1f}" and f[9] == f"{288 / 32:.1f}"
+    assert f[10] == "274/s"
+    f = _fields(next(x for x in table.splitlines() if x.startswith("llama3.2-1b")))
+    assert f[7:11] == ["-", "-", "-", "905/s"]          # no node count: nothing made up
     assert "gemma3-270m" in table and "not in $SPECSTREAM_MODELS_DIR" in table
     assert "synthesized in 20.0 s" in table
 
@@ -166,7 +172,8 @@ def _results(gt, decode_8b: float) -> dict:
     return {"copy_bw": BW, "gemv": _gemv_rows(), "torch_bf16": {"error": "torch not here"},
             "decode": [{"model": "llama3-8b", "source": "synth", "weight_bytes": 4.6e9,
                         "n_layer": 32, "eager_tok_s": 150.0, "graph_tok_s": decode_8b,
-                        "graph_nodes": 160, "load_s": 9.0, "synth_s": None}],
+                        "graph_nodes": 160, "load_s": 9.0, "synth_s": None,
+                        "launches": {"embed": 1, "layers": 156, "head": 3}}],
             "prefill": [], "kernels": [{"model": "llama3-8b", "step_s": 1 / decode_8b,
                                         "rows": gt.aggregate_kernels([("k", 1e-3)])}],
             "seconds": 100.0}
@@ -177,7 +184,7 @@ def test_goals_take_the_worst_gemv_and_judge_direction(gt):
     assert measured["gemv_read_c1"] == (pytest.approx(140 / 200), "Q8_0 128256x4096")  # not F16
     assert measured["gemv_c8_c1"] == (pytest.approx(2.0), "Q8_0 128256x4096")
     assert measured["gemv_c16_c1"] == (pytest.approx(2.5), "Q8_0 128256x4096")
-    assert measured["nodes_per_layer"][0] == pytest.approx(5.0)
+    assert measured["nodes_per_layer"] == (pytest.approx((160 - 4) / 32), "llama3-8b")
     assert measured["prefill_llama3-8b"] is None
     _, rows = gt.goals_table(_results(gt, 600.0))
     status = {r["goal"]: r["status"] for r in rows}
