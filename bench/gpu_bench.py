@@ -18,6 +18,7 @@ with bench/gpu_decode.py are imported from it.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -152,42 +153,42 @@ def _torch_graph_time(torch, launch, reps: int = GEMV_REPS) -> float:
 
 
 # ---------------------------------------------------------------- decode
-def models_to_run(a) -> list[tuple[str, str, Path | None, float | None]]:
-    """(model, source, path, seconds to synthesize) for the synthetic and the real models."""
-    from service.config import models_dir_from_env
+def _synth(a, preset: str, quant: str) -> tuple[Path, float | None]:
+    """The seeded synthetic model's path, generated unless present; seconds it took."""
     from service.gguf.synth import synthesize
 
-    out = []
-    Path(a.synth_dir).mkdir(parents=True, exist_ok=True)
-    for preset, quant in T.SYNTH:
-        path = Path(a.synth_dir) / f"{preset}-{quant}-seed{a.seed}.gguf"
-        took = None
-        if not path.is_file():
-            part = path.with_suffix(".part")
-            res = synthesize(part, preset, quant, seed=a.seed)
-            part.rename(path)
-            took = res.seconds
-            print(f"  synthesized {path} ({res.n_bytes / 1e9:.2f} GB in {took:.1f} s)",
-                  flush=True)
-        out.append((preset, "synth", path, took))
-    for name in T.REAL:
-        path = models_dir_from_env() / f"{name}.gguf"
-        out.append((name, "file", path if path.is_file() else None, None))
-    return out
+    path = Path(a.synth_dir) / f"{preset}-{quant}-seed{a.seed}.gguf"
+    if path.is_file():
+        return path, None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_suffix(".part")
+    res = synthesize(part, preset, quant, seed=a.seed)
+    part.rename(path)
+    print(f"  synthesized {path} ({res.n_bytes / 1e9:.2f} GB in {res.seconds:.1f} s)",
+          flush=True)
+    return path, res.seconds
 
 
 def bench_decode(cp, G, a, results: dict) -> None:
-    for model, source, path, synth_s in models_to_run(a):
-        if path is None:
-            results["decode"].append({"model": model, "source": source,
-                                      "error": "not in $SPECSTREAM_MODELS_DIR"})
-            continue
+    from service.config import models_dir_from_env
+
+    models = [(preset, "synth", quant) for preset, quant in T.SYNTH]
+    models += [(name, "file", None) for name in T.REAL]
+    for model, source, quant in models:
+        row = {"model": model, "source": source}
         try:
+            if quant:
+                path, synth_s = _synth(a, model, quant)
+            else:
+                path, synth_s = models_dir_from_env() / f"{model}.gguf", None
+                if not path.is_file():
+                    results["decode"].append({**row, "error": f"not in {path.parent}"})
+                    continue
             _decode_model(cp, G, a, model, source, path, synth_s, results)
         except Exception as exc:   # one model's failure is a row of the table, not the end
-            results["decode"].append({"model": model, "source": source,
-                                      "error": f"{type(exc).__name__}: {exc}"})
-        cp.get_default_memory_pool().free_all_blocks()
+            results["decode"].append({**row, "error": f"{type(exc).__name__}: {exc}"})
+        gc.collect()
+        cp.get_default_memory_pool().free_all_blocks()             # this model's weights
 
 
 def _decode_model(cp, G, a, model, source, path, synth_s, results: dict) -> None:
