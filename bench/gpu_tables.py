@@ -212,12 +212,12 @@ def gemv_table(rows: list[dict], columns, copy_bw: float, torch_rows=None) -> st
     head = (f"{'type':5} {'N x K':>13} {'MB':>7} {'copy':>7} {'read':>7} "
             + " ".join(f"{'c=' + str(c):>8}" for c in columns)
             + f" {'c1 GB/s':>8} {'read/c1':>7} {'copy/c1':>7} {'c8/c1':>7} {'c16/c1':>7}"
-            f" {'vs bf16':>7} {'llama c1':>8}")
+            f" {'vs bf16':>7} {'llama c1':>8} {'llama c8/c1':>11}")
     lines = ["GEMV: us per call inside one CUDA graph of back-to-back calls, weights rotated "
              f"past the {L2_BYTES >> 20} MB L2",
              "copy = bytes / device copy bandwidth; read = a read-only kernel over the same "
              "bytes; read/c1 = GEMV speed as a share of it; vs bf16 = GB/s against torch's bf16 "
-             "GEMV of the shape at 1 column; llama c1 = " + RECORDED, head]
+             "GEMV of the shape at 1 column; llama c1 (us), llama c8/c1 = " + RECORDED, head]
     for r in rows:
         t1 = _col(r, 1)
         t_bf = _col(torch[(r["n"], r["k"])], 1) if (r["n"], r["k"]) in torch else None
@@ -231,7 +231,8 @@ def gemv_table(rows: list[dict], columns, copy_bw: float, torch_rows=None) -> st
             + f" {'-' if bw1 is None else f'{bw1 / 1e9:.0f}':>8}"
             f" {_x(_ratio(r['read_only_s'], t1), pct=True)} {_x(_ratio(copy_s, t1), pct=True)}"
             f" {_x(_ratio(_col(r, 8), t1))} {_x(_ratio(_col(r, 16), t1))}"
-            f" {_x(_ratio(bw1, bf_bw))} {'-' if rec is None else f'{rec[0]:.1f}':>8}")
+            f" {_x(_ratio(bw1, bf_bw))} {'-' if rec is None else f'{rec[0]:.1f}':>8}"
+            f" {_x(None if rec is None else rec[3] / rec[0], 11)}")
     return "\n".join(lines)
 
 
