@@ -10,7 +10,8 @@ MODEL  ?= smollm2-135m
 PROMPT ?= The capital of France is
 GPU_PY ?= 3.12
 
-.PHONY: help setup proto models serve generate test test-gpu check-cuda bench lint wheelhouse clean
+.PHONY: help setup proto models serve generate test test-gpu check-cuda bench bench-gpu lint \
+        wheelhouse clean
 
 help:
 	@echo "make serve       set up, fetch the default model, start the gRPC server on :$(PORT)"
@@ -21,6 +22,8 @@ help:
 	@echo "make test-gpu    run the GPU tests (needs CUDA and CuPy)"
 	@echo "make check-cuda  compile the CUDA kernels for sm_90 with NVRTC (no GPU needed)"
 	@echo "make bench       CPU decode benchmark and server overhead benchmark"
+	@echo "make bench-gpu   GPU GEMV and decode benchmark, goals met/missed (needs CUDA and CuPy;"
+	@echo "                 BENCH_ARGS='--quick' or '--only gemv|decode', BENCH_JSON=path)"
 	@echo "make lint        ruff"
 	@echo "make wheelhouse  wheels for an offline GPU host (Python $(GPU_PY))"
 
@@ -65,6 +68,12 @@ check-cuda: $(BIN)/specstream
 bench: setup models
 	$(PY) bench/cpu_decode.py
 	$(PY) bench/server_overhead.py
+
+BENCH_JSON ?= docs/bench-gpu.json
+BENCH_ARGS ?=
+
+bench-gpu:
+	$(GPU_RUN_PY) bench/gpu_bench.py --json $(BENCH_JSON) $(BENCH_ARGS)
 
 lint: $(BIN)/specstream
 	$(BIN)/ruff check service clients tests bench

@@ -2,8 +2,10 @@
 # One command on an offline GPU host: install the carried wheels, put the real models in place
 # (from pieces carried in .gpu/, joined and checked), run the GPU tests, then the benchmarks.
 #   bash bench/gpu_host.sh [tests|bench|all] [pytest args...]
+# The bench stage runs bench/gpu_bench.py (BENCH_ARGS='--quick', BENCH_JSON=path).
 # Wheels: `make wheelhouse` (or any folder of wheels) in .whl/; model pieces: .gpu*/NAME.part.*
-# with .gpu*/NAME.sha256 (one folder per call when a call carries one piece). Models land in $SPECSTREAM_MODELS_DIR (default /tmp/specstream-models).
+# with .gpu*/NAME.sha256 (one folder per call when a call carries one piece). Models land in
+# $SPECSTREAM_MODELS_DIR (default /tmp/specstream-models).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
@@ -42,6 +44,6 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest -m gpu -q tests/gpu -p no:cacheprovider "$@"; status=$?
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  python3 bench/gpu_decode.py || status=1
+  python3 bench/gpu_bench.py --json "${BENCH_JSON:-/tmp/bench-gpu.json}" ${BENCH_ARGS:-} || status=1
 fi
 exit $status

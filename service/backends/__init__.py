@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
 
 from service.backends.base import Backend
 
@@ -25,6 +27,24 @@ def supported_kv_pairs(name: str = "auto") -> tuple[tuple[str, str], ...]:
     kinds = [KV_TYPES[name]] if name in KV_TYPES else list(KV_TYPES.values())
     common = [t for t in kinds[0] if all(t in k for k in kinds)]
     return tuple((k, v) for k in common for v in common)
+
+_OPTIONS: dict[str, dict] = {}   # extra constructor arguments per backend name (backend_options)
+
+
+@contextlib.contextmanager
+def backend_options(name: str, **options) -> Iterator[None]:
+    """Extra constructor arguments for every `name` backend `create_backend` makes inside the
+    block, e.g. `backend_options("cpu", capture_rules=True)` around `Engine.load`: a switch for
+    tests that no configuration file or flag should expose."""
+    saved = _OPTIONS.get(name)
+    _OPTIONS[name] = {**(saved or {}), **options}
+    try:
+        yield
+    finally:
+        if saved is None:
+            _OPTIONS.pop(name, None)
+        else:
+            _OPTIONS[name] = saved
 
 
 def cuda_available() -> bool:
@@ -62,4 +82,4 @@ def create_backend(name: str, **kwargs) -> Backend:
     except ImportError as exc:
         raise ConfigError([("backend", f"the {name} backend is not available here ({exc}); "
                                        "use --backend cpu or auto")]) from exc
-    return getattr(mod, cls)(**kwargs)
+    return getattr(mod, cls)(**{**_OPTIONS.get(name, {}), **kwargs})

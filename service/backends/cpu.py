@@ -181,7 +181,8 @@ class CpuBackend(Backend):
     name = "cpu"
     kv_types = tuple(_KV_QTYPES)
 
-    def __init__(self, threads: int = 0, act_quant: bool | str = False, invariant_tokens: int = 16):
+    def __init__(self, threads: int = 0, act_quant: bool | str = False, invariant_tokens: int = 16,
+                 capture_rules: bool = False):
         """threads: compute threads of a step (0 = numba's default, all cores), see
         `_ThreadBudget`. invariant_tokens: steps of up to this many tokens (decode, speculative
         verify) compute every row exactly as a single-token step would; longer steps (prefill
@@ -193,11 +194,18 @@ class CpuBackend(Backend):
         compare with llama.cpp's logits on random-weight models, where 8-bit noise is amplified.
         act_quant="gpu" rounds the inputs of quantized matrices exactly as the CUDA backend's
         8-bit blocks do (cuda_layout.round_activations), for tight GPU-vs-CPU comparisons.
+
+        capture_rules: raise CaptureRuleError on anything inside `run_step` that a captured CUDA
+        graph cannot contain (capture_rules.py), so CPU tests catch it before a GPU run.
         """
         self.act_quant = act_quant
         self.invariant_tokens = invariant_tokens
         self.threads = _ThreadBudget(threads, invariant_tokens)
         self._tile: np.ndarray | None = None      # scratch of _matmul_tiles, grown once
+        if capture_rules:
+            from service.backends.capture_rules import install
+
+            install(self)
 
     # ---------------------------------------------------------------- memory
     def zeros(self, shape, dtype="float32"):

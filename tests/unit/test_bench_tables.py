@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,156 @@ def test_with_llamacpp_ratio_is_against_the_measured_figure(bench):
     prefill = bench.prefill_table([{"model": "gemma3-270m", "specstream": 300.0,
                                     "llama_cpp": 200.0}], 512, 2)
     assert RATIO.findall(prefill) == [f"{300 / 200:.2f}x"]
+
+
+# ---------------------------------------------------------------- bench/gpu_bench.py's tables
+def _load(name: str):
+    path = BENCH.parent / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module             # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def gt():
+    return _load("gpu_tables")
+
+
+BW = 4.0e12                                   # copy bandwidth of the made-up run, bytes/s
+
+
+def _gemv_rows() -> list[dict]:
+    """Made-up times: Q4_K at 4096x14336 (a recorded llama.cpp shape) and Q8_0 and F16 at
+    128256x4096 (not recorded)."""
+    def row(t, n, k, nbytes, ro, c1, c8, c16):
+        return {"type": t, "n": n, "k": k, "bytes": nbytes, "read_only_s": ro,
+                "cols": {"1": c1, "2": c1 * 1.1, "4": c1 * 1.3, "8": c8, "16": c16}}
+    return [row("Q4_K", 4096, 14336, 33_030_144, 10e-6, 12.5e-6, 15e-6, 22e-6),
+            row("Q8_0", 128256, 4096, 558_170_112, 140e-6, 200e-6, 400e-6, 500e-6),
+            row("F16", 128256, 4096, 1_050_673_152, 260e-6, 300e-6, 900e-6, 2000e-6)]
+
+
+def _fields(line: str) -> list[str]:
+    return line.split()
+
+
+def test_gpu_options_defaults_quick_and_only(gt):
+    a = gt.parse_args([])
+    assert (a.types, a.shapes, a.columns, a.tokens) == (gt.TYPES, gt.SHAPES, gt.COLUMNS, 128)
+    assert a.gemv and a.decode and a.json is None
+    assert {"Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16"} <= set(gt.TYPES)
+    assert {(4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096)} == set(gt.SHAPES)
+    q = gt.parse_args(["--quick", "--only", "gemv", "--json", "/tmp/x.json"])
+    assert (q.types, q.columns, q.tokens) == (gt.QUICK_TYPES, gt.QUICK_COLUMNS, 32)
+    assert q.gemv and not q.decode and q.json == "/tmp/x.json"
+    assert {1, 8, 16} <= set(q.columns)      # the columns the ratios need
+    assert gt.parse_args(["--only", "decode", "--tokens", "7"]).tokens == 7
+    for bad in (["--only", "prefill"], ["--tokens", "0"]):
+        with pytest.raises(SystemExit):
+            gt.parse_args(bad)
+
+
+def test_copies_rotate_past_l2(gt):
+    for nbytes in (1, 9_437_184, 33_030_144, 61 * 2**20, 10**9):
+        c = gt.copies_for(nbytes)
+        assert c >= 2 and c * nbytes >= 2 * gt.L2_BYTES
+        assert c == 2 or (c - 1) * nbytes < 2 * gt.L2_BYTES      # no more than needed
+
+
+def test_gemv_table_ratios_are_this_runs(gt):
+    rows = _gemv_rows()
+    torch = [{"n": 128256, "k": 4096, "bytes": 128256 * 4096 * 2, "cols": {"1": 280e-6}}]
+    table = gt.gemv_table(rows, gt.COLUMNS, BW, torch).splitlines()
+    body = table[3:]
+    assert len(body) == 3
+    for r, line in zip(rows, body, strict=True):
+        f = _fields(line)
+        assert f[0] == r["type"] and f[1] == f"{r['n']}x{r['k']}"
+        c1 = r["cols"]["1"]
+        assert float(f[3]) == pytest.approx(r["bytes"] / BW * 1e6, abs=0.06)     # copy floor
+        assert float(f[4]) == pytest.approx(r["read_only_s"] * 1e6, abs=0.06)
+        assert float(f[5]) == pytest.approx(c1 * 1e6, abs=0.06)
+        assert f[11] == f"{r['read_only_s'] / c1:.0%}"
+        assert f[12] == f"{r['bytes'] / BW / c1:.0%}"
+        assert f[13] == f"{r['cols']['8'] / c1:.2f}x" and f[14] == f"{r['cols']['16'] / c1:.2f}x"
+    q4k, q8, f16 = (_fields(line) for line in body)
+    assert q4k[-2:] == ["15.8", f"{47.1 / 15.8:.2f}x"]             # recorded only where known
+    assert q8[-2:] == f16[-2:] == ["-", "-"]
+    assert q4k[-3] == "-"                                          # no torch row for its shape
+    bf_bw = 128256 * 4096 * 2 / 280e-6
+    assert q8[-3] == f"{(rows[1]['bytes'] / 200e-6) / bf_bw:.2f}x"
+    assert "not measured here" in table[1]
+
+
+def test_decode_table_roofline_and_nodes(gt):
+    rows = [{"model": "llama3-8b", "source": "synth", "weight_bytes": 4.6e9, "n_layer": 32,
+             "eager_tok_s": 150.0, "graph_tok_s": 400.0, "graph_nodes": 300, "load_s": 9.0,
+             "synth_s": 20.0, "launches": {"embed": 1, "layers": 288, "head": 3}},
+            {"model": "llama3.2-1b", "source": "synth", "weight_bytes": 0.8e9, "n_layer": 16,
+             "eager_tok_s": 300.0, "graph_tok_s": 900.0, "graph_nodes": None, "load_s": 2.0,
+             "synth_s": None, "launches": {}},
+            {"model": "gemma3-270m", "source": "file", "error": "not in $SPECSTREAM_MODELS_DIR"}]
+    table = gt.decode_table(rows, BW, 128)
+    line = next(x for x in table.splitlines() if x.startswith("llama3-8b"))
+    f = _fields(line)
+    roof = BW / 4.6e9
+    assert f[3] == f"{roof:.0f}/s" and f[6] == f"{400 / roof:.0%}"
+    assert f[7] == "300" and f[8] == f"{(300 - 1 - 3) / 32:.1f}" and f[9] == f"{288 / 32:.1f}"
+    assert f[10] == "274/s"
+    f = _fields(next(x for x in table.splitlines() if x.startswith("llama3.2-1b")))
+    assert f[7:11] == ["-", "-", "-", "905/s"]          # no node count: nothing made up
+    assert "gemma3-270m" in table and "not in $SPECSTREAM_MODELS_DIR" in table
+    assert "synthesized in 20.0 s" in table
+
+
+def test_kernel_breakdown_sums_by_name(gt):
+    recs = [("gemv_q4k", 10e-6), ("rms_norm", 1e-6), ("gemv_q4k", 20e-6), ("rope", 2e-6)]
+    rows = gt.aggregate_kernels(recs)
+    assert [(r["name"], r["calls"]) for r in rows] == [("gemv_q4k", 2), ("rope", 1),
+                                                       ("rms_norm", 1)]
+    assert rows[0]["total_s"] == pytest.approx(30e-6)
+    table = gt.kernel_table({"model": "m", "rows": rows}, 66e-6)
+    assert f"{33 / 66:.0%} of it" in table and "4 launches" in table
+    shares = [line.split()[-1] for line in table.splitlines()[2:5]]
+    assert shares == [f"{30 / 33:.0%}", f"{2 / 33:.0%}", f"{1 / 33:.0%}"]
+
+
+def _results(gt, decode_8b: float) -> dict:
+    return {"copy_bw": BW, "gemv": _gemv_rows(), "torch_bf16": {"error": "torch not here"},
+            "decode": [{"model": "llama3-8b", "source": "synth", "weight_bytes": 4.6e9,
+                        "n_layer": 32, "eager_tok_s": 150.0, "graph_tok_s": decode_8b,
+                        "graph_nodes": 160, "load_s": 9.0, "synth_s": None,
+                        "launches": {"embed": 1, "layers": 156, "head": 3}}],
+            "prefill": [], "kernels": [{"model": "llama3-8b", "step_s": 1 / decode_8b,
+                                        "rows": gt.aggregate_kernels([("k", 1e-3)])}],
+            "seconds": 100.0}
+
+
+def test_goals_take_the_worst_gemv_and_judge_direction(gt):
+    measured = gt.measured_for_goals(_results(gt, 600.0))
+    assert measured["gemv_read_c1"] == (pytest.approx(140 / 200), "Q8_0 128256x4096")  # not F16
+    assert measured["gemv_c8_c1"] == (pytest.approx(2.0), "Q8_0 128256x4096")
+    assert measured["gemv_c16_c1"] == (pytest.approx(2.5), "Q8_0 128256x4096")
+    assert measured["nodes_per_layer"] == (pytest.approx((160 - 4) / 32), "llama3-8b")
+    assert measured["prefill_llama3-8b"] is None
+    _, rows = gt.goals_table(_results(gt, 600.0))
+    status = {r["goal"]: r["status"] for r in rows}
+    assert status["decode_llama3-8b"] == "met" and status["nodes_per_layer"] == "met"
+    assert status["gemv_read_c1"] == status["gemv_c8_c1"] == status["gemv_c16_c1"] == "missed"
+    assert status["decode_llama3.2-1b"] == status["prefill_llama3-8b"] == "not measured"
+    _, rows = gt.goals_table(_results(gt, 549.0))
+    assert {r["goal"]: r["status"] for r in rows}["decode_llama3-8b"] == "missed"
+
+
+def test_gpu_bench_report_and_no_cupy(gt):
+    bench = _load("gpu_bench")
+    a = gt.parse_args([])
+    results = _results(gt, 600.0)
+    text = bench.report(results, a)
+    assert "torch bf16 GEMV: torch not here" in text
+    assert "Goals (issue 10)" in text and "recorded in ANCHORS.md" in text
+    assert [r["goal"] for r in results["goals"]] == list(gt.GOALS)
+    if importlib.util.find_spec("cupy") is None:
+        assert bench.main(["--quick"]) == 2          # says why instead of failing on import

@@ -1,0 +1,302 @@
+"""bench/gpu_bench.py without the GPU: its options, the figures recorded elsewhere, the roofline,
+the goals and every table it prints. Pure Python (no CuPy), so the CPU CI tests it
+(tests/unit/test_bench_tables.py).
+
+Results are one JSON-ready dict (`--json` writes it):
+    copy_bw      bytes read + written per second of a device-to-device copy
+    gemv         [{type, n, k, bytes, read_only_s, cols: {"1": s, ...}}]   (N x K = rows x width)
+    torch_bf16   [{n, k, bytes, cols}]  or {"error": why}
+    decode       [{model, source, weight_bytes, n_layer, eager_tok_s, graph_tok_s, graph_nodes,
+                   launches: {embed, layers, head} (of one eager step), load_s, synth_s}]
+                 (a row with "error" when a model failed)
+    prefill      [{model, tokens, tok_s}]
+    kernels      [{model, step_s, rows: [{name, calls, total_s}]}]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+L2_BYTES = 60 * 2**20          # the H200's L2: rotated weight copies must exceed it
+TYPES = ("Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16")
+SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096))      # (N, K)
+COLUMNS = (1, 2, 4, 8, 16)
+QUICK_TYPES, QUICK_SHAPES, QUICK_COLUMNS = ("Q4_K", "Q8_0"), ((4096, 14336),), (1, 8, 16)
+SYNTH = (("llama3-8b", "Q4_K_M"), ("llama3.2-1b", "Q4_K_M"))
+REAL = ("smollm2-135m", "gemma3-270m")
+PREFILL_MODEL, PREFILL_TOKENS = "llama3-8b", 512
+RECORDED = "llama.cpp (recorded in ANCHORS.md, not measured here)"
+
+# llama.cpp on the project's H200 (ANCHORS.md, 2026-12-02): microseconds of one GEMV
+# (test-backend-ops perf) at 1, 2, 4, 8 columns, by (type, N, K).
+LLAMACPP_GEMV_US = {
+    ("Q4_K", 4096, 14336): (15.8, 18.7, 27.3, 47.1),
+    ("Q6_K", 4096, 14336): (24.1, 29.3, 39.2, 57.5),
+    ("Q4_0", 4096, 14336): (14.7, 14.8, 20.3, 32.9),
+    ("Q8_0", 4096, 14336): (23.4, 25.0, 29.3, 45.9),
+    ("Q4_K", 14336, 4096): (19.7, 19.9, 29.5, 49.1),
+    ("Q4_K", 4096, 4096): (7.7, 7.7, 10.5, 16.3),
+}
+LLAMACPP_DECODE = {"llama3-8b": 274.0, "llama3.2-1b": 905.0, "smollm2-135m": 948.0,
+                   "gemma3-270m": 994.0}                       # tok/s, tg128
+LLAMACPP_PREFILL = {"llama3-8b": 9050.0}                       # tok/s, pp512
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="gpu_bench.py", description=(
+        "GEMV and decode benchmark of the CUDA backend; every ratio against a baseline "
+        "measured in the same run"))
+    ap.add_argument("--quick", action="store_true",
+                    help="fewer GEMV types/shapes/columns and 32 decode tokens")
+    ap.add_argument("--only", choices=("gemv", "decode"), help="run one part")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--tokens", type=int, help="decode tokens per model (default 128, quick 32)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic models and inputs")
+    ap.add_argument("--synth-dir", default="/tmp/specstream-synth",
+                    help="where synthetic models are generated (reused when present)")
+    a = ap.parse_args(argv)
+    if a.tokens is not None and a.tokens < 1:
+        ap.error("--tokens must be >= 1")
+    a.types = QUICK_TYPES if a.quick else TYPES
+    a.shapes = QUICK_SHAPES if a.quick else SHAPES
+    a.columns = QUICK_COLUMNS if a.quick else COLUMNS
+    a.tokens = a.tokens or (32 if a.quick else 128)
+    a.gemv = a.only in (None, "gemv")
+    a.decode = a.only in (None, "decode")
+    return a
+
+
+# ---------------------------------------------------------------- arithmetic
+def copies_for(nbytes: int, l2: int = L2_BYTES) -> int:
+    """Weight copies to rotate over so that together they are at least twice the L2."""
+    return max(2, math.ceil(2 * l2 / nbytes))
+
+
+def roofline_tok_s(weight_bytes: float, copy_bw: float) -> float:
+    """Decode steps per second if each only read its weights at the copy bandwidth."""
+    return copy_bw / weight_bytes
+
+
+def aggregate_kernels(records: list[tuple[str, float]]) -> list[dict]:
+    """(kernel name, seconds) per launch -> per name {name, calls, total_s}, largest first."""
+    by: dict[str, dict] = {}
+    for name, sec in records:
+        row = by.setdefault(name, {"name": name, "calls": 0, "total_s": 0.0})
+        row["calls"] += 1
+        row["total_s"] += sec
+    return sorted(by.values(), key=lambda r: (-r["total_s"], r["name"]))
+
+
+def nodes_per_layer(row: dict) -> float | None:
+    """Graph nodes of one decode layer: the step's nodes less the launches outside the layers
+    (embedding, output norm and logits, counted in an eager step), over the layers."""
+    nodes, launches = row.get("graph_nodes"), row.get("launches")
+    if nodes is None or not launches:
+        return None
+    return (nodes - launches["embed"] - launches["head"]) / row["n_layer"]
+
+
+def _col(row: dict, c: int) -> float | None:
+    return row["cols"].get(str(c))
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+# ---------------------------------------------------------------- goals (issue 10's table)
+@dataclass(frozen=True)
+class Goal:
+    figure: str
+    llama_cpp: str               # llama.cpp's figure as recorded, text
+    target: float
+    higher_is_better: bool
+    unit: str                    # "%" (a fraction printed as percent), "x", "tok/s", "nodes"
+
+    def met(self, value: float) -> bool:
+        return value >= self.target if self.higher_is_better else value <= self.target
+
+
+GOALS = {
+    "gemv_read_c1": Goal("every quantized GEMV at 1 column vs read-only (worst)", "60%", 0.90,
+                         True, "%"),
+    "gemv_c8_c1": Goal("8 columns / 1 column time (worst)", "3.0x", 1.5, False, "x"),
+    "gemv_c16_c1": Goal("16 columns / 1 column time (worst)", "(MMQ)", 2.0, False, "x"),
+    "decode_llama3-8b": Goal("decode, 8B shape Q4_K_M", "274 tok/s", 550, True, "tok/s"),
+    "decode_llama3.2-1b": Goal("decode, 1B shape Q4_K_M", "905 tok/s", 1800, True, "tok/s"),
+    "decode_smollm2-135m": Goal("decode, real SmolLM2-135M Q4_1", "948 tok/s", 2500, True,
+                                "tok/s"),
+    "decode_gemma3-270m": Goal("decode, real Gemma-3-270M Q4_K_M", "994 tok/s", 2000, True,
+                               "tok/s"),
+    "prefill_llama3-8b": Goal("prefill, 8B shape, 512 tokens", "9,050 tok/s", 9050, True,
+                              "tok/s"),
+    "nodes_per_layer": Goal("graph nodes per decode layer (llama shape)", "~15-17 kernels", 6,
+                            False, "nodes"),
+}
+
+
+def measured_for_goals(results: dict) -> dict[str, tuple[float, str] | None]:
+    """Each goal's figure from this run's results, with where it was measured (None: not run)."""
+    out: dict[str, tuple[float, str] | None] = dict.fromkeys(GOALS)
+    quant = [r for r in results.get("gemv", []) if r["type"] not in ("F16", "BF16", "F32")]
+
+    def worst(values, pick):
+        values = [(v, w) for v, w in values if v is not None]
+        return pick(values) if values else None
+
+    where = lambda r: f"{r['type']} {r['n']}x{r['k']}"    # noqa: E731
+    out["gemv_read_c1"] = worst([(_ratio(r["read_only_s"], _col(r, 1)), where(r)) for r in quant],
+                                min)
+    for c in (8, 16):
+        out[f"gemv_c{c}_c1"] = worst([(_ratio(_col(r, c), _col(r, 1)), where(r)) for r in quant],
+                                     max)
+    for r in results.get("decode", []):
+        if r.get("graph_tok_s") is not None:
+            out[f"decode_{r['model']}"] = (r["graph_tok_s"], "CUDA graphs")
+    for r in results.get("prefill", []):
+        if r.get("tok_s") is not None:
+            out[f"prefill_{r['model']}"] = (r["tok_s"], f"{r['tokens']} tokens")
+    llama = [r for r in results.get("decode", []) if r.get("graph_nodes") is not None
+             and r["model"] in ("llama3-8b", "llama3.2-1b")]
+    per = [(nodes_per_layer(r), r["model"]) for r in llama]
+    out["nodes_per_layer"] = worst(per, max)
+    return {k: v for k, v in out.items() if k in GOALS}
+
+
+def _fmt(value: float, unit: str) -> str:
+    if unit == "%":
+        return f"{value:.0%}"
+    if unit == "x":
+        return f"{value:.2f}x"
+    if unit == "nodes":
+        return f"{value:.1f}"
+    return f"{value:,.0f} tok/s"
+
+
+def goals_table(results: dict) -> tuple[str, list[dict]]:
+    measured = measured_for_goals(results)
+    rows, lines = [], [f"Goals (issue 10); llama.cpp column: {RECORDED}",
+                       f"{'figure':52} {'llama.cpp':>15} {'goal':>14} {'this run':>13} "
+                       f"{'status':>12}  measured on"]
+    for key, g in GOALS.items():
+        m = measured[key]
+        status = "not measured" if m is None else ("met" if g.met(m[0]) else "missed")
+        goal = ("<= " if not g.higher_is_better else ">= ") + _fmt(g.target, g.unit)
+        value = "-" if m is None else _fmt(m[0], g.unit)
+        lines.append(f"{g.figure:52} {g.llama_cpp:>15} {goal:>14} {value:>13} {status:>12}  "
+                     f"{'' if m is None else m[1]}")
+        rows.append({"goal": key, "figure": g.figure, "llama_cpp_recorded": g.llama_cpp,
+                     "target": g.target, "higher_is_better": g.higher_is_better,
+                     "value": None if m is None else m[0], "where": None if m is None else m[1],
+                     "status": status})
+    return "\n".join(lines), rows
+
+
+# ---------------------------------------------------------------- tables
+def _us(sec: float | None, width: int = 8) -> str:
+    return f"{'-':>{width}}" if sec is None else f"{sec * 1e6:{width}.1f}"
+
+
+def _x(v: float | None, width: int = 7, pct: bool = False) -> str:
+    if v is None:
+        return f"{'-':>{width}}"
+    return f"{v:{width}.0%}" if pct else f"{v:{width - 1}.2f}x"
+
+
+def gemv_table(rows: list[dict], columns, copy_bw: float, torch_rows=None) -> str:
+    """One line per (type, shape): microseconds per GEMV at each column count, the read-only
+    kernel and the copy floor over the same bytes, and ratios measured in this run."""
+    torch = {(r["n"], r["k"]): r for r in torch_rows or []}
+    head = (f"{'type':5} {'N x K':>13} {'MB':>7} {'copy':>7} {'read':>7} "
+            + " ".join(f"{'c=' + str(c):>8}" for c in columns)
+            + f" {'c1 GB/s':>8} {'read/c1':>7} {'copy/c1':>7} {'c8/c1':>7} {'c16/c1':>7}"
+            f" {'vs bf16':>7} {'llama c1':>8} {'llama c8/c1':>11}")
+    lines = ["GEMV: us per call inside one CUDA graph of back-to-back calls, weights rotated "
+             f"past the {L2_BYTES >> 20} MB L2",
+             "copy = bytes / device copy bandwidth; read = a read-only kernel over the same "
+             "bytes; read/c1 = GEMV speed as a share of it; vs bf16 = GB/s against torch's bf16 "
+             "GEMV of the shape at 1 column; llama c1 (us), llama c8/c1 = " + RECORDED, head]
+    for r in rows:
+        t1 = _col(r, 1)
+        t_bf = _col(torch[(r["n"], r["k"])], 1) if (r["n"], r["k"]) in torch else None
+        bf_bw = None if t_bf is None else torch[(r["n"], r["k"])]["bytes"] / t_bf
+        bw1 = None if t1 is None else r["bytes"] / t1
+        copy_s = r["bytes"] / copy_bw
+        rec = LLAMACPP_GEMV_US.get((r["type"], r["n"], r["k"]))
+        lines.append(
+            f"{r['type']:5} {r['n']:>6}x{r['k']:<6} {r['bytes'] / 1e6:7.1f} {_us(copy_s, 7)} "
+            f"{_us(r['read_only_s'], 7)} " + " ".join(_us(_col(r, c)) for c in columns)
+            + f" {'-' if bw1 is None else f'{bw1 / 1e9:.0f}':>8}"
+            f" {_x(_ratio(r['read_only_s'], t1), pct=True)} {_x(_ratio(copy_s, t1), pct=True)}"
+            f" {_x(_ratio(_col(r, 8), t1))} {_x(_ratio(_col(r, 16), t1))}"
+            f" {_x(_ratio(bw1, bf_bw))} {'-' if rec is None else f'{rec[0]:.1f}':>8}"
+            f" {_x(None if rec is None else rec[3] / rec[0], 11)}")
+    return "\n".join(lines)
+
+
+def torch_table(rows: list[dict], columns) -> str:
+    lines = ["torch bf16 GEMV (torch.mm into a preallocated output), timed the same way",
+             f"{'N x K':>13} {'MB':>7} " + " ".join(f"{'c=' + str(c):>8}" for c in columns)
+             + f" {'c1 GB/s':>8} {'c8/c1':>7}"]
+    for r in rows:
+        t1 = _col(r, 1)
+        gbs = "-" if t1 is None else f"{r['bytes'] / t1 / 1e9:.0f}"
+        lines.append(f"{r['n']:>6}x{r['k']:<6} {r['bytes'] / 1e6:7.1f} "
+                     + " ".join(_us(_col(r, c)) for c in columns)
+                     + f" {gbs:>8} {_x(_ratio(_col(r, 8), t1))}")
+    return "\n".join(lines)
+
+
+def decode_table(rows: list[dict], copy_bw: float, tokens: int) -> str:
+    lines = [f"Decode, greedy, batch 1, {tokens} tokens after a 32-token prompt; roofline = "
+             f"weight bytes / copy bandwidth ({copy_bw / 1e12:.2f} TB/s, this run)",
+             f"{'model':14} {'source':6} {'weights MB':>10} {'roofline':>10} {'eager':>9} "
+             f"{'graphs':>9} {'graphs/roof':>11} {'nodes':>6} {'nodes/layer':>11} "
+             f"{'kern/layer':>10} {'llama.cpp*':>10}"]
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"{r['model']:14} {r.get('source', ''):6} {r['error']}")
+            continue
+        roof = roofline_tok_s(r["weight_bytes"], copy_bw)
+        nodes, per = r.get("graph_nodes"), nodes_per_layer(r)
+        per = "-" if per is None else f"{per:.1f}"
+        kern = r["launches"]["layers"] / r["n_layer"] if r.get("launches") else None
+        kern = "-" if kern is None else f"{kern:.1f}"
+        rec = LLAMACPP_DECODE.get(r["model"])
+        lines.append(f"{r['model']:14} {r['source']:6} {r['weight_bytes'] / 1e6:10.1f} "
+                     f"{roof:8.0f}/s {r['eager_tok_s']:7.0f}/s {r['graph_tok_s']:7.0f}/s "
+                     f"{_x(r['graph_tok_s'] / roof, 11, pct=True)} "
+                     f"{'-' if nodes is None else nodes:>6} {per:>11} {kern:>10} "
+                     f"{'-' if rec is None else f'{rec:.0f}/s':>10}")
+    lines.append(f"* {RECORDED}; nodes = graph nodes of a decode step; nodes/layer = those less "
+                 "the eager step's launches outside the layers (embedding, output norm, logits), "
+                 "over the layers; kern/layer = the eager step's launches inside the layers, "
+                 "over the layers")
+    times = [f"{r['model']} {r['load_s']:.1f} s" + ("" if r.get("synth_s") is None else
+                                                    f" (synthesized in {r['synth_s']:.1f} s)")
+             for r in rows if not r.get("error")]
+    if times:
+        lines.append("load times: " + ", ".join(times))
+    return "\n".join(lines)
+
+
+def kernel_table(entry: dict, graph_step_s: float | None = None) -> str:
+    """Per-kernel time of one eager decode step (CUDA events around each launch)."""
+    rows, total = entry["rows"], sum(r["total_s"] for r in entry["rows"])
+    lines = [f"Kernels of one eager decode step, {entry['model']} (CUDA events around each "
+             "launch, summed by kernel name)",
+             f"{'kernel':28} {'calls':>6} {'total us':>9} {'us/call':>8} {'share':>6}"]
+    for r in rows:
+        lines.append(f"{r['name']:28} {r['calls']:>6} {r['total_s'] * 1e6:9.1f} "
+                     f"{r['total_s'] / r['calls'] * 1e6:8.2f} "
+                     f"{_x(_ratio(r['total_s'], total), 6, pct=True)}")
+    calls = sum(r["calls"] for r in rows)
+    tail = f"sum of kernel times {total * 1e6:.1f} us over {calls} launches"
+    if graph_step_s is not None:
+        tail += (f"; a graph-replayed step (with upload, argmax and readback) took "
+                 f"{graph_step_s * 1e6:.1f} us, kernels are {_ratio(total, graph_step_s):.0%} "
+                 "of it")
+    lines.append(tail)
+    return "\n".join(lines)
