@@ -90,6 +90,22 @@ class Compaction(NamedTuple):
 
 
 # ---------------------------------------------------------------- building
+def candidates_from_logits(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k tokens per draft position with their log-probabilities, best first (equal
+    logits: the lower id first, like the argmax kernels). logits (D, V) -> ids (D, k) int64,
+    logp (D, k) f64 (log-softmax over the whole row)."""
+    x = np.asarray(logits, dtype=np.float64)
+    if x.ndim != 2 or not 1 <= k <= x.shape[1]:
+        raise ValueError(f"need (D, V) logits and 1 <= k <= V, got {x.shape} and k={k}")
+    lse = np.logaddexp.reduce(x, axis=1, keepdims=True)                  # (D, 1) f64
+    kth = np.partition(x, x.shape[1] - k, axis=1)[:, x.shape[1] - k]      # (D,) k-th largest
+    ids = np.empty((x.shape[0], k), np.int64)                             # (D, k) int64
+    for d in range(x.shape[0]):   # sort only the entries >= the k-th largest (ties included)
+        near = np.flatnonzero(x[d] >= kth[d])
+        ids[d] = near[np.lexsort((near, -x[d, near]))[:k]]
+    return ids, np.take_along_axis(x, ids, axis=1) - lse
+
+
 def _check_candidates(cand_ids: np.ndarray, cand_logp: np.ndarray) -> None:
     if cand_ids.ndim != 2 or cand_ids.shape != cand_logp.shape:
         raise ValueError(f"candidates must be (D, K) ids and log-probs of one shape, got "

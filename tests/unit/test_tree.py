@@ -14,6 +14,7 @@ from service.engine.tree import (
     ancestor_mask,
     attention_mask,
     build_tree,
+    candidates_from_logits,
     chain_tree,
     compaction_plan,
     follow_path,
@@ -66,6 +67,23 @@ def test_build_tree_refuses_bad_candidates():
         build_tree(1, np.array([[3, 3]]), np.array([[-1.0, -2.0]]), 4)
     with pytest.raises(ValueError, match="same|one shape"):
         build_tree(1, IDS, LOGP[:2], 4)
+
+
+def test_candidates_from_logits():
+    logits = np.array([[1.0, 3.0, 3.0, 0.0], [0.0, 0.0, 5.0, -1.0]])
+    ids, logp = candidates_from_logits(logits, 3)
+    assert ids.tolist() == [[1, 2, 0], [2, 0, 1]]            # ties: the lower id first
+    lse = np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    np.testing.assert_allclose(logp, np.take_along_axis(logits, ids, axis=1) - lse)
+    rng = np.random.default_rng(1)
+    big = rng.integers(-3, 3, (4, 50)).astype(np.float32)   # many ties
+    ids, logp = candidates_from_logits(big, 7)
+    for row, r_ids in zip(big, ids, strict=True):
+        assert r_ids.tolist() == sorted(range(50), key=lambda i: (-row[i], i))[:7]
+    t = build_tree(0, ids, logp, 12)                        # they feed build_tree as is
+    assert t.n == 12
+    with pytest.raises(ValueError):
+        candidates_from_logits(big, 51)
 
 
 def test_mask_rows_and_positions():
