@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     qnt.add_argument("out", help="output .gguf path")
     qnt.add_argument("--type", required=True, help="q8_0 | q4_0 | q4-mix (q4_0, with "
                      "dflash.* tensors at q8_0); 1-D tensors are written as F32")
-    qnt.add_argument("--layers", type=int, default=None,
+    qnt.add_argument("--layers", type=int, default=None, metavar="N",
                      help="keep blocks 0..N-1 (plus embeddings, output norm and head)")
 
     sub.add_parser("serve", help="run the gRPC server (see `specstream serve --help`)",
