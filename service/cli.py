@@ -1,4 +1,4 @@
-"""`specstream` command line: models fetch/list, inspect, generate, synth, serve."""
+"""`specstream` command line: models fetch/list, inspect, generate, synth, quantize, serve."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ EPILOG = """examples:
   specstream generate smollm2-135m --chat --prompt "What is 12 times 7?"
   specstream inspect gemma3-270m
   specstream synth --preset llama3-8b --quant Q4_K_M llama3-8b-synth.gguf
+  specstream quantize smollm2-135m smollm2-4l.gguf --type q4_0 --layers 4   # a self-drafter
   specstream serve                      # gRPC on :50051 with the default model
 """
 
@@ -79,6 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument("--layers", type=int, default=None,
                      help="number of layers (default: the preset's)")
     syn.add_argument("--threads", type=int, default=0, help="generator threads; 0 = all cores")
+
+    qnt = sub.add_parser("quantize", help="re-quantize a GGUF, optionally keeping only its "
+                         "first N blocks (a layer-truncated drafter of the same vocabulary)")
+    qnt.add_argument("model", help="input: a .gguf path or a known model name")
+    qnt.add_argument("out", help="output .gguf path")
+    qnt.add_argument("--type", required=True, help="q8_0 | q4_0 | q4-mix (q4_0, with "
+                     "dflash.* tensors at q8_0); 1-D tensors are written as F32")
+    qnt.add_argument("--layers", type=int, default=None, metavar="N",
+                     help="keep blocks 0..N-1 (plus embeddings, output norm and head)")
 
     sub.add_parser("serve", help="run the gRPC server (see `specstream serve --help`)",
                    add_help=False)
@@ -218,6 +228,19 @@ def cmd_synth(args) -> int:
     return 0
 
 
+def cmd_quantize(args) -> int:
+    from service.gguf.requant import requantize
+
+    r = requantize(_resolve(args.model), args.out, args.type, args.layers)
+    types = ", ".join(f"{n} {t}" for t, n in sorted(r.types.items()))
+    print(f"{r.path}: {r.n_bytes / 1e6:.1f} MB, {r.n_tensors} tensors ({types}), "
+          f"{r.seconds:.1f} s")
+    for key in r.skipped_keys:
+        print(f"warning: metadata key {key} is an empty array and was not copied",
+              file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
@@ -230,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Logs go to stderr: stdout carries the generated text or JSON.
     configure_logging("warning" if getattr(args, "json", False) else "info", fmt="console")
     handlers = {"models": cmd_models, "inspect": cmd_inspect, "generate": cmd_generate,
-                "synth": cmd_synth}
+                "synth": cmd_synth, "quantize": cmd_quantize}
     try:
         return handlers[args.command](args)
     except SpecstreamError as exc:

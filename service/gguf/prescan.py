@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,8 @@ class Header:
     tensors: tuple[TensorEntry, ...]
     data_start: int          # file offset of the data section
     file_size: int
+    # key -> (value type,) or (ARRAY, item type): what a copy needs to write the same types
+    value_types: dict[str, tuple[ValueType, ...]] = field(default_factory=dict)
 
 
 class _Scanner:
@@ -221,10 +223,13 @@ def _read_strings(sc: _Scanner, what: str, count: int) -> list[str]:
     return out
 
 
-def _scan_metadata(sc: _Scanner, n_kv: int) -> tuple[dict[str, Any], int]:
-    """Read the key/value section; returns it and the data alignment the file asks for."""
+def _scan_metadata(sc: _Scanner, n_kv: int
+                   ) -> tuple[dict[str, Any], int, dict[str, tuple[ValueType, ...]]]:
+    """Read the key/value section; returns it, the data alignment the file asks for and each
+    key's value type (with the item type of an array)."""
     alignment = DEFAULT_ALIGNMENT
     metadata: dict[str, Any] = {}
+    types: dict[str, tuple[ValueType, ...]] = {}
     for i in range(n_kv):
         key = sc.read_string(f"metadata key #{i}")
         if key in metadata:
@@ -239,8 +244,14 @@ def _scan_metadata(sc: _Scanner, n_kv: int) -> tuple[dict[str, Any], int]:
                 raise sc.fail(f"{what} is {alignment}, expected a non-zero power of two")
             metadata[key] = alignment
         else:
+            start = sc.pos
             metadata[key] = _read_value(sc, vtype, what)
-    return metadata, alignment
+            if vtype is ValueType.ARRAY:     # its item type was checked by _read_array
+                (item,) = struct.unpack_from(sc.order + "I", sc.buf, start)
+                types[key] = (vtype, ValueType(item))
+                continue
+        types[key] = (vtype,)
+    return metadata, alignment, types
 
 
 # ---------------------------------------------------------------- tensor infos
@@ -307,7 +318,7 @@ def _scan(sc: _Scanner) -> Header:
     n_kv = sc.u64("metadata key/value count")
     sc.check_count(n_kv, MIN_KV_SIZE, "metadata key/value count")
     sc.check_count(n_tensors, MIN_TENSOR_INFO_SIZE, "tensor count")
-    metadata, alignment = _scan_metadata(sc, n_kv)
+    metadata, alignment, value_types = _scan_metadata(sc, n_kv)
     sc.check_count(n_tensors, MIN_TENSOR_INFO_SIZE, "tensor count")
     tensors = []
     seen: set[str] = set()
@@ -319,7 +330,8 @@ def _scan(sc: _Scanner) -> Header:
         tensors.append(info)
     data_start = -(-sc.pos // alignment) * alignment
     _check_tensor_data(sc, tensors, data_start, alignment)
-    return Header(version, sc.order, alignment, metadata, tuple(tensors), data_start, sc.size)
+    return Header(version, sc.order, alignment, metadata, tuple(tensors), data_start, sc.size,
+                  value_types)
 
 
 def prescan(path: Path) -> Header:
