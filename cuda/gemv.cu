@@ -19,12 +19,15 @@
 // grid (ceil(N / (4 R)), ceil(C / NC) or n_pairs). Lane l handles the K/32 groups g = l, l + 32,
 // ... in that order for each of its rows and columns, and the warp sums lanes with a butterfly,
 // so out[c, n] is computed by the same instructions whatever NC, R and C are: a verify step's
-// logits equal single steps' bit for bit. R rows per warp share each activation load and keep
-// R weight loads in flight per lane; NC is the step's column count rounded up to 1, 2, 4, 8, 16
-// (chosen per launch; columns past n_cols are skipped).
+// logits equal single steps' bit for bit. A lane takes U = GEMV_UNROLL / R of its groups per
+// pass: it first loads their weights into registers (4 loads of 16 bytes in flight), then
+// dots each weight group with every column's activations, so the weights are read once per
+// launch whatever NC is. R rows per warp share each activation load; NC is the step's column
+// count rounded up to 1, 2, 4, 8, 16 (chosen per launch; columns past n_cols are skipped).
 #include "quant_types.cuh"
 
 #define GEMV_WARPS 4
+#define GEMV_UNROLL 4
 
 struct GemvCols {            // which columns and weight rows one warp works on
     int c0, nc, row0, act_div;
@@ -83,20 +86,34 @@ __device__ __forceinline__ void gemv_quant(Planes P, int K, int N, const signed 
     for (int c = 0; c < NC; c++)
 #pragma unroll
         for (int r = 0; r < R; r++) acc[c][r] = 0.0f;
-    for (int g = lane; g < G; g += WARP) {
-        const int j = g % SUB;
+    // U = GEMV_UNROLL / R groups per lane per pass: all their weight loads are issued before
+    // any dot (bytes in flight), and each weight group is loaded once for all NC columns.
+    constexpr int U = GEMV_UNROLL / R > 0 ? GEMV_UNROLL / R : 1;
+    for (int g0 = lane; g0 < G; g0 += WARP * U) {
+        typename Q::G w[U][R];
 #pragma unroll
-        for (int c = 0; c < NC; c++) {
-            if (c < cols.nc) {
-                const int ar = (cols.c0 + c) / cols.act_div;
-                const u8* ap = reinterpret_cast<const u8*>(qa + (size_t)ar * K + 32 * g);
-                int a[8];
-                ld16(ap, a);
-                ld16(ap + 16, a + 4);
-                const float2 ds = ads[(size_t)ar * G + g];
+        for (int u = 0; u < U; u++) {
+            const int g = g0 + WARP * u;
+            if (g < G) {
 #pragma unroll
-                for (int r = 0; r < R; r++)
-                    acc[c][r] += Q::dot(P, rbase[r] + g / SUB, j, a, ds.x, ds.y);
+                for (int r = 0; r < R; r++) Q::load(P, rbase[r] + g / SUB, g % SUB, w[u][r]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int g = g0 + WARP * u;
+#pragma unroll
+            for (int c = 0; c < NC; c++) {
+                if (g < G && c < cols.nc) {
+                    const int ar = (cols.c0 + c) / cols.act_div;
+                    const u8* ap = reinterpret_cast<const u8*>(qa + (size_t)ar * K + 32 * g);
+                    int a[8];
+                    ld16(ap, a);
+                    ld16(ap + 16, a + 4);
+                    const float2 ds = ads[(size_t)ar * G + g];
+#pragma unroll
+                    for (int r = 0; r < R; r++) acc[c][r] += Q::dot(w[u][r], a, ds.x, ds.y);
+                }
             }
         }
     }
@@ -153,8 +170,8 @@ __device__ __forceinline__ void gemv_float(const u8* __restrict__ W, int K, int 
         gemv_float<F, NC, R>(W, K, N, x, ldx, n_cols, ids, rows_per_expert, act_div, out,    \
                              ldo, accumulate);                                               \
     }
-// Column counts 1..16 with 2 rows per warp, and the one-row-per-warp variant at 1 column (kept
-// selectable for the benchmark: CudaBackend(gemv_rows=1)).
+// Column counts 1..16 with 2 rows per warp, and one row per warp at 1 column
+// (CudaBackend(gemv_rows=1|2) picks the 1-column variant).
 #define GEMV_VARIANTS(ONE, name, T) \
     ONE(name, T, 1, 2) ONE(name, T, 2, 2) ONE(name, T, 4, 2) ONE(name, T, 8, 2) \
     ONE(name, T, 16, 2) ONE(name, T, 1, 1)
