@@ -4,7 +4,7 @@
 //   slot[t] with lo <= j <= pos[t], lo = max(0, pos[t] - window + 1) when window > 0 else 0;
 //   K, V rows of kv head h / (H / Hkv), stored as f16, q8_0 or q4_0 (quantize.cu's layout).
 //
-// attn_split_<K>_<V>: grid (S, H, T), block (32, 4). Split s covers the ABSOLUTE positions
+// attn_<K>_<V>: one kernel, grid (S, H, T), block (32, 4). Split s covers the ABSOLUTE positions
 //   [s * chunk, (s + 1) * chunk): its boundaries never depend on the step or on how long the
 //   context is, and positions past pos[t] are skipped, so the same query gives the same bits in
 //   any step. Warp w takes tiles of 32 keys (one per lane) with an online softmax (running max
@@ -14,10 +14,14 @@
 //   q (T, H, D) view with strides (q0, q1, 1); D <= 512, Dv <= 256, S = ceil(n_ctx / chunk).
 //   The number of splits is fixed by n_ctx: a step never needs the host to know a KV length,
 //   so one captured graph serves every position.
-// attn_combine: grid (H, T), block 256 (>= Dv):
+// The combine runs in the same launch: each block adds 1 to counters[t, h] after writing its
+//   partials; the block that brings it to S (whichever it is) merges the S partials in split
+//   order and resets the counter to 0 for the next step:
 //   out[t, h, d] = sum_s acc_s[d] e^(m_s - M) / sum_s l_s e^(m_s - M), M = max m_s over
-//   splits with l_s > 0, in split order.
-#include "common.cuh"
+//   splits with l_s > 0. out (T, H, Dv) view (strides o0, o1, 1); rows with slot < 0 get 0.
+//   When qa is not null the same block also writes the 8-bit blocks of out (act_quant.cuh) as
+//   rows of width H * Dv (Dv % 32 == 0) for the output projection's GEMV.
+#include "act_quant.cuh"
 
 #define ATT_WARPS 4
 #define ATT_MAX_D 512
@@ -43,24 +47,24 @@ struct KvQ4_0 {
     }
 };
 
+// One split's partials: (m, l) and the Dv accumulators of queries t, head h, keys of split s.
 template <class KT, class VT>
 __device__ __forceinline__ void attn_split(
         const float* __restrict__ q, int q0, int q1, int H, int Hkv, int D, int Dv,
         const u8* __restrict__ kq, const u8* __restrict__ kd, const u8* __restrict__ vq,
         const u8* __restrict__ vd, const int* __restrict__ slots, const int* __restrict__ positions,
-        int n_ctx, int window, float scale, int chunk, float2* __restrict__ part_ml,
-        float* __restrict__ part_acc) {
+        int n_ctx, int window, float scale, int chunk, float2* __restrict__ my_ml,
+        float* __restrict__ my_acc) {
     __shared__ float qsh[ATT_MAX_D];
     __shared__ float wm[ATT_WARPS], wl[ATT_WARPS];
     __shared__ float wacc[ATT_WARPS][ATT_MAX_DV];
-    const int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z, S = gridDim.x;
+    const int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z;
     const int lane = threadIdx.x, warp = threadIdx.y, tid = warp * 32 + lane;
-    const size_t part = ((size_t)t * H + h) * S + s;
     const int slot = slots[t], pos = positions[t];
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
     const int j0 = max(lo, s * chunk), j1 = min(pos + 1, (s + 1) * chunk);
     if (slot < 0 || j0 >= j1) {
-        if (tid == 0) part_ml[part] = make_float2(NEG_INF, 0.0f);
+        if (tid == 0) *my_ml = make_float2(NEG_INF, 0.0f);
         return;
     }
     const float* qr = q + (size_t)t * q0 + (size_t)h * q1;
@@ -114,51 +118,91 @@ __device__ __forceinline__ void attn_split(
         float a = 0.0f;
         for (int w = 0; w < ATT_WARPS; w++)
             if (wl[w] > 0.0f) a += wacc[w][d] * expf(wm[w] - M);
-        part_acc[part * Dv + d] = a;
+        my_acc[d] = a;
     }
     if (tid == 0) {
         float L = 0.0f;
         for (int w = 0; w < ATT_WARPS; w++) if (wl[w] > 0.0f) L += wl[w] * expf(wm[w] - M);
-        part_ml[part] = make_float2(M, L);
+        *my_ml = make_float2(M, L);
     }
 }
 
+// Merge S partials in split order into one output row (and its 8-bit blocks when qa is set).
+// Called by a whole (32, 4) block.
+__device__ __forceinline__ void attn_merge(const float2* __restrict__ ml,
+                                           const float* __restrict__ acc, int S, int Dv,
+                                           bool valid, float* __restrict__ orow,
+                                           signed char* __restrict__ qa,
+                                           float2* __restrict__ ads) {
+    __shared__ float res[ATT_MAX_DV];
+    const int tid = threadIdx.y * 32 + threadIdx.x;
+    float M = NEG_INF;
+    for (int s = 0; s < S; s++) {
+        const float2 p = __ldcg(ml + s);
+        if (p.y > 0.0f) M = fmaxf(M, p.x);
+    }
+    for (int d = tid; d < Dv; d += 32 * ATT_WARPS) {
+        float L = 0.0f, a = 0.0f;
+        if (valid) {
+            for (int s = 0; s < S; s++) {
+                const float2 p = __ldcg(ml + s);
+                if (p.y > 0.0f) {
+                    const float e = expf(p.x - M);
+                    L += p.y * e;
+                    a += __ldcg(acc + (size_t)s * Dv + d) * e;
+                }
+            }
+        }
+        const float o = valid ? a / L : 0.0f;
+        orow[d] = o;
+        res[d] = o;
+    }
+    if (qa == nullptr) return;
+    __syncthreads();
+    for (int g = threadIdx.y; g < Dv / 32; g += ATT_WARPS)
+        quant_group(res[32 * g + threadIdx.x], qa + 32 * g, ads + g);
+}
+
+template <class KT, class VT>
+__device__ __forceinline__ void attn_fused(
+        const float* __restrict__ q, int q0, int q1, int H, int Hkv, int D, int Dv,
+        const u8* __restrict__ kq, const u8* __restrict__ kd, const u8* __restrict__ vq,
+        const u8* __restrict__ vd, const int* __restrict__ slots, const int* __restrict__ positions,
+        int n_ctx, int window, float scale, int chunk, float2* __restrict__ part_ml,
+        float* __restrict__ part_acc, int* __restrict__ counters, float* __restrict__ out,
+        int o0, int o1, signed char* __restrict__ qa, float2* __restrict__ ads) {
+    const int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z, S = gridDim.x;
+    const size_t part = ((size_t)t * H + h) * S + s;
+    attn_split<KT, VT>(q, q0, q1, H, Hkv, D, Dv, kq, kd, vq, vd, slots, positions, n_ctx,
+                       window, scale, chunk, part_ml + part, part_acc + part * Dv);
+    // Last block of (t, h) in: merge. The fences order the partials before the count.
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    const int tid = threadIdx.y * 32 + threadIdx.x;
+    if (tid == 0) last = atomicAdd(&counters[(size_t)t * H + h], 1) == S - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    attn_merge(part_ml + (part - s), part_acc + (part - s) * Dv, S, Dv, slots[t] >= 0,
+               out + (size_t)t * o0 + (size_t)h * o1,
+               qa ? qa + (size_t)t * H * Dv + (size_t)h * Dv : nullptr,
+               qa ? ads + ((size_t)t * H * Dv + (size_t)h * Dv) / 32 : nullptr);
+    if (tid == 0) counters[(size_t)t * H + h] = 0;
+}
+
 #define ATTN_KERNEL(kn, KT, vn, VT)                                                          \
-    extern "C" __global__ void __launch_bounds__(128) attn_split_##kn##_##vn(               \
+    extern "C" __global__ void __launch_bounds__(128) attn_##kn##_##vn(                     \
             const float* q, int q0, int q1, int H, int Hkv, int D, int Dv, const u8* kq,     \
             const u8* kd, const u8* vq, const u8* vd, const int* slots, const int* positions, \
-            int n_ctx, int window, float scale, int chunk, float2* part_ml, float* part_acc) { \
-        attn_split<KT, VT>(q, q0, q1, H, Hkv, D, Dv, kq, kd, vq, vd, slots, positions, n_ctx, \
-                           window, scale, chunk, part_ml, part_acc);                         \
+            int n_ctx, int window, float scale, int chunk, float2* part_ml, float* part_acc, \
+            int* counters, float* out, int o0, int o1, signed char* qa, float2* ads) {       \
+        attn_fused<KT, VT>(q, q0, q1, H, Hkv, D, Dv, kq, kd, vq, vd, slots, positions, n_ctx, \
+                           window, scale, chunk, part_ml, part_acc, counters, out, o0, o1,   \
+                           qa, ads);                                                         \
     }
 #define ATTN_V(kn, KT) ATTN_KERNEL(kn, KT, f16, KvF16) ATTN_KERNEL(kn, KT, q8_0, KvQ8_0) \
     ATTN_KERNEL(kn, KT, q4_0, KvQ4_0)
 ATTN_V(f16, KvF16)
 ATTN_V(q8_0, KvQ8_0)
 ATTN_V(q4_0, KvQ4_0)
-
-extern "C" __global__ void attn_combine(const float2* __restrict__ part_ml,
-                                        const float* __restrict__ part_acc, int H, int S, int Dv,
-                                        const int* __restrict__ slots, float* __restrict__ out,
-                                        int o0, int o1) {
-    const int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
-    if (d >= Dv) return;
-    float* orow = out + (size_t)t * o0 + (size_t)h * o1;
-    if (slots[t] < 0) { orow[d] = 0.0f; return; }
-    const size_t base = ((size_t)t * H + h) * S;
-    float M = NEG_INF;
-    for (int s = 0; s < S; s++) {
-        const float2 ml = part_ml[base + s];
-        if (ml.y > 0.0f) M = fmaxf(M, ml.x);
-    }
-    float L = 0.0f, a = 0.0f;
-    for (int s = 0; s < S; s++) {
-        const float2 ml = part_ml[base + s];
-        if (ml.y > 0.0f) {
-            const float e = expf(ml.x - M);
-            L += ml.y * e;
-            a += part_acc[(base + s) * Dv + d] * e;
-        }
-    }
-    orow[d] = a / L;
-}

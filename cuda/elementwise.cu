@@ -9,11 +9,16 @@
 //               rows r = (i, j) of an (n0, n1, D) view, strides (s0, s1, 1) for x and out;
 //               grid n0 * n1, block B (a multiple of 32, <= 256, fixed per D): fixed-order
 //               block sum
+// rms_norm_quant  rows t of (T, D): rms_norm into out, plus out's 8-bit blocks (qa, ads) as
+//               quantize.cu makes them; grid T, block as rms_norm (D % 32 == 0)
+// rms_norm_add  x[t, :] += rms_norm(o[t, :]) * w (a post-norm fused with the residual add)
+//               grid T, block as rms_norm
 // add_rows      out[t, n] = a[t, n] + b[t, n] (b's row stride 0 = a broadcast vector)
 //               grid (ceil(N / 256), T), block 256
 // glu           out[t, f] = act(gate[t, f]) * up[t, f]; act 0 = silu g / (1 + exp(-g)),
 //               1 = gelu_tanh 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
-//               grid (ceil(F / 256), T), block 256
+//               grid (ceil(F / 256), T), block 256; glu_quant also writes out's 8-bit
+//               blocks (F % 32 == 0)
 // rope          in place on an (T, H, D) view (strides s0, s1, 1), first 2 * half dims:
 //               (a, b) -> (a cos - b sin, a sin + b cos) with cos/sin[positions[t], i];
 //               pairs (2i, 2i+1) (normal) or (i, i + half) (neox); grid (T, H), block 64
@@ -23,6 +28,7 @@
 // moe_combine   out[t, e] = sum_u w[t, u] * y[t * n_used + u, e], u in order
 //               grid (ceil(E / 256), T), block 256
 #include "quant_types.cuh"
+#include "act_quant.cuh"
 
 template <class Q>
 __device__ __forceinline__ void embed_quant(Planes P, int E, const int* ids, float scale,
@@ -47,20 +53,41 @@ FOR_FLOAT_TYPES(EMBED_KERNEL)
 extern "C" __global__ void rms_norm(const float* __restrict__ x, int n1, int s0, int s1, int D,
                                     const float* __restrict__ w, float eps, float* out,
                                     int o0, int o1) {
-    __shared__ float part[8];
     const int i = blockIdx.x / n1, j = blockIdx.x % n1;
     const float* xr = x + (size_t)i * s0 + (size_t)j * s1;
     float* orow = out + (size_t)i * o0 + (size_t)j * o1;
-    float s = 0.0f;
-    for (int k = threadIdx.x; k < D; k += blockDim.x) s = __fadd_rn(s, __fmul_rn(xr[k], xr[k]));
-    s = warp_sum(s);
-    const int warp = threadIdx.x / 32, nw = blockDim.x / 32;
-    if ((threadIdx.x & 31) == 0) part[warp] = s;
-    __syncthreads();
-    float tot = 0.0f;
-    for (int k = 0; k < nw; k++) tot += part[k];
-    const float r = 1.0f / sqrtf(__fadd_rn(tot / (float)D, eps));
+    const float r = block_inv_rms(xr, D, eps);
     for (int k = threadIdx.x; k < D; k += blockDim.x) orow[k] = __fmul_rn(__fmul_rn(xr[k], r), w[k]);
+}
+
+// rms_norm of rows t of x (T, D) into out, and the 8-bit blocks of out for the next GEMV.
+extern "C" __global__ void rms_norm_quant(const float* __restrict__ x, int ldx, int D,
+                                          const float* __restrict__ w, float eps, float* out,
+                                          int ldo, signed char* __restrict__ qa,
+                                          float2* __restrict__ ads) {
+    const int t = blockIdx.x;
+    const float* xr = x + (size_t)t * ldx;
+    float* orow = out + (size_t)t * ldo;
+    const float r = block_inv_rms(xr, D, eps);
+    // warp-uniform: at each step a warp holds one whole 32-group (D % 32 == 0)
+    for (int k0 = (threadIdx.x / 32) * 32; k0 < D; k0 += blockDim.x) {
+        const int k = k0 + (threadIdx.x & 31);
+        const float v = __fmul_rn(__fmul_rn(xr[k], r), w[k]);
+        orow[k] = v;
+        quant_group(v, qa + (size_t)t * D + k0, ads + (size_t)t * (D / 32) + k0 / 32);
+    }
+}
+
+// x[t] += rms_norm(o[t]) * w: a post-norm and the residual add in one pass (Gemma-3).
+extern "C" __global__ void rms_norm_add(const float* __restrict__ o, int ldo, int D,
+                                        const float* __restrict__ w, float eps, float* x,
+                                        int ldx) {
+    const int t = blockIdx.x;
+    const float* orow = o + (size_t)t * ldo;
+    float* xr = x + (size_t)t * ldx;
+    const float r = block_inv_rms(orow, D, eps);
+    for (int k = threadIdx.x; k < D; k += blockDim.x)
+        xr[k] = __fadd_rn(xr[k], __fmul_rn(__fmul_rn(orow[k], r), w[k]));
 }
 
 extern "C" __global__ void add_rows(const float* a, int lda, const float* b, int ldb, int N,
@@ -70,27 +97,40 @@ extern "C" __global__ void add_rows(const float* a, int lda, const float* b, int
     out[(size_t)t * ldo + n] = __fadd_rn(a[(size_t)t * lda + n], b[(size_t)t * ldb + n]);
 }
 
+__device__ __forceinline__ float glu_act(float g, int act) {
+    if (act == 0) return g / __fadd_rn(expf(-g), 1.0f);
+    float y = __fmul_rn(g, g);
+    y = __fmul_rn(y, 0.044715f);
+    y = __fadd_rn(y, 1.0f);
+    y = __fmul_rn(y, g);
+    y = __fmul_rn(y, 0.7978845608028654f);
+    y = tanhf(y);
+    y = __fadd_rn(y, 1.0f);
+    y = __fmul_rn(y, g);
+    return __fmul_rn(y, 0.5f);
+}
+
 extern "C" __global__ void glu(const float* __restrict__ gate, int ldg,
                                const float* __restrict__ up, int ldu, int F, int act,
                                float* __restrict__ out, int ldo) {
     const int t = blockIdx.y, f = blockIdx.x * 256 + threadIdx.x;
     if (f >= F) return;
-    const float g = gate[(size_t)t * ldg + f];
-    float y;
-    if (act == 0) {
-        y = g / __fadd_rn(expf(-g), 1.0f);
-    } else {
-        y = __fmul_rn(g, g);
-        y = __fmul_rn(y, 0.044715f);
-        y = __fadd_rn(y, 1.0f);
-        y = __fmul_rn(y, g);
-        y = __fmul_rn(y, 0.7978845608028654f);
-        y = tanhf(y);
-        y = __fadd_rn(y, 1.0f);
-        y = __fmul_rn(y, g);
-        y = __fmul_rn(y, 0.5f);
-    }
-    out[(size_t)t * ldo + f] = __fmul_rn(y, up[(size_t)t * ldu + f]);
+    out[(size_t)t * ldo + f] = __fmul_rn(glu_act(gate[(size_t)t * ldg + f], act),
+                                         up[(size_t)t * ldu + f]);
+}
+
+// glu, and the 8-bit blocks of its output for the down projection (F % 32 == 0: a warp is one
+// 32-group, wholly inside or outside [0, F)).
+extern "C" __global__ void glu_quant(const float* __restrict__ gate, int ldg,
+                                     const float* __restrict__ up, int ldu, int F, int act,
+                                     float* __restrict__ out, int ldo,
+                                     signed char* __restrict__ qa, float2* __restrict__ ads) {
+    const int t = blockIdx.y, f = blockIdx.x * 256 + threadIdx.x;
+    if (f - (threadIdx.x & 31) >= F) return;
+    const float y = __fmul_rn(glu_act(gate[(size_t)t * ldg + f], act), up[(size_t)t * ldu + f]);
+    out[(size_t)t * ldo + f] = y;
+    const int g0 = f & ~31;
+    quant_group(y, qa + (size_t)t * F + g0, ads + (size_t)t * (F / 32) + g0 / 32);
 }
 
 extern "C" __global__ void rope(float* x, int s0, int s1, const int* __restrict__ positions,

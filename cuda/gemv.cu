@@ -1,124 +1,181 @@
-// gemv.cu: out[c, n] = sum_k W[row(c, n), k] * x[c, k] for up to 16 columns c per block row.
+// gemv.cu: out[c, n] (+)= sum_k W[row(c, n), k] * x[c, k] for up to NC columns c per block row.
 //
-// Quantized W (gemv_<type>): x arrives as 8-bit blocks from quantize.cu: codes qa (C, K) int8
-// and per 32-group (da, sa) with x[c, k] ~ da * qa[c, k], sa = sum of the group's codes; each
-// group's contribution is an integer dot product (quant_types.cuh) scaled once. Float W
-// (gemv_<f32|f16|bf16>): x (C, K) f32 with row stride ldx, products summed in f32.
+// Quantized W (gemv_<type>_c<NC>r<R>): x arrives as 8-bit blocks (quantize.cu, or fused into
+// the op that produced x): codes qa (C, K) int8 and per 32-group (da, sa) with
+// x[c, k] ~ da * qa[c, k], sa = sum of the group's codes; each group's contribution is an
+// integer dot product (quant_types.cuh) scaled once. Float W (gemv_<f32|f16|bf16>_c<NC>r<R>):
+// x (C, K) f32 with row stride ldx, products summed in f32.
 //
-// Shapes: W has R rows of K (planes as in quant_types.cuh), N <= R output rows per column;
-// out (C, ldo) f32, written at columns [0, N) of each of its rows.
+// Shapes: W has R_total rows of K (planes as in quant_types.cuh), N <= R_total output rows per
+// column; out (C, ldo) f32, written at columns [0, N) of each of its rows. accumulate = 1 adds
+// the product to what out holds (the residual add of an output projection, fused): exactly the
+// rounding of a GEMV followed by add_rows.
 // Two modes, one kernel:
-//   plain     ids == nullptr: grid.y chunks of <= 16 columns; column c reads x row c and
+//   plain     ids == nullptr: grid.y chunks of <= NC columns; column c reads x row c and
 //             weight row n.
-//   gathered  ids != nullptr (mixture of experts): grid.y = number of (token, expert) pairs,
-//             one column per block row; pair p reads x row p / act_div and weight row
-//             ids[p] * rows_per_expert + n.
-// Launch: block (32, 4): one warp per output row n = blockIdx.x * 4 + threadIdx.y; grid
-// (ceil(N / 4), ceil(C / 16) or n_pairs). Lane l handles the K/32 groups g = l, l + 32, ...
-// in that order and the warp sums lanes with a butterfly, so out[c, n] is computed by the same
-// instructions whatever C is: a verify step's logits equal single steps' bit for bit.
+//   gathered  ids != nullptr (mixture of experts, NC = 1): grid.y = number of (token, expert)
+//             pairs; pair p reads x row p / act_div and weight row ids[p] * rows_per_expert + n.
+// Launch: block (32, 4); warp w of block b owns the R output rows n = (4 b + w) R + r, r < R;
+// grid (ceil(N / (4 R)), ceil(C / NC) or n_pairs). Lane l handles the K/32 groups g = l, l + 32,
+// ... in that order for each of its rows and columns, and the warp sums lanes with a butterfly,
+// so out[c, n] is computed by the same instructions whatever NC, R and C are: a verify step's
+// logits equal single steps' bit for bit. A lane takes U = GEMV_UNROLL / R of its groups per
+// pass: it first loads their weights into registers (4 loads of 16 bytes in flight), then
+// dots each weight group with every column's activations, so the weights are read once per
+// launch whatever NC is. R rows per warp share each activation load; NC is the step's column
+// count rounded up to 1, 2, 4, 8, 16 (chosen per launch; columns past n_cols are skipped).
 #include "quant_types.cuh"
 
 #define GEMV_WARPS 4
-#define GEMV_COLS 16
+#define GEMV_UNROLL 4
 
-template <class Q>
+struct GemvCols {            // which columns and weight rows one warp works on
+    int c0, nc, row0, act_div;
+    bool gathered;
+};
+
+__device__ __forceinline__ GemvCols gemv_cols(int NC, int n0, int n_cols, const int* ids,
+                                              int rows_per_expert, int act_div) {
+    GemvCols g;
+    g.gathered = ids != nullptr;
+    if (g.gathered) {
+        g.c0 = blockIdx.y; g.nc = 1; g.act_div = act_div;
+        g.row0 = ids[blockIdx.y] * rows_per_expert + n0;
+    } else {
+        g.c0 = blockIdx.y * NC; g.nc = min(NC, n_cols - g.c0); g.act_div = 1;
+        g.row0 = n0;
+    }
+    return g;
+}
+
+// Lane 0 writes row n0 + r of column c: out = v, or out += v.
+template <int NC, int R>
+__device__ __forceinline__ void gemv_store(float (&acc)[NC][R], const GemvCols& g, int n0,
+                                           int N, float* __restrict__ out, int ldo,
+                                           int accumulate) {
+#pragma unroll
+    for (int c = 0; c < NC; c++) {
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const float v = warp_sum(acc[c][r]);
+            if (c < g.nc && n0 + r < N && threadIdx.x == 0) {
+                float* o = out + (size_t)(g.c0 + c) * ldo + n0 + r;
+                *o = accumulate ? __fadd_rn(*o, v) : v;
+            }
+        }
+    }
+}
+
+template <class Q, int NC, int R>
 __device__ __forceinline__ void gemv_quant(Planes P, int K, int N, const signed char* __restrict__ qa,
                                            const float2* __restrict__ ads, int n_cols,
                                            const int* __restrict__ ids, int rows_per_expert,
-                                           int act_div, float* __restrict__ out, int ldo) {
-    const int lane = threadIdx.x, n = blockIdx.x * GEMV_WARPS + threadIdx.y;
-    if (n >= N) return;
+                                           int act_div, float* __restrict__ out, int ldo,
+                                           int accumulate) {
+    const int lane = threadIdx.x, n0 = (blockIdx.x * GEMV_WARPS + threadIdx.y) * R;
+    if (n0 >= N) return;
     constexpr int SUB = Q::QK / 32;        // 32-element groups per block
     const int G = K / 32, nb = K / Q::QK;
-    int c0, nc, row;
-    if (ids) {
-        c0 = blockIdx.y; nc = 1;
-        row = ids[blockIdx.y] * rows_per_expert + n;
-    } else {
-        c0 = blockIdx.y * GEMV_COLS; nc = min(GEMV_COLS, n_cols - c0);
-        row = n;
-    }
-    float acc[GEMV_COLS];
+    const GemvCols cols = gemv_cols(NC, n0, n_cols, ids, rows_per_expert, act_div);
+    // rows past N (the last warp of a matrix whose N is not a multiple of R) re-read row n0
+    size_t rbase[R];
 #pragma unroll
-    for (int c = 0; c < GEMV_COLS; c++) acc[c] = 0.0f;
-    for (int g = lane; g < G; g += WARP) {
-        const size_t blk = (size_t)row * nb + g / SUB;
-        const int j = g % SUB;
+    for (int r = 0; r < R; r++) rbase[r] = (size_t)(cols.row0 + (n0 + r < N ? r : 0)) * nb;
+    float acc[NC][R];
 #pragma unroll
-        for (int c = 0; c < GEMV_COLS; c++) {
-            if (c < nc) {
-                const int ar = ids ? (c0 + c) / act_div : c0 + c;
-                const signed char* ap = qa + (size_t)ar * K + 32 * g;
-                int a[8];
-                ld16(reinterpret_cast<const u8*>(ap), a);
-                ld16(reinterpret_cast<const u8*>(ap) + 16, a + 4);
-                const float2 ds = ads[(size_t)ar * G + g];
-                acc[c] += Q::dot(P, blk, j, a, ds.x, ds.y);
+    for (int c = 0; c < NC; c++)
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[c][r] = 0.0f;
+    // U = GEMV_UNROLL / R groups per lane per pass: all their weight loads are issued before
+    // any dot (bytes in flight), and each weight group is loaded once for all NC columns.
+    constexpr int U = GEMV_UNROLL / R > 0 ? GEMV_UNROLL / R : 1;
+    for (int g0 = lane; g0 < G; g0 += WARP * U) {
+        typename Q::G w[U][R];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int g = g0 + WARP * u;
+            if (g < G) {
+#pragma unroll
+                for (int r = 0; r < R; r++) Q::load(P, rbase[r] + g / SUB, g % SUB, w[u][r]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int g = g0 + WARP * u;
+#pragma unroll
+            for (int c = 0; c < NC; c++) {
+                if (g < G && c < cols.nc) {
+                    const int ar = (cols.c0 + c) / cols.act_div;
+                    const u8* ap = reinterpret_cast<const u8*>(qa + (size_t)ar * K + 32 * g);
+                    int a[8];
+                    ld16(ap, a);
+                    ld16(ap + 16, a + 4);
+                    const float2 ds = ads[(size_t)ar * G + g];
+#pragma unroll
+                    for (int r = 0; r < R; r++) acc[c][r] += Q::dot(w[u][r], a, ds.x, ds.y);
+                }
             }
         }
     }
-#pragma unroll
-    for (int c = 0; c < GEMV_COLS; c++) {
-        if (c < nc) {
-            const float v = warp_sum(acc[c]);
-            if (lane == 0) out[(size_t)(c0 + c) * ldo + n] = v;
-        }
-    }
+    gemv_store<NC, R>(acc, cols, n0, N, out, ldo, accumulate);
 }
 
-template <class F>
+template <class F, int NC, int R>
 __device__ __forceinline__ void gemv_float(const u8* __restrict__ W, int K, int N,
                                            const float* __restrict__ x, int ldx, int n_cols,
                                            const int* __restrict__ ids, int rows_per_expert,
-                                           int act_div, float* __restrict__ out, int ldo) {
-    const int lane = threadIdx.x, n = blockIdx.x * GEMV_WARPS + threadIdx.y;
-    if (n >= N) return;
-    int c0, nc, row;
-    if (ids) {
-        c0 = blockIdx.y; nc = 1;
-        row = ids[blockIdx.y] * rows_per_expert + n;
-    } else {
-        c0 = blockIdx.y * GEMV_COLS; nc = min(GEMV_COLS, n_cols - c0);
-        row = n;
-    }
-    float acc[GEMV_COLS];
+                                           int act_div, float* __restrict__ out, int ldo,
+                                           int accumulate) {
+    const int lane = threadIdx.x, n0 = (blockIdx.x * GEMV_WARPS + threadIdx.y) * R;
+    if (n0 >= N) return;
+    const GemvCols cols = gemv_cols(NC, n0, n_cols, ids, rows_per_expert, act_div);
+    size_t rbase[R];
 #pragma unroll
-    for (int c = 0; c < GEMV_COLS; c++) acc[c] = 0.0f;
-    const size_t base = (size_t)row * K;
+    for (int r = 0; r < R; r++) rbase[r] = (size_t)(cols.row0 + (n0 + r < N ? r : 0)) * K;
+    float acc[NC][R];
+#pragma unroll
+    for (int c = 0; c < NC; c++)
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[c][r] = 0.0f;
     for (int k = lane; k < K; k += WARP) {
-        const float w = F::at(W, base + k);
+        float w[R];
 #pragma unroll
-        for (int c = 0; c < GEMV_COLS; c++) {
-            if (c < nc) {
-                const int ar = ids ? (c0 + c) / act_div : c0 + c;
-                acc[c] += w * x[(size_t)ar * ldx + k];
+        for (int r = 0; r < R; r++) w[r] = F::at(W, rbase[r] + k);
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            if (c < cols.nc) {
+                const float xv = x[(size_t)((cols.c0 + c) / cols.act_div) * ldx + k];
+#pragma unroll
+                for (int r = 0; r < R; r++) acc[c][r] += w[r] * xv;
             }
         }
     }
-#pragma unroll
-    for (int c = 0; c < GEMV_COLS; c++) {
-        if (c < nc) {
-            const float v = warp_sum(acc[c]);
-            if (lane == 0) out[(size_t)(c0 + c) * ldo + n] = v;
-        }
-    }
+    gemv_store<NC, R>(acc, cols, n0, N, out, ldo, accumulate);
 }
 
-#define GEMV_QUANT_KERNEL(name, Q)                                                          \
+#define GEMV_QUANT_ONE(name, Q, NC, R)                                                      \
     extern "C" __global__ void __launch_bounds__(128)                                       \
-    gemv_##name(const u8* p0, const u8* p1, const u8* p2, const u8* p3, int K, int N,       \
-                const signed char* qa, const float2* ads, int n_cols, const int* ids,       \
-                int rows_per_expert, int act_div, float* out, int ldo) {                    \
-        gemv_quant<Q>(Planes{p0, p1, p2, p3}, K, N, qa, ads, n_cols, ids, rows_per_expert,  \
-                      act_div, out, ldo);                                                   \
+    gemv_##name##_c##NC##r##R(const u8* p0, const u8* p1, const u8* p2, const u8* p3, int K, \
+                              int N, const signed char* qa, const float2* ads, int n_cols,   \
+                              const int* ids, int rows_per_expert, int act_div, float* out,  \
+                              int ldo, int accumulate) {                                     \
+        gemv_quant<Q, NC, R>(Planes{p0, p1, p2, p3}, K, N, qa, ads, n_cols, ids,             \
+                             rows_per_expert, act_div, out, ldo, accumulate);                \
     }
-FOR_QUANT_TYPES(GEMV_QUANT_KERNEL)
-
-#define GEMV_FLOAT_KERNEL(name, F)                                                          \
+#define GEMV_FLOAT_ONE(name, F, NC, R)                                                      \
     extern "C" __global__ void __launch_bounds__(128)                                       \
-    gemv_##name(const u8* W, int K, int N, const float* x, int ldx, int n_cols,             \
-                const int* ids, int rows_per_expert, int act_div, float* out, int ldo) {    \
-        gemv_float<F>(W, K, N, x, ldx, n_cols, ids, rows_per_expert, act_div, out, ldo);    \
+    gemv_##name##_c##NC##r##R(const u8* W, int K, int N, const float* x, int ldx, int n_cols, \
+                              const int* ids, int rows_per_expert, int act_div, float* out,  \
+                              int ldo, int accumulate) {                                     \
+        gemv_float<F, NC, R>(W, K, N, x, ldx, n_cols, ids, rows_per_expert, act_div, out,    \
+                             ldo, accumulate);                                               \
     }
-FOR_FLOAT_TYPES(GEMV_FLOAT_KERNEL)
+// Column counts 1..16 with 2 rows per warp, and one row per warp at 1 column
+// (CudaBackend(gemv_rows=1|2) picks the 1-column variant).
+#define GEMV_VARIANTS(ONE, name, T) \
+    ONE(name, T, 1, 2) ONE(name, T, 2, 2) ONE(name, T, 4, 2) ONE(name, T, 8, 2) \
+    ONE(name, T, 16, 2) ONE(name, T, 1, 1)
+#define GEMV_QUANT_KERNELS(name, Q) GEMV_VARIANTS(GEMV_QUANT_ONE, name, Q)
+#define GEMV_FLOAT_KERNELS(name, F) GEMV_VARIANTS(GEMV_FLOAT_ONE, name, F)
+FOR_QUANT_TYPES(GEMV_QUANT_KERNELS)
+FOR_FLOAT_TYPES(GEMV_FLOAT_KERNELS)

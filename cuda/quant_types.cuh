@@ -11,10 +11,14 @@
 //   dequant(P, blk, i)        element i of the block, in the order of operations of ggml's
 //                             reference dequantizer (explicit __fmul_rn/__fadd_rn: no FMA
 //                             contraction), so embedding rows equal the CPU backend's bits;
-//   dot(P, blk, j, a, da, sa) sum over the 32 elements of sub-group j (0 for 32-element types,
-//                             0..7 for 256-element K-quants) of w * x, where the activations x
+//   load(P, blk, j, g)        the weights of sub-group j (0 for 32-element types, 0..7 for
+//                             256-element K-quants) into registers: a `G` of 8 words of 8-bit
+//                             codes (elements 4i..4i+3 in word i) and the group's scales;
+//   dot(g, a, da, sa)         sum over the group's 32 elements of w * x, where the activations x
 //                             are an 8-bit block: x_k ~ da * a_k, a = 8 words of int8 codes,
-//                             sa = sum_k a_k. Integer dot products (__dp4a) per group, then
+//                             sa = sum_k a_k. A GEMV loads each weight group once and dots it
+//                             with every column's activations (load and dot are apart for that).
+//                             Integer dot products (__dp4a) per group, then
 //                                 w = d * c           : d * da * sum(c a)
 //                                 w = d * (c - z)     : d * da * (sum(c a) - z * sa)
 //                                 w = d * c + m       : d * da * sum(c a) + m * da * sa
@@ -45,6 +49,26 @@ __device__ __forceinline__ int spread4(u32 h) {
     return (int)(((h & 1u) << 4) | ((h & 2u) << 11) | ((h & 4u) << 18) | ((h & 8u) << 25));
 }
 
+// The 32 4-bit codes of 16 bytes (element j in the low nibble of byte j, element j + 16 in its
+// high nibble) as 8 words of bytes: c[i] = elements 4i..4i+3.
+__device__ __forceinline__ void nibbles(const u8* qs, int c[8]) {
+    int w[4];
+    ld16(qs, w);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        c[i] = w[i] & 0x0F0F0F0F;
+        c[i + 4] = (w[i] >> 4) & 0x0F0F0F0F;
+    }
+}
+
+// sum over 32 bytes of c * a (8 words of signed or unsigned 8-bit codes times int8 codes)
+__device__ __forceinline__ int dp8(const int c[8], const int a[8]) {
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) s = __dp4a(c[i], a[i], s);
+    return s;
+}
+
 // ------------------------------------------------------------------ Q4_0: d * (q - 8)
 // planes: qs (16 B: element j low nibble of byte j, element j+16 high nibble), d (f16)
 struct Q4_0 {
@@ -54,18 +78,13 @@ struct Q4_0 {
         const int c = (i < 16 ? (q & 15) : (q >> 4)) - 8;
         return __fmul_rn((float)c, h2f(ld_u16(P.p1 + blk * 2)));
     }
-    __device__ static float dot(const Planes& P, size_t blk, int, const int* a, float da,
-                                float sa) {
-        int w[4];
-        ld16(P.p0 + blk * 16, w);
-        int s = 0;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            s = __dp4a(w[i] & 0x0F0F0F0F, a[i], s);
-            s = __dp4a((w[i] >> 4) & 0x0F0F0F0F, a[i + 4], s);
-        }
-        const float d = h2f(ld_u16(P.p1 + blk * 2));
-        return d * da * ((float)s - 8.0f * sa);
+    struct G { int c[8]; float d; };
+    __device__ static void load(const Planes& P, size_t blk, int, G& g) {
+        nibbles(P.p0 + blk * 16, g.c);
+        g.d = h2f(ld_u16(P.p1 + blk * 2));
+    }
+    __device__ static float dot(const G& g, const int* a, float da, float sa) {
+        return g.d * da * ((float)dp8(g.c, a) - 8.0f * sa);
     }
 };
 
@@ -79,18 +98,14 @@ struct Q4_1 {
         const float d = h2f(ld_u16(P.p1 + blk * 4)), m = h2f(ld_u16(P.p1 + blk * 4 + 2));
         return __fadd_rn(__fmul_rn(d, (float)c), m);
     }
-    __device__ static float dot(const Planes& P, size_t blk, int, const int* a, float da,
-                                float sa) {
-        int w[4];
-        ld16(P.p0 + blk * 16, w);
-        int s = 0;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            s = __dp4a(w[i] & 0x0F0F0F0F, a[i], s);
-            s = __dp4a((w[i] >> 4) & 0x0F0F0F0F, a[i + 4], s);
-        }
-        const float d = h2f(ld_u16(P.p1 + blk * 4)), m = h2f(ld_u16(P.p1 + blk * 4 + 2));
-        return d * da * (float)s + m * da * sa;
+    struct G { int c[8]; float d, m; };
+    __device__ static void load(const Planes& P, size_t blk, int, G& g) {
+        nibbles(P.p0 + blk * 16, g.c);
+        g.d = h2f(ld_u16(P.p1 + blk * 4));
+        g.m = h2f(ld_u16(P.p1 + blk * 4 + 2));
+    }
+    __device__ static float dot(const G& g, const int* a, float da, float sa) {
+        return g.d * da * (float)dp8(g.c, a) + g.m * da * sa;
     }
 };
 
@@ -119,15 +134,13 @@ struct Q5_0 {
         const int c = q5_code1(P.p0 + blk * 16, qh, i) - 16;
         return __fmul_rn((float)c, h2f(ld_u16(P.p2 + blk * 2)));
     }
-    __device__ static float dot(const Planes& P, size_t blk, int, const int* a, float da,
-                                float sa) {
-        int c[8];
-        q5_codes(P.p0 + blk * 16, *reinterpret_cast<const u32*>(P.p1 + blk * 4), c);
-        int s = 0;
-#pragma unroll
-        for (int i = 0; i < 8; i++) s = __dp4a(c[i], a[i], s);
-        const float d = h2f(ld_u16(P.p2 + blk * 2));
-        return d * da * ((float)s - 16.0f * sa);
+    struct G { int c[8]; float d; };
+    __device__ static void load(const Planes& P, size_t blk, int, G& g) {
+        q5_codes(P.p0 + blk * 16, *reinterpret_cast<const u32*>(P.p1 + blk * 4), g.c);
+        g.d = h2f(ld_u16(P.p2 + blk * 2));
+    }
+    __device__ static float dot(const G& g, const int* a, float da, float sa) {
+        return g.d * da * ((float)dp8(g.c, a) - 16.0f * sa);
     }
 };
 
@@ -141,15 +154,14 @@ struct Q5_1 {
         const float d = h2f(ld_u16(P.p2 + blk * 4)), m = h2f(ld_u16(P.p2 + blk * 4 + 2));
         return __fadd_rn(__fmul_rn(d, (float)c), m);
     }
-    __device__ static float dot(const Planes& P, size_t blk, int, const int* a, float da,
-                                float sa) {
-        int c[8];
-        q5_codes(P.p0 + blk * 16, *reinterpret_cast<const u32*>(P.p1 + blk * 4), c);
-        int s = 0;
-#pragma unroll
-        for (int i = 0; i < 8; i++) s = __dp4a(c[i], a[i], s);
-        const float d = h2f(ld_u16(P.p2 + blk * 4)), m = h2f(ld_u16(P.p2 + blk * 4 + 2));
-        return d * da * (float)s + m * da * sa;
+    struct G { int c[8]; float d, m; };
+    __device__ static void load(const Planes& P, size_t blk, int, G& g) {
+        q5_codes(P.p0 + blk * 16, *reinterpret_cast<const u32*>(P.p1 + blk * 4), g.c);
+        g.d = h2f(ld_u16(P.p2 + blk * 4));
+        g.m = h2f(ld_u16(P.p2 + blk * 4 + 2));
+    }
+    __device__ static float dot(const G& g, const int* a, float da, float sa) {
+        return g.d * da * (float)dp8(g.c, a) + g.m * da * sa;
     }
 };
 
@@ -161,15 +173,14 @@ struct Q8_0 {
         const int c = (signed char)P.p0[blk * 32 + i];
         return __fmul_rn((float)c, h2f(ld_u16(P.p1 + blk * 2)));
     }
-    __device__ static float dot(const Planes& P, size_t blk, int, const int* a, float da,
-                                float) {
-        int w[8];
-        ld16(P.p0 + blk * 32, w);
-        ld16(P.p0 + blk * 32 + 16, w + 4);
-        int s = 0;
-#pragma unroll
-        for (int i = 0; i < 8; i++) s = __dp4a(w[i], a[i], s);
-        return h2f(ld_u16(P.p1 + blk * 2)) * da * (float)s;
+    struct G { int c[8]; float d; };
+    __device__ static void load(const Planes& P, size_t blk, int, G& g) {
+        ld16(P.p0 + blk * 32, g.c);
+        ld16(P.p0 + blk * 32 + 16, g.c + 4);
+        g.d = h2f(ld_u16(P.p1 + blk * 2));
+    }
+    __device__ static float dot(const G& g, const int* a, float da, float) {
+        return g.d * da * (float)dp8(g.c, a);
     }
 };
 
@@ -200,20 +211,21 @@ struct Q4_K {
         return __fsub_rn(__fmul_rn(__fmul_rn(d, (float)sc), (float)c),
                          __fmul_rn(dmin, (float)m));
     }
-    __device__ static float dot(const Planes& P, size_t blk, int j, const int* a, float da,
-                                float sa) {
-        int w[8];
+    struct G { int c[8]; float ds, dm; };   // ds = d * sc, dm = dmin * m
+    __device__ static void load(const Planes& P, size_t blk, int j, G& g) {
         const u8* qs = P.p0 + blk * 128 + 32 * (j >> 1);
-        ld16(qs, w);
-        ld16(qs + 16, w + 4);
+        ld16(qs, g.c);
+        ld16(qs + 16, g.c + 4);
         const int sh = (j & 1) * 4;
-        int s = 0;
 #pragma unroll
-        for (int i = 0; i < 8; i++) s = __dp4a((w[i] >> sh) & 0x0F0F0F0F, a[i], s);
+        for (int i = 0; i < 8; i++) g.c[i] = (g.c[i] >> sh) & 0x0F0F0F0F;
         int sc, m;
         k_scale_min(P.p1 + blk * 12, j, sc, m);
-        const float d = h2f(ld_u16(P.p2 + blk * 4)), dmin = h2f(ld_u16(P.p2 + blk * 4 + 2));
-        return d * (float)sc * da * (float)s - dmin * (float)m * da * sa;
+        g.ds = h2f(ld_u16(P.p2 + blk * 4)) * (float)sc;
+        g.dm = h2f(ld_u16(P.p2 + blk * 4 + 2)) * (float)m;
+    }
+    __device__ static float dot(const G& g, const int* a, float da, float sa) {
+        return g.ds * da * (float)dp8(g.c, a) - g.dm * da * sa;
     }
 };
 
@@ -232,25 +244,25 @@ struct Q5_K {
         return __fsub_rn(__fmul_rn(__fmul_rn(d, (float)sc), (float)c),
                          __fmul_rn(dmin, (float)m));
     }
-    __device__ static float dot(const Planes& P, size_t blk, int j, const int* a, float da,
-                                float sa) {
-        int w[8], h[8];
+    struct G { int c[8]; float ds, dm; };   // ds = d * sc, dm = dmin * m
+    __device__ static void load(const Planes& P, size_t blk, int j, G& g) {
+        int h[8];
         const u8* qs = P.p0 + blk * 128 + 32 * (j >> 1);
-        ld16(qs, w);
-        ld16(qs + 16, w + 4);
+        ld16(qs, g.c);
+        ld16(qs + 16, g.c + 4);
         ld16(P.p1 + blk * 32, h);
         ld16(P.p1 + blk * 32 + 16, h + 4);
         const int sh = (j & 1) * 4;
-        int s = 0;
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const int c = ((w[i] >> sh) & 0x0F0F0F0F) | ((((u32)h[i] >> j) & 0x01010101u) << 4);
-            s = __dp4a(c, a[i], s);
-        }
+        for (int i = 0; i < 8; i++)
+            g.c[i] = ((g.c[i] >> sh) & 0x0F0F0F0F) | ((((u32)h[i] >> j) & 0x01010101u) << 4);
         int sc, m;
         k_scale_min(P.p2 + blk * 12, j, sc, m);
-        const float d = h2f(ld_u16(P.p3 + blk * 4)), dmin = h2f(ld_u16(P.p3 + blk * 4 + 2));
-        return d * (float)sc * da * (float)s - dmin * (float)m * da * sa;
+        g.ds = h2f(ld_u16(P.p3 + blk * 4)) * (float)sc;
+        g.dm = h2f(ld_u16(P.p3 + blk * 4 + 2)) * (float)m;
+    }
+    __device__ static float dot(const G& g, const int* a, float da, float sa) {
+        return g.ds * da * (float)dp8(g.c, a) - g.dm * da * sa;
     }
 };
 
@@ -270,27 +282,34 @@ struct Q6_K {
         const float d = h2f(ld_u16(P.p3 + blk * 2));
         return __fmul_rn(__fmul_rn(d, (float)sc), (float)c);
     }
-    __device__ static float dot(const Planes& P, size_t blk, int s, const int* a, float da,
-                                float) {
+    struct G { int c[8]; int sc0, sc1; float d; };   // codes - 32; elements < 16 use sc0
+    __device__ static void load(const Planes& P, size_t blk, int s, G& g) {
         const int h = s >> 2, t = s & 3;
-        int w[8], q[8];
+        int q[8];
         const u8* ql = P.p0 + blk * 128 + 64 * h + 32 * (t & 1);
-        ld16(ql, w);
-        ld16(ql + 16, w + 4);
+        ld16(ql, g.c);
+        ld16(ql + 16, g.c + 4);
         ld16(P.p1 + blk * 64 + 32 * h, q);
         ld16(P.p1 + blk * 64 + 32 * h + 16, q + 4);
         const int shl = (t >= 2) ? 4 : 0;
-        int s0 = 0, s1 = 0;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            const int c = ((w[i] >> shl) & 0x0F0F0F0F) | ((((u32)q[i] >> (2 * t)) & 0x03030303u) << 4);
-            const int cs = __vsub4(c, 0x20202020);    // per byte c - 32, in -32..31
-            if (i < 4) s0 = __dp4a(cs, a[i], s0);
-            else s1 = __dp4a(cs, a[i], s1);
+            const int c = ((g.c[i] >> shl) & 0x0F0F0F0F) | ((((u32)q[i] >> (2 * t)) & 0x03030303u) << 4);
+            g.c[i] = __vsub4(c, 0x20202020);    // per byte c - 32, in -32..31
         }
         const signed char* sc = reinterpret_cast<const signed char*>(P.p2 + blk * 16 + 8 * h + 2 * t);
-        const float d = h2f(ld_u16(P.p3 + blk * 2));
-        return d * da * (float)(sc[0] * s0 + sc[1] * s1);
+        g.sc0 = sc[0];
+        g.sc1 = sc[1];
+        g.d = h2f(ld_u16(P.p3 + blk * 2));
+    }
+    __device__ static float dot(const G& g, const int* a, float da, float) {
+        int s0 = 0, s1 = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            s0 = __dp4a(g.c[i], a[i], s0);
+            s1 = __dp4a(g.c[i + 4], a[i + 4], s1);
+        }
+        return g.d * da * (float)(g.sc0 * s0 + g.sc1 * s1);
     }
 };
 

@@ -1,0 +1,83 @@
+// rope_kv.cu: the attention inputs of one layer in one pass (RoPE + KV write):
+//   q[t, h]  <- rope(norm_q(q[t, h]))                       for h < H        (in place)
+//   K[slot[t], pos[t], h] <- store_K(rope(norm_k(k[t, h])))  for h < Hkv
+//   V[slot[t], pos[t], h] <- store_V(v[t, h])                for h < Hkv
+// norm_x(r) = r * (1 / sqrt(sum(r^2) / D + eps)) * w_x per head (Qwen3's q/k norms; identity
+// when w_x is null); rope rotates the first 2 * half dims by cos/sin[pos[t], i], pairs (2i, 2i+1)
+// (normal) or (i, i + half) (neox), as elementwise.cu's rope; store_X is the cache type's
+// rounding (kv_quant.cuh). Every value is rounded as the separate rms_norm, rope and kv_store
+// kernels round it: the fusion changes no bit. Rows with slot[t] < 0 are padding: q is still
+// rotated (pos is valid), nothing is stored.
+// q, k, v: (T, H | Hkv, D | Dv) views with strides (s0, s1, 1); D <= 512.
+// Launch: grid (T, H + 2 Hkv), block norm_block(D) = min(256, 32 ceil(D / 32)) threads, the
+// block size elementwise.cu's rms_norm uses for rows of D (so the norm's sum has the same
+// order); Dv <= that block size * 8.
+#include "act_quant.cuh"
+#include "kv_quant.cuh"
+
+#define ROPE_KV_MAX_D 512
+
+template <class KP, class VP>
+__device__ __forceinline__ void rope_kv(
+        float* __restrict__ q, int q0, int q1, const float* __restrict__ k, int k0, int k1,
+        const float* __restrict__ v, int v0, int v1, int H, int Hkv, int D, int Dv,
+        const float* __restrict__ qn, const float* __restrict__ kn, float eps,
+        const int* __restrict__ positions, const int* __restrict__ slots,
+        const float* __restrict__ cos_t, const float* __restrict__ sin_t, int half, int neox,
+        int n_ctx, u8* kc, u16* ks, u8* vc, u16* vs) {
+    __shared__ float row[ROPE_KV_MAX_D];
+    const int t = blockIdx.x, j = blockIdx.y;
+    const int pos = positions[t], slot = slots[t];
+    if (j >= H + Hkv) {                                   // a V head: store only
+        const int h = j - H - Hkv;
+        if (slot >= 0)
+            VP::put(v + (size_t)t * v0 + (size_t)h * v1, Dv,
+                    ((size_t)slot * n_ctx + pos) * Hkv + h, vc, vs);
+        return;
+    }
+    const bool is_q = j < H;
+    const int h = is_q ? j : j - H;
+    if (!is_q && slot < 0) return;                        // block-uniform
+    const float* src = is_q ? q + (size_t)t * q0 + (size_t)h * q1
+                            : k + (size_t)t * k0 + (size_t)h * k1;
+    const float* nw = is_q ? qn : kn;
+    if (nw != nullptr) {
+        const float r = block_inv_rms(src, D, eps);
+        for (int i = threadIdx.x; i < D; i += blockDim.x)
+            row[i] = __fmul_rn(__fmul_rn(src[i], r), nw[i]);
+    } else {
+        for (int i = threadIdx.x; i < D; i += blockDim.x) row[i] = src[i];
+    }
+    __syncthreads();
+    if (pos >= 0) {
+        for (int i = threadIdx.x; i < half; i += blockDim.x) {
+            const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+            const float c = cos_t[(size_t)pos * half + i], s = sin_t[(size_t)pos * half + i];
+            const float a = row[ia], b = row[ib];
+            row[ia] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+            row[ib] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+        }
+    }
+    __syncthreads();
+    if (is_q) {
+        float* dst = q + (size_t)t * q0 + (size_t)h * q1;
+        for (int i = threadIdx.x; i < D; i += blockDim.x) dst[i] = row[i];
+    } else {
+        KP::put(row, D, ((size_t)slot * n_ctx + pos) * Hkv + h, kc, ks);
+    }
+}
+
+#define ROPE_KV_KERNEL(kn_, KP, vn_, VP)                                                     \
+    extern "C" __global__ void __launch_bounds__(256) rope_kv_##kn_##_##vn_(                \
+            float* q, int q0, int q1, const float* k, int k0, int k1, const float* v, int v0, \
+            int v1, int H, int Hkv, int D, int Dv, const float* qn, const float* kn, float eps, \
+            const int* positions, const int* slots, const float* cos_t, const float* sin_t,  \
+            int half, int neox, int n_ctx, u8* kc, u16* ks, u8* vc, u16* vs) {               \
+        rope_kv<KP, VP>(q, q0, q1, k, k0, k1, v, v0, v1, H, Hkv, D, Dv, qn, kn, eps,          \
+                        positions, slots, cos_t, sin_t, half, neox, n_ctx, kc, ks, vc, vs);   \
+    }
+#define ROPE_KV_V(kn_, KP) ROPE_KV_KERNEL(kn_, KP, f16, KvPutF16)                           \
+    ROPE_KV_KERNEL(kn_, KP, q8_0, KvPutQ8_0) ROPE_KV_KERNEL(kn_, KP, q4_0, KvPutQ4_0)
+ROPE_KV_V(f16, KvPutF16)
+ROPE_KV_V(q8_0, KvPutQ8_0)
+ROPE_KV_V(q4_0, KvPutQ4_0)
