@@ -24,10 +24,12 @@ from service.backends.base import Backend, KVCache
 from service.backends.cuda_layout import PlaneLayout, layout_of, split_planes
 from service.gguf.reader import TensorInfo
 
-GEMV_COLS = 16            # columns per GEMV block row (cuda/gemv.cu GEMV_COLS)
+GEMV_WARPS = 4            # warps per GEMV block (cuda/gemv.cu GEMV_WARPS)
+GEMV_NC = (1, 2, 4, 8, 16)   # column variants of cuda/gemv.cu; wider steps: chunks of 16
 GRAPH_MAX_TOKENS = 16     # steps up to this many tokens are captured (decode and verify)
 ATT_CHUNK = 128           # KV positions per attention split: one 32-key tile per warp
 ATT_MAX_D, ATT_MAX_DV = 512, 256
+ROPE_KV_MAX_D = 512       # cuda/rope_kv.cu ROPE_KV_MAX_D
 KV_TYPES = ("f16", "q8_0", "q4_0")
 _I32, _F32 = np.int32, np.float32
 _NULL = np.uint64(0)
@@ -73,6 +75,7 @@ class _Scratch:
     ads: Any = None                   # (rows * K/32, 2) f32 (d, sum of codes)
     part_ml: Any = None               # (T, H, S, 2) f32 attention split (max, sum)
     part_acc: Any = None              # (T, H, S, Dv) f32 attention split accumulators
+    counters: Any = None              # (T * H) int32 attention splits done, 0 between launches
     moe: dict[str, Any] = field(default_factory=dict)
 
 
@@ -99,17 +102,53 @@ def _check(a, dtype, what: str) -> None:
         raise TypeError(f"{what}: dtype {a.dtype}, expected {np.dtype(dtype)}")
 
 
+def _norm_block(d: int) -> int:
+    """Threads of a block that normalizes rows of d (elementwise.cu's norm_block): the order of
+    the norm's sum depends on it, so every kernel computing a norm of d uses the same."""
+    return min(256, _ceil(d, 32) * 32)
+
+
+def gemv_variant(n_cols: int, rows_per_warp: int) -> int:
+    """Columns per block row (NC) of the GEMV kernel for a step of n_cols columns: n_cols
+    rounded up to a variant, 16 (chunks of 16) above; the one-row-per-warp kernel has NC = 1."""
+    if rows_per_warp == 1:
+        return 1
+    return next((nc for nc in GEMV_NC if nc >= n_cols), GEMV_NC[-1])
+
+
+# (pointer, rows, row width, row stride) of a matrix view: what the 8-bit activation blocks in
+# the scratch were made from.
+ViewKey = tuple[int, int, int, int]
+
+
+def _matrix_key(a) -> ViewKey:
+    rows, _, ld, _, k = _rows(a)
+    return a.data.ptr, rows, k, ld
+
+
+def _overlaps(a, key: ViewKey) -> bool:
+    """Whether the matrix view a shares a byte with the view `key` names (f32 both)."""
+    p, rows, k, ld = _matrix_key(a)
+    q, rows2, k2, ld2 = key
+    return p < q + ((rows2 - 1) * ld2 + k2) * 4 and q < p + ((rows - 1) * ld + k) * 4
+
+
 class CudaBackend(Backend):
     name = "cuda"
     kv_types = KV_TYPES
 
     def __init__(self, threads: int = 0, graphs: bool = True, device: int = 0,
-                 invariant_tokens: int = 16):
+                 invariant_tokens: int = 16, gemv_rows: int = 2):
+        """gemv_rows: output rows per warp of the GEMVs, 2 (the default) or 1 (the earlier
+        kernel, kept for benchmarks; one column per block row). Both give the same bits."""
         # CPU threads do not apply; every GEMV column and attention query is computed the same
         # way at any step size, so steps of any width are invariant here.
         del threads, invariant_tokens
+        if gemv_rows not in (1, 2):
+            raise ValueError(f"gemv_rows must be 1 or 2, not {gemv_rows}")
         cp.cuda.Device(device).use()
         self.graphs = graphs
+        self.gemv_rows = gemv_rows
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._modules: dict[str, Any] = {}
         self._kernels: dict[str, Any] = {}
@@ -118,6 +157,11 @@ class CudaBackend(Backend):
         self._graphs: dict[tuple, tuple[Any, Any]] = {}
         self._seen: set[tuple] = set()
         self._s = _Scratch()
+        # Which matrix view's 8-bit blocks the scratch (qa, ads) holds, as written by a fused
+        # op (*_for_matmul); None when none. Host state that follows the op sequence alone, so
+        # a captured step records the same launches as its eager run: kept across GEMV
+        # launches (they only read the blocks), cleared by every other launch.
+        self._blocks: ViewKey | None = None
         self._max_k = 32
         self.weight_bytes = 0
 
@@ -125,7 +169,7 @@ class CudaBackend(Backend):
     def _fn(self, name: str):
         fn = self._kernels.get(name)
         if fn is None:
-            src = _KERNEL_SOURCE.get(name.split("_")[0], None)
+            src = next((f for prefix, f in _KERNEL_SOURCE if name.startswith(prefix)), None)
             if src is None:
                 raise KeyError(f"no kernel {name}")
             mod = self._modules.get(src)
@@ -137,11 +181,14 @@ class CudaBackend(Backend):
         return fn
 
     def _launch(self, name: str, grid, block, args) -> None:
+        if not name.startswith("gemv_"):
+            self._blocks = None
         with self.stream:
             self._fn(name)(grid, block, tuple(args))
 
     # ---------------------------------------------------------------- memory
     def zeros(self, shape, dtype="float32"):
+        self._blocks = None          # the new array may reuse a freed view's memory
         with self.stream:
             return cp.zeros(shape, dtype=dtype)
 
@@ -151,6 +198,7 @@ class CudaBackend(Backend):
         return out
 
     def upload_ints(self, host, out):
+        self._blocks = None
         host = np.asarray(host, dtype=out.dtype)
         key = out.data.ptr
         stage = self._staging.get(key)
@@ -253,6 +301,7 @@ class CudaBackend(Backend):
         n_split = _ceil(n_ctx, ATT_CHUNK)
         s.part_ml = z((max_tokens * n_head * n_split, 2), "float32")
         s.part_acc = z((max_tokens * n_head * n_split * head_dim_v,), "float32")
+        s.counters = z((max_tokens * n_head,), "int32")       # the kernel leaves them at 0
         if moe_used:
             f = moe_ff
             s.moe = {"logits": z((max_tokens, moe_experts)), "ids": z((rows,), "int32"),
@@ -261,6 +310,13 @@ class CudaBackend(Backend):
 
     # ---------------------------------------------------------------- step graphs
     def run_step(self, key, inputs, fn):
+        self._blocks = None              # a step starts and ends knowing no blocks
+        try:
+            return self._run_step(key, inputs, fn)
+        finally:
+            self._blocks = None
+
+    def _run_step(self, key, inputs, fn):
         t = key[0]
         if not self.graphs or t > GRAPH_MAX_TOKENS:
             return fn()
@@ -300,44 +356,94 @@ class CudaBackend(Backend):
         o0, o1, p0, p1, Do = _rows(out)
         if (n0, n1, D) != (o0, o1, Do) or w.shape != (D,):
             raise ValueError(f"rms_norm: x {x.shape}, out {out.shape}, w {w.shape}")
-        block = min(256, _ceil(D, 32) * 32)
-        self._launch("rms_norm", (n0 * n1,), (block,),
+        self._launch("rms_norm", (n0 * n1,), (_norm_block(D),),
                      [x, _I32(n1), _I32(s0), _I32(s1), _I32(D), w, _F32(eps), out, _I32(p0),
                       _I32(p1)])
 
+    def _block_room(self, rows: int, k: int) -> bool:
+        """Whether rows x k activations fit the 8-bit block scratch as whole 32-groups."""
+        return self._s.qa is not None and k % 32 == 0 and rows * k <= self._s.qa.size
+
+    def _block_args(self, rows: int, k: int) -> list[Any]:
+        return [self._s.qa[: rows * k], self._s.ads[: rows * k // 32]]
+
+    def rms_norm_for_matmul(self, x, w, eps, out):
+        if x.ndim != 2 or out.ndim != 2 or not self._block_room(*out.shape):
+            self.rms_norm(x, w, eps, out)
+            return
+        T, _, ldx, _, D = _rows(x)
+        _, _, ldo, _, _ = _rows(out)
+        if out.shape != (T, D) or w.shape != (D,):
+            raise ValueError(f"rms_norm_for_matmul: x {x.shape}, out {out.shape}, w {w.shape}")
+        for a, what in ((x, "x"), (w, "w"), (out, "out")):
+            _check(a, np.float32, f"rms_norm_for_matmul {what}")
+        self._launch("rms_norm_quant", (T,), (_norm_block(D),),
+                     [x, _I32(ldx), _I32(D), w, _F32(eps), out, _I32(ldo),
+                      *self._block_args(T, D)])
+        self._blocks = _matrix_key(out)
+
+    def rms_norm_add(self, o, w, eps, x):
+        T, _, ldo, _, D = _rows(o)
+        _, _, ldx, _, _ = _rows(x)
+        if o.ndim != 2 or x.shape != o.shape or w.shape != (D,):
+            raise ValueError(f"rms_norm_add: o {o.shape}, x {x.shape}, w {w.shape}")
+        for a, what in ((o, "o"), (w, "w"), (x, "x")):
+            _check(a, np.float32, f"rms_norm_add {what}")
+        self._launch("rms_norm_add", (T,), (_norm_block(D),),
+                     [o, _I32(ldo), _I32(D), w, _F32(eps), x, _I32(ldx)])
+
     def _quantize(self, x) -> tuple[Any, Any]:
+        """The 8-bit blocks of x (T, K): the scratch's when a fused op just wrote x's, else
+        made now. Blocks made here are not remembered: x may be written by anything (a copy
+        from the host) before the next matmul, only the backend's own producers are known."""
         T, _, ldx, _, K = _rows(x)
-        if K % 32 or T * K > self._s.qa.size:
+        if self._blocks == _matrix_key(x):
+            qa, ads = self._block_args(T, K)
+            return qa, ads
+        if not self._block_room(T, K):
             raise ValueError(f"activations {x.shape} exceed the prepared buffers or K % 32")
-        qa, ads = self._s.qa[: T * K], self._s.ads[: T * K // 32]
+        qa, ads = self._block_args(T, K)
         self._launch("quantize_act", (_ceil(T * K // 32, 4),), (32, 4),
                      [x, _I32(ldx), _I32(T), _I32(K), qa, ads])
         return qa, ads
 
-    def _gemv(self, x, w: CudaMatrix, out, ids=None, n_pairs: int = 0, act_div: int = 1):
+    def _gemv(self, x, w: CudaMatrix, out, ids=None, n_pairs: int = 0, act_div: int = 1,
+              accumulate: bool = False):
         T, _, ldx, _, K = _rows(x)
         C, _, ldo, _, N = _rows(out)
-        if K != w.k or N != w.n:
+        if x.ndim != 2 or out.ndim != 2 or K != w.k or N != w.n:
             raise ValueError(f"matmul: x {x.shape} / out {out.shape} vs W ({w.n}, {w.k})")
         _check(x, np.float32, "matmul x")
         _check(out, np.float32, "matmul out")
+        R = self.gemv_rows
         if ids is None:
             if C != T:
                 raise ValueError(f"matmul: {T} input rows, {C} output rows")
-            grid, ids_arg, rpe = (_ceil(N, 4), _ceil(T, GEMV_COLS)), _NULL, 0
-        else:
-            grid, ids_arg, rpe = (_ceil(N, 4), n_pairs), ids, w.n
+            nc = gemv_variant(T, R)
+            grid, ids_arg, rpe = (_ceil(N, GEMV_WARPS * R), _ceil(T, nc)), _NULL, 0
+        else:                                 # gathered experts: one column per block row
+            _check(ids, np.int32, "matmul ids")
+            if C != n_pairs or ids.size < n_pairs:
+                raise ValueError(f"gathered matmul: {n_pairs} pairs, out {out.shape}")
+            nc = 1
+            grid, ids_arg, rpe = (_ceil(N, GEMV_WARPS * R), n_pairs), ids, w.n
+        tail = [_I32(C), ids_arg, _I32(rpe), _I32(act_div), out, _I32(ldo),
+                _I32(1 if accumulate else 0)]
         if w.layout.quantized:
             qa, ads = self._quantize(x)
-            args = [*w.args(), _I32(K), _I32(N), qa, ads, _I32(C), ids_arg, _I32(rpe),
-                    _I32(act_div), out, _I32(ldo)]
+            args = [*w.args(), _I32(K), _I32(N), qa, ads, *tail]
         else:
-            args = [w.planes[0], _I32(K), _I32(N), x, _I32(ldx), _I32(C), ids_arg, _I32(rpe),
-                    _I32(act_div), out, _I32(ldo)]
-        self._launch(f"gemv_{w.layout.kernel}", grid, (32, 4), args)
+            args = [w.planes[0], _I32(K), _I32(N), x, _I32(ldx), *tail]
+        self._launch(f"gemv_{w.layout.kernel}_c{nc}r{R}", grid, (32, GEMV_WARPS), args)
+        if self._blocks is not None and _overlaps(out, self._blocks):
+            self._blocks = None
 
     def matmul(self, x, w: CudaMatrix, out):
         self._gemv(x, w, out)
+
+    def matmul_add(self, x, w: CudaMatrix, out, tmp):
+        del tmp                               # the GEMV adds into out itself
+        self._gemv(x, w, out, accumulate=True)
 
     def add(self, a, b, out):
         T, _, lda, _, N = _rows(a)
@@ -369,42 +475,101 @@ class CudaBackend(Backend):
                       _I32(1 if neox else 0)])
 
     def glu(self, gate, up, activation, out):
+        self._glu("glu", gate, up, activation, out, [])
+
+    def glu_for_matmul(self, gate, up, activation, out):
+        if out.ndim != 2 or not self._block_room(*out.shape):
+            self.glu(gate, up, activation, out)
+            return
+        self._glu("glu_quant", gate, up, activation, out, self._block_args(*out.shape))
+        self._blocks = _matrix_key(out)
+
+    def _glu(self, kernel: str, gate, up, activation, out, blocks: list[Any]):
         T, _, ldg, _, F = _rows(gate)
         _, _, ldu, _, _ = _rows(up)
         _, _, ldo, _, _ = _rows(out)
+        if gate.ndim != 2 or up.shape != gate.shape or out.shape != gate.shape:
+            raise ValueError(f"{kernel}: gate {gate.shape}, up {up.shape}, out {out.shape}")
         act = {"silu": 0, "gelu_tanh": 1}[activation]
-        self._launch("glu", (_ceil(F, 256), T), (256,),
-                     [gate, _I32(ldg), up, _I32(ldu), _I32(F), _I32(act), out, _I32(ldo)])
+        self._launch(kernel, (_ceil(F, 256), T), (256,),
+                     [gate, _I32(ldg), up, _I32(ldu), _I32(F), _I32(act), out, _I32(ldo),
+                      *blocks])
 
     def kv_write(self, cache: CudaKVCache, layer, k, v, slots, positions):
         for src, (codes, scales), t in ((k, cache.k[layer], cache.type_k),
                                         (v, cache.v[layer], cache.type_v)):
             T, H, st, sh, D = _rows(src)
-            args = [src, _I32(st), _I32(sh), _I32(D), slots, positions, _I32(cache.n_ctx),
-                    _I32(H), codes]
-            if scales is not None:
-                args.append(scales)
-            self._launch(f"kv_store_{t}", (T, H), (32, _ceil(D, 32)), args)
+            self._launch(f"kv_store_{t}", (T, H), (32, _ceil(D, 32)),
+                         [src, _I32(st), _I32(sh), _I32(D), slots, positions,
+                          _I32(cache.n_ctx), _I32(H), codes,
+                          scales if scales is not None else _NULL])
+
+    def rope_kv(self, q, k, v, q_norm, k_norm, eps, positions, slots, table, neox,
+                cache: CudaKVCache, layer):
+        T, H, q0, q1, D = _rows(q)
+        Tk, Hkv, k0, k1, Dk = _rows(k)
+        Tv, Hv, v0, v1, Dv = _rows(v)
+        half = table[0].shape[1]
+        if (q.ndim, k.ndim, v.ndim) != (3, 3, 3) or not T == Tk == Tv or Hkv != Hv \
+                or (Hkv, D, Dk, Dv) != (cache.n_head_kv, cache.head_dim, cache.head_dim,
+                                        cache.head_dim_v) \
+                or D > ROPE_KV_MAX_D or 2 * half > D:
+            raise ValueError(f"rope_kv: q {q.shape}, k {k.shape}, v {v.shape}, rotary "
+                             f"{2 * half}, cache heads {cache.n_head_kv} x {cache.head_dim}/"
+                             f"{cache.head_dim_v}")
+        for a, what in ((q, "q"), (k, "k"), (v, "v"), (q_norm, "q_norm"), (k_norm, "k_norm")):
+            if a is not None:
+                _check(a, np.float32, f"rope_kv {what}")
+        for a in (q_norm, k_norm):
+            if a is not None and a.shape != (D,):
+                raise ValueError(f"rope_kv: norm weights {a.shape}, heads of {D}")
+        _check(positions, np.int32, "rope_kv positions")
+        _check(slots, np.int32, "rope_kv slots")
+        (kc, ks), (vc, vs) = cache.k[layer], cache.v[layer]
+        opt = [a if a is not None else _NULL for a in (q_norm, k_norm, ks, vs)]
+        self._launch(f"rope_kv_{cache.type_k}_{cache.type_v}", (T, H + 2 * Hkv),
+                     (_norm_block(D),),
+                     [q, _I32(q0), _I32(q1), k, _I32(k0), _I32(k1), v, _I32(v0), _I32(v1),
+                      _I32(H), _I32(Hkv), _I32(D), _I32(Dv), opt[0], opt[1], _F32(eps),
+                      positions, slots, table[0], table[1], _I32(half), _I32(1 if neox else 0),
+                      _I32(cache.n_ctx), kc, opt[2], vc, opt[3]])
 
     def attention(self, q, cache: CudaKVCache, layer, slots, positions, kv_len, window, scale,
                   out):
-        del kv_len   # positions come from the device: no host length in the launch
+        self._attention(q, cache, layer, slots, positions, window, scale, out, False)
+
+    def attention_for_matmul(self, q, cache: CudaKVCache, layer, slots, positions, kv_len,
+                             window, scale, out):
+        self._attention(q, cache, layer, slots, positions, window, scale, out, True)
+
+    def _attention(self, q, cache: CudaKVCache, layer, slots, positions, window, scale, out,
+                   for_matmul: bool):
+        # kv_len is not used: positions come from the device, no host length in the launch
         T, H, q0, q1, D = _rows(q)
-        _, _, o0, o1, Dv = _rows(out)
+        To, Ho, o0, o1, Dv = _rows(out)
+        Hkv = cache.n_head_kv
+        if (q.ndim, out.ndim) != (3, 3) or (To, Ho) != (T, H) or H % Hkv \
+                or (D, Dv) != (cache.head_dim, cache.head_dim_v):
+            raise ValueError(f"attention: q {q.shape}, out {out.shape}, cache heads {Hkv} x "
+                             f"{cache.head_dim}/{cache.head_dim_v}")
+        _check(q, np.float32, "attention q")
+        _check(out, np.float32, "attention out")
         n_split = _ceil(cache.n_ctx, ATT_CHUNK)
         s = self._s
-        if T * H * n_split > s.part_ml.shape[0]:
+        if s.part_ml is None or T * H * n_split > s.part_ml.shape[0] or T * H > s.counters.size:
             raise ValueError(f"attention over {T} tokens exceeds the prepared buffers")
+        # the output's 8-bit blocks as rows of H * Dv, when its heads are contiguous
+        quant = for_matmul and o1 == Dv and Dv % 32 == 0 and self._block_room(T, H * Dv)
+        blocks = self._block_args(T, H * Dv) if quant else [_NULL, _NULL]
         (kq, kd), (vq, vd) = cache.k[layer], cache.v[layer]
         ml, acc = s.part_ml[: T * H * n_split], s.part_acc[: T * H * n_split * Dv]
-        self._launch(f"attn_split_{cache.type_k}_{cache.type_v}", (n_split, H, T), (32, 4),
-                     [q, _I32(q0), _I32(q1), _I32(H), _I32(cache.n_head_kv), _I32(D),
-                      _I32(Dv), kq, kd if kd is not None else kq, vq,
-                      vd if vd is not None else vq, slots, positions, _I32(cache.n_ctx),
-                      _I32(window), _F32(scale), _I32(ATT_CHUNK), ml, acc])
-        self._launch("attn_combine", (H, T), (256,),
-                     [ml, acc, _I32(H), _I32(n_split), _I32(Dv), slots, out, _I32(o0),
-                      _I32(o1)])
+        self._launch(f"attn_{cache.type_k}_{cache.type_v}", (n_split, H, T), (32, 4),
+                     [q, _I32(q0), _I32(q1), _I32(H), _I32(Hkv), _I32(D), _I32(Dv), kq,
+                      kd if kd is not None else kq, vq, vd if vd is not None else vq, slots,
+                      positions, _I32(cache.n_ctx), _I32(window), _F32(scale), _I32(ATT_CHUNK),
+                      ml, acc, s.counters, out, _I32(o0), _I32(o1), *blocks])
+        if quant:
+            self._blocks = (out.data.ptr, T, H * Dv, o0)
 
     def moe(self, x, router: CudaMatrix, gate: CudaMatrix, up: CudaMatrix, down: CudaMatrix,
             n_used, normalize, activation, out):
@@ -430,8 +595,10 @@ class CudaBackend(Backend):
         self._launch("argmax_rows", (T,), (1024,), [logits, _I32(ld), _I32(V), out])
 
 
-# Kernel name prefix -> source file.
-_KERNEL_SOURCE = {"gemv": "gemv.cu", "quantize": "quantize.cu", "kv": "quantize.cu",
-                  "embed": "elementwise.cu", "rms": "elementwise.cu", "add": "elementwise.cu",
-                  "glu": "elementwise.cu", "rope": "elementwise.cu", "moe": "elementwise.cu",
-                  "attn": "attention.cu", "argmax": "sampling.cu"}
+# Kernel name prefix -> source file, the first match wins (rope_kv_* before rope).
+_KERNEL_SOURCE = (("gemv_", "gemv.cu"), ("quantize_", "quantize.cu"), ("kv_", "quantize.cu"),
+                  ("embed_", "elementwise.cu"), ("rms_", "elementwise.cu"),
+                  ("add_", "elementwise.cu"), ("glu", "elementwise.cu"),
+                  ("rope_kv_", "rope_kv.cu"), ("rope", "elementwise.cu"),
+                  ("moe_", "elementwise.cu"), ("attn_", "attention.cu"),
+                  ("argmax_", "sampling.cu"))
