@@ -28,6 +28,8 @@ from service.backends.cuda_types import (
 
 
 class AttentionOps:
+    """KV cache, RoPE and attention launchers of CudaBackend (one launcher per kernel)."""
+
     def new_kv_cache(self, n_layer, n_slots, n_ctx, n_head_kv, head_dim, head_dim_v,
                      type_k, type_v) -> CudaKVCache:
         for t, d in ((type_k, head_dim), (type_v, head_dim_v)):
