@@ -11,7 +11,7 @@
 // q, k, v: (T, H | Hkv, D | Dv) views with strides (s0, s1, 1); D <= 512.
 // Launch: grid (T, H + 2 Hkv), block norm_block(D) = min(256, 32 ceil(D / 32)) threads, the
 // block size elementwise.cu's rms_norm uses for rows of D (so the norm's sum has the same
-// order); Dv <= that block size * 8.
+// order); blocks j < H rotate q heads, H <= j < H + Hkv k heads, the rest store v heads.
 #include "act_quant.cuh"
 #include "kv_quant.cuh"
 

@@ -149,3 +149,52 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def argmax(self, logits: Array, out: Array) -> None:
         """out[t] = argmax(logits[t]) as int32 (the lowest index on exact ties)."""
+
+    # ---------------------------------------------------------------- fused ops
+    # Each has a default that composes the ops above, so a backend computes exactly what the
+    # separate ops compute unless it overrides them with one pass. A backend may override any
+    # subset; the CPU reference overrides none.
+
+    def rms_norm_for_matmul(self, x: Array, w: Array, eps: float, out: Array) -> None:
+        """rms_norm(x, w, eps, out) where `out` (T, K) is the input of the next matmul: the
+        backend may prepare that matmul's input (e.g. 8-bit blocks) in the same pass. It stays
+        prepared for matmuls on exactly `out` until the next other op; writing `out` by other
+        means in between is not allowed."""
+        self.rms_norm(x, w, eps, out)
+
+    def glu_for_matmul(self, gate: Array, up: Array, activation: str, out: Array) -> None:
+        """glu(gate, up, activation, out) where `out` (T, F) feeds the next matmul (as above)."""
+        self.glu(gate, up, activation, out)
+
+    def attention_for_matmul(self, q: Array, cache: KVCache, layer: int, slots: Array,
+                             positions: Array, kv_len: int, window: int, scale: float,
+                             out: Array) -> None:
+        """attention(...) where `out` (T, H, Dv), read as (T, H*Dv), feeds the next matmul."""
+        self.attention(q, cache, layer, slots, positions, kv_len, window, scale, out)
+
+    def rope_kv(self, q: Array, k: Array, v: Array, q_norm: Array | None,
+                k_norm: Array | None, eps: float, positions: Array, slots: Array, table: Any,
+                neox: bool, cache: KVCache, layer: int) -> None:
+        """The attention inputs of one layer: q, k (T, H | Hkv, D) get their per-head RMSNorm
+        (when q_norm / k_norm are given) and RoPE; q is updated in place, k (rotated) and v
+        (T, Hkv, Dv) are stored in the cache at rows positions[t] of slots[t]. k's contents
+        are unspecified afterwards."""
+        if q_norm is not None:
+            self.rms_norm(q, q_norm, eps, q)
+        if k_norm is not None:
+            self.rms_norm(k, k_norm, eps, k)
+        self.rope(q, positions, table, neox)
+        self.rope(k, positions, table, neox)
+        self.kv_write(cache, layer, k, v, slots, positions)
+
+    def matmul_add(self, x: Array, w: Any, out: Array, tmp: Array) -> None:
+        """out (T, N) += x (T, K) @ W^T, rounded as matmul into tmp then add(out, tmp, out).
+        tmp (T, N) is scratch the backend may use; its contents are unspecified afterwards."""
+        self.matmul(x, w, tmp)
+        self.add(out, tmp, out)
+
+    def rms_norm_add(self, o: Array, w: Array, eps: float, x: Array) -> None:
+        """x (T, E) += rms_norm(o, w, eps), rounded as rms_norm in place then add(x, o, x) (a
+        post-norm and the residual add). o's contents are unspecified afterwards."""
+        self.rms_norm(o, w, eps, o)
+        self.add(x, o, x)

@@ -1,115 +1,69 @@
 """CUDA backend: CuPy launchers for the raw kernels in cuda/, weights quantized on the GPU,
 and one captured CUDA graph per step shape.
 
-The only module that imports CuPy. Every op is a raw kernel (no CuPy elementwise temporaries),
-launched on the backend's own stream into buffers allocated at load time, so a step can be
-captured into a CUDA graph and replayed: the first step of a shape runs eagerly (it loads the
-kernels), the second is captured, later ones replay. Kernels read token ids, positions and KV
-slots from device buffers and never take a KV length from the host, so one graph per
-(tokens, logits) shape serves every position.
+With cuda_attention.py (the attention family, a mixin of the backend here), the only modules
+that import CuPy; cuda_types.py holds the shapes and helpers they share. Every op is a raw
+kernel (no CuPy elementwise temporaries), launched on the backend's own stream into buffers
+allocated at load time, so a step can be captured into a CUDA graph and replayed: the first
+step of a shape runs eagerly (it loads the kernels), the second is captured, later ones
+replay. Kernels read token ids, positions and KV slots from device buffers and never take a
+KV length from the host, so one graph per (tokens, logits) shape serves every position.
 
 Shapes below: T tokens in the step, K/N the input/output width of a matrix, E the model width.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import cupy as cp
 import numpy as np
 
 from service.backends import cuda_sources
-from service.backends.base import Backend, KVCache
+from service.backends.base import Backend
+from service.backends.cuda_attention import AttentionOps
 from service.backends.cuda_layout import PlaneLayout, layout_of, split_planes
+from service.backends.cuda_types import (
+    ATT_CHUNK,
+    F32,
+    GEMV_WARPS,
+    GRAPH_MAX_TOKENS,
+    I32,
+    KV_TYPES,
+    NULL,
+    CudaKVCache,
+    CudaMatrix,
+    Scratch,
+    ViewKey,
+    ceil_div,
+    check_dtype,
+    gemv_variant,
+    matrix_key,
+    norm_block,
+    overlaps,
+    view_rows,
+)
 from service.gguf.reader import TensorInfo
 
-GEMV_COLS = 16            # columns per GEMV block row (cuda/gemv.cu GEMV_COLS)
-GRAPH_MAX_TOKENS = 16     # steps up to this many tokens are captured (decode and verify)
-ATT_CHUNK = 128           # KV positions per attention split: one 32-key tile per warp
-ATT_MAX_D, ATT_MAX_DV = 512, 256
-KV_TYPES = ("f16", "q8_0", "q4_0")
-_I32, _F32 = np.int32, np.float32
-_NULL = np.uint64(0)
+__all__ = ["CudaBackend", "CudaKVCache", "CudaMatrix"]
 
 
-@dataclass
-class CudaMatrix:
-    """W (rows, K) in GPU planes; `rows` = n_expert * n for a stack of experts."""
-
-    layout: PlaneLayout
-    rows: int
-    k: int
-    planes: list[Any]                 # cupy uint8 arrays, p0..p3 of quant_types.cuh
-    n_expert: int = 1
-
-    @property
-    def n(self) -> int:               # output rows of one expert
-        return self.rows // self.n_expert
-
-    def args(self) -> list[Any]:
-        ps = self.planes + [self.planes[0]] * (4 - len(self.planes))
-        return ps[:4]
-
-
-@dataclass
-class CudaKVCache(KVCache):
-    k: list[tuple[Any, Any]]         # per layer (codes, scales) planes; scales None for f16
-    v: list[tuple[Any, Any]]
-    type_k: str
-    type_v: str
-    n_slots: int
-    n_ctx: int
-    n_head_kv: int
-    head_dim: int
-    head_dim_v: int
-
-
-@dataclass
-class _Scratch:
-    """Buffers every step reuses (sized by prepare)."""
-
-    qa: Any = None                    # (rows * K) int8 activation codes
-    ads: Any = None                   # (rows * K/32, 2) f32 (d, sum of codes)
-    part_ml: Any = None               # (T, H, S, 2) f32 attention split (max, sum)
-    part_acc: Any = None              # (T, H, S, Dv) f32 attention split accumulators
-    moe: dict[str, Any] = field(default_factory=dict)
-
-
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _rows(a) -> tuple[int, int, int, int, int]:
-    """An up-to-3-D view with a contiguous last axis as (n0, n1, stride0, stride1, D)."""
-    item = a.itemsize
-    if a.strides[-1] != item and a.shape[-1] > 1:
-        raise ValueError(f"last axis must be contiguous, strides {a.strides}")
-    if a.ndim == 1:
-        return 1, 1, 0, 0, a.shape[0]
-    if a.ndim == 2:
-        return a.shape[0], 1, a.strides[0] // item, 0, a.shape[1]
-    if a.ndim == 3:
-        return a.shape[0], a.shape[1], a.strides[0] // item, a.strides[1] // item, a.shape[2]
-    raise ValueError(f"expected 1-3 dimensions, got shape {a.shape}")
-
-
-def _check(a, dtype, what: str) -> None:
-    if a.dtype != dtype:
-        raise TypeError(f"{what}: dtype {a.dtype}, expected {np.dtype(dtype)}")
-
-
-class CudaBackend(Backend):
+class CudaBackend(AttentionOps, Backend):
     name = "cuda"
     kv_types = KV_TYPES
 
     def __init__(self, threads: int = 0, graphs: bool = True, device: int = 0,
-                 invariant_tokens: int = 16):
+                 invariant_tokens: int = 16, gemv_rows: int = 2):
+        """gemv_rows: output rows per warp of the GEMVs, 2 (the default) or 1 (the earlier
+        kernel, kept for benchmarks; one column per block row). Both give the same bits."""
         # CPU threads do not apply; every GEMV column and attention query is computed the same
         # way at any step size, so steps of any width are invariant here.
         del threads, invariant_tokens
+        if gemv_rows not in (1, 2):
+            raise ValueError(f"gemv_rows must be 1 or 2, not {gemv_rows}")
         cp.cuda.Device(device).use()
         self.graphs = graphs
+        self.gemv_rows = gemv_rows
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._modules: dict[str, Any] = {}
         self._kernels: dict[str, Any] = {}
@@ -117,7 +71,12 @@ class CudaBackend(Backend):
         self._shared: dict[str, CudaMatrix] = {}      # tensors loaded once (tied embeddings)
         self._graphs: dict[tuple, tuple[Any, Any]] = {}
         self._seen: set[tuple] = set()
-        self._s = _Scratch()
+        self._s = Scratch()
+        # Which matrix view's 8-bit blocks the scratch (qa, ads) holds, as written by a fused
+        # op (*_for_matmul); None when none. Host state that follows the op sequence alone, so
+        # a captured step records the same launches as its eager run: kept across GEMV
+        # launches (they only read the blocks), cleared by every other launch.
+        self._blocks: ViewKey | None = None
         self._max_k = 32
         self.weight_bytes = 0
 
@@ -125,7 +84,7 @@ class CudaBackend(Backend):
     def _fn(self, name: str):
         fn = self._kernels.get(name)
         if fn is None:
-            src = _KERNEL_SOURCE.get(name.split("_")[0], None)
+            src = next((f for prefix, f in _KERNEL_SOURCE if name.startswith(prefix)), None)
             if src is None:
                 raise KeyError(f"no kernel {name}")
             mod = self._modules.get(src)
@@ -137,11 +96,14 @@ class CudaBackend(Backend):
         return fn
 
     def _launch(self, name: str, grid, block, args) -> None:
+        if not name.startswith("gemv_"):
+            self._blocks = None
         with self.stream:
             self._fn(name)(grid, block, tuple(args))
 
     # ---------------------------------------------------------------- memory
     def zeros(self, shape, dtype="float32"):
+        self._blocks = None          # the new array may reuse a freed view's memory
         with self.stream:
             return cp.zeros(shape, dtype=dtype)
 
@@ -151,6 +113,7 @@ class CudaBackend(Backend):
         return out
 
     def upload_ints(self, host, out):
+        self._blocks = None
         host = np.asarray(host, dtype=out.dtype)
         key = out.data.ptr
         stage = self._staging.get(key)
@@ -219,40 +182,16 @@ class CudaBackend(Backend):
     def load_embedding(self, tensor: TensorInfo) -> CudaMatrix:
         return self.load_matrix([tensor])
 
-    def new_kv_cache(self, n_layer, n_slots, n_ctx, n_head_kv, head_dim, head_dim_v,
-                     type_k, type_v) -> CudaKVCache:
-        for t, d in ((type_k, head_dim), (type_v, head_dim_v)):
-            if t not in KV_TYPES:
-                raise ValueError(f"KV cache type {t!r} not supported by the CUDA backend")
-            if t != "f16" and d % 32:
-                raise ValueError(f"KV cache type {t} needs a head size that is a multiple "
-                                 f"of 32, this model's is {d}")
-        if head_dim > ATT_MAX_D or head_dim_v > ATT_MAX_DV:
-            raise ValueError(f"head sizes {head_dim}/{head_dim_v} exceed the attention "
-                             f"kernel's {ATT_MAX_D}/{ATT_MAX_DV}")
-        rows = n_slots * n_ctx * n_head_kv
-
-        def planes(t, d):
-            with self.stream:
-                if t == "f16":
-                    return cp.zeros(rows * d, cp.uint16), None
-                codes = cp.zeros(rows * (d if t == "q8_0" else d // 2), cp.uint8)
-                return codes, cp.zeros(rows * (d // 32), cp.uint16)
-
-        k = [planes(type_k, head_dim) for _ in range(n_layer)]
-        v = [planes(type_v, head_dim_v) for _ in range(n_layer)]
-        return CudaKVCache(k, v, type_k, type_v, n_slots, n_ctx, n_head_kv, head_dim,
-                           head_dim_v)
-
     def prepare(self, *, max_tokens: int, n_head: int, head_dim_v: int, n_ctx: int,
                 n_embd: int, moe_experts: int = 0, moe_used: int = 0, moe_ff: int = 0) -> None:
         s, z = self._s, self.zeros
         rows = max_tokens * max(1, moe_used)
         s.qa = z((rows * self._max_k,), "int8")
         s.ads = z((rows * self._max_k // 32, 2), "float32")
-        n_split = _ceil(n_ctx, ATT_CHUNK)
+        n_split = ceil_div(n_ctx, ATT_CHUNK)
         s.part_ml = z((max_tokens * n_head * n_split, 2), "float32")
         s.part_acc = z((max_tokens * n_head * n_split * head_dim_v,), "float32")
+        s.counters = z((max_tokens * n_head,), "int32")       # the kernel leaves them at 0
         if moe_used:
             f = moe_ff
             s.moe = {"logits": z((max_tokens, moe_experts)), "ids": z((rows,), "int32"),
@@ -261,6 +200,13 @@ class CudaBackend(Backend):
 
     # ---------------------------------------------------------------- step graphs
     def run_step(self, key, inputs, fn):
+        self._blocks = None              # a step starts and ends knowing no blocks
+        try:
+            return self._run_step(key, inputs, fn)
+        finally:
+            self._blocks = None
+
+    def _run_step(self, key, inputs, fn):
         t = key[0]
         if not self.graphs or t > GRAPH_MAX_TOKENS:
             return fn()
@@ -289,122 +235,142 @@ class CudaBackend(Backend):
     # ---------------------------------------------------------------- ops
     def embed(self, table: CudaMatrix, ids, scale, out):
         T, E = out.shape
-        _check(ids, np.int32, "embed ids")
+        check_dtype(ids, np.int32, "embed ids")
         if not out.flags.c_contiguous or E != table.k:
             raise ValueError(f"embed: out {out.shape} must be contiguous (T, {table.k})")
-        self._launch(f"embed_{table.layout.kernel}", (T, _ceil(E, 256)), (256,),
-                     [*table.args(), _I32(E), ids, _F32(scale), out])
+        self._launch(f"embed_{table.layout.kernel}", (T, ceil_div(E, 256)), (256,),
+                     [*table.args(), I32(E), ids, F32(scale), out])
 
     def rms_norm(self, x, w, eps, out):
-        n0, n1, s0, s1, D = _rows(x)
-        o0, o1, p0, p1, Do = _rows(out)
+        n0, n1, s0, s1, D = view_rows(x)
+        o0, o1, p0, p1, Do = view_rows(out)
         if (n0, n1, D) != (o0, o1, Do) or w.shape != (D,):
             raise ValueError(f"rms_norm: x {x.shape}, out {out.shape}, w {w.shape}")
-        block = min(256, _ceil(D, 32) * 32)
-        self._launch("rms_norm", (n0 * n1,), (block,),
-                     [x, _I32(n1), _I32(s0), _I32(s1), _I32(D), w, _F32(eps), out, _I32(p0),
-                      _I32(p1)])
+        self._launch("rms_norm", (n0 * n1,), (norm_block(D),),
+                     [x, I32(n1), I32(s0), I32(s1), I32(D), w, F32(eps), out, I32(p0),
+                      I32(p1)])
+
+    def _block_room(self, rows: int, k: int) -> bool:
+        """Whether rows x k activations fit the 8-bit block scratch as whole 32-groups."""
+        return self._s.qa is not None and k % 32 == 0 and rows * k <= self._s.qa.size
+
+    def _block_args(self, rows: int, k: int) -> list[Any]:
+        return [self._s.qa[: rows * k], self._s.ads[: rows * k // 32]]
+
+    def rms_norm_for_matmul(self, x, w, eps, out):
+        if x.ndim != 2 or out.ndim != 2 or not self._block_room(*out.shape):
+            self.rms_norm(x, w, eps, out)
+            return
+        T, _, ldx, _, D = view_rows(x)
+        _, _, ldo, _, _ = view_rows(out)
+        if out.shape != (T, D) or w.shape != (D,):
+            raise ValueError(f"rms_norm_for_matmul: x {x.shape}, out {out.shape}, w {w.shape}")
+        for a, what in ((x, "x"), (w, "w"), (out, "out")):
+            check_dtype(a, np.float32, f"rms_norm_for_matmul {what}")
+        self._launch("rms_norm_quant", (T,), (norm_block(D),),
+                     [x, I32(ldx), I32(D), w, F32(eps), out, I32(ldo),
+                      *self._block_args(T, D)])
+        self._blocks = matrix_key(out)
+
+    def rms_norm_add(self, o, w, eps, x):
+        T, _, ldo, _, D = view_rows(o)
+        _, _, ldx, _, _ = view_rows(x)
+        if o.ndim != 2 or x.shape != o.shape or w.shape != (D,):
+            raise ValueError(f"rms_norm_add: o {o.shape}, x {x.shape}, w {w.shape}")
+        for a, what in ((o, "o"), (w, "w"), (x, "x")):
+            check_dtype(a, np.float32, f"rms_norm_add {what}")
+        self._launch("rms_norm_add", (T,), (norm_block(D),),
+                     [o, I32(ldo), I32(D), w, F32(eps), x, I32(ldx)])
 
     def _quantize(self, x) -> tuple[Any, Any]:
-        T, _, ldx, _, K = _rows(x)
-        if K % 32 or T * K > self._s.qa.size:
+        """The 8-bit blocks of x (T, K): the scratch's when a fused op just wrote x's, else
+        made now. Blocks made here are not remembered: x may be written by anything (a copy
+        from the host) before the next matmul, only the backend's own producers are known."""
+        T, _, ldx, _, K = view_rows(x)
+        if self._blocks == matrix_key(x):
+            qa, ads = self._block_args(T, K)
+            return qa, ads
+        if not self._block_room(T, K):
             raise ValueError(f"activations {x.shape} exceed the prepared buffers or K % 32")
-        qa, ads = self._s.qa[: T * K], self._s.ads[: T * K // 32]
-        self._launch("quantize_act", (_ceil(T * K // 32, 4),), (32, 4),
-                     [x, _I32(ldx), _I32(T), _I32(K), qa, ads])
+        qa, ads = self._block_args(T, K)
+        self._launch("quantize_act", (ceil_div(T * K // 32, 4),), (32, 4),
+                     [x, I32(ldx), I32(T), I32(K), qa, ads])
         return qa, ads
 
-    def _gemv(self, x, w: CudaMatrix, out, ids=None, n_pairs: int = 0, act_div: int = 1):
-        T, _, ldx, _, K = _rows(x)
-        C, _, ldo, _, N = _rows(out)
-        if K != w.k or N != w.n:
+    def _gemv(self, x, w: CudaMatrix, out, ids=None, n_pairs: int = 0, act_div: int = 1,
+              accumulate: bool = False):
+        T, _, ldx, _, K = view_rows(x)
+        C, _, ldo, _, N = view_rows(out)
+        if x.ndim != 2 or out.ndim != 2 or K != w.k or N != w.n:
             raise ValueError(f"matmul: x {x.shape} / out {out.shape} vs W ({w.n}, {w.k})")
-        _check(x, np.float32, "matmul x")
-        _check(out, np.float32, "matmul out")
+        check_dtype(x, np.float32, "matmul x")
+        check_dtype(out, np.float32, "matmul out")
+        R = self.gemv_rows
         if ids is None:
             if C != T:
                 raise ValueError(f"matmul: {T} input rows, {C} output rows")
-            grid, ids_arg, rpe = (_ceil(N, 4), _ceil(T, GEMV_COLS)), _NULL, 0
-        else:
-            grid, ids_arg, rpe = (_ceil(N, 4), n_pairs), ids, w.n
+            nc = gemv_variant(T, R)
+            grid, ids_arg, rpe = (ceil_div(N, GEMV_WARPS * R), ceil_div(T, nc)), NULL, 0
+        else:                                 # gathered experts: one column per block row
+            check_dtype(ids, np.int32, "matmul ids")
+            if C != n_pairs or ids.size < n_pairs:
+                raise ValueError(f"gathered matmul: {n_pairs} pairs, out {out.shape}")
+            nc = 1
+            grid, ids_arg, rpe = (ceil_div(N, GEMV_WARPS * R), n_pairs), ids, w.n
+        tail = [I32(C), ids_arg, I32(rpe), I32(act_div), out, I32(ldo),
+                I32(1 if accumulate else 0)]
         if w.layout.quantized:
             qa, ads = self._quantize(x)
-            args = [*w.args(), _I32(K), _I32(N), qa, ads, _I32(C), ids_arg, _I32(rpe),
-                    _I32(act_div), out, _I32(ldo)]
+            args = [*w.args(), I32(K), I32(N), qa, ads, *tail]
         else:
-            args = [w.planes[0], _I32(K), _I32(N), x, _I32(ldx), _I32(C), ids_arg, _I32(rpe),
-                    _I32(act_div), out, _I32(ldo)]
-        self._launch(f"gemv_{w.layout.kernel}", grid, (32, 4), args)
+            args = [w.planes[0], I32(K), I32(N), x, I32(ldx), *tail]
+        self._launch(f"gemv_{w.layout.kernel}_c{nc}r{R}", grid, (32, GEMV_WARPS), args)
+        if self._blocks is not None and overlaps(out, self._blocks):
+            self._blocks = None
 
     def matmul(self, x, w: CudaMatrix, out):
         self._gemv(x, w, out)
 
+    def matmul_add(self, x, w: CudaMatrix, out, tmp):
+        del tmp                               # the GEMV adds into out itself
+        self._gemv(x, w, out, accumulate=True)
+
     def add(self, a, b, out):
-        T, _, lda, _, N = _rows(a)
-        To, _, ldo, _, No = _rows(out)
+        T, _, lda, _, N = view_rows(a)
+        To, _, ldo, _, No = view_rows(out)
         if b.ndim == 1:
             ldb = 0
             if b.shape[0] != N:
                 raise ValueError(f"add: bias {b.shape} vs rows of {N}")
         else:
-            _, _, ldb, _, _ = _rows(b)
+            _, _, ldb, _, _ = view_rows(b)
             if b.shape != a.shape:
                 raise ValueError(f"add: {a.shape} + {b.shape}")
         if (T, N) != (To, No):
             raise ValueError(f"add: out {out.shape} vs {a.shape}")
-        self._launch("add_rows", (_ceil(N, 256), T), (256,),
-                     [a, _I32(lda), b, _I32(ldb), _I32(N), out, _I32(ldo)])
-
-    def rope_table(self, n_ctx, n_dims, base):
-        inv = base ** (-np.arange(0, n_dims, 2, dtype=np.float64) / n_dims)    # (n_dims/2,)
-        ang = np.arange(n_ctx, dtype=np.float64)[:, None] * inv[None, :]      # (n_ctx, n/2)
-        return (self.upload_vector(np.cos(ang).astype(np.float32)),
-                self.upload_vector(np.sin(ang).astype(np.float32)))
-
-    def rope(self, x, positions, table, neox):
-        T, H, s0, s1, _ = _rows(x)
-        half = table[0].shape[1]
-        self._launch("rope", (T, H), (64,),
-                     [x, _I32(s0), _I32(s1), positions, table[0], table[1], _I32(half),
-                      _I32(1 if neox else 0)])
+        self._launch("add_rows", (ceil_div(N, 256), T), (256,),
+                     [a, I32(lda), b, I32(ldb), I32(N), out, I32(ldo)])
 
     def glu(self, gate, up, activation, out):
-        T, _, ldg, _, F = _rows(gate)
-        _, _, ldu, _, _ = _rows(up)
-        _, _, ldo, _, _ = _rows(out)
+        self._glu("glu", gate, up, activation, out, [])
+
+    def glu_for_matmul(self, gate, up, activation, out):
+        if out.ndim != 2 or not self._block_room(*out.shape):
+            self.glu(gate, up, activation, out)
+            return
+        self._glu("glu_quant", gate, up, activation, out, self._block_args(*out.shape))
+        self._blocks = matrix_key(out)
+
+    def _glu(self, kernel: str, gate, up, activation, out, blocks: list[Any]):
+        T, _, ldg, _, F = view_rows(gate)
+        _, _, ldu, _, _ = view_rows(up)
+        _, _, ldo, _, _ = view_rows(out)
+        if gate.ndim != 2 or up.shape != gate.shape or out.shape != gate.shape:
+            raise ValueError(f"{kernel}: gate {gate.shape}, up {up.shape}, out {out.shape}")
         act = {"silu": 0, "gelu_tanh": 1}[activation]
-        self._launch("glu", (_ceil(F, 256), T), (256,),
-                     [gate, _I32(ldg), up, _I32(ldu), _I32(F), _I32(act), out, _I32(ldo)])
-
-    def kv_write(self, cache: CudaKVCache, layer, k, v, slots, positions):
-        for src, (codes, scales), t in ((k, cache.k[layer], cache.type_k),
-                                        (v, cache.v[layer], cache.type_v)):
-            T, H, st, sh, D = _rows(src)
-            args = [src, _I32(st), _I32(sh), _I32(D), slots, positions, _I32(cache.n_ctx),
-                    _I32(H), codes]
-            if scales is not None:
-                args.append(scales)
-            self._launch(f"kv_store_{t}", (T, H), (32, _ceil(D, 32)), args)
-
-    def attention(self, q, cache: CudaKVCache, layer, slots, positions, kv_len, window, scale,
-                  out):
-        del kv_len   # positions come from the device: no host length in the launch
-        T, H, q0, q1, D = _rows(q)
-        _, _, o0, o1, Dv = _rows(out)
-        n_split = _ceil(cache.n_ctx, ATT_CHUNK)
-        s = self._s
-        if T * H * n_split > s.part_ml.shape[0]:
-            raise ValueError(f"attention over {T} tokens exceeds the prepared buffers")
-        (kq, kd), (vq, vd) = cache.k[layer], cache.v[layer]
-        ml, acc = s.part_ml[: T * H * n_split], s.part_acc[: T * H * n_split * Dv]
-        self._launch(f"attn_split_{cache.type_k}_{cache.type_v}", (n_split, H, T), (32, 4),
-                     [q, _I32(q0), _I32(q1), _I32(H), _I32(cache.n_head_kv), _I32(D),
-                      _I32(Dv), kq, kd if kd is not None else kq, vq,
-                      vd if vd is not None else vq, slots, positions, _I32(cache.n_ctx),
-                      _I32(window), _F32(scale), _I32(ATT_CHUNK), ml, acc])
-        self._launch("attn_combine", (H, T), (256,),
-                     [ml, acc, _I32(H), _I32(n_split), _I32(Dv), slots, out, _I32(o0),
-                      _I32(o1)])
+        self._launch(kernel, (ceil_div(F, 256), T), (256,),
+                     [gate, I32(ldg), up, I32(ldu), I32(F), I32(act), out, I32(ldo),
+                      *blocks])
 
     def moe(self, x, router: CudaMatrix, gate: CudaMatrix, up: CudaMatrix, down: CudaMatrix,
             n_used, normalize, activation, out):
@@ -412,26 +378,28 @@ class CudaBackend(Backend):
         m, P = self._s.moe, T * n_used
         logits, ids, w = m["logits"][:T], m["ids"][:P], m["w"][:P]
         self._gemv(x, router, logits)                                  # (T, n_expert)
-        self._launch("moe_route", (_ceil(T, 64),), (64,),
-                     [logits, _I32(logits.shape[1]), _I32(T), _I32(router.n), _I32(n_used),
-                      _I32(1 if normalize else 0), ids, w])
+        self._launch("moe_route", (ceil_div(T, 64),), (64,),
+                     [logits, I32(logits.shape[1]), I32(T), I32(router.n), I32(n_used),
+                      I32(1 if normalize else 0), ids, w])
         g, u, a, y = m["g"][:P], m["u"][:P], m["a"][:P], m["y"][:P]
         self._gemv(x, gate, g, ids, P, n_used)                         # (P, F)
         self._gemv(x, up, u, ids, P, n_used)
         self.glu(g, u, activation, a)
         self._gemv(a, down, y, ids, P, 1)                              # (P, E)
-        _, _, ldo, _, E = _rows(out)
-        self._launch("moe_combine", (_ceil(E, 256), T), (256,),
-                     [y, w, _I32(n_used), _I32(E), out, _I32(ldo)])
+        _, _, ldo, _, E = view_rows(out)
+        self._launch("moe_combine", (ceil_div(E, 256), T), (256,),
+                     [y, w, I32(n_used), I32(E), out, I32(ldo)])
 
     def argmax(self, logits, out):
-        T, _, ld, _, V = _rows(logits)
-        _check(out, np.int32, "argmax out")
-        self._launch("argmax_rows", (T,), (1024,), [logits, _I32(ld), _I32(V), out])
+        T, _, ld, _, V = view_rows(logits)
+        check_dtype(out, np.int32, "argmax out")
+        self._launch("argmax_rows", (T,), (1024,), [logits, I32(ld), I32(V), out])
 
 
-# Kernel name prefix -> source file.
-_KERNEL_SOURCE = {"gemv": "gemv.cu", "quantize": "quantize.cu", "kv": "quantize.cu",
-                  "embed": "elementwise.cu", "rms": "elementwise.cu", "add": "elementwise.cu",
-                  "glu": "elementwise.cu", "rope": "elementwise.cu", "moe": "elementwise.cu",
-                  "attn": "attention.cu", "argmax": "sampling.cu"}
+# Kernel name prefix -> source file, the first match wins (rope_kv_* before rope).
+_KERNEL_SOURCE = (("gemv_", "gemv.cu"), ("quantize_", "quantize.cu"), ("kv_", "quantize.cu"),
+                  ("embed_", "elementwise.cu"), ("rms_", "elementwise.cu"),
+                  ("add_", "elementwise.cu"), ("glu", "elementwise.cu"),
+                  ("rope_kv_", "rope_kv.cu"), ("rope", "elementwise.cu"),
+                  ("moe_", "elementwise.cu"), ("attn_", "attention.cu"),
+                  ("argmax_", "sampling.cu"))

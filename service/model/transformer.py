@@ -12,6 +12,9 @@ Per layer (architecture differences come from ModelSpec.traits as data):
     h = rms_norm(x) ; o = down(act(gate(h)) * up(h))  or  mixture of experts
     x += post_norm(o) if post_norms else o
 logits = rms_norm(x) @ Wout
+written with the backend's fused ops (base.py), whose defaults are exactly the separate ops: a
+norm or GLU that feeds a matmul, q/k norm + RoPE + KV write as one op, the residual add fused
+into the output and down projections (post-norm + add as one op where there are post-norms).
 """
 
 from __future__ import annotations
@@ -86,45 +89,52 @@ class Transformer:
         be.embed(W.embedding, ids, s.embed_scale, x)                    # (T, E)
         for i, L in enumerate(W.layers):
             lay = s.layers[i]
-            be.rms_norm(x, L.attn_norm, eps, h)
+            be.rms_norm_for_matmul(x, L.attn_norm, eps, h)              # (T, E)
             self._matmuls(h, L.qkv, qkv)                                # (T, Q+K+V)
             if L.qkv_bias is not None:
                 be.add(qkv, L.qkv_bias, qkv)
             q = qkv[:, :Q].reshape(T, s.n_head, s.head_dim)             # (T, H, hd)
             k = qkv[:, Q:Q + K].reshape(T, s.n_head_kv, s.head_dim)     # (T, Hkv, hd)
             v = qkv[:, Q + K:].reshape(T, s.n_head_kv, s.head_dim_v)    # (T, Hkv, hv)
-            if L.q_norm is not None:
-                be.rms_norm(q, L.q_norm, eps, q)
-                be.rms_norm(k, L.k_norm, eps, k)
-            be.rope(q, positions, self.rope_tables[i], neox)
-            be.rope(k, positions, self.rope_tables[i], neox)
-            be.kv_write(self.cache, i, k, v, slots, positions)
+            be.rope_kv(q, k, v, L.q_norm, L.k_norm, eps, positions, slots, self.rope_tables[i],
+                       neox, self.cache, i)
             a = attn.reshape(T, s.n_head, s.head_dim_v)                 # (T, H, hv)
-            be.attention(q, self.cache, i, slots, positions, kv_len, lay.window, s.attn_scale, a)
-            be.matmul(attn, L.wo, o)                                    # (T, E)
-            if L.post_attn_norm is not None:
-                be.rms_norm(o, L.post_attn_norm, eps, o)
-            be.add(x, o, x)
-            be.rms_norm(x, L.ffn_norm, eps, h)
+            be.attention_for_matmul(q, self.cache, i, slots, positions, kv_len, lay.window,
+                                    s.attn_scale, a)
+            self._residual(attn, L.wo, L.post_attn_norm, o, x)
+            be.rms_norm_for_matmul(x, L.ffn_norm, eps, h)               # (T, E)
             if s.moe:
                 be.moe(h, L.router, L.gate_exps, L.up_exps, L.down_exps, s.moe.n_expert_used,
                        s.moe.normalize_top_k, s.traits.activation.value, o)
+                self._post(o, L.post_ffw_norm, x)
             else:
                 gu, act = self.ws_gu[:T], self.ws_act[:T]
                 self._matmuls(h, L.gate_up, gu)                         # (T, 2F)
                 ff = act.shape[1]
-                be.glu(gu[:, :ff], gu[:, ff:], s.traits.activation.value, act)
-                be.matmul(act, L.down, o)                               # (T, E)
-            if L.post_ffw_norm is not None:
-                be.rms_norm(o, L.post_ffw_norm, eps, o)
-            be.add(x, o, x)
+                be.glu_for_matmul(gu[:, :ff], gu[:, ff:], s.traits.activation.value, act)
+                self._residual(act, L.down, L.post_ffw_norm, o, x)
         if n_logits == 0:
             return self.ws_logits[:0]
         xs, hs = x[T - n_logits:], h[:n_logits]
-        be.rms_norm(xs, W.output_norm, eps, hs)
+        be.rms_norm_for_matmul(xs, W.output_norm, eps, hs)
         logits = self.ws_logits[:n_logits]
         be.matmul(hs, W.output, logits)                                 # (n, V)
         return logits
+
+    def _residual(self, a, w, post_norm, o, x) -> None:
+        """x += post_norm(a @ W^T) (Gemma-3's post-norms) or x += a @ W^T; o (T, E) scratch."""
+        if post_norm is None:
+            self.backend.matmul_add(a, w, x, o)                         # (T, E)
+        else:
+            self.backend.matmul(a, w, o)                                # (T, E)
+            self.backend.rms_norm_add(o, post_norm, self.spec.rms_eps, x)
+
+    def _post(self, o, post_norm, x) -> None:
+        """x += post_norm(o) or x += o."""
+        if post_norm is None:
+            self.backend.add(x, o, x)
+        else:
+            self.backend.rms_norm_add(o, post_norm, self.spec.rms_eps, x)
 
 
 def positions_for(start: int, n: int) -> np.ndarray:

@@ -2,8 +2,8 @@
 
 Outputs are poisoned with NaN before each launch, so an element a kernel forgets to write
 fails. Shapes are awkward on purpose: K not a multiple of 256 where the type allows, widths
-past one warp's 32 groups, N not a multiple of the 4 rows a block computes, 1..16 columns and a
-40-column prefill chunk.
+past one warp's 32 groups, N not a multiple of the 8 rows a block computes (4 warps of 2), 1..16
+columns and a 40-column prefill chunk. The fused kernels: test_fused_kernels.py.
 
 Error bounds, derived:
 - Quantized GEMV: activations become 8-bit blocks x^ = d q (|x - x^| <= d/2). Against the exact
@@ -96,21 +96,38 @@ def test_gemv_against_references(cuda, name):
             assert (np.abs(got - ref_cpu) <= rounding + 1e-4 * S + 1e-6).all(), (name, k, T)
 
 
+@pytest.fixture(scope="module")
+def cuda_rows1():
+    """A second backend on the one-row-per-warp GEMV (CudaBackend(gemv_rows=1))."""
+    from service.backends.cuda import CudaBackend
+
+    return CudaBackend(graphs=False, gemv_rows=1)
+
+
 @pytest.mark.parametrize("name", ALL_TYPES)
-def test_gemv_columns_are_independent_of_the_step_size(cuda, name):
-    """Column t of a 16- or 40-column launch equals a 1-column launch of x[t], bit for bit."""
+def test_gemv_columns_are_independent_of_the_step_size(cuda, cuda_rows1, name):
+    """Column t of a launch of any width (each NC variant: 1, 2, 4, 8, 16 columns per block
+    row, and chunks of 16 for 40) equals a 1-column launch of x[t], bit for bit, and so does
+    the one-row-per-warp kernel's."""
     k = widths(name)[1]
     t = tensor(name, N_ROWS, k, seed=7)
     w = cuda.load_matrix([t])
     cuda.prepare(max_tokens=64, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
     x = np.random.default_rng(8).normal(0, 1, (40, k)).astype(np.float32)
     wide = gpu_matmul(cuda, w, x, N_ROWS)
-    sixteen = gpu_matmul(cuda, w, x[:16], N_ROWS)
+    for T in (2, 3, 5, 9, 16):
+        part = gpu_matmul(cuda, w, x[:T], N_ROWS)
+        assert np.array_equal(part, wide[:T]), T
     for i in (0, 5, 15, 16, 39):
         single = gpu_matmul(cuda, w, x[i:i + 1], N_ROWS)
         assert np.array_equal(single[0], wide[i]), i
-        if i < 16:
-            assert np.array_equal(single[0], sixteen[i]), i
+    cp.cuda.Device().synchronize()               # the other backend runs on its own stream
+    r1 = cuda_rows1
+    w1 = r1.load_matrix([t])
+    r1.prepare(max_tokens=64, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
+    with r1.stream:
+        one_row = gpu_matmul(r1, w1, x, N_ROWS)
+    assert np.array_equal(one_row, wide)
 
 
 @pytest.mark.parametrize("name", ALL_TYPES)

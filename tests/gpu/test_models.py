@@ -94,6 +94,38 @@ def test_tiny_models_match_llamacpp_and_the_cpu(name):
     assert np.median(rel_cpu) <= 0.01, rel_cpu
 
 
+FUSED_OPS = ("rms_norm_for_matmul", "glu_for_matmul", "attention_for_matmul", "rope_kv",
+             "matmul_add", "rms_norm_add")
+
+
+def unfused_cuda_backend():
+    """The CUDA backend with every fused op replaced by the base class's composition of the
+    separate ops (the launches of the CUDA engine before the fused kernels)."""
+    from service.backends.base import Backend
+    from service.backends.cuda import CudaBackend
+
+    unfused = type("UnfusedCudaBackend", (CudaBackend,),
+                   {name: getattr(Backend, name) for name in FUSED_OPS})
+    return unfused(graphs=False)
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_fused_kernels_change_no_bit(name):
+    """Every fused kernel rounds as the separate kernels do (their headers say so): a prefill
+    chunk and decode steps give the same logits bit for bit with and without them."""
+    outs = []
+    for be in (cuda_backend(), unfused_cuda_backend()):
+        tr, fx = tiny_transformer(name, be)
+        ids = list(fx["prompt_ids"])
+        rows = [step(tr, ids[:20], 0, 20)]
+        tok = int(np.argmax(rows[0][-1]))
+        for pos in range(20, 23):
+            rows.append(step(tr, [tok], pos, 1))
+            tok = int(np.argmax(rows[-1][0]))
+        outs.append(np.concatenate(rows))
+    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+
+
 def test_wrong_rope_fails_the_gpu_bound():
     def wrong(spec):
         other = RopeMode.NORMAL if spec.traits.rope_mode is RopeMode.NEOX else RopeMode.NEOX
@@ -284,3 +316,44 @@ def test_serve_streams_generate_through_the_client():
     finally:
         srv.stop()
         eng.stop(10)
+
+
+# ---------------------------------------------------------------- launches per layer
+LLAMA_LAYER = [("rms_norm_quant", None), ("gemv_q4_0_c1r2", 0), ("rope_kv_f16_f16", None),
+               ("attn_f16_f16", None), ("gemv_q4_0_c1r2", 1), ("rms_norm_quant", None),
+               ("gemv_q4_0_c1r2", 0), ("glu_quant", None), ("gemv_q4_0_c1r2", 1)]
+
+
+def test_decode_layer_is_nine_launches(tmp_path):
+    """A decode step of a llama-shaped model whose q|k|v and gate|up are one matrix each (the
+    synthetic `tiny` preset, every matrix Q4_0) launches, per layer: RMSNorm + 8-bit blocks,
+    q|k|v GEMV, RoPE + KV write, attention with its combine and output blocks, output GEMV
+    adding into the residual, RMSNorm + blocks, gate|up GEMV, GLU + blocks, down GEMV adding
+    into the residual: 9 kernels, so 9 nodes per layer in the step's graph. The pairs are
+    (kernel, the GEMV's accumulate flag)."""
+    from service.gguf.synth import synthesize
+
+    path = tmp_path / "tiny-q4_0.gguf"
+    synthesize(path, "tiny", "Q4_0", seed=1)
+    f = GGUFFile(path)
+    spec = ModelSpec.from_gguf(f)
+    be = cuda_backend()
+    tr = Transformer(spec, f, be, n_ctx=64, n_slots=1, max_tokens=16)
+    launched = []
+    launch = be._launch
+
+    def counting(name, grid, block, args):
+        launched.append((name, int(args[-1]) if name.startswith("gemv_") else None))
+        launch(name, grid, block, args)
+
+    be._launch = counting
+    step(tr, [1, 2, 3, 4], 0, 1)
+    launched.clear()
+    logits = step(tr, [5], 4, 1)
+    assert np.isfinite(logits).all()
+    per_layer = (len(launched) - 3) / spec.n_layer
+    print(f"{len(launched)} launches for {spec.n_layer} layers: {per_layer:g} per layer: "
+          + ", ".join(n for n, _ in launched[1:1 + len(LLAMA_LAYER)]))
+    assert launched[0][0].startswith("embed_")
+    assert launched[-2][0] == "rms_norm_quant" and launched[-1][0].startswith("gemv_")
+    assert launched[1:-2] == LLAMA_LAYER * spec.n_layer

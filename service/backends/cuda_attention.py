@@ -1,0 +1,145 @@
+"""The attention family of the CUDA backend: the KV cache, RoPE, KV stores, RoPE + KV store
+in one launch (rope_kv.cu) and split-KV attention with its combine (attention.cu).
+
+A mixin of CudaBackend: it uses the backend's stream, `_launch`, scratch `_s` and its 8-bit
+block bookkeeping (`_block_room`, `_block_args`, `_blocks`).
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from service.backends.cuda_types import (
+    ATT_CHUNK,
+    ATT_MAX_D,
+    ATT_MAX_DV,
+    F32,
+    I32,
+    KV_TYPES,
+    NULL,
+    ROPE_KV_MAX_D,
+    CudaKVCache,
+    ceil_div,
+    check_dtype,
+    norm_block,
+    view_rows,
+)
+
+
+class AttentionOps:
+    """KV cache, RoPE and attention launchers of CudaBackend (one launcher per kernel)."""
+
+    def new_kv_cache(self, n_layer, n_slots, n_ctx, n_head_kv, head_dim, head_dim_v,
+                     type_k, type_v) -> CudaKVCache:
+        for t, d in ((type_k, head_dim), (type_v, head_dim_v)):
+            if t not in KV_TYPES:
+                raise ValueError(f"KV cache type {t!r} not supported by the CUDA backend")
+            if t != "f16" and d % 32:
+                raise ValueError(f"KV cache type {t} needs a head size that is a multiple "
+                                 f"of 32, this model's is {d}")
+        if head_dim > ATT_MAX_D or head_dim_v > ATT_MAX_DV:
+            raise ValueError(f"head sizes {head_dim}/{head_dim_v} exceed the attention "
+                             f"kernel's {ATT_MAX_D}/{ATT_MAX_DV}")
+        rows = n_slots * n_ctx * n_head_kv
+
+        def planes(t, d):
+            with self.stream:
+                if t == "f16":
+                    return cp.zeros(rows * d, cp.uint16), None
+                codes = cp.zeros(rows * (d if t == "q8_0" else d // 2), cp.uint8)
+                return codes, cp.zeros(rows * (d // 32), cp.uint16)
+
+        k = [planes(type_k, head_dim) for _ in range(n_layer)]
+        v = [planes(type_v, head_dim_v) for _ in range(n_layer)]
+        return CudaKVCache(k, v, type_k, type_v, n_slots, n_ctx, n_head_kv, head_dim,
+                           head_dim_v)
+
+    def rope_table(self, n_ctx, n_dims, base):
+        inv = base ** (-np.arange(0, n_dims, 2, dtype=np.float64) / n_dims)    # (n_dims/2,)
+        ang = np.arange(n_ctx, dtype=np.float64)[:, None] * inv[None, :]      # (n_ctx, n/2)
+        return (self.upload_vector(np.cos(ang).astype(np.float32)),
+                self.upload_vector(np.sin(ang).astype(np.float32)))
+
+    def rope(self, x, positions, table, neox):
+        T, H, s0, s1, _ = view_rows(x)
+        half = table[0].shape[1]
+        self._launch("rope", (T, H), (64,),
+                     [x, I32(s0), I32(s1), positions, table[0], table[1], I32(half),
+                      I32(1 if neox else 0)])
+
+    def kv_write(self, cache: CudaKVCache, layer, k, v, slots, positions):
+        for src, (codes, scales), t in ((k, cache.k[layer], cache.type_k),
+                                        (v, cache.v[layer], cache.type_v)):
+            T, H, st, sh, D = view_rows(src)
+            self._launch(f"kv_store_{t}", (T, H), (32, ceil_div(D, 32)),
+                         [src, I32(st), I32(sh), I32(D), slots, positions,
+                          I32(cache.n_ctx), I32(H), codes,
+                          scales if scales is not None else NULL])
+
+    def rope_kv(self, q, k, v, q_norm, k_norm, eps, positions, slots, table, neox,
+                cache: CudaKVCache, layer):
+        T, H, q0, q1, D = view_rows(q)
+        Tk, Hkv, k0, k1, Dk = view_rows(k)
+        Tv, Hv, v0, v1, Dv = view_rows(v)
+        half = table[0].shape[1]
+        if (q.ndim, k.ndim, v.ndim) != (3, 3, 3) or not T == Tk == Tv or Hkv != Hv \
+                or (Hkv, D, Dk, Dv) != (cache.n_head_kv, cache.head_dim, cache.head_dim,
+                                        cache.head_dim_v) \
+                or D > ROPE_KV_MAX_D or 2 * half > D:
+            raise ValueError(f"rope_kv: q {q.shape}, k {k.shape}, v {v.shape}, rotary "
+                             f"{2 * half}, cache heads {cache.n_head_kv} x {cache.head_dim}/"
+                             f"{cache.head_dim_v}")
+        for a, what in ((q, "q"), (k, "k"), (v, "v"), (q_norm, "q_norm"), (k_norm, "k_norm")):
+            if a is not None:
+                check_dtype(a, np.float32, f"rope_kv {what}")
+        for a in (q_norm, k_norm):
+            if a is not None and a.shape != (D,):
+                raise ValueError(f"rope_kv: norm weights {a.shape}, heads of {D}")
+        check_dtype(positions, np.int32, "rope_kv positions")
+        check_dtype(slots, np.int32, "rope_kv slots")
+        (kc, ks), (vc, vs) = cache.k[layer], cache.v[layer]
+        opt = [a if a is not None else NULL for a in (q_norm, k_norm, ks, vs)]
+        self._launch(f"rope_kv_{cache.type_k}_{cache.type_v}", (T, H + 2 * Hkv),
+                     (norm_block(D),),
+                     [q, I32(q0), I32(q1), k, I32(k0), I32(k1), v, I32(v0), I32(v1),
+                      I32(H), I32(Hkv), I32(D), I32(Dv), opt[0], opt[1], F32(eps),
+                      positions, slots, table[0], table[1], I32(half), I32(1 if neox else 0),
+                      I32(cache.n_ctx), kc, opt[2], vc, opt[3]])
+
+    def attention(self, q, cache: CudaKVCache, layer, slots, positions, kv_len, window, scale,
+                  out):
+        self._attention(q, cache, layer, slots, positions, window, scale, out, False)
+
+    def attention_for_matmul(self, q, cache: CudaKVCache, layer, slots, positions, kv_len,
+                             window, scale, out):
+        self._attention(q, cache, layer, slots, positions, window, scale, out, True)
+
+    def _attention(self, q, cache: CudaKVCache, layer, slots, positions, window, scale, out,
+                   for_matmul: bool):
+        # kv_len is not used: positions come from the device, no host length in the launch
+        T, H, q0, q1, D = view_rows(q)
+        To, Ho, o0, o1, Dv = view_rows(out)
+        Hkv = cache.n_head_kv
+        if (q.ndim, out.ndim) != (3, 3) or (To, Ho) != (T, H) or H % Hkv \
+                or (D, Dv) != (cache.head_dim, cache.head_dim_v):
+            raise ValueError(f"attention: q {q.shape}, out {out.shape}, cache heads {Hkv} x "
+                             f"{cache.head_dim}/{cache.head_dim_v}")
+        check_dtype(q, np.float32, "attention q")
+        check_dtype(out, np.float32, "attention out")
+        n_split = ceil_div(cache.n_ctx, ATT_CHUNK)
+        s = self._s
+        if s.part_ml is None or T * H * n_split > s.part_ml.shape[0] or T * H > s.counters.size:
+            raise ValueError(f"attention over {T} tokens exceeds the prepared buffers")
+        # the output's 8-bit blocks as rows of H * Dv, when its heads are contiguous
+        quant = for_matmul and o1 == Dv and Dv % 32 == 0 and self._block_room(T, H * Dv)
+        blocks = self._block_args(T, H * Dv) if quant else [NULL, NULL]
+        (kq, kd), (vq, vd) = cache.k[layer], cache.v[layer]
+        ml, acc = s.part_ml[: T * H * n_split], s.part_acc[: T * H * n_split * Dv]
+        self._launch(f"attn_{cache.type_k}_{cache.type_v}", (n_split, H, T), (32, 4),
+                     [q, I32(q0), I32(q1), I32(H), I32(Hkv), I32(D), I32(Dv), kq,
+                      kd if kd is not None else kq, vq, vd if vd is not None else vq, slots,
+                      positions, I32(cache.n_ctx), I32(window), F32(scale), I32(ATT_CHUNK),
+                      ml, acc, s.counters, out, I32(o0), I32(o1), *blocks])
+        if quant:
+            self._blocks = (out.data.ptr, T, H * Dv, o0)

@@ -1,0 +1,120 @@
+"""Shapes, scratch and launch helpers of the CUDA backend (numpy only, no CuPy: the CPU tests
+import it). Shapes: T tokens in the step, K/N the input/output width of a matrix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from service.backends.base import KVCache
+from service.backends.cuda_layout import PlaneLayout
+
+GEMV_WARPS = 4            # warps per GEMV block (cuda/gemv.cu GEMV_WARPS)
+GEMV_NC = (1, 2, 4, 8, 16)   # column variants of cuda/gemv.cu; wider steps: chunks of 16
+GRAPH_MAX_TOKENS = 16     # steps up to this many tokens are captured (decode and verify)
+ATT_CHUNK = 128           # KV positions per attention split: one 32-key tile per warp
+ATT_MAX_D, ATT_MAX_DV = 512, 256
+ROPE_KV_MAX_D = 512       # cuda/rope_kv.cu ROPE_KV_MAX_D
+KV_TYPES = ("f16", "q8_0", "q4_0")
+I32, F32 = np.int32, np.float32
+NULL = np.uint64(0)
+
+
+@dataclass
+class CudaMatrix:
+    """W (rows, K) in GPU planes; `rows` = n_expert * n for a stack of experts."""
+
+    layout: PlaneLayout
+    rows: int
+    k: int
+    planes: list[Any]                 # cupy uint8 arrays, p0..p3 of quant_types.cuh
+    n_expert: int = 1
+
+    @property
+    def n(self) -> int:               # output rows of one expert
+        return self.rows // self.n_expert
+
+    def args(self) -> list[Any]:
+        ps = self.planes + [self.planes[0]] * (4 - len(self.planes))
+        return ps[:4]
+
+
+@dataclass
+class CudaKVCache(KVCache):
+    k: list[tuple[Any, Any]]         # per layer (codes, scales) planes; scales None for f16
+    v: list[tuple[Any, Any]]
+    type_k: str
+    type_v: str
+    n_slots: int
+    n_ctx: int
+    n_head_kv: int
+    head_dim: int
+    head_dim_v: int
+
+
+@dataclass
+class Scratch:
+    """Buffers every step reuses (sized by prepare)."""
+
+    qa: Any = None                    # (rows * K) int8 activation codes
+    ads: Any = None                   # (rows * K/32, 2) f32 (d, sum of codes)
+    part_ml: Any = None               # (T, H, S, 2) f32 attention split (max, sum)
+    part_acc: Any = None              # (T, H, S, Dv) f32 attention split accumulators
+    counters: Any = None              # (T * H) int32 attention splits done, 0 between launches
+    moe: dict[str, Any] = field(default_factory=dict)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def view_rows(a) -> tuple[int, int, int, int, int]:
+    """An up-to-3-D view with a contiguous last axis as (n0, n1, stride0, stride1, D)."""
+    item = a.itemsize
+    if a.strides[-1] != item and a.shape[-1] > 1:
+        raise ValueError(f"last axis must be contiguous, strides {a.strides}")
+    if a.ndim == 1:
+        return 1, 1, 0, 0, a.shape[0]
+    if a.ndim == 2:
+        return a.shape[0], 1, a.strides[0] // item, 0, a.shape[1]
+    if a.ndim == 3:
+        return a.shape[0], a.shape[1], a.strides[0] // item, a.strides[1] // item, a.shape[2]
+    raise ValueError(f"expected 1-3 dimensions, got shape {a.shape}")
+
+
+def check_dtype(a, dtype, what: str) -> None:
+    if a.dtype != dtype:
+        raise TypeError(f"{what}: dtype {a.dtype}, expected {np.dtype(dtype)}")
+
+
+def norm_block(d: int) -> int:
+    """Threads of a block that normalizes rows of d (rope_kv.cu's norm_block(D)): the order of
+    the norm's sum depends on it, so every kernel computing a norm of d uses the same."""
+    return min(256, ceil_div(d, 32) * 32)
+
+
+def gemv_variant(n_cols: int, rows_per_warp: int) -> int:
+    """Columns per block row (NC) of the GEMV kernel for a step of n_cols columns: n_cols
+    rounded up to a variant, 16 (chunks of 16) above; the one-row-per-warp kernel has NC = 1."""
+    if rows_per_warp == 1:
+        return 1
+    return next((nc for nc in GEMV_NC if nc >= n_cols), GEMV_NC[-1])
+
+
+# (pointer, rows, row width, row stride) of a matrix view: what the 8-bit activation blocks in
+# the scratch were made from.
+ViewKey = tuple[int, int, int, int]
+
+
+def matrix_key(a) -> ViewKey:
+    rows, _, ld, _, k = view_rows(a)
+    return a.data.ptr, rows, k, ld
+
+
+def overlaps(a, key: ViewKey) -> bool:
+    """Whether the matrix view a shares a byte with the view `key` names (f32 both)."""
+    p, rows, k, ld = matrix_key(a)
+    q, rows2, k2, ld2 = key
+    return p < q + ((rows2 - 1) * ld2 + k2) * 4 and q < p + ((rows - 1) * ld + k) * 4

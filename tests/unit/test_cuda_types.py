@@ -1,0 +1,24 @@
+"""CUDA backend launch choices that need no GPU (cuda_types.py is numpy only)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from service.backends.cuda_types import gemv_variant, norm_block, view_rows
+
+
+def test_gemv_columns_round_up_to_a_variant():
+    got = {t: gemv_variant(t, 2) for t in (1, 2, 3, 4, 5, 8, 9, 16, 17, 40)}
+    assert got == {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 8: 8, 9: 16, 16: 16, 17: 16, 40: 16}
+    assert {gemv_variant(t, 1) for t in (1, 3, 16, 40)} == {1}
+
+
+def test_norm_block_is_whole_warps_up_to_256():
+    assert [norm_block(d) for d in (32, 64, 200, 256, 576, 2048)] == [32, 64, 224, 256, 256,
+                                                                      256]
+
+
+def test_view_rows_reads_strided_views():
+    a = np.zeros((4, 10, 64), np.float32)
+    assert view_rows(a[:, 2:6]) == (4, 4, 640, 64, 64)
+    assert view_rows(a.reshape(4, 640)[:, 128:320]) == (4, 1, 640, 0, 192)
