@@ -13,15 +13,21 @@ Shapes below: T tokens in the step, K/N the input/output width of a matrix, E th
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import cupy as cp
 import numpy as np
+import structlog
+from cupy_backends.cuda.libs import cublas
 
 from service.backends import cuda_sources
 from service.backends.base import Backend, KVCache
-from service.backends.cuda_layout import PlaneLayout, layout_of, split_planes
+from service.backends.cuda_layout import LAYOUTS, PlaneLayout, layout_of, split_planes
+from service.backends.cuda_upload import PinnedUploader
+from service.gguf.quants import dequantize
 from service.gguf.reader import TensorInfo
 
 GEMV_COLS = 16            # columns per GEMV block row (cuda/gemv.cu GEMV_COLS)
@@ -31,6 +37,19 @@ ATT_MAX_D, ATT_MAX_DV = 512, 256
 KV_TYPES = ("f16", "q8_0", "q4_0")
 _I32, _F32 = np.int32, np.float32
 _NULL = np.uint64(0)
+# Steps of at least this many tokens (and more than the invariant decode/verify widths) run
+# their matmuls as dequantize + cuBLAS GEMM. The GEMV costs ~9 us per column of a 33 MB matrix
+# at 16 columns (docs/BENCHMARKS.md: Q4_K 14336x4096, c=16 148.6 us), while dequantizing that
+# matrix to f16 (117 MB written) and a GEMM of <= 64 columns take about as long as 8 such
+# columns: past the 16 columns a step of the GEMV kernel takes, the GEMM wins at every width.
+# bench/gpu_prefill.py prints the measured crossover.
+PREFILL_GEMM_MIN_TOKENS = 17
+# cuBLAS / CUDA library enum values (cublas_api.h, library_types.h), spelled out so they do not
+# depend on which names a CuPy version exports.
+_BLAS_OP_N, _BLAS_OP_T, _BLAS_POINTER_HOST = 0, 1, 0
+_BLAS_COMPUTE_32F, _BLAS_GEMM_DEFAULT = 68, -1
+_R_32F, _R_16F = 0, 2
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -63,6 +82,19 @@ class CudaKVCache(KVCache):
     n_head_kv: int
     head_dim: int
     head_dim_v: int
+
+
+@dataclass
+class _GemmScratch:
+    """Buffers of the prefill GEMM path (sized by prepare)."""
+
+    limit: int                        # bytes the weight tile may take at most
+    max_elems: int = 0                # rows * K of the largest matrix loaded (GEMM candidates)
+    xh: Any = None                    # (max_tokens * max K) f16 bits: x rounded to f16
+    wh: Any = None                    # (tile_elems,) f16 bits: a tile of W's rows
+    blas: int = 0                     # cuBLAS handle (pointer mode host)
+    one: Any = field(default_factory=lambda: np.ones(1, np.float32))    # alpha, host
+    zero: Any = field(default_factory=lambda: np.zeros(1, np.float32))  # beta, host
 
 
 @dataclass
@@ -104,11 +136,31 @@ class CudaBackend(Backend):
     kv_types = KV_TYPES
 
     def __init__(self, threads: int = 0, graphs: bool = True, device: int = 0,
-                 invariant_tokens: int = 16):
+                 invariant_tokens: int = 16, upload: str = "pinned",
+                 prefill_gemm_min_tokens: int | None = PREFILL_GEMM_MIN_TOKENS,
+                 staging_buffers: int = 3, staging_mib: int = 64,
+                 prefill_scratch_mib: int = 256):
+        """upload: "pinned" (a ring of `staging_buffers` pinned buffers of `staging_mib` MiB,
+        copies overlapped with reading the file) or "pageable" (one synchronous copy per plane).
+        prefill_gemm_min_tokens: matmuls of steps with at least this many tokens, and more than
+        `invariant_tokens` (decode and verify steps stay on the step-size-invariant GEMV), go
+        through dequantize + cuBLAS GEMM; None keeps every matmul on the GEMV. Weight tiles of
+        the GEMM are dequantized into a scratch of at most `prefill_scratch_mib` MiB."""
         # CPU threads do not apply; every GEMV column and attention query is computed the same
-        # way at any step size, so steps of any width are invariant here.
-        del threads, invariant_tokens
+        # way at any step size, so steps up to invariant_tokens are invariant here.
+        del threads
+        if upload not in ("pinned", "pageable"):
+            raise ValueError(f"upload must be 'pinned' or 'pageable', not {upload!r}")
         cp.cuda.Device(device).use()
+        self.upload = upload
+        self._uploader = (PinnedUploader(staging_buffers, staging_mib << 20,
+                                         min(8, os.cpu_count() or 1))
+                          if upload == "pinned" else None)
+        self.prefill_gemm_min_tokens = (None if prefill_gemm_min_tokens is None
+                                        else max(prefill_gemm_min_tokens, invariant_tokens + 1))
+        self._gs = _GemmScratch(limit=prefill_scratch_mib << 20)
+        self.tensor_bytes = 0             # file bytes of the tensors loaded
+        self._load_t0: float | None = None
         self.graphs = graphs
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._modules: dict[str, Any] = {}
@@ -167,13 +219,23 @@ class CudaBackend(Backend):
         self.stream.synchronize()
 
     # ---------------------------------------------------------------- weights
-    def _upload_planes(self, raw: np.ndarray, layout: PlaneLayout) -> list[Any]:
+    def _upload_planes(self, raws: list[np.ndarray], layout: PlaneLayout) -> list[Any]:
+        """The planes of the blocks of `raws` stacked by rows, on the device."""
+        if self._load_t0 is None:
+            self._load_t0 = time.perf_counter()
+        n = sum(r.size for r in raws)
+        self.tensor_bytes += n
+        self.weight_bytes += n            # the planes hold exactly the file's bytes
+        if self._uploader is not None:
+            planes, ready = self._uploader.upload(raws, layout)
+            self.stream.wait_event(ready)     # kernels wait on the device, the host does not
+            return planes
+        raw = raws[0] if len(raws) == 1 else np.concatenate(raws)
         planes = []
         for p in split_planes(raw, layout):
             d = cp.empty(p.size, cp.uint8)
             d.set(p, stream=self.stream)
             planes.append(d)
-            self.weight_bytes += p.size
         self.stream.synchronize()
         return planes
 
@@ -190,11 +252,11 @@ class CudaBackend(Backend):
         k = tensors[0].shape[-1]
         self._check_width(k, layout, tensors[0].name)
         rows = sum(int(np.prod(t.shape[:-1])) for t in tensors)
-        raw = tensors[0].raw if len(tensors) == 1 else np.concatenate([t.raw for t in tensors])
-        m = CudaMatrix(layout, rows, k, self._upload_planes(raw, layout))
+        m = CudaMatrix(layout, rows, k, self._upload_planes([t.raw for t in tensors], layout))
         if len(tensors) == 1:
             self._shared[tensors[0].name] = m
         self._max_k = max(self._max_k, k)
+        self._gs.max_elems = max(self._gs.max_elems, rows * k)
         return m
 
     @staticmethod
@@ -208,13 +270,27 @@ class CudaBackend(Backend):
         layout = layout_of(tensor.qtype)
         self._check_width(k, layout, tensor.name)
         self._max_k = max(self._max_k, k)
-        m = CudaMatrix(layout, n_expert * n, k, self._upload_planes(tensor.raw, layout),
+        m = CudaMatrix(layout, n_expert * n, k, self._upload_planes([tensor.raw], layout),
                        n_expert)
         return m
 
     def upload_vector(self, host) -> Any:
-        with self.stream:
-            return cp.asarray(np.ascontiguousarray(host, dtype=np.float32))
+        host = np.ascontiguousarray(host, dtype=np.float32)
+        if self._uploader is None or self._load_t0 is None:
+            with self.stream:
+                return cp.asarray(host)
+        # While loading, through the staging ring: a pageable copy would wait for the stream.
+        planes, ready = self._uploader.upload([host.reshape(-1).view(np.uint8)], LAYOUTS["F32"])
+        self.stream.wait_event(ready)
+        return planes[0].view(cp.float32).reshape(host.shape)
+
+    def load_vector(self, tensor: TensorInfo) -> Any:
+        if self._load_t0 is None:
+            self._load_t0 = time.perf_counter()
+        v = self.upload_vector(dequantize(tensor.raw, tensor.qtype, tensor.shape))  # (n,) f32
+        self.tensor_bytes += tensor.raw.size
+        self.weight_bytes += v.nbytes
+        return v
 
     def load_embedding(self, tensor: TensorInfo) -> CudaMatrix:
         return self.load_matrix([tensor])
@@ -246,6 +322,8 @@ class CudaBackend(Backend):
 
     def prepare(self, *, max_tokens: int, n_head: int, head_dim_v: int, n_ctx: int,
                 n_embd: int, moe_experts: int = 0, moe_used: int = 0, moe_ff: int = 0) -> None:
+        self.finish_load()
+        self._prepare_gemm(max_tokens)
         s, z = self._s, self.zeros
         rows = max_tokens * max(1, moe_used)
         s.qa = z((rows * self._max_k,), "int8")
@@ -337,6 +415,8 @@ class CudaBackend(Backend):
         self._launch(f"gemv_{w.layout.kernel}", grid, (32, 4), args)
 
     def matmul(self, x, w: CudaMatrix, out):
+        if self._gemm_wanted(x):
+            return self._gemm_matmul(x, w, out)
         self._gemv(x, w, out)
 
     def add(self, a, b, out):
@@ -429,9 +509,101 @@ class CudaBackend(Backend):
         _check(out, np.int32, "argmax out")
         self._launch("argmax_rows", (T,), (1024,), [logits, _I32(ld), _I32(V), out])
 
+    # ---------------------------------------------------------------- end of loading
+    def finish_load(self) -> None:
+        """The end of loading (prepare calls it): the one wait for every weight copy, the
+        staging ring freed, the weight bytes on the device and the file bytes they came from
+        logged (the planes hold the file's bytes exactly: no dequantized copy)."""
+        if self._load_t0 is None:
+            return
+        if self._uploader is not None:
+            self._uploader.finish()
+        seconds = time.perf_counter() - self._load_t0
+        self._load_t0 = None
+        log.info("weights on the GPU", upload=self.upload, weight_bytes=self.weight_bytes,
+                 tensor_bytes=self.tensor_bytes, seconds=round(seconds, 3))
+
+    # ---------------------------------------------------------------- prefill GEMM
+    # A step of T >= prefill_gemm_min_tokens tokens: x rounded to f16 once per matmul, W's rows
+    # dequantized to f16 tile by tile into a scratch (cuda/dequant.cu), and
+    # out[:, tile rows] = x W_tile^T by cuBLAS with f16 inputs and f32 accumulation and output,
+    # written straight into out's columns. F16 weights go to cuBLAS as they are.
+    # In cuBLAS's column-major terms: C (rows, T; ldc = ldo) = op_T(W tile stored (K, rows))
+    # times x stored (K, T).
+    def _gemm_wanted(self, x) -> bool:
+        m = self.prefill_gemm_min_tokens
+        return m is not None and x.shape[0] >= m
+
+    def _prepare_gemm(self, max_tokens: int) -> None:
+        g = self._gs
+        m = self.prefill_gemm_min_tokens
+        if m is None or max_tokens < m or not g.max_elems:
+            g.xh = g.wh = None
+            return
+        tile = min(g.max_elems, max(g.limit // 2, 64 * self._max_k))
+        g.xh = self.zeros((max_tokens * self._max_k,), "uint16")     # (T*K,) f16 bits
+        g.wh = self.zeros((tile,), "uint16")                         # (rows*K,) f16 bits
+        if not g.blas:
+            g.blas = cublas.create()
+            cublas.setPointerMode(g.blas, _BLAS_POINTER_HOST)
+
+    def round_f16(self, x, out) -> None:
+        """out[: T*K] (f16 bits, rows of K) = x (T, K) f32 rounded to nearest even."""
+        T, _, ldx, _, K = _rows(x)
+        _check(x, np.float32, "round_f16 x")
+        _check(out, np.uint16, "round_f16 out")
+        if out.ndim != 1 or out.size < T * K:
+            raise ValueError(f"round_f16: out {out.shape} cannot hold {T}x{K}")
+        self._launch("round_f16", (_ceil(K, 256), T), (256,),
+                     [x, _I32(ldx), _I32(T), _I32(K), out])
+
+    def dequant_rows(self, w: CudaMatrix, r0: int, n_rows: int, out) -> None:
+        """out[: n_rows*K] (f16 bits, rows of K) = W[r0 : r0 + n_rows] rounded to f16."""
+        _check(out, np.uint16, "dequant out")
+        n = n_rows * w.k
+        if not (0 <= r0 and n_rows > 0 and r0 + n_rows <= w.rows) or out.ndim != 1 \
+                or out.size < n:
+            raise ValueError(f"dequant: rows [{r0}, {r0 + n_rows}) of {w.rows} into "
+                             f"{out.shape}")
+        self._launch(f"dequant_{w.layout.kernel}", (_ceil(_ceil(n, 8), 256),), (256,),
+                     [*w.args(), _I32(w.k), np.int64(r0), np.int64(n), out])
+
+    def _gemm_matmul(self, x, w: CudaMatrix, out) -> None:
+        T, _, _, _, K = _rows(x)
+        C, _, ldo, _, N = _rows(out)
+        g = self._gs
+        if K != w.k or N != w.n or C != T or w.n_expert != 1:
+            raise ValueError(f"matmul: x {x.shape} / out {out.shape} vs W ({w.n}, {w.k})")
+        _check(x, np.float32, "matmul x")
+        _check(out, np.float32, "matmul out")
+        if g.xh is None or T * K > g.xh.size:
+            raise ValueError(f"GEMM of {T}x{K} exceeds the prepared buffers")
+        xh = g.xh[: T * K]
+        self.round_f16(x, xh)
+        direct = w.layout.kernel == "f16"
+        tile = N if direct else min(N, g.wh.size // K)
+        if tile < N and tile >= 128:
+            tile -= tile % 128            # whole GEMM tiles except in the last one
+        if tile < 1:
+            raise ValueError(f"GEMM scratch holds no row of width {K}")
+        with self.stream:
+            for r0 in range(0, N, tile):
+                n = min(tile, N - r0)
+                if direct:
+                    a = w.planes[0].data.ptr + r0 * K * 2
+                else:
+                    self.dequant_rows(w, r0, n, g.wh)
+                    a = g.wh.data.ptr
+                cublas.setStream(g.blas, self.stream.ptr)
+                cublas.gemmEx(g.blas, _BLAS_OP_T, _BLAS_OP_N, n, T, K, g.one.ctypes.data,
+                              a, _R_16F, K, xh.data.ptr, _R_16F, K, g.zero.ctypes.data,
+                              out.data.ptr + r0 * 4, _R_32F, ldo, _BLAS_COMPUTE_32F,
+                              _BLAS_GEMM_DEFAULT)
+
 
 # Kernel name prefix -> source file.
 _KERNEL_SOURCE = {"gemv": "gemv.cu", "quantize": "quantize.cu", "kv": "quantize.cu",
                   "embed": "elementwise.cu", "rms": "elementwise.cu", "add": "elementwise.cu",
                   "glu": "elementwise.cu", "rope": "elementwise.cu", "moe": "elementwise.cu",
-                  "attn": "attention.cu", "argmax": "sampling.cu"}
+                  "attn": "attention.cu", "argmax": "sampling.cu", "dequant": "dequant.cu",
+                  "round": "dequant.cu"}
