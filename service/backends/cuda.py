@@ -221,8 +221,7 @@ class CudaBackend(Backend):
     # ---------------------------------------------------------------- weights
     def _upload_planes(self, raws: list[np.ndarray], layout: PlaneLayout) -> list[Any]:
         """The planes of the blocks of `raws` stacked by rows, on the device."""
-        if self._load_t0 is None:
-            self._load_t0 = time.perf_counter()
+        self._start_load()
         n = sum(r.size for r in raws)
         self.tensor_bytes += n
         self.weight_bytes += n            # the planes hold exactly the file's bytes
@@ -285,8 +284,7 @@ class CudaBackend(Backend):
         return planes[0].view(cp.float32).reshape(host.shape)
 
     def load_vector(self, tensor: TensorInfo) -> Any:
-        if self._load_t0 is None:
-            self._load_t0 = time.perf_counter()
+        self._start_load()
         v = self.upload_vector(dequantize(tensor.raw, tensor.qtype, tensor.shape))  # (n,) f32
         self.tensor_bytes += tensor.raw.size
         self.weight_bytes += v.nbytes
@@ -509,7 +507,14 @@ class CudaBackend(Backend):
         _check(out, np.int32, "argmax out")
         self._launch("argmax_rows", (T,), (1024,), [logits, _I32(ld), _I32(V), out])
 
-    # ---------------------------------------------------------------- end of loading
+    # ---------------------------------------------------------------- start and end of loading
+    def _start_load(self) -> None:
+        if self._load_t0 is not None:
+            return
+        self._load_t0 = time.perf_counter()
+        if self._uploader is not None:
+            self._uploader.after(self.stream)
+
     def finish_load(self) -> None:
         """The end of loading (prepare calls it): the one wait for every weight copy, the
         staging ring freed, the weight bytes on the device and the file bytes they came from

@@ -20,6 +20,7 @@ from typing import Any
 
 import cupy as cp
 import numpy as np
+from cupy.cuda import pinned_memory
 
 from service.backends.cuda_layout import PlaneLayout, plane_offsets, write_planes
 
@@ -45,8 +46,8 @@ class PinnedUploader:
     def _buffer(self) -> np.ndarray:
         i = self._cur
         if self._host[i] is None:
-            self._mem[i] = cp.cuda.pinned_memory.PinnedMemory(self.buffer_bytes)
-            ptr = cp.cuda.pinned_memory.PinnedMemoryPointer(self._mem[i], 0)
+            self._mem[i] = pinned_memory.PinnedMemory(self.buffer_bytes)
+            ptr = pinned_memory.PinnedMemoryPointer(self._mem[i], 0)
             self._host[i] = np.frombuffer(ptr, np.uint8, self.buffer_bytes)
         if self._used == 0 and self._done[i] is not None:
             self._done[i].synchronize()          # its previous copies have left the buffer
@@ -78,6 +79,13 @@ class PinnedUploader:
         list(self._pool.map(part, range(parts)))
 
     # ---------------------------------------------------------------- tensors
+    def after(self, stream) -> None:
+        """Order later copies after the work queued on `stream` so far (device memory a load
+        reuses from CuPy's pool may still be read there)."""
+        ev = cp.cuda.Event(block=False, disable_timing=True)
+        ev.record(stream)
+        self.stream.wait_event(ev)
+
     def upload(self, raws: list[np.ndarray], layout: PlaneLayout) -> tuple[list[Any], Any]:
         """The planes of the blocks of `raws` (each (n_bytes,) uint8, stacked in order) as
         device arrays, and an event on the copy stream after their last copy."""
