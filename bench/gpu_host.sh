@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command on an offline GPU host: install the carried wheels, put the real models in place
 # (from pieces carried in .gpu/, joined and checked), run the GPU tests, then the benchmarks.
-#   bash bench/gpu_host.sh [tests|bench|all] [pytest args...]
+#   bash bench/gpu_host.sh [tests|bench|all|load|prefill] [pytest args / script args...]
 # Wheels: `make wheelhouse` (or any folder of wheels) in .whl/; model pieces: .gpu/NAME.part.*
 # with .gpu/NAME.sha256. Models land in $SPECSTREAM_MODELS_DIR (default /tmp/specstream-models).
 set -uo pipefail
@@ -40,5 +40,13 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/gpu_decode.py || status=1
+fi
+# Weight upload (pinned vs pageable) and prefill (GEMV chunks vs GEMM) on a synthetic 8B file,
+# generated on first use into $TMPDIR/specstream-bench (keep the machine warm to reuse it).
+if [ "$what" = load ]; then
+  python3 bench/gpu_load.py "$@" || status=1
+fi
+if [ "$what" = prefill ]; then
+  python3 bench/gpu_prefill.py "$@" || status=1
 fi
 exit $status
