@@ -1,12 +1,15 @@
 """CUDA backend: CuPy launchers for the raw kernels in cuda/, weights quantized on the GPU,
 and one captured CUDA graph per step shape.
 
-The only module that imports CuPy. Every op is a raw kernel (no CuPy elementwise temporaries),
-launched on the backend's own stream into buffers allocated at load time, so a step can be
+With cuda_upload.py (the pinned staging ring the weights go through), the only module that
+imports CuPy. Every op is a raw kernel (no CuPy elementwise temporaries; cuBLAS for the prefill
+GEMM), launched on the backend's own stream into buffers allocated at load time, so a step can be
 captured into a CUDA graph and replayed: the first step of a shape runs eagerly (it loads the
 kernels), the second is captured, later ones replay. Kernels read token ids, positions and KV
 slots from device buffers and never take a KV length from the host, so one graph per
-(tokens, logits) shape serves every position.
+(tokens, logits) shape serves every position. Steps wider than the decode/verify widths
+(prefill chunks, run eagerly) take their matmuls through dequantize + cuBLAS GEMM (the section
+at the end of the class).
 
 Shapes below: T tokens in the step, K/N the input/output width of a matrix, E the model width.
 """

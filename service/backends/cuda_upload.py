@@ -40,7 +40,6 @@ class PinnedUploader:
         self._done: list[Any] = [None] * n_buffers     # event after each buffer's last copy
         self._cur, self._used = 0, 0
         self._pool: ThreadPoolExecutor | None = None
-        self.bytes = 0                                  # plane bytes sent since the last finish
 
     # ---------------------------------------------------------------- ring
     def _buffer(self) -> np.ndarray:
@@ -114,7 +113,6 @@ class PinnedUploader:
                 self._used = end
                 b += take
             first += count
-        self.bytes += total * ts
         ready = cp.cuda.Event(block=False, disable_timing=True)
         ready.record(self.stream)
         return planes, ready
