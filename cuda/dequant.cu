@@ -22,10 +22,16 @@ __device__ __forceinline__ void dequant_rows(const Planes& P, int K, long long r
     const long long e0 = r0 * K + i0;
     if (i0 + 8 <= n) {
         u16 h[8];
+        if constexpr (Q::QK == 1) {
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            const long long e = e0 + j;
-            h[j] = f2h(Q::dequant(P, (size_t)(e / Q::QK), (int)(e % Q::QK)));
+            for (int j = 0; j < 8; j++) h[j] = f2h(Q::dequant(P, (size_t)(e0 + j), 0));
+        } else {
+            // One block, one 32-group: with the offset's low 3 bits visibly zero the compiler
+            // sees the same group index in all 8 calls and loads the scales once.
+            const size_t blk = (size_t)(e0 / Q::QK);
+            const int ib = (int)(e0 % Q::QK) & ~7;
+#pragma unroll
+            for (int j = 0; j < 8; j++) h[j] = f2h(Q::dequant(P, blk, ib | j));
         }
         uint4 v;
         v.x = (u32)h[0] | ((u32)h[1] << 16);
