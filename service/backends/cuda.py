@@ -24,7 +24,6 @@ from typing import Any
 import cupy as cp
 import numpy as np
 import structlog
-from cupy_backends.cuda.libs import cublas
 
 from service.backends import cuda_sources
 from service.backends.base import Backend, KVCache
@@ -96,6 +95,7 @@ class _GemmScratch:
     xh: Any = None                    # (max_tokens * max K) f16 bits: x rounded to f16
     wh: Any = None                    # (tile_elems,) f16 bits: a tile of W's rows
     blas: int = 0                     # cuBLAS handle (pointer mode host)
+    lib: Any = None                   # cupy_backends' cublas module (imported at first use)
     one: Any = field(default_factory=lambda: np.ones(1, np.float32))    # alpha, host
     zero: Any = field(default_factory=lambda: np.zeros(1, np.float32))  # beta, host
 
@@ -549,11 +549,20 @@ class CudaBackend(Backend):
             g.xh = g.wh = None
             return
         tile = min(g.max_elems, max(g.limit // 2, 64 * self._max_k))
+        if not g.blas:
+            # Imported here: a CuPy without a loadable cuBLAS still serves, on the GEMV only.
+            try:
+                from cupy_backends.cuda.libs import cublas
+
+                g.blas, g.lib = cublas.create(), cublas
+                cublas.setPointerMode(g.blas, _BLAS_POINTER_HOST)
+            except (ImportError, OSError, RuntimeError) as e:
+                log.warning("cuBLAS unavailable: every matmul stays on the GEMV", error=str(e))
+                self.prefill_gemm_min_tokens = None
+                g.xh = g.wh = None
+                return
         g.xh = self.zeros((max_tokens * self._max_k,), "uint16")     # (T*K,) f16 bits
         g.wh = self.zeros((tile,), "uint16")                         # (rows*K,) f16 bits
-        if not g.blas:
-            g.blas = cublas.create()
-            cublas.setPointerMode(g.blas, _BLAS_POINTER_HOST)
 
     def round_f16(self, x, out) -> None:
         """out[: T*K] (f16 bits, rows of K) = x (T, K) f32 rounded to nearest even."""
@@ -602,11 +611,11 @@ class CudaBackend(Backend):
                 else:
                     self.dequant_rows(w, r0, n, g.wh)
                     a = g.wh.data.ptr
-                cublas.setStream(g.blas, self.stream.ptr)
-                cublas.gemmEx(g.blas, _BLAS_OP_T, _BLAS_OP_N, n, T, K, g.one.ctypes.data,
-                              a, _R_16F, K, xh.data.ptr, _R_16F, K, g.zero.ctypes.data,
-                              out.data.ptr + r0 * 4, _R_32F, ldo, _BLAS_COMPUTE_32F,
-                              _BLAS_GEMM_DEFAULT)
+                g.lib.setStream(g.blas, self.stream.ptr)
+                g.lib.gemmEx(g.blas, _BLAS_OP_T, _BLAS_OP_N, n, T, K, g.one.ctypes.data,
+                             a, _R_16F, K, xh.data.ptr, _R_16F, K, g.zero.ctypes.data,
+                             out.data.ptr + r0 * 4, _R_32F, ldo, _BLAS_COMPUTE_32F,
+                             _BLAS_GEMM_DEFAULT)
 
 
 # Kernel name prefix -> source file.
