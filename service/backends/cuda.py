@@ -142,7 +142,7 @@ class CudaBackend(Backend):
                  invariant_tokens: int = 16, upload: str = "pinned",
                  prefill_gemm_min_tokens: int | None = PREFILL_GEMM_MIN_TOKENS,
                  staging_buffers: int = 3, staging_mib: int = 64,
-                 prefill_scratch_mib: int = 256):
+                 prefill_scratch_mib: int = 128):
         """upload: "pinned" (a ring of `staging_buffers` pinned buffers of `staging_mib` MiB,
         copies overlapped with reading the file) or "pageable" (one synchronous copy per plane).
         prefill_gemm_min_tokens: matmuls of steps with at least this many tokens, and more than
