@@ -155,7 +155,7 @@ def _breakdown(be: CudaBackend, step) -> None:
     total = cp.cuda.get_elapsed_time(e0, e1)
     ms = {k: sum(cp.cuda.get_elapsed_time(a, b) for a, b in v) for k, v in spans.items()}
     parts = {"weight dequantization": ms["dequant"],
-             "x to f16 + cuBLAS GEMM": ms["matmul"] - ms["dequant"],
+             "x to f16 + cuBLAS GEMM (+ the 1-row logits GEMV)": ms["matmul"] - ms["dequant"],
              "everything else (attention, norms, RoPE, KV, GLU, adds)": total - ms["matmul"]}
     print(f"GEMM-path step, {len(spans['matmul'])} matmuls, {total:.1f} ms with events:")
     for label, v in parts.items():
