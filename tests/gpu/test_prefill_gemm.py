@@ -55,8 +55,9 @@ def backend(**options):
 
 @pytest.fixture(scope="module", params=["whole", "tiled"])
 def gemm(request):
-    """min 17 tokens; "tiled": a weight scratch of the 64-row minimum, so N_ROWS takes six
-    dequantize + GEMM tiles."""
+    """GEMM from 17 tokens on; "tiled": the smallest weight scratch (64 rows of the widest
+    matrix loaded so far), so the N_ROWS rows take several dequantize + GEMM tiles (six at
+    the widest K)."""
     be = backend(prefill_gemm_min_tokens=17,
                  prefill_scratch_mib=256 if request.param == "whole" else 0)
     with be.stream:
