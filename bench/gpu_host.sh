@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command on an offline GPU host: install the carried wheels, put the real models in place
 # (from pieces carried in .gpu/, joined and checked), run the GPU tests, then the benchmarks.
-#   bash bench/gpu_host.sh [tests|bench|all] [pytest args...]
+#   bash bench/gpu_host.sh [tests|bench|all|load|prefill] [pytest args / script args...]
 # The bench stage runs bench/gpu_bench.py (BENCH_ARGS='--quick', BENCH_JSON=path).
 # Wheels: `make wheelhouse` (or any folder of wheels) in .whl/; model pieces: .gpu*/NAME.part.*
 # with .gpu*/NAME.sha256 (one folder per call when a call carries one piece). Models land in
@@ -45,5 +45,13 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/gpu_bench.py --json "${BENCH_JSON:-/tmp/bench-gpu.json}" ${BENCH_ARGS:-} || status=1
+fi
+# Weight upload (pinned vs pageable) and prefill (GEMV chunks vs GEMM) on a synthetic 8B file,
+# generated on first use into $TMPDIR/specstream-bench (keep the machine warm to reuse it).
+if [ "$what" = load ]; then
+  python3 bench/gpu_load.py "$@" || status=1
+fi
+if [ "$what" = prefill ]; then
+  python3 bench/gpu_prefill.py "$@" || status=1
 fi
 exit $status

@@ -1,19 +1,24 @@
 """CUDA backend: CuPy launchers for the raw kernels in cuda/, weights quantized on the GPU,
 and one captured CUDA graph per step shape.
 
-With cuda_attention.py (the attention family, a mixin of the backend here), the only modules
-that import CuPy; cuda_types.py holds the shapes and helpers they share. Every op is a raw
+With cuda_attention.py (the attention family), cuda_gemm.py (the prefill GEMM and the end of
+loading; both mixins of the backend here) and cuda_upload.py (the pinned staging ring the
+weights go through), the only modules that import CuPy; cuda_types.py holds the shapes and
+helpers they share. Every op is a raw
 kernel (no CuPy elementwise temporaries), launched on the backend's own stream into buffers
 allocated at load time, so a step can be captured into a CUDA graph and replayed: the first
 step of a shape runs eagerly (it loads the kernels), the second is captured, later ones
 replay. Kernels read token ids, positions and KV slots from device buffers and never take a
 KV length from the host, so one graph per (tokens, logits) shape serves every position.
+Steps wider than the decode/verify widths (prefill chunks, run eagerly) take their matmuls
+through dequantize + cuBLAS GEMM (cuda_gemm.py).
 
 Shapes below: T tokens in the step, K/N the input/output width of a matrix, E the model width.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import cupy as cp
@@ -22,7 +27,8 @@ import numpy as np
 from service.backends import cuda_sources
 from service.backends.base import Backend
 from service.backends.cuda_attention import AttentionOps
-from service.backends.cuda_layout import PlaneLayout, layout_of, split_planes
+from service.backends.cuda_gemm import PREFILL_GEMM_MIN_TOKENS, GemmOps, GemmScratch
+from service.backends.cuda_layout import LAYOUTS, PlaneLayout, layout_of, split_planes
 from service.backends.cuda_types import (
     ATT_CHUNK,
     F32,
@@ -43,25 +49,48 @@ from service.backends.cuda_types import (
     overlaps,
     view_rows,
 )
+from service.backends.cuda_upload import PinnedUploader
+from service.gguf.quants import dequantize
 from service.gguf.reader import TensorInfo
 
 __all__ = ["CudaBackend", "CudaKVCache", "CudaMatrix"]
 
 
-class CudaBackend(AttentionOps, Backend):
+class CudaBackend(AttentionOps, GemmOps, Backend):
     name = "cuda"
     kv_types = KV_TYPES
 
     def __init__(self, threads: int = 0, graphs: bool = True, device: int = 0,
-                 invariant_tokens: int = 16, gemv_rows: int = 2):
-        """gemv_rows: output rows per warp of the GEMVs, 2 (the default) or 1 (the earlier
-        kernel, kept for benchmarks; one column per block row). Both give the same bits."""
+                 invariant_tokens: int = 16, gemv_rows: int = 2, upload: str = "pinned",
+                 prefill_gemm_min_tokens: int | None = PREFILL_GEMM_MIN_TOKENS,
+                 staging_buffers: int = 3, staging_mib: int = 64,
+                 prefill_scratch_mib: int = 128):
+        """gemv_rows: output rows per warp of the 1-column GEMV, 2 or 1 (wider steps use 2);
+        both give the same bits.
+        upload: "pinned" (a ring of `staging_buffers` pinned buffers of `staging_mib` MiB,
+        copies overlapped with reading the file) or "pageable" (one synchronous copy per plane).
+        prefill_gemm_min_tokens: matmuls of steps with at least this many tokens, and more than
+        `invariant_tokens` (decode and verify steps stay on the step-size-invariant GEMV), go
+        through dequantize + cuBLAS GEMM; None keeps every matmul on the GEMV. Weight tiles of
+        the GEMM are dequantized into a scratch of at most `prefill_scratch_mib` MiB."""
         # CPU threads do not apply; every GEMV column and attention query is computed the same
-        # way at any step size, so steps of any width are invariant here.
-        del threads, invariant_tokens
+        # way at any step size, so steps up to invariant_tokens are invariant here.
+        del threads
         if gemv_rows not in (1, 2):
             raise ValueError(f"gemv_rows must be 1 or 2, not {gemv_rows}")
+        if upload not in ("pinned", "pageable"):
+            raise ValueError(f"upload must be 'pinned' or 'pageable', not {upload!r}")
         cp.cuda.Device(device).use()
+        self.upload = upload
+        self._uploader = (PinnedUploader(staging_buffers, staging_mib << 20,
+                                         min(8, os.cpu_count() or 1))
+                          if upload == "pinned" else None)
+        self.prefill_gemm_min_tokens = (None if prefill_gemm_min_tokens is None
+                                        else max(prefill_gemm_min_tokens, invariant_tokens + 1))
+        self._gs = GemmScratch(limit=prefill_scratch_mib << 20)
+        self.tensor_bytes = 0             # file bytes of the tensors loaded
+        self.load_seconds = 0.0
+        self._load_t0: float | None = None
         self.graphs = graphs
         self.gemv_rows = gemv_rows
         self.stream = cp.cuda.Stream(non_blocking=True)
@@ -130,13 +159,22 @@ class CudaBackend(AttentionOps, Backend):
         self.stream.synchronize()
 
     # ---------------------------------------------------------------- weights
-    def _upload_planes(self, raw: np.ndarray, layout: PlaneLayout) -> list[Any]:
+    def _upload_planes(self, raws: list[np.ndarray], layout: PlaneLayout) -> list[Any]:
+        """The planes of the blocks of `raws` stacked by rows, on the device."""
+        self._start_load()
+        n = sum(r.size for r in raws)
+        self.tensor_bytes += n
+        self.weight_bytes += n            # the planes hold exactly the file's bytes
+        if self._uploader is not None:
+            planes, ready = self._uploader.upload(raws, layout)
+            self.stream.wait_event(ready)     # kernels wait on the device, the host does not
+            return planes
+        raw = raws[0] if len(raws) == 1 else np.concatenate(raws)
         planes = []
         for p in split_planes(raw, layout):
             d = cp.empty(p.size, cp.uint8)
             d.set(p, stream=self.stream)
             planes.append(d)
-            self.weight_bytes += p.size
         self.stream.synchronize()
         return planes
 
@@ -153,11 +191,11 @@ class CudaBackend(AttentionOps, Backend):
         k = tensors[0].shape[-1]
         self._check_width(k, layout, tensors[0].name)
         rows = sum(int(np.prod(t.shape[:-1])) for t in tensors)
-        raw = tensors[0].raw if len(tensors) == 1 else np.concatenate([t.raw for t in tensors])
-        m = CudaMatrix(layout, rows, k, self._upload_planes(raw, layout))
+        m = CudaMatrix(layout, rows, k, self._upload_planes([t.raw for t in tensors], layout))
         if len(tensors) == 1:
             self._shared[tensors[0].name] = m
         self._max_k = max(self._max_k, k)
+        self._gs.max_elems = max(self._gs.max_elems, rows * k)
         return m
 
     @staticmethod
@@ -171,19 +209,34 @@ class CudaBackend(AttentionOps, Backend):
         layout = layout_of(tensor.qtype)
         self._check_width(k, layout, tensor.name)
         self._max_k = max(self._max_k, k)
-        m = CudaMatrix(layout, n_expert * n, k, self._upload_planes(tensor.raw, layout),
+        m = CudaMatrix(layout, n_expert * n, k, self._upload_planes([tensor.raw], layout),
                        n_expert)
         return m
 
     def upload_vector(self, host) -> Any:
-        with self.stream:
-            return cp.asarray(np.ascontiguousarray(host, dtype=np.float32))
+        host = np.ascontiguousarray(host, dtype=np.float32)
+        if self._uploader is None or self._load_t0 is None:
+            with self.stream:
+                return cp.asarray(host)
+        # While loading, through the staging ring: a pageable copy would wait for the stream.
+        planes, ready = self._uploader.upload([host.reshape(-1).view(np.uint8)], LAYOUTS["F32"])
+        self.stream.wait_event(ready)
+        return planes[0].view(cp.float32).reshape(host.shape)
+
+    def load_vector(self, tensor: TensorInfo) -> Any:
+        self._start_load()
+        v = self.upload_vector(dequantize(tensor.raw, tensor.qtype, tensor.shape))  # (n,) f32
+        self.tensor_bytes += tensor.raw.size
+        self.weight_bytes += v.nbytes
+        return v
 
     def load_embedding(self, tensor: TensorInfo) -> CudaMatrix:
         return self.load_matrix([tensor])
 
     def prepare(self, *, max_tokens: int, n_head: int, head_dim_v: int, n_ctx: int,
                 n_embd: int, moe_experts: int = 0, moe_used: int = 0, moe_ff: int = 0) -> None:
+        self.finish_load()
+        self._prepare_gemm(max_tokens)
         s, z = self._s, self.zeros
         rows = max_tokens * max(1, moe_used)
         s.qa = z((rows * self._max_k,), "int8")
@@ -329,11 +382,17 @@ class CudaBackend(AttentionOps, Backend):
             self._blocks = None
 
     def matmul(self, x, w: CudaMatrix, out):
-        self._gemv(x, w, out)
+        if self._gemm_wanted(x):
+            self._gemm_matmul(x, w, out)
+        else:
+            self._gemv(x, w, out)
 
     def matmul_add(self, x, w: CudaMatrix, out, tmp):
-        del tmp                               # the GEMV adds into out itself
-        self._gemv(x, w, out, accumulate=True)
+        del tmp                               # the GEMV (or GEMM, beta = 1) adds into out
+        if self._gemm_wanted(x):
+            self._gemm_matmul(x, w, out, accumulate=True)
+        else:
+            self._gemv(x, w, out, accumulate=True)
 
     def add(self, a, b, out):
         T, _, lda, _, N = view_rows(a)
@@ -402,4 +461,5 @@ _KERNEL_SOURCE = (("gemv_", "gemv.cu"), ("quantize_", "quantize.cu"), ("kv_", "q
                   ("add_", "elementwise.cu"), ("glu", "elementwise.cu"),
                   ("rope_kv_", "rope_kv.cu"), ("rope", "elementwise.cu"),
                   ("moe_", "elementwise.cu"), ("attn_", "attention.cu"),
-                  ("argmax_", "sampling.cu"))
+                  ("argmax_", "sampling.cu"), ("dequant_", "dequant.cu"),
+                  ("round_f16", "dequant.cu"))

@@ -12,6 +12,7 @@ The plane order per type is the contract with cuda/quant_types.cuh (P.p0 .. P.p3
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import gcd
 
 import numpy as np
 
@@ -61,6 +62,42 @@ def split_planes(raw: np.ndarray, layout: PlaneLayout) -> list[np.ndarray]:
     if len(layout.planes) == 1:
         return [np.ascontiguousarray(raw)]
     return [np.ascontiguousarray(blocks[:, a:a + n]).reshape(-1) for a, n in layout.planes]
+
+
+def plane_offsets(layout: PlaneLayout, n_blocks: int, start: int = 0) -> tuple[list[int], int]:
+    """Where `write_planes` puts the planes of `n_blocks` blocks in a staging buffer, from byte
+    `start` on: each plane's segment starts 16-byte aligned -> (segment offsets, end)."""
+    offsets, at = [], start
+    for _, n in layout.planes:
+        at = -(-at // 16) * 16
+        offsets.append(at)
+        at += n_blocks * n
+    return offsets, at
+
+
+def _copy_unit(layout: PlaneLayout) -> np.dtype:
+    """The widest unsigned word (<= 8 bytes) that divides the block and every plane's range:
+    the plane split then copies words, not bytes."""
+    g = gcd(layout.type_size, *(v for r in layout.planes for v in r))
+    return np.dtype(f"u{max(u for u in (1, 2, 4, 8) if g % u == 0)}")
+
+
+def write_planes(raw: np.ndarray, layout: PlaneLayout, b0: int, b1: int, out: np.ndarray,
+                 offsets: list[int]) -> None:
+    """Blocks [b0, b1) of `raw` ((n_bytes,) uint8, whole blocks) split into planes straight into
+    `out` ((n,) uint8, e.g. a pinned staging buffer): plane p's bytes of those blocks land at
+    out[offsets[p] : offsets[p] + (b1 - b0) * size_p], in block order. One read of the source
+    and one write per byte; the concatenation over consecutive ranges equals split_planes."""
+    ts, nb = layout.type_size, b1 - b0
+    src = raw[b0 * ts:b1 * ts]
+    if len(layout.planes) == 1:
+        out[offsets[0]:offsets[0] + nb * ts] = src
+        return
+    u = _copy_unit(layout)
+    blocks = src.view(u).reshape(nb, ts // u.itemsize)                 # (nb, S/u) words
+    for (a, n), o in zip(layout.planes, offsets, strict=True):
+        dst = out[o:o + nb * n].view(u).reshape(nb, n // u.itemsize)
+        np.copyto(dst, blocks[:, a // u.itemsize:(a + n) // u.itemsize])
 
 
 def join_planes(planes: list[np.ndarray], layout: PlaneLayout) -> np.ndarray:

@@ -20,10 +20,11 @@ collect_ignore_glob = [] if _have_gpu() else ["test_*.py"]
 
 @pytest.fixture(scope="session")
 def cuda():
-    """An eager CUDA backend; tests run on its stream, so their own copies and fills are
-    ordered with its kernels."""
+    """An eager CUDA backend whose matmuls are GEMVs at every width (the kernel tests address
+    the GEMV with prefill-sized steps too; the GEMM path has test_prefill_gemm.py); tests run
+    on its stream, so their own copies and fills are ordered with its kernels."""
     from service.backends.cuda import CudaBackend
 
-    be = CudaBackend(graphs=False)
+    be = CudaBackend(graphs=False, prefill_gemm_min_tokens=None)
     with be.stream:
         yield be

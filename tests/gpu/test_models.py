@@ -31,10 +31,10 @@ CLEAR_GAP = 0.5
 REAL_FILES = {"smollm2": "smollm2-135m.gguf", "gemma3": "gemma3-270m.gguf"}
 
 
-def cuda_backend(graphs: bool = False):
+def cuda_backend(graphs: bool = False, **options):
     from service.backends.cuda import CudaBackend
 
-    return CudaBackend(graphs=graphs)
+    return CudaBackend(graphs=graphs, **options)
 
 
 def relative_errors(ours: np.ndarray, ref: np.ndarray) -> np.ndarray:
@@ -80,8 +80,10 @@ def test_tiny_models_match_llamacpp_and_the_cpu(name):
     CPU float32 reference's (its median on tiny-llama-mixq is 3.2%, tests/golden): median
     <= 7%, 75th percentile <= 12%, still far below a wrong RoPE's 13-71% (negative control
     below). Against the CPU backend rounding activations the GPU's way (act_quant="gpu"), only
-    float32 summation order differs: median <= 1%, and every clear argmax agrees."""
-    ours, ref = tiny_logits(name, cuda_backend())
+    float32 summation order differs: median <= 1%, and every clear argmax agrees. (Every
+    matmul on the GEMV, whose rounding the CPU mirrors: the 24-token prompt would otherwise
+    take the f16 GEMM path, tested in test_prefill_gemm.py.)"""
+    ours, ref = tiny_logits(name, cuda_backend(prefill_gemm_min_tokens=None))
     rel = relative_errors(ours, ref)
     assert np.median(rel) <= 0.07 and np.percentile(rel, 75) <= 0.12, rel
     top2 = np.sort(ref, axis=1)[:, -2:]

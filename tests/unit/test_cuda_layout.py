@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from service.backends.cuda_layout import LAYOUTS, join_planes, round_activations, split_planes
+from service.backends.cuda_layout import (
+    LAYOUTS,
+    join_planes,
+    plane_offsets,
+    round_activations,
+    split_planes,
+    write_planes,
+)
 from tests.blocks import ALL_TYPES, random_tensor
 
 
@@ -29,6 +36,32 @@ def test_split_and_join_are_inverse(name):
     planes = split_planes(raw, LAYOUTS[name])
     assert sum(p.size for p in planes) == raw.size           # no padding, no copies
     assert np.array_equal(join_planes(planes, LAYOUTS[name]), raw)
+
+
+@pytest.mark.parametrize("name", ALL_TYPES)
+def test_write_planes_in_ranges_equals_split_planes(name):
+    """The staging writer, called on consecutive block ranges as the pinned upload does (two
+    ranges packed into one buffer after an odd start), puts exactly split_planes' bytes in
+    each plane segment, 16-byte aligned, and writes nothing between the segments."""
+    lay = LAYOUTS[name]
+    k = 512 if lay.block_size > 1 else 48
+    raw = random_tensor(name, 5, k, np.random.default_rng(3))
+    n_blocks = raw.size // lay.type_size
+    want = split_planes(raw, lay)
+    got: list[list[np.ndarray]] = [[] for _ in lay.planes]
+    buf = np.full(2 * raw.size + 256, 0xAB, np.uint8)
+    at, written = 7, 0
+    for b0, b1 in ((0, n_blocks // 3), (n_blocks // 3, n_blocks)):
+        offs, end = plane_offsets(lay, b1 - b0, at)
+        assert all(o % 16 == 0 for o in offs) and end <= buf.size
+        write_planes(raw, lay, b0, b1, buf, offs)
+        for p, ((_, n), o) in enumerate(zip(lay.planes, offs, strict=True)):
+            got[p].append(buf[o:o + (b1 - b0) * n].copy())
+        written += sum((b1 - b0) * n for _, n in lay.planes)
+        at = end
+    for p in range(len(lay.planes)):
+        assert np.array_equal(np.concatenate(got[p]), want[p]), (name, p)
+    assert int((buf != 0xAB).sum()) <= written    # nothing outside the segments
 
 
 def test_round_activations_error_bound():
