@@ -249,7 +249,7 @@ def _eager_breakdown(cp, be, tr, pos: int) -> tuple[list[tuple[str, float]], dic
     ids, p, slots = _step_inputs(be, [1], pos)
     tr.forward(ids, p, slots, pos + 1, 1)              # warm: every kernel loaded
     records, part = [], ["embed"]
-    launch, rms_norm = be._launch, be.rms_norm
+    launch, rms_norm, rms_norm_mm = be._launch, be.rms_norm, be.rms_norm_for_matmul
     output_norm = tr.weights.output_norm
 
     def timed(name, grid, block, args):
@@ -259,16 +259,23 @@ def _eager_breakdown(cp, be, tr, pos: int) -> tuple[list[tuple[str, float]], dic
         e1.record(be.stream)
         records.append((name, part[0], e0, e1))
 
-    def norm(x, w, eps, out):
+    def mark(w):
         part[0] = "head" if w is output_norm else "layers" if part[0] == "embed" else part[0]
+
+    def norm(x, w, eps, out):
+        mark(w)
         rms_norm(x, w, eps, out)
 
-    be._launch, be.rms_norm = timed, norm
+    def norm_mm(x, w, eps, out):            # the fused norm + 8-bit blocks of a matmul input
+        mark(w)
+        rms_norm_mm(x, w, eps, out)
+
+    be._launch, be.rms_norm, be.rms_norm_for_matmul = timed, norm, norm_mm
     try:
         tr.forward(ids, p, slots, pos + 1, 1)
         be.synchronize()
     finally:
-        del be._launch, be.rms_norm                    # the class's methods again
+        del be._launch, be.rms_norm, be.rms_norm_for_matmul   # the class's methods again
     counts = {k: sum(r[1] == k for r in records) for k in ("embed", "layers", "head")}
     return [(name, cp.cuda.get_elapsed_time(e0, e1) / 1e3) for name, _, e0, e1 in records], counts
 

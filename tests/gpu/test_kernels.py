@@ -101,7 +101,7 @@ def cuda_rows1():
     """A second backend on the one-row-per-warp GEMV (CudaBackend(gemv_rows=1))."""
     from service.backends.cuda import CudaBackend
 
-    return CudaBackend(graphs=False, gemv_rows=1)
+    return CudaBackend(graphs=False, gemv_rows=1, prefill_gemm_min_tokens=None)
 
 
 @pytest.mark.parametrize("name", ALL_TYPES)
