@@ -20,7 +20,7 @@
 // ... in that order for each of its rows and columns, and the warp sums lanes with a butterfly,
 // so out[c, n] is computed by the same instructions whatever NC, R and C are: a verify step's
 // logits equal single steps' bit for bit. A lane takes U = GEMV_UNROLL / R of its groups per
-// pass: it first loads their weights into registers (4 loads of 16 bytes in flight), then
+// pass (1 for the 1-column 1-row kernel): it first loads their weights into registers, then
 // dots each weight group with every column's activations, so the weights are read once per
 // launch whatever NC is. R rows per warp share each activation load; NC is the step's column
 // count rounded up to 1, 2, 4, 8, 16 (chosen per launch; columns past n_cols are skipped).
@@ -86,9 +86,11 @@ __device__ __forceinline__ void gemv_quant(Planes P, int K, int N, const signed 
     for (int c = 0; c < NC; c++)
 #pragma unroll
         for (int r = 0; r < R; r++) acc[c][r] = 0.0f;
-    // U = GEMV_UNROLL / R groups per lane per pass: all their weight loads are issued before
-    // any dot (bytes in flight), and each weight group is loaded once for all NC columns.
-    constexpr int U = GEMV_UNROLL / R > 0 ? GEMV_UNROLL / R : 1;
+    // U groups per lane per pass: all their weight loads are issued before any dot (bytes in
+    // flight), and each weight group is loaded once for all NC columns.
+    // One column and one row: no unrolling (fewer registers, more warps in flight: measured
+    // faster on the H200); otherwise U groups per pass.
+    constexpr int U = NC * R == 1 ? 1 : (GEMV_UNROLL / R > 0 ? GEMV_UNROLL / R : 1);
     for (int g0 = lane; g0 < G; g0 += WARP * U) {
         typename Q::G w[U][R];
 #pragma unroll
@@ -170,11 +172,12 @@ __device__ __forceinline__ void gemv_float(const u8* __restrict__ W, int K, int 
         gemv_float<F, NC, R>(W, K, N, x, ldx, n_cols, ids, rows_per_expert, act_div, out,    \
                              ldo, accumulate);                                               \
     }
-// Column counts 1..16 with 2 rows per warp, and one row per warp at 1 column
-// (CudaBackend(gemv_rows=1|2) picks the 1-column variant).
+// The variants CudaBackend picks from (cuda_types.gemv_choice): 1 column with 1 or 2 rows per
+// warp, 2..16 columns with 2 or 4 rows per warp.
 #define GEMV_VARIANTS(ONE, name, T) \
-    ONE(name, T, 1, 2) ONE(name, T, 2, 2) ONE(name, T, 4, 2) ONE(name, T, 8, 2) \
-    ONE(name, T, 16, 2) ONE(name, T, 1, 1)
+    ONE(name, T, 1, 1) ONE(name, T, 1, 2) ONE(name, T, 2, 2) ONE(name, T, 4, 2) \
+    ONE(name, T, 8, 2) ONE(name, T, 16, 2) ONE(name, T, 2, 4) ONE(name, T, 4, 4) \
+    ONE(name, T, 8, 4) ONE(name, T, 16, 4)
 #define GEMV_QUANT_KERNELS(name, Q) GEMV_VARIANTS(GEMV_QUANT_ONE, name, Q)
 #define GEMV_FLOAT_KERNELS(name, F) GEMV_VARIANTS(GEMV_FLOAT_ONE, name, F)
 FOR_QUANT_TYPES(GEMV_QUANT_KERNELS)

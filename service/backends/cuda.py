@@ -43,7 +43,7 @@ from service.backends.cuda_types import (
     ViewKey,
     ceil_div,
     check_dtype,
-    gemv_variant,
+    gemv_choice,
     matrix_key,
     norm_block,
     overlaps,
@@ -65,8 +65,9 @@ class CudaBackend(AttentionOps, GemmOps, Backend):
                  prefill_gemm_min_tokens: int | None = PREFILL_GEMM_MIN_TOKENS,
                  staging_buffers: int = 3, staging_mib: int = 64,
                  prefill_scratch_mib: int = 128):
-        """gemv_rows: output rows per warp of the 1-column GEMV, 2 or 1 (wider steps use 2);
-        both give the same bits.
+        """gemv_rows: 2 (the default) picks the GEMV variant by the step's width
+        (cuda_types.gemv_choice); 1 runs the one-column one-row kernel at every width (the
+        earlier kernel, kept for benchmarks). Both give the same bits.
         upload: "pinned" (a ring of `staging_buffers` pinned buffers of `staging_mib` MiB,
         copies overlapped with reading the file) or "pageable" (one synchronous copy per plane).
         prefill_gemm_min_tokens: matmuls of steps with at least this many tokens, and more than
@@ -358,17 +359,16 @@ class CudaBackend(AttentionOps, GemmOps, Backend):
             raise ValueError(f"matmul: x {x.shape} / out {out.shape} vs W ({w.n}, {w.k})")
         check_dtype(x, np.float32, "matmul x")
         check_dtype(out, np.float32, "matmul out")
-        R = self.gemv_rows
         if ids is None:
             if C != T:
                 raise ValueError(f"matmul: {T} input rows, {C} output rows")
-            nc = gemv_variant(T, R)
+            nc, R = gemv_choice(T, self.gemv_rows)
             grid, ids_arg, rpe = (ceil_div(N, GEMV_WARPS * R), ceil_div(T, nc)), NULL, 0
         else:                                 # gathered experts: one column per block row
             check_dtype(ids, np.int32, "matmul ids")
             if C != n_pairs or ids.size < n_pairs:
                 raise ValueError(f"gathered matmul: {n_pairs} pairs, out {out.shape}")
-            nc = 1
+            nc, R = 1, 1
             grid, ids_arg, rpe = (ceil_div(N, GEMV_WARPS * R), n_pairs), ids, w.n
         tail = [I32(C), ids_arg, I32(rpe), I32(act_div), out, I32(ldo),
                 I32(1 if accumulate else 0)]

@@ -95,12 +95,21 @@ def norm_block(d: int) -> int:
     return min(256, ceil_div(d, 32) * 32)
 
 
-def gemv_variant(n_cols: int, rows_per_warp: int) -> int:
-    """Columns per block row (NC) of the GEMV kernel for a step of n_cols columns: n_cols
-    rounded up to a variant, 16 (chunks of 16) above; the one-row-per-warp kernel has NC = 1."""
-    if rows_per_warp == 1:
-        return 1
-    return next((nc for nc in GEMV_NC if nc >= n_cols), GEMV_NC[-1])
+# Rows per warp of the multi-column GEMV variants (cuda/gemv.cu instantiates c1r1, c1r2 and
+# c{2,4,8,16}r{2,4}): more rows per warp share each activation load, which is what a
+# multi-column GEMV spends its time on (bench/gpu_bench.py, docs/PERFORMANCE.md).
+GEMV_WIDE_ROWS = {2: 2, 4: 4, 8: 4, 16: 4}
+
+
+def gemv_choice(n_cols: int, mode: int) -> tuple[int, int]:
+    """(NC, R) of the GEMV kernel for a step of n_cols columns: NC = n_cols rounded up to a
+    variant (16 above: chunks of 16), R rows per warp. mode 1: the one-column one-row kernel
+    at every width (one block row per column); mode 2 (the default): the tiled variants, with
+    the one-row kernel for a single column. Every choice gives the same bits."""
+    if mode == 1 or n_cols == 1:
+        return 1, 1
+    nc = next((nc for nc in GEMV_NC if nc >= n_cols), GEMV_NC[-1])
+    return nc, GEMV_WIDE_ROWS[nc]
 
 
 # (pointer, rows, row width, row stride) of a matrix view: what the 8-bit activation blocks in

@@ -321,9 +321,9 @@ def test_serve_streams_generate_through_the_client():
 
 
 # ---------------------------------------------------------------- launches per layer
-LLAMA_LAYER = [("rms_norm_quant", None), ("gemv_q4_0_c1r2", 0), ("rope_kv_f16_f16", None),
-               ("attn_f16_f16", None), ("gemv_q4_0_c1r2", 1), ("rms_norm_quant", None),
-               ("gemv_q4_0_c1r2", 0), ("glu_quant", None), ("gemv_q4_0_c1r2", 1)]
+LLAMA_LAYER = [("rms_norm_quant", None), ("gemv_q4_0_c1r1", 0), ("rope_kv_f16_f16", None),
+               ("attn_f16_f16", None), ("gemv_q4_0_c1r1", 1), ("rms_norm_quant", None),
+               ("gemv_q4_0_c1r1", 0), ("glu_quant", None), ("gemv_q4_0_c1r1", 1)]
 
 
 def test_decode_layer_is_nine_launches(tmp_path):

@@ -4,13 +4,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.backends.cuda_types import gemv_variant, norm_block, view_rows
+from service.backends.cuda_types import GEMV_WIDE_ROWS, gemv_choice, norm_block, view_rows
 
 
 def test_gemv_columns_round_up_to_a_variant():
-    got = {t: gemv_variant(t, 2) for t in (1, 2, 3, 4, 5, 8, 9, 16, 17, 40)}
+    got = {t: gemv_choice(t, 2)[0] for t in (1, 2, 3, 4, 5, 8, 9, 16, 17, 40)}
     assert got == {1: 1, 2: 2, 3: 4, 4: 4, 5: 8, 8: 8, 9: 16, 16: 16, 17: 16, 40: 16}
-    assert {gemv_variant(t, 1) for t in (1, 3, 16, 40)} == {1}
+    assert gemv_choice(1, 2) == (1, 1)
+    assert all(gemv_choice(t, 2)[1] == GEMV_WIDE_ROWS[gemv_choice(t, 2)[0]] for t in (2, 3, 9))
+    assert {gemv_choice(t, 1) for t in (1, 3, 16, 40)} == {(1, 1)}
+
+
+def test_gemv_variants_chosen_are_instantiated():
+    """Every (NC, R) the backend can pick is a kernel gemv.cu instantiates."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "cuda" / "gemv.cu").read_text()
+    for t in range(1, 41):
+        for mode in (1, 2):
+            nc, r = gemv_choice(t, mode)
+            assert f"ONE(name, T, {nc}, {r})" in text, (t, mode)
 
 
 def test_norm_block_is_whole_warps_up_to_256():
