@@ -20,7 +20,7 @@
 // ... in that order for each of its rows and columns, and the warp sums lanes with a butterfly,
 // so out[c, n] is computed by the same instructions whatever NC, R and C are: a verify step's
 // logits equal single steps' bit for bit. A lane takes U = GEMV_UNROLL / R of its groups per
-// pass (1 for the 1-column 1-row kernel): it first loads their weights into registers, then
+// pass (the 1-column 1-row kernel: one, activations first): it loads their weights first, then
 // dots each weight group with every column's activations, so the weights are read once per
 // launch whatever NC is. R rows per warp share each activation load; NC is the step's column
 // count rounded up to 1, 2, 4, 8, 16 (chosen per launch; columns past n_cols are skipped).
@@ -88,9 +88,25 @@ __device__ __forceinline__ void gemv_quant(Planes P, int K, int N, const signed 
         for (int r = 0; r < R; r++) acc[c][r] = 0.0f;
     // U groups per lane per pass: all their weight loads are issued before any dot (bytes in
     // flight), and each weight group is loaded once for all NC columns.
-    // One column and one row: no unrolling (fewer registers, more warps in flight: measured
-    // faster on the H200); otherwise U groups per pass.
-    constexpr int U = NC * R == 1 ? 1 : (GEMV_UNROLL / R > 0 ? GEMV_UNROLL / R : 1);
+    if constexpr (NC == 1 && R == 1) {
+        // One column, one row (decode): the plain loop, activations loaded before the weights,
+        // no unrolling: fewer registers and more warps in flight (measured faster on the H200
+        // than the unrolled pass below at 1 column). The same additions in the same order.
+        const int ar = cols.c0 / cols.act_div;
+        for (int g = lane; g < G; g += WARP) {
+            const u8* ap = reinterpret_cast<const u8*>(qa + (size_t)ar * K + 32 * g);
+            int a[8];
+            ld16(ap, a);
+            ld16(ap + 16, a + 4);
+            const float2 ds = ads[(size_t)ar * G + g];
+            typename Q::G w;
+            Q::load(P, rbase[0] + g / SUB, g % SUB, w);
+            acc[0][0] += Q::dot(w, a, ds.x, ds.y);
+        }
+        gemv_store<NC, R>(acc, cols, n0, N, out, ldo, accumulate);
+        return;
+    }
+    constexpr int U = GEMV_UNROLL / R > 0 ? GEMV_UNROLL / R : 1;
     for (int g0 = lane; g0 < G; g0 += WARP * U) {
         typename Q::G w[U][R];
 #pragma unroll

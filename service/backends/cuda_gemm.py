@@ -23,8 +23,10 @@ import structlog
 from service.backends.cuda_types import I32, CudaMatrix, ceil_div, check_dtype, view_rows
 
 # Steps of at least this many tokens (and more than the invariant decode/verify widths) run
-# their matmuls as dequantize + cuBLAS GEMM; bench/gpu_prefill.py prints the measured crossover.
-PREFILL_GEMM_MIN_TOKENS = 17
+# their matmuls as dequantize + cuBLAS GEMM. Measured on the H200 (bench/gpu_prefill.py, Q4_K):
+# the GEMM path wins from 32 columns for 14336x4096 (141 vs 126 us) and from 64 for 4096x4096
+# (at 32: 67 vs 88 us); 32 favours the large matrices, which dominate a step's time.
+PREFILL_GEMM_MIN_TOKENS = 32
 # cuBLAS / CUDA library enum values (cublas_api.h, library_types.h), spelled out so they do not
 # depend on which names a CuPy version exports.
 _BLAS_OP_N, _BLAS_OP_T, _BLAS_POINTER_HOST = 0, 1, 0
