@@ -4,9 +4,13 @@ Design rules (they are what lets the CUDA backend capture one step as one CUDA g
 - Every op writes into a caller-provided `out` buffer; buffers come from `zeros()` at load time
   (the transformer's workspace), so nothing is allocated inside a step.
 - A step processes T tokens, 1 <= T <= max_tokens. Per-step values (token ids, positions, KV
-  slots) arrive as small int32 arrays. `kv_len` is a host-side int; ops may rely only on
-  kv_len >= every position + 1. The engine passes exactly max position + 1
-  (`Engine._forward_raw`: kv_len = start + T), so kv_len changes every step; it is not bucketed.
+  slots) arrive as int32 views of one device buffer that the model runner uploads with one copy
+  (`upload_step`, service/engine/runner.py). T is padded up to a few capture sizes with padding
+  rows (slot -1, id 0, position 0): kv_write stores nothing for them, attention outputs 0 for
+  them, and no real row ever reads them. `kv_len` is a host-side int >= every real position + 1,
+  there for the CPU backend only: no launch geometry may depend on it.
+- Token choice happens on the backend (`sample`), so only int32 ids (and log-probabilities when
+  asked) come back, with one copy (`download_step`).
 - Arrays are the backend's own (numpy for CPU, CuPy for CUDA); the model layer only slices,
   reshapes and passes them along.
 
@@ -149,3 +153,33 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def argmax(self, logits: Array, out: Array) -> None:
         """out[t] = argmax(logits[t]) as int32 (the lowest index on exact ties)."""
+
+    # ---------------------------------------------------------------- step I/O and sampling
+    @abc.abstractmethod
+    def host_buffer(self, n: int) -> Any:
+        """A host int32 buffer (n,) for step inputs/outputs (pinned where that exists)."""
+
+    @abc.abstractmethod
+    def upload_step(self, host: Any, device: Array) -> None:
+        """Copy host (n,) int32 into device[:n] with one (asynchronous) copy. The host buffer
+        must stay untouched until the step's `download_step` has returned."""
+
+    @abc.abstractmethod
+    def download_step(self, device: Array, host: Any) -> None:
+        """Copy device (n,) int32 into host[:n] with one copy queued after the step's work, and
+        wait for it (n may be 0: then it only waits)."""
+
+    def prepare_sampling(self, rows: int, vocab: int) -> None:  # noqa: B027 - no-op default
+        """Size the sample op's per-row scratch for up to `rows` logits rows of `vocab`."""
+
+    @abc.abstractmethod
+    def record_tokens(self, ids: Array, slots: Array, positions: Array, hist: Array) -> None:
+        """hist[slots[t], positions[t]] = ids[t] for the real rows (the repetition penalty's
+        token history). ids, slots, positions (T,) int32; hist (n_slots, n_ctx) int32."""
+
+    @abc.abstractmethod
+    def sample(self, logits: Array, params: Array, hist: Array, out: Array) -> None:
+        """Choose one token per logits row (service/backends/cpu_sampling.py defines the
+        parameter record, the chain of filters, the draw and the output record).
+        logits (L, V) f32, params (L, N_PARAMS) int32, hist (n_slots, n_ctx) int32,
+        out (L, OUT_WORDS) int32."""
