@@ -293,7 +293,7 @@ __device__ int draw_token(RowState& r, int top_k, float top_p, u64 seed, int ind
     if (top_p < 1.0f) {
         const double target = (double)top_p * pass_sum(r, 2, 0u, sh);
         if (pass_sum(r, 1, 0u, sh) >= target) {
-            r.pk = bisect_key(r, true, target, 0u, kmax, sh);
+            r.pk = bisect_key(r, true, target, r.kk, kmax, sh);   // every S1 key >= kk
             const double above = r.pk < 0xFFFFFFFFu ? pass_sum(r, 1, r.pk + 1u, sh) : 0.0;
             r.pcut = id_cut(r, CUT_P_TIES, above, target, sh);
         }
@@ -302,9 +302,10 @@ __device__ int draw_token(RowState& r, int top_k, float top_p, u64 seed, int ind
 }
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-sample_rows(const float* __restrict__ logits, int ld, int V, const int* __restrict__ params,
-            const int* __restrict__ hist, int n_ctx, float* __restrict__ work,
-            int* __restrict__ out) {
+sample_rows(const float* logits, int ld, int V, const int* __restrict__ params,
+            const int* __restrict__ hist, int n_ctx, float* work, int* __restrict__ out) {
+    // logits and work carry no __restrict__: the filters read the row through one pointer
+    // that is either, and work is written in this kernel (no read-only cache loads for it)
     __shared__ SampleShared sh;
     const int row = blockIdx.x, tid = threadIdx.x;
     const int* P = params + (size_t)row * N_PARAMS;
