@@ -25,6 +25,12 @@ from typing import Any
 from service.gguf.reader import TensorInfo
 
 Array = Any   # numpy.ndarray or cupy.ndarray, by backend
+SMALL_STEPS = (1, 2, 4, 8, 16)   # decode and verify step sizes
+
+
+def capture_sizes(max_tokens: int) -> tuple[int, ...]:
+    """Step sizes a step is padded up to: 1, 2, 4, 8, 16, then max_tokens (the prefill chunk)."""
+    return tuple(sorted({s for s in SMALL_STEPS if s < max_tokens} | {max_tokens}))
 
 
 class KVCache(abc.ABC):
@@ -88,6 +94,11 @@ class Backend(abc.ABC):
                 n_embd: int, moe_experts: int = 0, moe_used: int = 0, moe_ff: int = 0) -> None:
         """Size every scratch buffer a step needs, once, after the weights are loaded (so no
         step allocates: a CUDA graph cannot). A no-op where ops allocate nothing."""
+
+    def step_sizes(self, max_tokens: int) -> tuple[int, ...]:
+        """The sizes the model runner pads a step of up to max_tokens tokens to (ascending, the
+        last = max_tokens): one captured graph per size and logits count."""
+        return capture_sizes(max_tokens)
 
     def run_step(self, key: tuple, inputs: tuple, fn):
         """Run one step `fn()` of shape `key` (token count first) reading the device arrays

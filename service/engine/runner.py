@@ -3,9 +3,10 @@
 The scheduler decides *what* runs (a StepInput: rows of token ids, positions, KV slots, which
 rows need a token chosen and how); the runner decides *how*:
 
-1. pads the step to the next capture size (1, 2, 4, 8, 16, then the largest step) with padding
-   rows (slot -1, id 0, position 0) placed FIRST, so the rows that need logits stay the last
-   rows, as the transformer computes them;
+1. pads the step to the next of the backend's step sizes (`Backend.step_sizes`: 1, 2, 4, 8, 16,
+   then the largest step; the CPU backend, which captures nothing, uses multiples of 16 past
+   16) with padding rows (slot -1, id 0, position 0) placed FIRST, so the rows that need logits
+   stay the last rows, as the transformer computes them;
 2. writes everything into one host int32 buffer (pinned on CUDA) and uploads it with ONE copy;
    the device buffer is sliced into the int32 views the model and the sample op read, at offsets
    fixed at load time (so a captured graph finds them at the same addresses every step);
@@ -28,13 +29,6 @@ import numpy as np
 from service.backends.cpu_sampling import N_PARAMS, OUT_WORDS, TOP_MAX, param_record
 from service.engine.types import SamplingParams, TokenLogprob
 from service.model.transformer import Transformer
-
-SMALL_SIZES = (1, 2, 4, 8, 16)
-
-
-def capture_sizes(max_tokens: int) -> tuple[int, ...]:
-    """Step sizes a step is padded up to: powers of two up to 16, then max_tokens."""
-    return tuple(sorted({s for s in SMALL_SIZES if s < max_tokens} | {max_tokens}))
 
 
 @dataclass(frozen=True)
@@ -96,7 +90,7 @@ class ModelRunner:
     def __init__(self, model: Transformer, n_slots: int, n_ctx: int):
         self.model, be = model, model.backend
         M, L = model.max_tokens, model.max_logits
-        self.sizes = capture_sizes(M)
+        self.sizes = be.step_sizes(M)
         self._o_pos, self._o_slot, self._o_rows, self._o_par = M, 2 * M, 3 * M, 3 * M + L
         n_words = 3 * M + L + L * N_PARAMS
         self._host = be.host_buffer(n_words)                      # (W,) i32 pinned on CUDA

@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from service.backends.base import capture_sizes
 from service.backends.cpu import CpuBackend
-from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput, capture_sizes
+from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput
 from service.engine.sampling import Sampler
 from service.engine.types import SamplingParams
 from service.gguf.reader import GGUFFile
@@ -39,10 +40,11 @@ def greedy_step(ids, start: int, slot: int, n_logits: int) -> StepInput:
                      [GREEDY] * n_logits)
 
 
-def test_capture_sizes():
+def test_step_sizes():
     assert capture_sizes(256) == (1, 2, 4, 8, 16, 256)
     assert capture_sizes(16) == (1, 2, 4, 8, 16)
     assert capture_sizes(5) == (1, 2, 4, 5)
+    assert CpuBackend(threads=1).step_sizes(80) == (1, 2, 4, 8, 16, 32, 48, 64, 80)
 
 
 @pytest.mark.parametrize("n", [3, 5, 19])     # padded to 4, 8 and 24 (the largest step)
