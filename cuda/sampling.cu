@@ -25,11 +25,14 @@
 //   logits (L, V) f32 row stride ld; params (L, N_PARAMS) int32 (cpu_sampling.Param); hist as
 //   above; work (L, V) f32 per-row scratch (penalised logits, sized once by prepare_sampling);
 //   out (L, OUT_WORDS) int32: [id, logprob bits, TOP_MAX ids, TOP_MAX logprob bits].
-//   Launch: grid L, block SAMPLE_THREADS (512). No sorting: the top-k and top-p thresholds are
-//   found by bisection over the logits' order-preserving uint32 keys (32 counting / mass passes
-//   over the row each); cuts inside runs of equal logits and the draw walk ids in order: each
-//   thread owns a contiguous id range, thread 0 adds the per-thread sums in thread order, and
-//   the thread whose range crosses the target rescans it. Every sum has a fixed order, so a
+//   Launch: grid L, block SAMPLE_THREADS (512). No sorting, no scratch but the penalised row:
+//   the top-k threshold is the k-th largest of the logits' order-preserving uint32 keys, found
+//   by radix selection (4 passes of 8-bit histograms, integer counts); the survivors of top-k
+//   and min-p, when at most CAND_MAX, are compacted into shared memory in id order; the top-p
+//   threshold is found by bisection over the keys (<= 32 mass passes, over the compacted
+//   survivors when they fit). Cuts inside runs of equal logits and the draw walk ids in order:
+//   each thread owns a contiguous id range, thread 0 adds the per-thread sums in thread order,
+//   and the thread whose range crosses the target rescans it. Every sum has a fixed order, so a
 //   row's result never depends on the step it is in, and replays are bit-identical.
 #include "common.cuh"
 
@@ -86,6 +89,7 @@ extern "C" __global__ void record_tokens(const int* __restrict__ ids,
 #define SAMPLE_WARPS (SAMPLE_THREADS / 32)
 #define TOP_MAX 20
 #define OUT_WORDS (2 + 2 * TOP_MAX)
+#define CAND_MAX 1024    // survivors compacted into shared memory (sample_rows)
 // cpu_sampling.Param
 #define P_TEMPERATURE 0
 #define P_TOP_K 1
@@ -126,9 +130,13 @@ struct SampleShared {
     float f[SAMPLE_WARPS];
     int i[SAMPLE_WARPS];
     double part[SAMPLE_THREADS];      // per-thread sums, then their running sums
-    int last[SAMPLE_THREADS];         // per-thread last id with a positive weight
+    int last[SAMPLE_THREADS];         // per-thread last id with a positive weight / counts
+    int hist[SAMPLE_WARPS * 256];     // per-warp radix histograms
+    float cval[CAND_MAX];             // compacted candidates: logits
+    int cid[CAND_MAX];                // ... and their ids, ascending
     int cut;                          // the id a cut search found
     int crosser;                      // the thread whose range crosses the target (-1: none)
+    int digit, need, n_cand;
 };
 
 // Block-wide sum in a fixed order (warp butterflies, then warps 0..15 in order); every thread
@@ -155,62 +163,66 @@ __device__ void block_best(float& v, int& i, SampleShared& sh) {
     for (int w = 1; w < SAMPLE_WARPS; w++) better(v, i, sh.f[w], sh.i[w]);
 }
 
-// The state of one row's filters: token i survives top-k when key > kk or (key == kk and
-// i <= kcut), min-p when w >= min_p (min_p = -1: off), top-p when key > pk or (key == pk and
-// i <= pcut).
+// The tokens a row's filters look at: n logits l[j] with ids id(j) (cid = null: id(j) = j, the
+// whole row; else candidates compacted into shared memory in ascending id order). Token id
+// survives top-k when key > kk or (key == kk and id <= kcut), min-p when w >= min_p (min_p = -1:
+// off), top-p when key > pk or (key == pk and id <= pcut).
 struct RowState {
-    const float* l;                   // (V,) the penalised logits
-    int V;
-    double lmax, min_p, t;           // t: the temperature
+    const float* l;
+    const int* cid;
+    int n;
+    double lmax, min_p, t;            // t: the temperature
     u32 kk, pk;
     int kcut, pcut;
 };
 
-__device__ __forceinline__ bool top_k_keeps(const RowState& r, int i, u32 key) {
-    return key > r.kk || (key == r.kk && i <= r.kcut);
+__device__ __forceinline__ int rid(const RowState& r, int j) { return r.cid ? r.cid[j] : j; }
+
+__device__ __forceinline__ bool top_k_keeps(const RowState& r, int j, u32 key) {
+    return key > r.kk || (key == r.kk && rid(r, j) <= r.kcut);
 }
 
-// Whether i survives top-k and min-p; w = exp(l - l_max) (0 when it does not survive).
-__device__ __forceinline__ bool s1_keeps(const RowState& r, int i, u32 key, double& w) {
+// Whether j survives top-k and min-p; w = exp(l - l_max) (0 when it does not survive).
+__device__ __forceinline__ bool s1_keeps(const RowState& r, int j, u32 key, double& w) {
     w = 0.0;
-    if (!top_k_keeps(r, i, key)) return false;
-    const double e = exp((double)r.l[i] - r.lmax);
+    if (!top_k_keeps(r, j, key)) return false;
+    const double e = exp((double)r.l[j] - r.lmax);
     if (!(e >= r.min_p)) return false;
     w = e;
     return true;
 }
 
-__device__ __forceinline__ double s1_weight(const RowState& r, int i, u32 key) {
+__device__ __forceinline__ double s1_weight(const RowState& r, int j, u32 key) {
     double w;
-    s1_keeps(r, i, key, w);
+    s1_keeps(r, j, key, w);
     return w;
 }
 
 enum CutMode { CUT_K_TIES = 0, CUT_P_TIES = 1, CUT_DRAW = 2 };
 
-// The weight of id i in a cut search (-1: not a candidate, so never the crossing id).
-__device__ __forceinline__ double cut_weight(const RowState& r, int mode, int i) {
-    const u32 key = okey(r.l[i]);
+// The weight of j in a cut search (-1: not a candidate, so never the crossing id).
+__device__ __forceinline__ double cut_weight(const RowState& r, int mode, int j) {
+    const u32 key = okey(r.l[j]);
     if (mode == CUT_K_TIES) return key == r.kk ? 1.0 : -1.0;
     double w;
-    const bool s1 = s1_keeps(r, i, key, w);
+    const bool s1 = s1_keeps(r, j, key, w);
     if (mode == CUT_P_TIES) return key == r.pk && s1 ? w : -1.0;
-    if (!s1 || !(key > r.pk || (key == r.pk && i <= r.pcut))) return -1.0;
-    return exp(((double)r.l[i] - r.lmax) / r.t);
+    if (!s1 || !(key > r.pk || (key == r.pk && rid(r, j) <= r.pcut))) return -1.0;
+    return exp(((double)r.l[j] - r.lmax) / r.t);
 }
 
-// Walking ids in ascending order with a running sum starting at `base`, the first id whose sum
-// reaches the target (>= target; CUT_DRAW: > u * total, `target` being u). When rounding
-// leaves none, the last candidate id (-1 when there is no candidate).
+// Walking the tokens in ascending id order with a running sum starting at `base`, the first id
+// whose sum reaches the target (>= target; CUT_DRAW: > u * total, `target` being u). When
+// rounding leaves none, the last candidate id (-1 when there is no candidate).
 __device__ int id_cut(const RowState& r, int mode, double base, double target, SampleShared& sh) {
     const int tid = threadIdx.x;
-    const int chunk = (r.V + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
-    const int i0 = tid * chunk, i1 = min(r.V, i0 + chunk);
+    const int chunk = (r.n + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
+    const int j0 = tid * chunk, j1 = min(r.n, j0 + chunk);
     double part = 0.0;
     int last = -1;
-    for (int i = i0; i < i1; i++) {
-        const double e = cut_weight(r, mode, i);
-        if (e >= 0.0) { part += e; last = i; }
+    for (int j = j0; j < j1; j++) {
+        const double e = cut_weight(r, mode, j);
+        if (e >= 0.0) { part += e; last = rid(r, j); }
     }
     __syncthreads();
     sh.part[tid] = part;
@@ -238,11 +250,11 @@ __device__ int id_cut(const RowState& r, int mode, double base, double target, S
         const bool draw = mode == CUT_DRAW;
         const double tgt = sh.d[0];
         double s = sh.part[tid];
-        for (int i = i0; i < i1; i++) {
-            const double e = cut_weight(r, mode, i);
+        for (int j = j0; j < j1; j++) {
+            const double e = cut_weight(r, mode, j);
             if (e >= 0.0) {
                 s += e;
-                if (draw ? s > tgt : s >= tgt) { sh.cut = i; break; }
+                if (draw ? s > tgt : s >= tgt) { sh.cut = rid(r, j); break; }
             }
         }
     }
@@ -250,16 +262,54 @@ __device__ int id_cut(const RowState& r, int mode, double base, double target, S
     return sh.cut;
 }
 
-// The largest key t with F(t) >= target, F(t) = count (mass = false) or S1 mass (mass = true)
-// of the tokens with key >= t; F(lo) >= target must hold.
-__device__ u32 bisect_key(const RowState& r, bool mass, double target, u32 lo, u32 hi,
-                          SampleShared& sh) {
+// The k-th largest key (1 <= k <= n, counted with multiplicity) by radix selection, 8 bits per
+// pass from the top: per-warp histograms (integer counts, so exact), merged per bin, and the
+// bin where the count from the top reaches k. *need: how many tokens equal to the result the
+// first k take (the others of the k are larger).
+__device__ u32 kth_largest_key(const RowState& r, int k, int* need, SampleShared& sh) {
+    const int tid = threadIdx.x, warp = tid / 32;
+    u32 prefix = 0u, mask = 0u;
+    int left = k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        __syncthreads();
+        for (int b = tid; b < SAMPLE_WARPS * 256; b += SAMPLE_THREADS) sh.hist[b] = 0;
+        __syncthreads();
+        for (int j = tid; j < r.n; j += SAMPLE_THREADS) {
+            const u32 key = okey(r.l[j]);
+            if ((key & mask) == prefix)
+                atomicAdd(&sh.hist[warp * 256 + ((key >> shift) & 255u)], 1);
+        }
+        __syncthreads();
+        for (int b = tid; b < 256; b += SAMPLE_THREADS) {
+            int c = 0;
+            for (int w = 0; w < SAMPLE_WARPS; w++) c += sh.hist[w * 256 + b];
+            sh.hist[b] = c;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            int d = 255;
+            while (d > 0 && sh.hist[d] < left) left -= sh.hist[d--];
+            sh.digit = d;
+            sh.need = left;
+        }
+        __syncthreads();
+        prefix |= (u32)sh.digit << shift;
+        mask |= 255u << shift;
+        left = sh.need;
+    }
+    *need = left;
+    return prefix;
+}
+
+// The largest key t with F(t) >= target, F(t) = the S1 mass of the tokens with key >= t;
+// F(lo) >= target must hold.
+__device__ u32 bisect_mass(const RowState& r, double target, u32 lo, u32 hi, SampleShared& sh) {
     while (lo < hi) {
         const u32 mid = (u32)(((u64)lo + (u64)hi + 1ull) >> 1);
         double f = 0.0;
-        for (int i = threadIdx.x; i < r.V; i += SAMPLE_THREADS) {
-            const u32 key = okey(r.l[i]);
-            if (key >= mid) f += mass ? s1_weight(r, i, key) : 1.0;
+        for (int j = threadIdx.x; j < r.n; j += SAMPLE_THREADS) {
+            const u32 key = okey(r.l[j]);
+            if (key >= mid) f += s1_weight(r, j, key);
         }
         f = block_sum(f, sh);
         if (f >= target) lo = mid; else hi = mid - 1;
@@ -267,34 +317,77 @@ __device__ u32 bisect_key(const RowState& r, bool mass, double target, u32 lo, u
     return lo;
 }
 
-// Sum over i of (key >= t ? weight : 0), weight 1 or the S1 mass, or the top-k-only mass.
-__device__ double pass_sum(const RowState& r, int what, u32 t, SampleShared& sh) {
+// Sum over tokens with key >= t of their S1 mass (s1 = true) or top-k mass (s1 = false).
+__device__ double pass_sum(const RowState& r, bool s1, u32 t, SampleShared& sh) {
     double f = 0.0;
-    for (int i = threadIdx.x; i < r.V; i += SAMPLE_THREADS) {
-        const u32 key = okey(r.l[i]);
+    for (int j = threadIdx.x; j < r.n; j += SAMPLE_THREADS) {
+        const u32 key = okey(r.l[j]);
         if (key < t) continue;
-        if (what == 0) f += 1.0;
-        else if (what == 1) f += s1_weight(r, i, key);
-        else if (top_k_keeps(r, i, key)) f += exp((double)r.l[i] - r.lmax);
+        if (s1) f += s1_weight(r, j, key);
+        else if (top_k_keeps(r, j, key)) f += exp((double)r.l[j] - r.lmax);
     }
     return block_sum(f, sh);
 }
 
-// The drawn token of a non-greedy row (penalised logits l).
+// When at most CAND_MAX tokens survive top-k and min-p, copy them (logit, id) into shared
+// memory in ascending id order and point r at them (their filters then keep everything): the
+// top-p search and the draw read CAND_MAX entries instead of the vocabulary.
+__device__ void compact_survivors(RowState& r, SampleShared& sh) {
+    const int tid = threadIdx.x;
+    const int chunk = (r.n + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
+    const int j0 = tid * chunk, j1 = min(r.n, j0 + chunk);
+    int cnt = 0;
+    double w;
+    for (int j = j0; j < j1; j++) cnt += s1_keeps(r, j, okey(r.l[j]), w) ? 1 : 0;
+    __syncthreads();
+    sh.last[tid] = cnt;
+    __syncthreads();
+    if (tid == 0) {
+        int s = 0;
+        for (int t = 0; t < SAMPLE_THREADS; t++) {
+            const int c = sh.last[t];
+            sh.last[t] = s;
+            s += c;
+        }
+        sh.n_cand = s;
+    }
+    __syncthreads();
+    const int total = sh.n_cand;
+    if (total > CAND_MAX) return;     // the same answer in every thread
+    int o = sh.last[tid];
+    for (int j = j0; j < j1; j++) {
+        if (s1_keeps(r, j, okey(r.l[j]), w)) {
+            sh.cval[o] = r.l[j];
+            sh.cid[o] = rid(r, j);
+            o++;
+        }
+    }
+    __syncthreads();
+    r.l = sh.cval;
+    r.cid = sh.cid;
+    r.n = total;
+    r.kk = 0u;
+    r.kcut = 0x7fffffff;
+    r.min_p = -1.0;
+}
+
+// The drawn token of a non-greedy row (r over the whole penalised row).
 __device__ int draw_token(RowState& r, int top_k, float top_p, u64 seed, int index,
                           SampleShared& sh) {
     const u32 kmax = okey((float)r.lmax);
-    r.kk = 0u; r.kcut = r.V; r.pk = 0u; r.pcut = r.V;
-    if (top_k > 0 && top_k < r.V) {
-        r.kk = bisect_key(r, false, (double)top_k, 0u, kmax, sh);
-        const double above = r.kk < 0xFFFFFFFFu ? pass_sum(r, 0, r.kk + 1u, sh) : 0.0;
-        r.kcut = id_cut(r, CUT_K_TIES, 0.0, (double)top_k - above, sh);
+    r.kk = 0u; r.kcut = 0x7fffffff; r.pk = 0u; r.pcut = 0x7fffffff;
+    if (top_k > 0 && top_k < r.n) {
+        int need;
+        r.kk = kth_largest_key(r, top_k, &need, sh);
+        r.kcut = id_cut(r, CUT_K_TIES, 0.0, (double)need, sh);
     }
+    const double z = top_p < 1.0f ? pass_sum(r, false, 0u, sh) : 0.0;   // the top-k mass
+    compact_survivors(r, sh);
     if (top_p < 1.0f) {
-        const double target = (double)top_p * pass_sum(r, 2, 0u, sh);
-        if (pass_sum(r, 1, 0u, sh) >= target) {
-            r.pk = bisect_key(r, true, target, r.kk, kmax, sh);   // every S1 key >= kk
-            const double above = r.pk < 0xFFFFFFFFu ? pass_sum(r, 1, r.pk + 1u, sh) : 0.0;
+        const double target = (double)top_p * z;
+        if (pass_sum(r, true, 0u, sh) >= target) {
+            r.pk = bisect_mass(r, target, r.kk, kmax, sh);    // every S1 key is >= kk
+            const double above = r.pk < 0xFFFFFFFFu ? pass_sum(r, true, r.pk + 1u, sh) : 0.0;
             r.pcut = id_cut(r, CUT_P_TIES, above, target, sh);
         }
     }
@@ -340,7 +433,7 @@ sample_rows(const float* logits, int ld, int V, const int* __restrict__ params,
     int chosen = bi;
     if (temperature != 0.0f) {
         RowState r;
-        r.l = l; r.V = V; r.lmax = (double)bv;
+        r.l = l; r.cid = nullptr; r.n = V; r.lmax = (double)bv;
         const float min_p = __int_as_float(P[P_MIN_P]);
         r.min_p = min_p > 0.0f ? (double)min_p : -1.0;
         r.t = (double)temperature;
