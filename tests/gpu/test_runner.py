@@ -76,3 +76,31 @@ def test_graphs_equal_eager_and_seeded_sampling_replays():
     assert graphed == eager
     assert tr.backend.n_graphs >= 1                # the decode steps were captured and replayed
     assert session(tr, runner) == eager            # a second run replays the same draws
+
+
+def test_engine_on_cuda_replays_seeded_requests():
+    """Through the whole engine (scheduler, runner, graphs): a seeded sampled request with a
+    repetition penalty and log-probabilities gives the same tokens and log-probabilities twice."""
+    from service.config import EngineConfig
+    from service.engine.scheduler import Engine
+    from service.engine.types import Delta, GenerationRequest, SamplingParams, StoppingCriteria
+
+    eng = Engine.load(TINY / "tiny-qwen3.gguf",
+                      EngineConfig(backend="cuda", n_ctx=64, n_slots=2, threads=1))
+    eng.start()
+    try:
+        def run(seed: int) -> tuple[list, list]:
+            req = GenerationRequest(
+                "s", (1, 2, 3, 4, 5), SamplingParams(temperature=0.9, repetition_penalty=1.3,
+                                                     seed=seed),
+                StoppingCriteria(max_new_tokens=24, ignore_eos=True), top_logprobs=3)
+            deltas = [e for e in eng.generate(req, timeout=120) if isinstance(e, Delta)]
+            return ([t for d in deltas for t in d.token_ids],
+                    [lp for d in deltas for lp in d.logprobs])
+
+        (ids_a, lp_a), (ids_b, lp_b) = run(5), run(5)
+        assert ids_a == ids_b and len(ids_a) == 24
+        assert lp_a == lp_b and len(lp_a) == 24 and all(len(lp.top) == 3 for lp in lp_a)
+        assert [lp.token_id for lp in lp_a] == ids_a
+    finally:
+        eng.stop(10)
