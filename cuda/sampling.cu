@@ -1,10 +1,39 @@
-// sampling.cu: token choice on the GPU, so only int32 ids cross PCIe on the greedy path.
+// sampling.cu: token choice on the GPU, so only int32 ids (and log-probabilities when asked)
+// cross PCIe.
 //
 // argmax_rows: out[t] = the lowest index i with logits[t, i] = max_i logits[t, i]
 //   logits (T, V) f32 with row stride ld; out (T,) int32.
 //   Launch: grid T, block 1024. Thread k scans i = k, k + 1024, ... keeping the first maximum;
 //   a butterfly over (value, index) pairs (larger value, then lower index) inside each warp,
 //   then warp 0 over the 32 warp winners: the result is np.argmax's.
+//
+// record_tokens: hist[slots[t], positions[t]] = ids[t] for rows with slots[t] >= 0 (the token
+//   history the repetition penalty reads). ids, slots, positions (T,) int32; hist (n_slots,
+//   n_ctx) int32. Launch: grid ceil(T / 128), block 128.
+//
+// sample_rows: one token per logits row, exactly the chain of service/backends/cpu_sampling.py
+//   (its docstring is the specification; ties and orders as there):
+//     l = logits with penalty r on hist[slot, max(0, pos - n + 1) .. pos]: l/r if l > 0 else l*r
+//     greedy (T == 0): argmax l, lowest id on ties
+//     top-k: first k of (l desc, id asc);  w = exp(l - l_max) (f64), z = sum of w over top-k
+//     min-p: w >= min_p;  top-p: shortest (l desc, id asc) prefix with sum w >= top_p * z
+//     draw: q = exp((l - l_max) / T) (f64); u = counter_uniform(seed, index) (counter_rng.py,
+//           splitmix64 in uint64, bit for bit); the first survivor in ascending id order whose
+//           running q sum exceeds u * sum q (the last survivor if rounding leaves none)
+//     log-probs (n_top >= 0): log_softmax of the raw logits in f64, stored as f32: the chosen
+//           token's and the n_top largest (logit desc, id asc)
+//   logits (L, V) f32 row stride ld; params (L, N_PARAMS) int32 (cpu_sampling.Param); hist as
+//   above; work (L, V) f32 per-row scratch (penalised logits, sized once by prepare_sampling);
+//   out (L, OUT_WORDS) int32: [id, logprob bits, TOP_MAX ids, TOP_MAX logprob bits].
+//   Launch: grid L, block SAMPLE_THREADS (512). No sorting, no scratch but the penalised row:
+//   the top-k threshold is the k-th largest of the logits' order-preserving uint32 keys, found
+//   by radix selection (4 passes of 8-bit histograms, integer counts); the survivors of top-k
+//   and min-p, when at most CAND_MAX, are compacted into shared memory in id order; the top-p
+//   threshold is found by bisection over the keys (<= 32 mass passes, over the compacted
+//   survivors when they fit). Cuts inside runs of equal logits and the draw walk ids in order:
+//   each thread owns a contiguous id range, thread 0 adds the per-thread sums in thread order,
+//   and the thread whose range crosses the target rescans it. Every sum has a fixed order, so a
+//   row's result never depends on the step it is in, and replays are bit-identical.
 #include "common.cuh"
 
 __device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
@@ -40,5 +69,415 @@ argmax_rows(const float* __restrict__ logits, int ld, int V, int* __restrict__ o
         i = si[tid];
         warp_argmax(v, i);
         if (tid == 0) out[t] = i;
+    }
+}
+
+// ---------------------------------------------------------------- token history
+extern "C" __global__ void record_tokens(const int* __restrict__ ids,
+                                         const int* __restrict__ slots,
+                                         const int* __restrict__ positions, int T, int n_slots,
+                                         int n_ctx, int* __restrict__ hist) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= T) return;
+    const int slot = slots[t], pos = positions[t];
+    if (slot >= 0 && slot < n_slots && pos >= 0 && pos < n_ctx)
+        hist[(size_t)slot * n_ctx + pos] = ids[t];
+}
+
+// ---------------------------------------------------------------- sampling
+#define SAMPLE_THREADS 512
+#define SAMPLE_WARPS (SAMPLE_THREADS / 32)
+#define TOP_MAX 20
+#define OUT_WORDS (2 + 2 * TOP_MAX)
+#define CAND_MAX 1024    // survivors compacted into shared memory (sample_rows)
+// cpu_sampling.Param
+#define P_TEMPERATURE 0
+#define P_TOP_K 1
+#define P_TOP_P 2
+#define P_MIN_P 3
+#define P_PENALTY 4
+#define P_REPEAT_LAST_N 5
+#define P_SEED_LO 6
+#define P_SEED_HI 7
+#define P_TOKEN_INDEX 8
+#define P_N_TOP 9
+#define P_SLOT 10
+#define P_POSITION 11
+#define N_PARAMS 12
+
+typedef unsigned long long u64;
+
+// counter_rng.py: mix(z) = splitmix64's finalizer; r = mix(mix(seed) + GOLDEN * (index + 1))
+__device__ __forceinline__ u64 mix64(u64 z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+__device__ __forceinline__ double counter_uniform(u64 seed, u64 index) {
+    const u64 r = mix64(mix64(seed) + 0x9E3779B97F4A7C15ull * (index + 1ull));
+    return (double)(r >> 40) * 5.9604644775390625e-08;    // 2^-24
+}
+
+// Order-preserving key of a float: a < b  <=>  okey(a) < okey(b) (both zeros map to +0's key).
+__device__ __forceinline__ u32 okey(float f) {
+    const u32 b = __float_as_uint(f == 0.0f ? 0.0f : f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+struct SampleShared {
+    double d[SAMPLE_WARPS];
+    float f[SAMPLE_WARPS];
+    int i[SAMPLE_WARPS];
+    double part[SAMPLE_THREADS];      // per-thread sums, then their running sums
+    int last[SAMPLE_THREADS];         // per-thread last id with a positive weight / counts
+    int hist[SAMPLE_WARPS * 256];     // per-warp radix histograms
+    float cval[CAND_MAX];             // compacted candidates: logits
+    int cid[CAND_MAX];                // ... and their ids, ascending
+    int cut;                          // the id a cut search found
+    int crosser;                      // the thread whose range crosses the target (-1: none)
+    int digit, need, n_cand;
+};
+
+// Block-wide sum in a fixed order (warp butterflies, then warps 0..15 in order); every thread
+// returns the same value.
+__device__ double block_sum(double v, SampleShared& sh) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) sh.d[threadIdx.x / 32] = v;
+    __syncthreads();
+    double t = 0.0;
+    for (int w = 0; w < SAMPLE_WARPS; w++) t += sh.d[w];
+    return t;
+}
+
+// Block-wide best (value desc, index asc) pair; every thread returns the same pair.
+__device__ void block_best(float& v, int& i, SampleShared& sh) {
+    warp_argmax(v, i);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) { sh.f[threadIdx.x / 32] = v; sh.i[threadIdx.x / 32] = i; }
+    __syncthreads();
+    v = sh.f[0];
+    i = sh.i[0];
+    for (int w = 1; w < SAMPLE_WARPS; w++) better(v, i, sh.f[w], sh.i[w]);
+}
+
+// The tokens a row's filters look at: n logits l[j] with ids id(j) (cid = null: id(j) = j, the
+// whole row; else candidates compacted into shared memory in ascending id order). Token id
+// survives top-k when key > kk or (key == kk and id <= kcut), min-p when w >= min_p (min_p = -1:
+// off), top-p when key > pk or (key == pk and id <= pcut).
+struct RowState {
+    const float* l;
+    const int* cid;
+    int n;
+    double lmax, min_p, t;            // t: the temperature
+    u32 kk, pk;
+    int kcut, pcut;
+};
+
+__device__ __forceinline__ int rid(const RowState& r, int j) { return r.cid ? r.cid[j] : j; }
+
+__device__ __forceinline__ bool top_k_keeps(const RowState& r, int j, u32 key) {
+    return key > r.kk || (key == r.kk && rid(r, j) <= r.kcut);
+}
+
+// Whether j survives top-k and min-p; w = exp(l - l_max) (0 when it does not survive).
+__device__ __forceinline__ bool s1_keeps(const RowState& r, int j, u32 key, double& w) {
+    w = 0.0;
+    if (!top_k_keeps(r, j, key)) return false;
+    const double e = exp((double)r.l[j] - r.lmax);
+    if (!(e >= r.min_p)) return false;
+    w = e;
+    return true;
+}
+
+__device__ __forceinline__ double s1_weight(const RowState& r, int j, u32 key) {
+    double w;
+    s1_keeps(r, j, key, w);
+    return w;
+}
+
+enum CutMode { CUT_K_TIES = 0, CUT_P_TIES = 1, CUT_DRAW = 2 };
+
+// The weight of j in a cut search (-1: not a candidate, so never the crossing id).
+__device__ __forceinline__ double cut_weight(const RowState& r, int mode, int j) {
+    const u32 key = okey(r.l[j]);
+    if (mode == CUT_K_TIES) return key == r.kk ? 1.0 : -1.0;
+    double w;
+    const bool s1 = s1_keeps(r, j, key, w);
+    if (mode == CUT_P_TIES) return key == r.pk && s1 ? w : -1.0;
+    if (!s1 || !(key > r.pk || (key == r.pk && rid(r, j) <= r.pcut))) return -1.0;
+    return exp(((double)r.l[j] - r.lmax) / r.t);
+}
+
+// Walking the tokens in ascending id order with a running sum starting at `base`, the first id
+// whose sum reaches the target (>= target; CUT_DRAW: > u * total, `target` being u). When
+// rounding leaves none, the last candidate id (-1 when there is no candidate).
+__device__ int id_cut(const RowState& r, int mode, double base, double target, SampleShared& sh) {
+    const int tid = threadIdx.x;
+    const int chunk = (r.n + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
+    const int j0 = tid * chunk, j1 = min(r.n, j0 + chunk);
+    double part = 0.0;
+    int last = -1;
+    for (int j = j0; j < j1; j++) {
+        const double e = cut_weight(r, mode, j);
+        if (e >= 0.0) { part += e; last = rid(r, j); }
+    }
+    __syncthreads();
+    sh.part[tid] = part;
+    sh.last[tid] = last;
+    __syncthreads();
+    if (tid == 0) {   // running sums in thread order; the target of a draw needs the total
+        double s = base, total = base;
+        for (int t = 0; t < SAMPLE_THREADS; t++) total += sh.part[t];
+        const bool draw = mode == CUT_DRAW;
+        if (draw) target = target * total;
+        int crosser = -1, last_id = -1;
+        for (int t = 0; t < SAMPLE_THREADS; t++) {
+            const double before = s;
+            s += sh.part[t];
+            sh.part[t] = before;
+            if (sh.last[t] >= 0) last_id = sh.last[t];
+            if (crosser < 0 && sh.last[t] >= 0 && (draw ? s > target : s >= target)) crosser = t;
+        }
+        sh.crosser = crosser;
+        sh.cut = crosser < 0 ? last_id : sh.last[crosser];
+        sh.d[0] = target;
+    }
+    __syncthreads();
+    if (tid == sh.crosser) {
+        const bool draw = mode == CUT_DRAW;
+        const double tgt = sh.d[0];
+        double s = sh.part[tid];
+        for (int j = j0; j < j1; j++) {
+            const double e = cut_weight(r, mode, j);
+            if (e >= 0.0) {
+                s += e;
+                if (draw ? s > tgt : s >= tgt) { sh.cut = rid(r, j); break; }
+            }
+        }
+    }
+    __syncthreads();
+    return sh.cut;
+}
+
+// The k-th largest key (1 <= k <= n, counted with multiplicity) by radix selection, 8 bits per
+// pass from the top: per-warp histograms (integer counts, so exact), merged per bin, and the
+// bin where the count from the top reaches k. *need: how many tokens equal to the result the
+// first k take (the others of the k are larger).
+__device__ u32 kth_largest_key(const RowState& r, int k, int* need, SampleShared& sh) {
+    const int tid = threadIdx.x, warp = tid / 32;
+    u32 prefix = 0u, mask = 0u;
+    int left = k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        __syncthreads();
+        for (int b = tid; b < SAMPLE_WARPS * 256; b += SAMPLE_THREADS) sh.hist[b] = 0;
+        __syncthreads();
+        for (int j = tid; j < r.n; j += SAMPLE_THREADS) {
+            const u32 key = okey(r.l[j]);
+            if ((key & mask) == prefix)
+                atomicAdd(&sh.hist[warp * 256 + ((key >> shift) & 255u)], 1);
+        }
+        __syncthreads();
+        for (int b = tid; b < 256; b += SAMPLE_THREADS) {
+            int c = 0;
+            for (int w = 0; w < SAMPLE_WARPS; w++) c += sh.hist[w * 256 + b];
+            sh.hist[b] = c;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            int d = 255;
+            while (d > 0 && sh.hist[d] < left) left -= sh.hist[d--];
+            sh.digit = d;
+            sh.need = left;
+        }
+        __syncthreads();
+        prefix |= (u32)sh.digit << shift;
+        mask |= 255u << shift;
+        left = sh.need;
+    }
+    *need = left;
+    return prefix;
+}
+
+// The largest key t with F(t) >= target, F(t) = the S1 mass of the tokens with key >= t;
+// F(lo) >= target must hold.
+__device__ u32 bisect_mass(const RowState& r, double target, u32 lo, u32 hi, SampleShared& sh) {
+    while (lo < hi) {
+        const u32 mid = (u32)(((u64)lo + (u64)hi + 1ull) >> 1);
+        double f = 0.0;
+        for (int j = threadIdx.x; j < r.n; j += SAMPLE_THREADS) {
+            const u32 key = okey(r.l[j]);
+            if (key >= mid) f += s1_weight(r, j, key);
+        }
+        f = block_sum(f, sh);
+        if (f >= target) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+// Sum over tokens with key >= t of their S1 mass (s1 = true) or top-k mass (s1 = false).
+__device__ double pass_sum(const RowState& r, bool s1, u32 t, SampleShared& sh) {
+    double f = 0.0;
+    for (int j = threadIdx.x; j < r.n; j += SAMPLE_THREADS) {
+        const u32 key = okey(r.l[j]);
+        if (key < t) continue;
+        if (s1) f += s1_weight(r, j, key);
+        else if (top_k_keeps(r, j, key)) f += exp((double)r.l[j] - r.lmax);
+    }
+    return block_sum(f, sh);
+}
+
+// When at most CAND_MAX tokens survive top-k and min-p, copy them (logit, id) into shared
+// memory in ascending id order and point r at them (their filters then keep everything): the
+// top-p search and the draw read CAND_MAX entries instead of the vocabulary.
+__device__ void compact_survivors(RowState& r, SampleShared& sh) {
+    const int tid = threadIdx.x;
+    const int chunk = (r.n + SAMPLE_THREADS - 1) / SAMPLE_THREADS;
+    const int j0 = tid * chunk, j1 = min(r.n, j0 + chunk);
+    int cnt = 0;
+    double w;
+    for (int j = j0; j < j1; j++) cnt += s1_keeps(r, j, okey(r.l[j]), w) ? 1 : 0;
+    __syncthreads();
+    sh.last[tid] = cnt;
+    __syncthreads();
+    if (tid == 0) {
+        int s = 0;
+        for (int t = 0; t < SAMPLE_THREADS; t++) {
+            const int c = sh.last[t];
+            sh.last[t] = s;
+            s += c;
+        }
+        sh.n_cand = s;
+    }
+    __syncthreads();
+    const int total = sh.n_cand;
+    if (total > CAND_MAX) return;     // the same answer in every thread
+    int o = sh.last[tid];
+    for (int j = j0; j < j1; j++) {
+        if (s1_keeps(r, j, okey(r.l[j]), w)) {
+            sh.cval[o] = r.l[j];
+            sh.cid[o] = rid(r, j);
+            o++;
+        }
+    }
+    __syncthreads();
+    r.l = sh.cval;
+    r.cid = sh.cid;
+    r.n = total;
+    r.kk = 0u;
+    r.kcut = 0x7fffffff;
+    r.min_p = -1.0;
+}
+
+// The drawn token of a non-greedy row (r over the whole penalised row).
+__device__ int draw_token(RowState& r, int top_k, float top_p, u64 seed, int index,
+                          SampleShared& sh) {
+    const u32 kmax = okey((float)r.lmax);
+    r.kk = 0u; r.kcut = 0x7fffffff; r.pk = 0u; r.pcut = 0x7fffffff;
+    if (top_k > 0 && top_k < r.n) {
+        int need;
+        r.kk = kth_largest_key(r, top_k, &need, sh);
+        r.kcut = id_cut(r, CUT_K_TIES, 0.0, (double)need, sh);
+    }
+    const double z = top_p < 1.0f ? pass_sum(r, false, 0u, sh) : 0.0;   // the top-k mass
+    compact_survivors(r, sh);
+    if (top_p < 1.0f) {
+        const double target = (double)top_p * z;
+        if (pass_sum(r, true, 0u, sh) >= target) {
+            r.pk = bisect_mass(r, target, r.kk, kmax, sh);    // every S1 key is >= kk
+            const double above = r.pk < 0xFFFFFFFFu ? pass_sum(r, true, r.pk + 1u, sh) : 0.0;
+            r.pcut = id_cut(r, CUT_P_TIES, above, target, sh);
+        }
+    }
+    return id_cut(r, CUT_DRAW, 0.0, counter_uniform(seed, (u64)(unsigned)index), sh);
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_rows(const float* logits, int ld, int V, const int* __restrict__ params,
+            const int* __restrict__ hist, int n_ctx, float* work, int* __restrict__ out) {
+    // logits and work carry no __restrict__: the filters read the row through one pointer
+    // that is either, and work is written in this kernel (no read-only cache loads for it)
+    __shared__ SampleShared sh;
+    const int row = blockIdx.x, tid = threadIdx.x;
+    const int* P = params + (size_t)row * N_PARAMS;
+    const float* x = logits + (size_t)row * ld;
+    const float temperature = __int_as_float(P[P_TEMPERATURE]);
+    const float penalty = __int_as_float(P[P_PENALTY]);
+    const int n_win = P[P_REPEAT_LAST_N], slot = P[P_SLOT], pos = P[P_POSITION];
+    const float* l = x;
+    if (penalty != 1.0f && n_win > 0 && slot >= 0) {
+        float* w = work + (size_t)row * V;
+        for (int i = tid; i < V; i += SAMPLE_THREADS) w[i] = x[i];
+        __syncthreads();
+        // every occurrence of an id writes the same value: distinct ids are penalised once
+        for (int j = max(0, pos - n_win + 1) + tid; j <= pos; j += SAMPLE_THREADS) {
+            const int id = hist[(size_t)slot * n_ctx + j];
+            if (id >= 0 && id < V) {
+                const float v = x[id];
+                w[id] = v > 0.0f ? v / penalty : v * penalty;
+            }
+        }
+        __syncthreads();
+        l = w;
+    }
+    // argmax of l: the greedy choice, and l_max for the filters
+    float bv = NEG_INF;
+    int bi = 0x7fffffff;
+    for (int i = tid; i < V; i += SAMPLE_THREADS) {
+        const float v = l[i];
+        if (v > bv || bi == 0x7fffffff) { bv = v; bi = i; }
+    }
+    block_best(bv, bi, sh);
+    int chosen = bi;
+    if (temperature != 0.0f) {
+        RowState r;
+        r.l = l; r.cid = nullptr; r.n = V; r.lmax = (double)bv;
+        const float min_p = __int_as_float(P[P_MIN_P]);
+        r.min_p = min_p > 0.0f ? (double)min_p : -1.0;
+        r.t = (double)temperature;
+        const u64 seed = ((u64)(u32)P[P_SEED_HI] << 32) | (u64)(u32)P[P_SEED_LO];
+        chosen = draw_token(r, P[P_TOP_K], __int_as_float(P[P_TOP_P]), seed, P[P_TOKEN_INDEX],
+                            sh);
+    }
+    int* o = out + (size_t)row * OUT_WORDS;
+    const int n_top = min(P[P_N_TOP], TOP_MAX);
+    for (int j = tid; j < OUT_WORDS; j += SAMPLE_THREADS)
+        o[j] = (j >= 2 && j < 2 + TOP_MAX) ? -1 : 0;
+    if (tid == 0) o[0] = chosen;
+    if (n_top < 0) return;
+    // log_softmax of the raw logits, f64
+    float mv = NEG_INF;
+    int mi = 0x7fffffff;
+    for (int i = tid; i < V; i += SAMPLE_THREADS) {
+        const float v = x[i];
+        if (v > mv || mi == 0x7fffffff) { mv = v; mi = i; }
+    }
+    block_best(mv, mi, sh);
+    double se = 0.0;
+    for (int i = tid; i < V; i += SAMPLE_THREADS) se += exp((double)x[i] - (double)mv);
+    const double lse = (double)mv + log(block_sum(se, sh));
+    if (tid == 0) o[1] = __float_as_int((float)((double)x[chosen] - lse));
+    // the n_top best (logit desc, id asc), one block-wide pass each
+    float pv = __int_as_float(0x7f800000);
+    int pi = -1;
+    for (int k = 0; k < n_top && k < V; k++) {
+        float v = NEG_INF;
+        int i = 0x7fffffff;
+        for (int j = tid; j < V; j += SAMPLE_THREADS) {
+            const float xv = x[j];
+            if ((xv < pv || (xv == pv && j > pi)) && (xv > v || i == 0x7fffffff)) {
+                v = xv;
+                i = j;
+            }
+        }
+        block_best(v, i, sh);
+        if (tid == 0) {
+            o[2 + k] = i;
+            o[2 + TOP_MAX + k] = __float_as_int((float)((double)v - lse));
+        }
+        pv = v;
+        pi = i;
     }
 }

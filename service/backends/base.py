@@ -4,9 +4,13 @@ Design rules (they are what lets the CUDA backend capture one step as one CUDA g
 - Every op writes into a caller-provided `out` buffer; buffers come from `zeros()` at load time
   (the transformer's workspace), so nothing is allocated inside a step.
 - A step processes T tokens, 1 <= T <= max_tokens. Per-step values (token ids, positions, KV
-  slots) arrive as small int32 arrays. `kv_len` is a host-side int; ops may rely only on
-  kv_len >= every position + 1. The engine passes exactly max position + 1
-  (`Engine._forward_raw`: kv_len = start + T), so kv_len changes every step; it is not bucketed.
+  slots) arrive as int32 views of one device buffer that the model runner uploads with one copy
+  (`upload_step`, service/engine/runner.py). T is padded up to a few capture sizes with padding
+  rows (slot -1, id 0, position 0): kv_write stores nothing for them, attention outputs 0 for
+  them, and no real row ever reads them. `kv_len` is a host-side int >= every real position + 1,
+  there for the CPU backend only: no launch geometry may depend on it.
+- Token choice happens on the backend (`sample`), so only int32 ids (and log-probabilities when
+  asked) come back, with one copy (`download_step`).
 - Arrays are the backend's own (numpy for CPU, CuPy for CUDA); the model layer only slices,
   reshapes and passes them along.
 
@@ -21,6 +25,12 @@ from typing import Any
 from service.gguf.reader import TensorInfo
 
 Array = Any   # numpy.ndarray or cupy.ndarray, by backend
+SMALL_STEPS = (1, 2, 4, 8, 16)   # decode and verify step sizes
+
+
+def capture_sizes(max_tokens: int) -> tuple[int, ...]:
+    """Step sizes a step is padded up to: 1, 2, 4, 8, 16, then max_tokens (the prefill chunk)."""
+    return tuple(sorted({s for s in SMALL_STEPS if s < max_tokens} | {max_tokens}))
 
 
 class KVCache(abc.ABC):
@@ -84,6 +94,11 @@ class Backend(abc.ABC):
                 n_embd: int, moe_experts: int = 0, moe_used: int = 0, moe_ff: int = 0) -> None:
         """Size every scratch buffer a step needs, once, after the weights are loaded (so no
         step allocates: a CUDA graph cannot). A no-op where ops allocate nothing."""
+
+    def step_sizes(self, max_tokens: int) -> tuple[int, ...]:
+        """The sizes the model runner pads a step of up to max_tokens tokens to (ascending, the
+        last = max_tokens): one captured graph per size and logits count."""
+        return capture_sizes(max_tokens)
 
     def run_step(self, key: tuple, inputs: tuple, fn):
         """Run one step `fn()` of shape `key` (token count first) reading the device arrays
@@ -198,3 +213,33 @@ class Backend(abc.ABC):
         post-norm and the residual add). o's contents are unspecified afterwards."""
         self.rms_norm(o, w, eps, o)
         self.add(x, o, x)
+
+    # ---------------------------------------------------------------- step I/O and sampling
+    @abc.abstractmethod
+    def host_buffer(self, n: int) -> Any:
+        """A host int32 buffer (n,) for step inputs/outputs (pinned where that exists)."""
+
+    @abc.abstractmethod
+    def upload_step(self, host: Any, device: Array) -> None:
+        """Copy host (n,) int32 into device[:n] with one (asynchronous) copy. The host buffer
+        must stay untouched until the step's `download_step` has returned."""
+
+    @abc.abstractmethod
+    def download_step(self, device: Array, host: Any) -> None:
+        """Copy device (n,) int32 into host[:n] with one copy queued after the step's work, and
+        wait for it (n may be 0: then it only waits)."""
+
+    def prepare_sampling(self, rows: int, vocab: int) -> None:  # noqa: B027 - no-op default
+        """Size the sample op's per-row scratch for up to `rows` logits rows of `vocab`."""
+
+    @abc.abstractmethod
+    def record_tokens(self, ids: Array, slots: Array, positions: Array, hist: Array) -> None:
+        """hist[slots[t], positions[t]] = ids[t] for the real rows (the repetition penalty's
+        token history). ids, slots, positions (T,) int32; hist (n_slots, n_ctx) int32."""
+
+    @abc.abstractmethod
+    def sample(self, logits: Array, params: Array, hist: Array, out: Array) -> None:
+        """Choose one token per logits row (service/backends/cpu_sampling.py defines the
+        parameter record, the chain of filters, the draw and the output record).
+        logits (L, V) f32, params (L, N_PARAMS) int32, hist (n_slots, n_ctx) int32,
+        out (L, OUT_WORDS) int32."""

@@ -27,6 +27,7 @@ from collections.abc import Callable  # noqa: E402
 import numpy as np  # noqa: E402
 
 from service.backends import cpu_kernels as K  # noqa: E402
+from service.backends import cpu_sampling  # noqa: E402
 from service.backends.base import Backend, KVCache  # noqa: E402
 from service.backends.cuda_layout import round_activations  # noqa: E402
 from service.errors import ModelFormatError  # noqa: E402
@@ -358,6 +359,9 @@ class CpuBackend(Backend):
     def kv_write(self, cache: CpuKVCache, layer, k, v, slots, positions):
         kq = k if cache.type_k == "f32" else _round_trip(k, cache.type_k)
         vq = v if cache.type_v == "f32" else _round_trip(v, cache.type_v)
+        real = slots >= 0                                   # padding rows (slot -1) store nothing
+        if not real.all():
+            kq, vq, slots, positions = kq[real], vq[real], slots[real], positions[real]
         cache.k[layer][slots, positions] = kq
         cache.v[layer][slots, positions] = vq
 
@@ -379,6 +383,9 @@ class CpuBackend(Backend):
         sc = np.float32(scale)
         for t in range(T):
             slot, pos = int(slots[t]), int(positions[t])
+            if slot < 0:                  # a padding row: attends to nothing, outputs 0
+                out[t] = 0.0
+                continue
             lo = max(0, pos - window + 1) if window else 0
             kc = cache.k[layer][slot, lo:pos + 1]                            # (n, Hkv, D)
             vc = cache.v[layer][slot, lo:pos + 1]                            # (n, Hkv, Dv)
@@ -396,7 +403,8 @@ class CpuBackend(Backend):
         T, H, D = q.shape
         hkv = cache.n_head_kv
         g = H // hkv
-        for slot in np.unique(slots):
+        out[slots < 0] = 0.0                 # padding rows attend to nothing
+        for slot in np.unique(slots[slots >= 0]):
             idx = np.nonzero(slots == slot)[0]
             pos = positions[idx]                                             # (Tq,)
             lo = max(0, int(pos.min()) - window + 1) if window else 0
@@ -447,3 +455,27 @@ class CpuBackend(Backend):
 
     def argmax(self, logits, out):
         K.argmax_rows(logits, out)
+
+    # ---------------------------------------------------------------- step I/O and sampling
+    def step_sizes(self, max_tokens: int) -> tuple[int, ...]:
+        """The capture sizes up to 16, then multiples of 16: nothing is captured here, and
+        padding a 20-token prompt to a 256-token chunk would cost 4x its prefill time
+        (smollm2-135m, 2 threads), while steps past 16 tokens still carry padding rows."""
+        big = range(32, max_tokens, 16)
+        return tuple(sorted({*super().step_sizes(max_tokens), *big}))
+
+    def host_buffer(self, n: int) -> np.ndarray:
+        return np.zeros(n, np.int32)
+
+    def upload_step(self, host, device) -> None:
+        device[: host.size] = host
+
+    def download_step(self, device, host) -> None:
+        host[: device.size] = device
+
+    def record_tokens(self, ids, slots, positions, hist) -> None:
+        real = slots >= 0
+        hist[slots[real], positions[real]] = ids[real]
+
+    def sample(self, logits, params, hist, out) -> None:
+        cpu_sampling.sample_rows(logits, params, hist, out)

@@ -1,17 +1,16 @@
 """CUDA backend: CuPy launchers for the raw kernels in cuda/, weights quantized on the GPU,
 and one captured CUDA graph per step shape.
 
-With cuda_attention.py (the attention family), cuda_gemm.py (the prefill GEMM and the end of
-loading; both mixins of the backend here) and cuda_upload.py (the pinned staging ring the
-weights go through), the only modules that import CuPy; cuda_types.py holds the shapes and
-helpers they share. Every op is a raw
-kernel (no CuPy elementwise temporaries), launched on the backend's own stream into buffers
-allocated at load time, so a step can be captured into a CUDA graph and replayed: the first
-step of a shape runs eagerly (it loads the kernels), the second is captured, later ones
-replay. Kernels read token ids, positions and KV slots from device buffers and never take a
-KV length from the host, so one graph per (tokens, logits) shape serves every position.
-Steps wider than the decode/verify widths (prefill chunks, run eagerly) take their matmuls
-through dequantize + cuBLAS GEMM (cuda_gemm.py).
+With its mixins cuda_attention.py (the attention family), cuda_gemm.py (the prefill GEMM and the
+end of loading) and cuda_sampling.py (step I/O and token choice), and cuda_upload.py (the pinned
+staging ring the weights go through), the only modules that import CuPy; cuda_types.py holds
+the shapes and helpers they share. Every op is a raw kernel (no CuPy elementwise temporaries),
+launched on the backend's own stream into buffers allocated at load time, so a step can be
+captured into a CUDA graph and replayed: the first step of a shape runs eagerly (it loads the
+kernels), the second is captured, later ones replay. Kernels read token ids, positions and KV
+slots from device buffers and never take a KV length from the host, so one graph per
+(tokens, logits) shape serves every position. Steps wider than the decode/verify widths
+(prefill chunks, run eagerly) take their matmuls through dequantize + cuBLAS GEMM.
 
 Shapes below: T tokens in the step, K/N the input/output width of a matrix, E the model width.
 """
@@ -29,6 +28,7 @@ from service.backends.base import Backend
 from service.backends.cuda_attention import AttentionOps
 from service.backends.cuda_gemm import PREFILL_GEMM_MIN_TOKENS, GemmOps, GemmScratch
 from service.backends.cuda_layout import LAYOUTS, PlaneLayout, layout_of, split_planes
+from service.backends.cuda_sampling import SamplingOps
 from service.backends.cuda_types import (
     ATT_CHUNK,
     F32,
@@ -56,7 +56,7 @@ from service.gguf.reader import TensorInfo
 __all__ = ["CudaBackend", "CudaKVCache", "CudaMatrix"]
 
 
-class CudaBackend(AttentionOps, GemmOps, Backend):
+class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
     name = "cuda"
     kv_types = KV_TYPES
 
@@ -462,4 +462,5 @@ _KERNEL_SOURCE = (("gemv_", "gemv.cu"), ("quantize_", "quantize.cu"), ("kv_", "q
                   ("rope_kv_", "rope_kv.cu"), ("rope", "elementwise.cu"),
                   ("moe_", "elementwise.cu"), ("attn_", "attention.cu"),
                   ("argmax_", "sampling.cu"), ("dequant_", "dequant.cu"),
-                  ("round_f16", "dequant.cu"))
+                  ("round_f16", "dequant.cu"), ("record_tokens", "sampling.cu"),
+                  ("sample_", "sampling.cu"))

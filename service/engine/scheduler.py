@@ -5,6 +5,10 @@ ONE active sequence (round-robin): a prefill chunk of up to `prefill_chunk` prom
 decode step of 1..verify_width tokens (the seed plus drafted tokens, verified at once). A
 cancelled request is dropped before its next step, so its slot is free within one step.
 Events go to each request's sink on this thread; sinks must not block.
+
+The scheduler decides what a step holds (service/engine/runner.py's StepInput); the model
+runner packs, uploads, runs and samples it, and hands back token ids (and log-probabilities):
+the engine never sees logits. Loading lives in service/engine/loader.py.
 """
 
 from __future__ import annotations
@@ -15,16 +19,16 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import structlog
 
-from service.backends import create_backend, resolve_backend_name
-from service.config import MAX_VERIFY_WIDTH, EngineConfig
+from service.config import EngineConfig
 from service.engine.drafters import create_drafter
-from service.engine.sampling import Sampler, resolve_seed
+from service.engine.loader import ModelInfo, load_model, phase
+from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput, StepOutput
+from service.engine.sampling import resolve_seed
 from service.engine.sequence import Sequence
 from service.engine.speculative import accept_chain, draft_length
 from service.engine.textstream import TextStream
@@ -36,44 +40,15 @@ from service.engine.types import (
     SamplingParams,
     StoppingCriteria,
 )
-from service.errors import CapacityError, ConfigError, InvalidRequestError, UnavailableError
+from service.errors import CapacityError, InvalidRequestError, UnavailableError
 from service.gguf.reader import GGUFFile
-from service.model.chat import chat_prompt_ids, chat_prompt_text, load_template, template_for
+from service.model.chat import chat_prompt_ids, chat_prompt_text, template_for
 from service.model.spec import ModelSpec
 from service.model.tokenizer import Tokenizer
 from service.model.transformer import Transformer
 
 log = structlog.get_logger("specstream.engine")
 PROBE_EVERY = 8   # plain steps after which a sequence that stopped drafting tries one draft
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    path: str
-    architecture: str
-    file_type: str
-    n_params: int
-    n_ctx_train: int
-    n_ctx: int
-    vocab_size: int
-    bos_id: int | None
-    eos_id: int | None
-    eog_ids: tuple[int, ...]
-    chat_template: str | None
-    backend: str
-    drafter: str
-    kv_cache_type_k: str
-    kv_cache_type_v: str
-    n_layer: int
-    n_embd: int
-
-
-def _phase(name: str, since: float, **fields) -> float:
-    """Log one model-load phase that began at perf_counter() `since`; returns the time now."""
-    now = time.perf_counter()
-    log.info("load_phase", phase=name, seconds=round(now - since, 3), **fields)
-    return now
 
 
 class RequestHandle:
@@ -113,10 +88,7 @@ class Engine:
         self._ready = threading.Event()
         self._stopping = False
         self._rr = 0
-        be = model.backend
-        m = model.max_tokens
-        self._ids, self._pos, self._slots = (be.zeros((m,), "int32") for _ in range(3))
-        self._argmax = be.zeros((m,), "int32")
+        self.runner = ModelRunner(model, config.n_slots, config.n_ctx)
         # Cost of each extra verified token relative to a plain step (see draft_length);
         # measured on the engine thread before it serves anything.
         self.verify_alpha = 0.0
@@ -126,48 +98,9 @@ class Engine:
     def load(cls, model_path: str | Path, config: EngineConfig,
              chat_template: str = "") -> Engine:
         """`chat_template`: a built-in template's name or a Jinja file ('' = the model's own)."""
-        problems = config.problems()
-        if problems:
-            raise ConfigError(problems)
-        template = load_template(chat_template) if chat_template else None
-        path = Path(model_path)
-        t0 = time.perf_counter()
-        gguf = GGUFFile(path)
-        spec = ModelSpec.from_gguf(gguf)
-        t = _phase("header", t0, path=str(path), n_tensors=len(gguf.tensors),
-                   n_metadata=len(gguf.metadata))
-        tokenizer = Tokenizer.from_metadata(gguf.metadata) if gguf.get(
-            "tokenizer.ggml.tokens") else Tokenizer.ids_only(spec.vocab_size)
-        t = _phase("tokenizer", t, vocab_size=tokenizer.vocab_size, kind=tokenizer.kind.value)
-        backend_name = resolve_backend_name(config.backend)
-        extra = {"graphs": config.cuda_graphs} if backend_name == "cuda" else {}
-        backend = create_backend(backend_name, threads=config.threads,
-                                 invariant_tokens=MAX_VERIFY_WIDTH, **extra)
-        pair = (config.kv_cache_type_k, config.kv_cache_type_v)
-        if any(t not in backend.kv_types for t in pair):
-            raise ConfigError([("kv_cache_type_k,kv_cache_type_v",
-                                f"the {backend_name} backend does not implement the KV cache "
-                                f"type pair (K={pair[0]}, V={pair[1]}); it supports "
-                                + ", ".join(backend.kv_types) + " for each")])
-        _phase("backend", t, backend=backend_name, threads=config.threads)
-        n_ctx = min(config.n_ctx, spec.n_ctx_train)
-        config = replace(config, n_ctx=n_ctx, backend=backend_name)
-        t_model = time.perf_counter()
-        model = Transformer(spec, gguf, backend, n_ctx=n_ctx, n_slots=config.n_slots,
-                            max_tokens=max(config.prefill_chunk, config.verify_width),
-                            type_k=config.kv_cache_type_k, type_v=config.kv_cache_type_v,
-                            max_logits=MAX_VERIFY_WIDTH)
-        # the Transformer loads the weights, then allocates the KV cache and its workspace
-        weights_s = model.weights.load_seconds
-        log.info("load_phase", phase="weights", seconds=round(weights_s, 3), backend=backend_name,
-                 n_layer=spec.n_layer)
-        t = _phase("kv_cache", t_model + weights_s, n_ctx=n_ctx, n_slots=config.n_slots,
-                   kv_type_k=config.kv_cache_type_k, kv_type_v=config.kv_cache_type_v)
-        log.info("model_loaded", path=str(path), arch=spec.arch, backend=backend_name,
-                 kv_type_k=config.kv_cache_type_k, kv_type_v=config.kv_cache_type_v,
-                 n_ctx=n_ctx, n_slots=config.n_slots, verify_width=config.verify_width,
-                 seconds=round(t - t0, 2))
-        return cls(path, gguf, spec, tokenizer, model, config, backend_name, template)
+        m = load_model(model_path, config, chat_template)
+        return cls(m.path, m.gguf, m.spec, m.tokenizer, m.model, m.config, m.backend_name,
+                   m.chat_template)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -252,7 +185,7 @@ class Engine:
         t0 = time.perf_counter()
         for _ in self.generate(req, timeout=600):
             pass
-        _phase("warmup", t0)
+        phase("warmup", t0)
 
     # ------------------------------------------------------------------ engine thread
     def _new_sequence(self, request: GenerationRequest, sink) -> Sequence:
@@ -267,8 +200,7 @@ class Engine:
         spec_on = request.speculative if request.speculative is not None else True
         spec_on = bool(spec_on and applicable and self.drafter is not None
                        and self.config.verify_width > 1)
-        return Sequence(request=request, sink=sink,
-                        sampler=Sampler(p, self.spec.vocab_size, seed), seed_value=seed,
+        return Sequence(request=request, sink=sink, seed_value=seed,
                         text=TextStream(self.tokenizer, request.stopping.stop_sequences),
                         eog_ids=frozenset(self.tokenizer.eog_ids), n_ctx=self.config.n_ctx,
                         speculative=spec_on)
@@ -294,7 +226,8 @@ class Engine:
             times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                self.model.backend.to_host(self._forward_raw(list(range(1, t + 1)), 0, 0, t)[0])
+                self.runner.step(StepInput(list(range(1, t + 1)), list(range(t)), [0] * t,
+                                           list(range(t)), [GREEDY] * t))
                 times.append(time.perf_counter() - t0)
             return min(times)
 
@@ -361,28 +294,17 @@ class Engine:
             self._active.remove(seq)
             self._free_slots.append(seq.slot)
 
-    def _forward(self, seq: Sequence, tokens: list[int], start: int, n_logits: int):
-        return self._forward_raw(tokens, seq.slot, start, n_logits)
+    def _forward(self, seq: Sequence, tokens: list[int], start: int,
+                 rows: list[RowSampling]) -> StepOutput:
+        """Run `tokens` of `seq` from position `start`; the last len(rows) rows choose a token."""
+        T, L = len(tokens), len(rows)
+        return self.runner.step(StepInput(tokens, range(start, start + T), [seq.slot] * T,
+                                          range(T - L, T), rows))
 
-    def _forward_raw(self, tokens: list[int], slot: int, start: int, n_logits: int):
-        be, T = self.model.backend, len(tokens)
-        be.upload_ints(np.asarray(tokens, np.int32), self._ids)
-        be.upload_ints(np.arange(start, start + T, dtype=np.int32), self._pos)
-        be.upload_ints(np.full(T, slot, np.int32), self._slots)
-        return self.model.forward(self._ids[:T], self._pos[:T], self._slots[:T],
-                                  kv_len=start + T, n_logits=n_logits)
-
-    def _emit_one(self, seq: Sequence, logits) -> None:
-        """Choose one token from logits (1, V). A plain greedy choice (no repetition penalty,
-        no log-probabilities) is the backend's argmax, and only its int32 id is read back;
-        anything else samples on the host from the row."""
-        p, be = seq.request.sampling, self.model.backend
-        if p.greedy and p.repetition_penalty == 1.0 and not seq.request.top_logprobs:
-            be.argmax(logits[:1], self._argmax[:1])
-            seq.emit([int(be.to_host(self._argmax[:1])[0])], None)
-            return
-        row = be.to_host(logits[0])
-        seq.emit([seq.choose(row)], [row])
+    def _choice(self, seq: Sequence) -> RowSampling:
+        """How `seq` chooses its next token (the draw's counter: tokens generated so far)."""
+        n_top = seq.request.top_logprobs or -1
+        return RowSampling.of(seq.request.sampling, seq.seed_value, len(seq.generated), n_top)
 
     def _step(self, seq: Sequence) -> None:
         if seq.cancelled:
@@ -391,11 +313,11 @@ class Engine:
             n = min(seq.prefill_left, self.config.prefill_chunk)
             chunk = list(seq.request.prompt_ids[seq.n_past:seq.n_past + n])
             last = n == seq.prefill_left
-            logits = self._forward(seq, chunk, seq.n_past, 1 if last else 0)
+            out = self._forward(seq, chunk, seq.n_past, [self._choice(seq)] if last else [])
             seq.n_past += n
             if last:
                 seq.t_prefill_done = time.perf_counter()
-                self._emit_one(seq, logits)
+                seq.emit([int(out.token_ids[0])], out.logprobs)
             return
         draft = [seq.seed]
         if seq.speculative:
@@ -407,17 +329,16 @@ class Engine:
             seq.steps_without_draft = 0 if k else seq.steps_without_draft + 1
             draft += self.drafter.propose(seq.history, k)
         T = len(draft)
-        logits = self._forward(seq, draft, seq.n_past, T)
         if T == 1:
+            out = self._forward(seq, draft, seq.n_past, [self._choice(seq)])
             seq.n_past += 1
-            self._emit_one(seq, logits)
+            seq.emit([int(out.token_ids[0])], out.logprobs)
             return
-        self.model.backend.argmax(logits, self._argmax[:T])
-        target = [int(t) for t in self.model.backend.to_host(self._argmax[:T])]
-        n_acc, emitted = accept_chain(draft, target)
+        # speculation only runs for greedy requests without a penalty: every row's choice is
+        # the argmax, with log-probabilities of the raw logits when asked
+        choice = replace(GREEDY, n_top=seq.request.top_logprobs or -1)
+        out = self._forward(seq, draft, seq.n_past, [choice] * T)
+        n_acc, emitted = accept_chain(draft, [int(t) for t in out.token_ids])
         seq.n_past += n_acc
         seq.record_verify(T - 1, n_acc - 1)
-        rows = None
-        if seq.request.top_logprobs:
-            rows = list(self.model.backend.to_host(logits[:n_acc]))
-        seq.emit(emitted, rows)
+        seq.emit(emitted, out.logprobs[:n_acc])

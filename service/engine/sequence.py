@@ -8,11 +8,9 @@ must stop. The scheduler feeds it model outputs; it turns them into events.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from service.engine.sampling import Sampler, top_logprobs
 from service.engine.textstream import TextStream
 from service.engine.types import (
     Delta,
@@ -30,7 +28,6 @@ from service.engine.types import (
 class Sequence:
     request: GenerationRequest
     sink: object                          # Callable[[Event], None]
-    sampler: Sampler
     seed_value: int
     text: TextStream
     eog_ids: frozenset[int]
@@ -79,14 +76,10 @@ class Sequence:
         self.t_start = time.perf_counter()
         self.send(Started(prompt_tokens=len(self.request.prompt_ids), seed=self.seed_value))
 
-    # ------------------------------------------------------------------ choosing tokens
-    def choose(self, logits: np.ndarray) -> int:
-        """Sample the next token from one row of logits (V,) f32."""
-        return self.sampler.sample(logits, self.history[-max(1, self.request.sampling
-                                                             .repeat_last_n):])
-
-    def emit(self, tokens: list[int], rows: list[np.ndarray] | None) -> None:
-        """Commit chosen tokens in order, stopping at the first stop condition."""
+    # ------------------------------------------------------------------ committing tokens
+    def emit(self, tokens: list[int], logprobs: Seq[TokenLogprob | None] = ()) -> None:
+        """Commit chosen tokens in order, stopping at the first stop condition. logprobs: the
+        model runner's record per token (when the request asked for them)."""
         now = time.perf_counter()
         if not self.generated:
             self.t_first = now
@@ -102,8 +95,8 @@ class Sequence:
             self.generated.append(tok)
             self.history.append(tok)
             out_ids.append(tok)
-            if self.request.top_logprobs and rows is not None:
-                out_lp.append(top_logprobs(rows[i], tok, self.request.top_logprobs))
+            if self.request.top_logprobs and i < len(logprobs) and logprobs[i] is not None:
+                out_lp.append(logprobs[i])
             if tok in self.eog_ids and not stop.ignore_eos:
                 reason = FinishReason.EOS
                 break

@@ -64,20 +64,28 @@ class Transformer:
         for w, c0, c1 in parts:
             self.backend.matmul(x, w, out[:, c0:c1])
 
-    def forward(self, ids, positions, slots, kv_len: int, n_logits: int = 1):
+    def forward(self, ids, positions, slots, kv_len: int, n_logits: int = 1, epilogue=None):
         """Run one step; return logits (n_logits, V) for the last n_logits tokens.
 
-        ids, positions, slots: (T,) int32 backend arrays. kv_len >= max(positions) + 1.
-        The backend may capture the step per (T, n_logits) and replay it: everything that
-        changes between steps of one shape is read from ids, positions, slots and the cache.
+        ids, positions, slots: (T,) int32 backend arrays; padding rows have slot -1.
+        kv_len >= every real position + 1 (read by the CPU backend only). `epilogue(logits)`,
+        when given, runs right after the step inside the same `run_step` (token choice), so a
+        backend that captures the step captures it too. The backend may capture the step per
+        (T, n_logits) and replay it: everything that changes between steps of one shape is read
+        from ids, positions, slots and the cache.
         """
         T = len(ids)
         if not 1 <= T <= self.max_tokens or not 0 <= n_logits <= min(T, self.max_logits):
             raise ValueError(f"step of {T} tokens / {n_logits} logits outside the workspace "
                              f"(max {self.max_tokens} / {self.max_logits})")
-        return self.backend.run_step(
-            (T, n_logits), (ids, positions, slots),
-            lambda: self._forward(ids, positions, slots, kv_len, n_logits))
+
+        def step():
+            logits = self._forward(ids, positions, slots, kv_len, n_logits)
+            if epilogue is not None:
+                epilogue(logits)
+            return logits
+
+        return self.backend.run_step((T, n_logits), (ids, positions, slots), step)
 
     def _forward(self, ids, positions, slots, kv_len: int, n_logits: int):
         s, be, W = self.spec, self.backend, self.weights

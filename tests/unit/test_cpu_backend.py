@@ -175,3 +175,30 @@ def test_prefill_attention_matches_per_query(window):
         be.attention(q[t:t + 1], cache, 0, slots[t:t + 1], pos[t:t + 1], 23, window, 0.3,
                      per_query[t:t + 1])
     np.testing.assert_allclose(batched, per_query, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", [6, 40])     # per-query path and the masked (prefill) path
+def test_padding_rows_store_nothing_and_attend_to_nothing(T):
+    """Rows with slot -1 (a step padded to its capture size) leave every cache row as it was,
+    get 0 from attention, and do not change the real rows' outputs."""
+    be = CpuBackend(threads=1, invariant_tokens=16)
+    rng = np.random.default_rng(21)
+    n_pad = 3
+    cache = be.new_kv_cache(1, 2, 64, 2, 16, 16, "f16", "f16")
+    q = rng.standard_normal((T, 4, 16)).astype(np.float32)
+    k = rng.standard_normal((T, 2, 16)).astype(np.float32)
+    v = rng.standard_normal((T, 2, 16)).astype(np.float32)
+    slots = np.zeros(T, np.int32)
+    pos = np.arange(T, dtype=np.int32) - n_pad
+    slots[:n_pad], pos[:n_pad] = -1, 0
+    be.kv_write(cache, 0, k, v, slots, pos)
+    assert not cache.k[0][1].any() and not cache.v[0][1].any()   # slot -1 is not slot 1
+    out = np.full((T, 4, 16), np.nan, np.float32)
+    be.attention(q, cache, 0, slots, pos, T - n_pad, 0, 0.25, out)
+    assert not out[:n_pad].any()
+    ref = np.full((T - n_pad, 4, 16), np.nan, np.float32)
+    be.attention(q[n_pad:], cache, 0, slots[n_pad:], pos[n_pad:], T - n_pad, 0, 0.25, ref)
+    if T - n_pad <= be.invariant_tokens or T <= be.invariant_tokens:
+        assert np.array_equal(out[n_pad:], ref)
+    else:
+        np.testing.assert_allclose(out[n_pad:], ref, rtol=1e-6, atol=1e-6)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from structlog.testing import CapturingLogger
 
 from service.config import EngineConfig
-from service.engine import scheduler
+from service.engine import loader
 from service.engine.scheduler import Engine
 from tests.conftest import TINY
 
@@ -16,7 +16,7 @@ def test_load_logs_every_phase_with_duration(monkeypatch):
     # The engine's own logger records the calls: structlog's capture_logs() misses loggers
     # that an earlier test's configure_logging() cached on first use.
     rec = CapturingLogger()
-    monkeypatch.setattr(scheduler, "log", rec)
+    monkeypatch.setattr(loader, "log", rec)   # loading and warmup log through the loader
     eng = Engine.load(TINY / "tiny-qwen3.gguf",
                       EngineConfig(backend="cpu", n_ctx=64, n_slots=1, threads=1))
     eng.start()
