@@ -253,6 +253,16 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
                      "a": z((rows, f)), "y": z((rows, n_embd))}
 
     # ---------------------------------------------------------------- step graphs
+    def step_sizes(self, max_tokens: int) -> tuple[int, ...]:
+        """1, 2, 4, 8, 16 (captured: decode and verify), then powers of two up to max_tokens
+        (prefill chunks run eagerly, so their sizes cost no graph; a short prompt is padded to
+        at most twice its length instead of to a whole chunk)."""
+        sizes, n = set(super().step_sizes(max_tokens)), 32
+        while n < max_tokens:
+            sizes.add(n)
+            n *= 2
+        return tuple(sorted(sizes))
+
     def run_step(self, key, inputs, fn):
         self._blocks = None              # a step starts and ends knowing no blocks
         try:
