@@ -219,11 +219,44 @@ def test_real_model_top8_matches_llamacpp(real):
 KV_PAIRS = [(k, v) for k in ("f16", "q8_0", "q4_0") for v in ("f16", "q8_0", "q4_0")]
 
 
+HIDDEN_BOUND = 0.02
+
+
+def test_hidden_states_per_layer_match_the_cpu(real):
+    """The residual stream after each layer of a 12-token step, GPU against the CPU reference
+    rounding its activations exactly as the GPU does (act_quant="gpu"): relative RMS
+    difference <= 2% at every layer (printed per layer). The two compute the same formulas;
+    they differ in float summation order, which can move an activation across an 8-bit
+    rounding boundary, and such differences grow through the layers."""
+    name, f, tr, fx = real
+    cpu = Transformer(ModelSpec.from_gguf(f), f, CpuBackend(act_quant="gpu"), n_ctx=64,
+                      n_slots=1, max_tokens=16)
+    ids = fx["cases"][0]["prompt_ids"][:12]
+    all_g, all_c = tr.weights.layers, cpu.weights.layers
+    errs = []
+    try:
+        for n in range(1, len(all_g) + 1):      # the first n layers: ws_x holds their output
+            tr.weights.layers, cpu.weights.layers = all_g[:n], all_c[:n]
+            step(tr, ids, 0, 0)
+            step(cpu, ids, 0, 0)
+            g = tr.backend.to_host(tr.ws_x[:len(ids)])                # (T, E) f32
+            c = np.asarray(cpu.ws_x[:len(ids)])                      # (T, E) f32
+            errs.append(float(np.sqrt(((g - c) ** 2).mean() / (c ** 2).mean())))
+    finally:
+        tr.weights.layers, cpu.weights.layers = all_g, all_c
+    print(f"{name}: hidden-state relative RMS difference per layer: "
+          + " ".join(f"{e:.1e}" for e in errs))
+    assert max(errs) <= HIDDEN_BOUND, (name, errs)
+
+
 def test_quantized_kv_pairs_keep_the_top1(real):
     """Teacher-forced on the f16 cache's own greedy continuation of each fixture prompt, the
     argmax at the generated positions with a quantized KV cache agrees with the f16 cache's
     at >= 99% (q8_0 pairs) / >= 95% (q4_0 values) / >= 93% (q4_0 keys) of the positions
     where the f16 row's top-1/top-2 gap is clear (>= 0.5, the golden tests' near-tie rule).
+    Steps of 16 tokens: the decode/verify path (8-bit GEMVs), whose numerics the cache type
+    meets when serving; wider steps take the f16 GEMM path, a different rounding of the same
+    model that moves these agreements by a few positions either way.
     Over all positions, near-
     ties included, the agreement is printed: it was 97.7-99.2% for q8_0 pairs on the H200
     (the GPU cache's values equal the CPU backend's bit for bit, test_kernels.py)."""
@@ -233,10 +266,10 @@ def test_quantized_kv_pairs_keep_the_top1(real):
         ids = list(c["prompt_ids"])
         p = len(ids)
         for _ in range(len(c["greedy_ids"])):          # the f16 cache's greedy ids
-            ids.append(int(teacher_forced(tr, ids)[-1].argmax()))
+            ids.append(int(teacher_forced(tr, ids, 16)[-1].argmax()))
         seqs.append(ids)
         starts.append(p - 1)
-    rows = [teacher_forced(tr, s)[p:] for s, p in zip(seqs, starts, strict=True)]
+    rows = [teacher_forced(tr, s, 16)[p:] for s, p in zip(seqs, starts, strict=True)]
     base = [r.argmax(1) for r in rows]
     top2 = [np.sort(r, axis=1)[:, -2:] for r in rows]
     clear = np.concatenate([(t[:, 1] - t[:, 0]) >= CLEAR_GAP for t in top2])
@@ -246,7 +279,7 @@ def test_quantized_kv_pairs_keep_the_top1(real):
             continue
         q = Transformer(spec, f, cuda_backend(), n_ctx=256, n_slots=1, max_tokens=64,
                         type_k=type_k, type_v=type_v)
-        agree = np.concatenate([teacher_forced(q, s)[p:].argmax(1) == b
+        agree = np.concatenate([teacher_forced(q, s, 16)[p:].argmax(1) == b
                                 for s, p, b in zip(seqs, starts, base, strict=True)])
         # q4_0 keys: 94.0% (smollm2, K=q4_0 V=f16) to 96.8% measured on the H200, with the
         # GPU cache equal to the CPU's bit for bit; the 95% goal is missed by the cache type
