@@ -43,7 +43,7 @@ def test_more_streams_than_a_step_take_turns_on_cuda():
     eng.verify_alpha = 0.0
     try:
         prompts = [[(7 * i + j) % 200 + 3 for j in range(5 + i % 7)] for i in range(9)]
-        reqs = requests("mixed-spec", 20, prompts, base_tokens=12)
+        reqs = requests("mixed-spec", 20, prompts, base_tokens=24)
         ref = [alone(eng, r) for r in reqs]
         got, stats = together(eng, reqs)
         assert all(same_output(a, b) for a, b in zip(got, ref, strict=True))
