@@ -1,14 +1,30 @@
-"""The engine: one thread that owns the model and interleaves requests step by step.
+"""The engine: one thread that owns the model and batches every running request into its steps.
 
-Requests wait in a bounded FIFO until a KV slot is free. Each loop iteration runs ONE step for
-ONE active sequence (round-robin): a prefill chunk of up to `prefill_chunk` prompt tokens, or a
-decode step of 1..verify_width tokens (the seed plus drafted tokens, verified at once). A
-cancelled request is dropped before its next step, so its slot is free within one step.
+Scheduling policy (continuous batching). Requests wait in a bounded FIFO (`max_queue` beyond
+the free slots) until a KV slot is free, and are admitted in arrival order between steps. Each
+loop iteration then runs:
+
+1. ONE decode step for all decoding sequences: every sequence's seed token plus its drafted
+   tokens (each sequence keeps its own draft length) are the rows of one StepInput, at most
+   MAX_VERIFY_WIDTH (16) rows in all. Steps of up to 16 rows are the backends' step-size-
+   invariant path: each row's logits are bit-identical whatever else is in the step, so a
+   request gives the same tokens alone and in any batch. When the rows wanted exceed 16, draft
+   lengths shrink first (the longest draft loses a token, the youngest sequence's on a tie);
+   only when the sequences alone exceed 16 does a sequence sit a step out, in turns: the
+   sequences that waited longest since their last step go first, FIFO by start among equals.
+   Each sequence's segment is verified on its own with speculative.accept_chain.
+2. then at most ONE prefill chunk (`prefill_chunk` prompt tokens) of the oldest sequence still
+   prefilling, as its own step (a wider step takes another numeric path and would change the
+   batched rows' bits). A long prompt therefore delays running streams by at most one chunk per
+   token they receive, and running streams never starve a waiting prompt.
+
+A cancelled request leaves the batch before the next step (its slot is free within one step).
 Events go to each request's sink on this thread; sinks must not block.
 
 The scheduler decides what a step holds (service/engine/runner.py's StepInput); the model
 runner packs, uploads, runs and samples it, and hands back token ids (and log-probabilities):
-the engine never sees logits. Loading lives in service/engine/loader.py.
+the engine never sees logits. Sampling is keyed by (request seed, token index), never by the
+row a request takes in a step. Loading lives in service/engine/loader.py.
 """
 
 from __future__ import annotations
@@ -24,7 +40,7 @@ from pathlib import Path
 
 import structlog
 
-from service.config import EngineConfig
+from service.config import MAX_VERIFY_WIDTH, EngineConfig
 from service.engine.drafters import create_drafter
 from service.engine.loader import ModelInfo, load_model, phase
 from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput, StepOutput
@@ -87,8 +103,10 @@ class Engine:
         self.failure: str | None = None   # why the engine thread died, if it did
         self._ready = threading.Event()
         self._stopping = False
-        self._rr = 0
         self.runner = ModelRunner(model, config.n_slots, config.n_ctx)
+        # rows of one decode step: the step-size-invariant width, within the model's workspace
+        self.step_rows = min(MAX_VERIFY_WIDTH, model.max_tokens, model.max_logits)
+        self.stats = StepStats()
         # Cost of each extra verified token relative to a plain step (see draft_length);
         # measured on the engine thread before it serves anything.
         self.verify_alpha = 0.0
@@ -267,15 +285,28 @@ class Engine:
                         return
                     self._lock.wait(0.5)
                     continue
-                self._rr = (self._rr + 1) % len(self._active)
-                seq = self._active[self._rr]
-            try:
-                self._step(seq)
-            except Exception as exc:   # one request's failure must not stop the engine
-                log.exception("step_failed", request_id=seq.request.request_id)
-                seq.finish(FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
-            if seq.finished:
-                self._release(seq)
+                # _active is in start order (FIFO admission)
+                decoding = [s for s in self._active if s.seed is not None and not s.cancelled]
+                prefilling = next((s for s in self._active if s.prefill_left
+                                   and not s.cancelled), None)
+            if decoding:
+                try:
+                    self._decode(decoding)
+                except Exception as exc:   # planning failed (e.g. a drafter): fail its batch
+                    for seq in decoding:
+                        self._fail(seq, exc)
+            if prefilling is not None and not prefilling.cancelled:
+                try:
+                    self._prefill(prefilling)
+                except Exception as exc:   # one request's failure must not stop the engine
+                    self._fail(prefilling, exc)
+            for seq in [*decoding, *([prefilling] if prefilling else [])]:
+                if seq.finished:
+                    self._release(seq)
+
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        log.error("step_failed", request_id=seq.request.request_id, exc_info=exc)
+        seq.finish(FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
 
     def _reap_cancelled(self) -> None:
         for seq in [s for s in self._waiting if s.cancelled]:
@@ -306,39 +337,124 @@ class Engine:
         n_top = seq.request.top_logprobs or -1
         return RowSampling.of(seq.request.sampling, seq.seed_value, len(seq.generated), n_top)
 
-    def _step(self, seq: Sequence) -> None:
-        if seq.cancelled:
-            return
-        if seq.prefill_left:
-            n = min(seq.prefill_left, self.config.prefill_chunk)
-            chunk = list(seq.request.prompt_ids[seq.n_past:seq.n_past + n])
-            last = n == seq.prefill_left
-            out = self._forward(seq, chunk, seq.n_past, [self._choice(seq)] if last else [])
-            seq.n_past += n
-            if last:
-                seq.t_prefill_done = time.perf_counter()
-                seq.emit([int(out.token_ids[0])], out.logprobs)
-            return
-        draft = [seq.seed]
-        if seq.speculative:
-            room = min(self.config.verify_width - 1, self.config.n_ctx - seq.n_past - 1,
-                       seq.request.stopping.max_new_tokens - len(seq.generated) - 1)
-            k = draft_length(seq.accept_rate, self.verify_alpha, room)
-            if k == 0 and seq.steps_without_draft >= PROBE_EVERY:
-                k = min(1, room)            # keep measuring: the text may turn repetitive
-            seq.steps_without_draft = 0 if k else seq.steps_without_draft + 1
-            draft += self.drafter.propose(seq.history, k)
-        T = len(draft)
-        if T == 1:
-            out = self._forward(seq, draft, seq.n_past, [self._choice(seq)])
+    def _prefill(self, seq: Sequence) -> None:
+        """One chunk of `seq`'s prompt; the last chunk chooses its first token."""
+        n = min(seq.prefill_left, self.config.prefill_chunk)
+        chunk = list(seq.request.prompt_ids[seq.n_past:seq.n_past + n])
+        last = n == seq.prefill_left
+        out = self._forward(seq, chunk, seq.n_past, [self._choice(seq)] if last else [])
+        self.stats.prefill_steps += 1
+        seq.n_past += n
+        if last:
+            seq.t_prefill_done = time.perf_counter()
+            seq.emit([int(out.token_ids[0])], out.logprobs)
+
+    # ------------------------------------------------------------------ batched decode
+    def _decode(self, decoding: list[Sequence]) -> None:
+        """One step for the decoding sequences; a step that fails is retried one sequence at
+        a time (nothing was committed), so a fault fails only the request that causes it."""
+        batch = self._plan(decoding)
+        try:
+            outs: list[StepOutput | None] = self._split(batch, self._verify_step(batch))
+        except Exception as exc:
+            if len(batch) == 1:
+                self._fail(batch[0][0], exc)
+                return
+            outs = []
+            for item in batch:
+                try:
+                    outs += self._split([item], self._verify_step([item]))
+                except Exception as one:
+                    self._fail(item[0], one)
+                    outs.append(None)
+        for (seq, draft), out in zip(batch, outs, strict=True):
+            if out is not None and not seq.finished:
+                self._commit(seq, draft, out)
+
+    def _plan(self, decoding: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+        """Which sequences step now and the rows of each ([seed, drafts...]), <= step_rows."""
+        # Turns: the sequences that waited longest go first; sorted() keeps start order on ties.
+        chosen = sorted(decoding, key=lambda s: s.last_turn)[:self.step_rows]
+        turn = self.stats.decode_steps
+        for seq in chosen:
+            seq.last_turn = turn
+        want = [self._draft_length(seq) for seq in chosen]
+        spare = self.step_rows - len(chosen)
+        while sum(want) > spare:        # shrink the longest draft (the later in turn on a tie)
+            i = max(range(len(want)), key=lambda j: (want[j], j))
+            want[i] -= 1
+        batch = []
+        for seq, k in zip(chosen, want, strict=True):
+            draft = [seq.seed]
+            if seq.speculative:
+                seq.steps_without_draft = 0 if k else seq.steps_without_draft + 1
+                draft += self.drafter.propose(seq.history, k)
+            batch.append((seq, draft))
+        return batch
+
+    def _draft_length(self, seq: Sequence) -> int:
+        """How many tokens `seq` would like drafted this step (0: plain decoding)."""
+        if not seq.speculative:
+            return 0
+        room = min(self.config.verify_width - 1, self.config.n_ctx - seq.n_past - 1,
+                   seq.request.stopping.max_new_tokens - len(seq.generated) - 1)
+        k = draft_length(seq.accept_rate, self.verify_alpha, room)
+        if k == 0 and seq.steps_without_draft >= PROBE_EVERY:
+            k = min(1, room)            # keep measuring: the text may turn repetitive
+        return k
+
+    def _verify_step(self, batch: list[tuple[Sequence, list[int]]]) -> StepOutput:
+        """Every row of the batch in one step; every row chooses a token."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[RowSampling] = []
+        for seq, draft in batch:
+            ids += draft
+            positions += range(seq.n_past, seq.n_past + len(draft))
+            slots += [seq.slot] * len(draft)
+            if len(draft) == 1:
+                rows.append(self._choice(seq))
+            else:
+                # speculation only runs for greedy requests without a penalty: every row's
+                # choice is the argmax, with log-probabilities of the raw logits when asked
+                rows += [replace(GREEDY, n_top=seq.request.top_logprobs or -1)] * len(draft)
+        T = len(ids)
+        out = self.runner.step(StepInput(ids, positions, slots, range(T), rows))
+        self.stats.count_decode(len(batch), T)
+        return out
+
+    @staticmethod
+    def _split(batch: list[tuple[Sequence, list[int]]], out: StepOutput) -> list[StepOutput]:
+        """The step's output cut into each sequence's segment."""
+        parts, o = [], 0
+        for _, draft in batch:
+            n = len(draft)
+            parts.append(StepOutput(out.token_ids[o:o + n], out.logprobs[o:o + n]))
+            o += n
+        return parts
+
+    def _commit(self, seq: Sequence, draft: list[int], out: StepOutput) -> None:
+        if len(draft) == 1:
             seq.n_past += 1
             seq.emit([int(out.token_ids[0])], out.logprobs)
             return
-        # speculation only runs for greedy requests without a penalty: every row's choice is
-        # the argmax, with log-probabilities of the raw logits when asked
-        choice = replace(GREEDY, n_top=seq.request.top_logprobs or -1)
-        out = self._forward(seq, draft, seq.n_past, [choice] * T)
         n_acc, emitted = accept_chain(draft, [int(t) for t in out.token_ids])
         seq.n_past += n_acc
-        seq.record_verify(T - 1, n_acc - 1)
+        seq.record_verify(len(draft) - 1, n_acc - 1)
         seq.emit(emitted, out.logprobs[:n_acc])
+
+
+class StepStats:
+    """Counts of the engine's steps (read by tests and benchmarks; written by its thread)."""
+
+    def __init__(self) -> None:
+        self.decode_steps = 0
+        self.prefill_steps = 0
+        self.decode_rows = 0
+        self.max_sequences = 0          # most sequences one decode step held
+
+    def count_decode(self, n_sequences: int, n_rows: int) -> None:
+        self.decode_steps += 1
+        self.decode_rows += n_rows
+        self.max_sequences = max(self.max_sequences, n_sequences)

@@ -42,6 +42,7 @@ class Sequence:
     accepted_draft_tokens: int = 0
     accept_rate: float = 0.6              # running acceptance of this sequence's drafts
     steps_without_draft: int = 0
+    last_turn: int = -1                   # the decode step that last held this sequence
     cancelled: bool = False
     finished: bool = False
     t_submit: float = field(default_factory=time.perf_counter)
