@@ -29,7 +29,7 @@ from tests.conftest import REAL_MODELS, TINY, load_json, real_model_path
 from tests.engine.test_engine import run
 
 GREEDY = SamplingParams(temperature=0.0)
-N_NEW = 32                       # tokens per fixture prompt: enough steps at width 16
+N_NEW = 24                       # tokens per fixture prompt: a few steps even at width 16
 WIDTHS = (2, 6, 16)
 
 
@@ -84,9 +84,9 @@ def test_model_drafter_output_equals_plain_greedy(drafts, plain_ids, which):
                 assert out.token_ids == plain, (which, width, case["name"])
                 u = out.finished.usage
                 drafted, accepted = drafted + u.draft_tokens, accepted + u.accepted_draft_tokens
-                tokens += u.completion_tokens
+                tokens += u.completion_tokens - 1      # the first one comes from the prefill
             rate = accepted / drafted
-            steps = tokens - accepted          # every step commits one token besides drafts
+            steps = tokens - accepted          # each decode step commits one target token
             print(f"\n{which} width {width}: {accepted}/{drafted} drafts accepted "
                   f"({rate:.1%}), {tokens / steps:.2f} tokens per step")
             assert drafted > 0
@@ -157,9 +157,18 @@ def test_serve_refuses_a_drafter_of_another_vocabulary_with_exit_2():
     assert "draft_model" in r.stderr and "vocabularies differ first at token id" in r.stderr
 
 
-def test_the_model_drafter_needs_a_draft_model():
+def test_the_model_drafter_needs_a_draft_model(tmp_path):
     problems = dict(EngineConfig(drafter="model").problems())
     assert "draft model" in problems["draft_model"]
+    # set by flag, env or config file like every engine setting
+    from service.config import load_config
+
+    flag = load_config(["--drafter", "model", "--draft-model", "a.gguf"], {})[1]
+    env = load_config([], {"SPECSTREAM_DRAFTER": "model", "SPECSTREAM_DRAFT_MODEL": "b.gguf"})[1]
+    cfg = tmp_path / "s.toml"
+    cfg.write_text('[engine]\ndrafter = "model"\ndraft_model = "c.gguf"\n')
+    file = load_config([], {}, cfg)[1]
+    assert [c.draft_model for c in (flag, env, file)] == ["a.gguf", "b.gguf", "c.gguf"]
 
 
 def test_cancelling_releases_the_drafter_slot(drafts):
