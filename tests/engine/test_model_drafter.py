@@ -200,3 +200,23 @@ def test_cancelling_releases_the_drafter_slot(drafts):
         assert drafter.slots_in_use == frozenset()
     finally:
         eng.stop(10)
+
+
+def test_draft_steps_obey_the_capture_rules(drafts):
+    """The draft chain runs through run_step like the target's steps: with the CPU backend's
+    capture rules on (what a captured CUDA graph cannot contain raises), a generation whose
+    catch-up spans several chunks still drafts, verifies and matches plain decoding."""
+    from service.backends import backend_options
+
+    prompt = load_json("llamacpp_smollm2_greedy.json")["cases"][1]["prompt_ids"]   # 18 ids
+    with backend_options("cpu", capture_rules=True):
+        eng = model_engine(drafts["full q8_0"], verify_width=4, prefill_chunk=8)
+    try:
+        assert hasattr(eng.drafter.model.backend, "capture_state")
+        spec = run(eng, prompt, max_new_tokens=12)
+        plain = run(eng, prompt, max_new_tokens=12, speculative=False)
+    finally:
+        eng.stop(10)
+    assert eng.failure is None and spec.finished.error is None, spec.finished.error
+    assert spec.token_ids == plain.token_ids
+    assert spec.finished.usage.accepted_draft_tokens > 0
