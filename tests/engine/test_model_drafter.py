@@ -5,6 +5,7 @@ drafter of another vocabulary is refused at load, and a cancelled request frees 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -220,3 +221,20 @@ def test_draft_steps_obey_the_capture_rules(drafts):
     assert eng.failure is None and spec.finished.error is None, spec.finished.error
     assert spec.token_ids == plain.token_ids
     assert spec.finished.usage.accepted_draft_tokens > 0
+
+
+def test_generate_cli_drafts_with_a_model(capsys, drafts):
+    from service.cli import main
+
+    real_model_path(REAL_MODELS["smollm2"])
+    capsys.readouterr()
+    ids = ",".join(map(str, load_json("llamacpp_smollm2_greedy.json")["cases"][2]["prompt_ids"]))
+    common = ["generate", "smollm2-135m", "--prompt-ids", ids, "--max-new-tokens", "12",
+              "--temperature", "0", "--json", "--backend", "cpu", "--n-ctx", "128"]
+    outs = []
+    for extra in (["--drafter", "model", "--draft-model", drafts["full q8_0"]],
+                  ["--no-speculative"]):
+        assert main(common + extra) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0]["token_ids"] == outs[1]["token_ids"]
+    assert outs[0]["usage"]["accepted_draft_tokens"] > 0
