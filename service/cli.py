@@ -15,7 +15,9 @@ EPILOG = """examples:
   specstream generate smollm2-135m --chat --prompt "What is 12 times 7?"
   specstream inspect gemma3-270m
   specstream synth --preset llama3-8b --quant Q4_K_M llama3-8b-synth.gguf
-  specstream quantize smollm2-135m smollm2-4l.gguf --type q4_0 --layers 4   # a self-drafter
+  specstream quantize smollm2-135m smollm2-4l.gguf --type q8_0 --layers 4   # a self-drafter
+  specstream generate smollm2-135m --prompt "def fib(n):" --temperature 0 \
+      --drafter model --draft-model smollm2-4l.gguf --verify-width 6
   specstream serve                      # gRPC on :50051 with the default model
 """
 
@@ -103,7 +105,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-type-k", default=d.kv_cache_type_k)
     p.add_argument("--cache-type-v", default=d.kv_cache_type_v)
     p.add_argument("--verify-width", type=int, default=d.verify_width)
-    p.add_argument("--drafter", default=d.drafter, help="none | ngram")
+    p.add_argument("--drafter", default=d.drafter, help="none | ngram | model")
+    p.add_argument("--draft-model", default=d.draft_model, metavar="PATH|NAME",
+                   help="--drafter model: the draft GGUF, sharing the target's vocabulary "
+                        "(e.g. one made by `specstream quantize ... --layers N`)")
     p.add_argument("--n-ctx", type=int, default=d.n_ctx)
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
@@ -162,6 +167,7 @@ def cmd_generate(args) -> int:
 
     config = EngineConfig(kv_cache_type_k=args.cache_type_k, kv_cache_type_v=args.cache_type_v,
                           verify_width=args.verify_width, drafter=args.drafter,
+                          draft_model=str(_resolve(args.draft_model)) if args.draft_model else "",
                           backend=args.backend, n_ctx=args.n_ctx, threads=args.threads,
                           cuda_graphs=args.cuda_graphs, n_slots=1)
     engine = Engine.load(_resolve(args.model), config, chat_template=args.chat_template)

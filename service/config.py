@@ -25,7 +25,7 @@ SUPPORTED_KV_PAIRS: tuple[tuple[str, str], ...] = supported_kv_pairs("auto")
 MIN_VERIFY_WIDTH = 1
 MAX_VERIFY_WIDTH = 16            # one step processes 1..16 tokens (decode, verify, batching)
 BACKENDS = ("auto", "cpu", "cuda")
-DRAFTERS = ("none", "ngram")
+DRAFTERS = ("none", "ngram", "model")
 
 
 def supported_pairs_listing() -> str:
@@ -40,7 +40,8 @@ class EngineConfig:
     kv_cache_type_k: str = "f16"
     kv_cache_type_v: str = "f16"
     verify_width: int = 4            # tokens verified per speculative step (1 = no speculation)
-    drafter: str = "ngram"           # "none" | "ngram" (prompt-lookup drafting)
+    drafter: str = "ngram"           # "none" | "ngram" (prompt lookup) | "model" (draft GGUF)
+    draft_model: str = ""            # drafter "model": the draft GGUF (path or known name)
     ngram_size: int = 3              # n-gram length the lookup drafter matches
     backend: str = "auto"
     n_ctx: int = 4096                # context per sequence; capped at the model's trained length
@@ -73,6 +74,9 @@ class EngineConfig:
         if self.drafter not in DRAFTERS:
             out.append(("drafter", f"unknown drafter {self.drafter!r}; one of "
                                    + ", ".join(DRAFTERS)))
+        if self.drafter == "model" and not self.draft_model.strip():
+            out.append(("draft_model", "the model drafter needs a draft model: a .gguf path or "
+                                       "a known model name sharing the target's vocabulary"))
         if not 1 <= self.ngram_size <= 8:
             out.append(("ngram_size", f"{self.ngram_size} is out of range; allowed 1..8"))
         if self.backend not in BACKENDS:
@@ -211,6 +215,8 @@ _HELP = {
     "verify_width": f"tokens verified per speculative step, {MIN_VERIFY_WIDTH}..{MAX_VERIFY_WIDTH}"
                     " (1 = no speculation)",
     "drafter": "speculative drafter: " + ", ".join(DRAFTERS),
+    "draft_model": "drafter 'model': the draft GGUF (path or known model name); it must share "
+                   "the target's vocabulary",
     "ngram_size": "n-gram length the lookup drafter matches, 1..8",
     "backend": "compute backend: " + ", ".join(BACKENDS),
     "n_ctx": "context tokens per sequence (capped at the model's trained length)",

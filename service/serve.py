@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -35,6 +36,9 @@ def load_engine(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> Any:
     from service.gguf.fetch import resolve_model
 
     path = resolve_model(server_cfg.model, server_cfg.resolved_models_dir())
+    if engine_cfg.drafter == "model":    # a known name is fetched like the target's
+        engine_cfg = replace(engine_cfg, draft_model=str(resolve_model(
+            engine_cfg.draft_model, server_cfg.resolved_models_dir())))
     log.info("model_loading", path=str(path), backend=engine_cfg.backend)
     engine = Engine.load(path, engine_cfg, chat_template=server_cfg.chat_template)
     engine.start()

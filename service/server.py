@@ -299,6 +299,7 @@ def model_info_to_proto(info: Any, cfg: EngineConfig) -> config_pb2.ModelInfo:
         n_params=int(info.n_params), n_ctx_train=int(info.n_ctx_train), n_ctx=int(info.n_ctx),
         vocab_size=int(info.vocab_size), eog_ids=[int(i) for i in info.eog_ids],
         backend=str(info.backend), drafter=cfg.drafter,
+        draft_model=str(getattr(info, "draft_model", "")),
         kv_cache_type_k=cfg.kv_cache_type_k, kv_cache_type_v=cfg.kv_cache_type_v,
         server_version=__version__)
     if info.bos_id is not None:

@@ -1,5 +1,14 @@
 """Drafters: cheap guesses of the next tokens, verified by the target model in one step.
 
+One interface (`Drafter`) for every drafter the engine can run:
+    start(seq)       a sequence took KV slot seq.slot (a drafter with state resets it there)
+    propose(seq, k)  up to k tokens predicted to follow seq.history (its last token is the seed,
+                     whose target KV row is not written yet)
+    release(seq)     the sequence finished or was cancelled: whatever it held is free
+`seq` is the engine's Sequence; a drafter reads only `slot` and `history` (DraftState).
+What the target accepted is not reported separately: it is the history itself, which a drafter
+with a cache compares with what it drafted (service/engine/draft_model.py).
+
 `NgramDrafter` (prompt lookup): find the most recent earlier occurrence of the last n tokens
 of the sequence (trying n = ngram_size down to min_match) and propose the tokens that followed
 it. A single-token match is too weak a signal: on prose it mostly proposes drafts that get
@@ -10,18 +19,47 @@ no repeats it proposes nothing and the step degenerates to plain decoding.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
 
-class NgramDrafter:
+class DraftState(Protocol):
+    """What a drafter reads of a sequence."""
+
+    slot: int                    # KV slot, fixed from start to release
+    history: list[int]           # prompt + generated ids; the last one is the seed
+
+
+class Drafter(abc.ABC):
+    name: str
+    model_name: str = ""         # the draft model's name, for ModelInfo ("" = no model)
+
+    def start(self, seq: DraftState) -> None:  # noqa: B027 - stateless drafters keep nothing
+        """`seq` now holds slot seq.slot."""
+
+    @abc.abstractmethod
+    def propose(self, seq: DraftState, k: int) -> list[int]:
+        """Up to k tokens predicted to follow seq.history."""
+
+    def release(self, seq: DraftState) -> None:  # noqa: B027 - stateless drafters keep nothing
+        """`seq` no longer holds its slot."""
+
+
+class NgramDrafter(Drafter):
+    name = "ngram"
+
     def __init__(self, ngram_size: int = 3, max_lookback: int = 4096, min_match: int = 2):
         self.ngram_size = ngram_size
         self.max_lookback = max_lookback
         self.min_match = min(min_match, ngram_size)
 
-    def propose(self, history: Sequence[int], n_draft: int) -> list[int]:
+    def propose(self, seq: DraftState, k: int) -> list[int]:
+        return self.lookup(seq.history, k)
+
+    def lookup(self, history: Sequence[int], n_draft: int) -> list[int]:
         """Up to n_draft tokens predicted to follow `history` (its last token is the seed)."""
         if n_draft <= 0 or len(history) < 2:
             return []
@@ -38,6 +76,10 @@ class NgramDrafter:
         return []
 
 
-def create_drafter(name: str, ngram_size: int):
-    """The drafter named by the engine config, or None ('none')."""
+def create_drafter(name: str, ngram_size: int) -> Drafter | None:
+    """The stateless drafter named by the engine config, or None ('none'). The 'model' drafter
+    needs its draft model loaded: service/engine/loader.py builds it."""
+    if name == "model":
+        raise ValueError("the model drafter is built by the loader (load_model), with its "
+                         "draft model")
     return NgramDrafter(ngram_size) if name == "ngram" else None

@@ -1,5 +1,6 @@
 """Loading a model for the engine: header, tokenizer, backend, weights and KV cache, each phase
-logged with its duration."""
+logged with its duration; with drafter 'model', the draft model too, after its vocabulary is
+compared with the target's (check_draft_vocabulary) and before any weights are read."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import structlog
 
 from service.backends import create_backend, resolve_backend_name
 from service.config import MAX_VERIFY_WIDTH, EngineConfig
+from service.engine.draft_model import ModelDrafter
+from service.engine.drafters import Drafter
 from service.errors import ConfigError
 from service.gguf.reader import GGUFFile
 from service.model.chat import load_template
@@ -41,6 +44,7 @@ class ModelInfo:
     kv_cache_type_v: str
     n_layer: int
     n_embd: int
+    draft_model: str = ""         # drafter 'model': the draft model's name
 
 
 def phase(name: str, since: float, **fields) -> float:
@@ -60,6 +64,7 @@ class LoadedModel:
     config: EngineConfig          # n_ctx clipped to the model's, backend resolved
     backend_name: str
     chat_template: str | None
+    drafter: Drafter | None = None    # the model drafter; None: the engine builds its own
 
 
 def load_model(model_path: str | Path, config: EngineConfig,
@@ -78,6 +83,11 @@ def load_model(model_path: str | Path, config: EngineConfig,
     tokenizer = Tokenizer.from_metadata(gguf.metadata) if gguf.get(
         "tokenizer.ggml.tokens") else Tokenizer.ids_only(spec.vocab_size)
     t = phase("tokenizer", t, vocab_size=tokenizer.vocab_size, kind=tokenizer.kind.value)
+    draft = None
+    if config.drafter == "model":
+        draft = _draft_header(config.draft_model)
+        check_draft_vocabulary(gguf, spec, tokenizer, *draft,
+                               n_ctx=min(config.n_ctx, spec.n_ctx_train))
     backend_name = resolve_backend_name(config.backend)
     extra = {"graphs": config.cuda_graphs} if backend_name == "cuda" else {}
     backend = create_backend(backend_name, threads=config.threads,
@@ -106,4 +116,71 @@ def load_model(model_path: str | Path, config: EngineConfig,
              kv_type_k=config.kv_cache_type_k, kv_type_v=config.kv_cache_type_v,
              n_ctx=n_ctx, n_slots=config.n_slots, verify_width=config.verify_width,
              seconds=round(t - t0, 2))
-    return LoadedModel(path, gguf, spec, tokenizer, model, config, backend_name, template)
+    drafter = _load_drafter(draft, config, backend_name) if draft is not None else None
+    return LoadedModel(path, gguf, spec, tokenizer, model, config, backend_name, template,
+                       drafter)
+
+
+# ---------------------------------------------------------------- the draft model
+def _draft_header(path_text: str) -> tuple[GGUFFile, ModelSpec, Tokenizer]:
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        raise ConfigError([("draft_model", f"{path_text!r} is not a file (a known model name "
+                                           "is resolved to its file before loading)")])
+    f = GGUFFile(path)
+    spec = ModelSpec.from_gguf(f)
+    tok = Tokenizer.from_metadata(f.metadata) if f.get("tokenizer.ggml.tokens") else \
+        Tokenizer.ids_only(spec.vocab_size)
+    return f, spec, tok
+
+
+def check_draft_vocabulary(target: GGUFFile, spec: ModelSpec, tok: Tokenizer,
+                           draft: GGUFFile, dspec: ModelSpec, dtok: Tokenizer, n_ctx: int) -> None:
+    """Refuse a draft model whose token ids mean something else than the target's: token texts
+    (the first differing id is named with both texts), vocabulary and head sizes, BOS, EOS and
+    end-of-generation ids; and one trained on a shorter context than the one served."""
+    problems: list[tuple[str, str]] = []
+    where = f"draft model {draft.path.name} against target {target.path.name}"
+    texts = list(target.get("tokenizer.ggml.tokens") or ())
+    dtexts = list(draft.get("tokenizer.ggml.tokens") or ())
+    pairs = enumerate(zip(texts, dtexts, strict=False))      # the shorter list decides
+    first = next((i for i, (a, b) in pairs if a != b), None)
+    if first is None and len(texts) != len(dtexts):
+        first = min(len(texts), len(dtexts))
+    if first is not None:
+        a = repr(texts[first]) if first < len(texts) else "(none)"
+        b = repr(dtexts[first]) if first < len(dtexts) else "(none)"
+        problems.append(("draft_model", f"{where}: the vocabularies differ first at token id "
+                                        f"{first}: {a} in the target, {b} in the draft model "
+                                        f"({len(texts)} vs {len(dtexts)} token texts)"))
+    if spec.vocab_size != dspec.vocab_size:
+        problems.append(("draft_model", f"{where}: vocabulary size {spec.vocab_size} vs "
+                                        f"{dspec.vocab_size}"))
+    for what, a, b in (("BOS id", tok.bos_id, dtok.bos_id), ("EOS id", tok.eos_id, dtok.eos_id),
+                       ("end-of-generation ids", sorted(tok.eog_ids), sorted(dtok.eog_ids))):
+        if a != b:
+            problems.append(("draft_model", f"{where}: {what} {a} vs {b}"))
+    if dspec.n_ctx_train < n_ctx:
+        problems.append(("draft_model", f"{where}: the draft model was trained on "
+                                        f"{dspec.n_ctx_train} tokens of context, less than the "
+                                        f"{n_ctx} served (lower n_ctx)"))
+    if problems:
+        raise ConfigError(problems)
+
+
+def _load_drafter(draft: tuple[GGUFFile, ModelSpec, Tokenizer], config: EngineConfig,
+                  backend_name: str) -> ModelDrafter:
+    """The draft Transformer on its own backend instance of the target's kind and options
+    (service/engine/draft_model.py says why), same n_slots, n_ctx and KV types."""
+    f, dspec, _ = draft
+    t = time.perf_counter()
+    extra = {"graphs": config.cuda_graphs} if backend_name == "cuda" else {}
+    backend = create_backend(backend_name, threads=config.threads,
+                             invariant_tokens=MAX_VERIFY_WIDTH, **extra)
+    model = Transformer(dspec, f, backend, n_ctx=config.n_ctx, n_slots=config.n_slots,
+                        max_tokens=max(config.prefill_chunk, config.verify_width),
+                        type_k=config.kv_cache_type_k, type_v=config.kv_cache_type_v,
+                        max_logits=1)
+    phase("draft_model", t, path=str(f.path), model=dspec.name, n_layer=dspec.n_layer,
+          file_type=dspec.file_type)
+    return ModelDrafter(model, f"{dspec.name} ({f.path.name})")

@@ -41,7 +41,7 @@ from pathlib import Path
 import structlog
 
 from service.config import MAX_VERIFY_WIDTH, EngineConfig
-from service.engine.drafters import create_drafter
+from service.engine.drafters import Drafter, create_drafter
 from service.engine.loader import ModelInfo, load_model, phase
 from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput, StepOutput
 from service.engine.sampling import resolve_seed
@@ -81,10 +81,10 @@ class RequestHandle:
 class Engine:
     def __init__(self, path: Path, gguf: GGUFFile, spec: ModelSpec, tokenizer: Tokenizer,
                  model: Transformer, config: EngineConfig, backend_name: str,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, drafter: Drafter | None = None):
         self.path, self.spec, self.tokenizer, self.model = path, spec, tokenizer, model
         self.config = config
-        self.drafter = create_drafter(config.drafter, config.ngram_size)
+        self.drafter = drafter or create_drafter(config.drafter, config.ngram_size)
         # (text) the configured template, else the model's own; None: chat input is refused
         self.chat_template = template_for(gguf.metadata, chat_template)
         self.info = ModelInfo(
@@ -93,7 +93,8 @@ class Engine:
             vocab_size=spec.vocab_size, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
             eog_ids=tuple(sorted(tokenizer.eog_ids)),
             chat_template=self.chat_template, backend=backend_name,
-            drafter=config.drafter, kv_cache_type_k=config.kv_cache_type_k,
+            drafter=config.drafter, draft_model=getattr(self.drafter, "model_name", ""),
+            kv_cache_type_k=config.kv_cache_type_k,
             kv_cache_type_v=config.kv_cache_type_v, n_layer=spec.n_layer, n_embd=spec.n_embd)
         self._lock = threading.Condition()
         self._waiting: collections.deque[Sequence] = collections.deque()
@@ -118,7 +119,7 @@ class Engine:
         """`chat_template`: a built-in template's name or a Jinja file ('' = the model's own)."""
         m = load_model(model_path, config, chat_template)
         return cls(m.path, m.gguf, m.spec, m.tokenizer, m.model, m.config, m.backend_name,
-                   m.chat_template)
+                   m.chat_template, m.drafter)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -279,6 +280,8 @@ class Engine:
                 while self._waiting and self._free_slots:
                     seq = self._waiting.popleft()
                     seq.start(self._free_slots.pop())
+                    if self.drafter is not None:
+                        self.drafter.start(seq)
                     self._active.append(seq)
                 if not self._active:
                     if self._stopping:
@@ -324,6 +327,8 @@ class Engine:
         if seq in self._active:
             self._active.remove(seq)
             self._free_slots.append(seq.slot)
+            if self.drafter is not None:
+                self.drafter.release(seq)
 
     def _forward(self, seq: Sequence, tokens: list[int], start: int,
                  rows: list[RowSampling]) -> StepOutput:
@@ -388,7 +393,7 @@ class Engine:
             draft = [seq.seed]
             if seq.speculative:
                 seq.steps_without_draft = 0 if k else seq.steps_without_draft + 1
-                draft += self.drafter.propose(seq.history, k)
+                draft += self.drafter.propose(seq, k)
             batch.append((seq, draft))
         return batch
 

@@ -50,24 +50,24 @@ def test_accept_chain_equals_sequential_greedy():
 def test_ngram_drafter_proposes_the_continuation_of_the_last_match():
     d = NgramDrafter(ngram_size=3, min_match=1)
     hist = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
-    assert d.propose(hist, 3) == [4, 5, 9]
-    assert d.propose(hist, 1) == [4]
+    assert d.lookup(hist, 3) == [4, 5, 9]
+    assert d.lookup(hist, 1) == [4]
     # the most recent earlier occurrence wins
-    assert d.propose([7, 8, 1, 7, 8, 2, 7, 8], 1) == [2]
+    assert d.lookup([7, 8, 1, 7, 8, 2, 7, 8], 1) == [2]
     # falls back to shorter n-grams, and proposes nothing without any match
-    assert d.propose([1, 2, 3, 9, 3], 2) == [9, 3]
-    assert d.propose([1, 2, 3, 4], 2) == []
-    assert d.propose([5], 3) == [] and d.propose([1, 1], 0) == []
+    assert d.lookup([1, 2, 3, 9, 3], 2) == [9, 3]
+    assert d.lookup([1, 2, 3, 4], 2) == []
+    assert d.lookup([5], 3) == [] and d.lookup([1, 1], 0) == []
 
 
 def test_ngram_drafter_min_match():
-    assert NgramDrafter(3, min_match=2).propose([1, 2, 3, 9, 3], 2) == []
-    assert NgramDrafter(3, min_match=2).propose([1, 2, 3, 9, 2, 3], 2) == [9, 2]
+    assert NgramDrafter(3, min_match=2).lookup([1, 2, 3, 9, 3], 2) == []
+    assert NgramDrafter(3, min_match=2).lookup([1, 2, 3, 9, 2, 3], 2) == [9, 2]
 
 
 def test_ngram_drafter_never_proposes_past_the_history():
     d = NgramDrafter(ngram_size=2)
-    assert d.propose([4, 5, 4, 5], 10) == [4, 5]
+    assert d.lookup([4, 5, 4, 5], 10) == [4, 5]
 
 
 def test_create_drafter():
