@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from server_overhead import PROMPTS, Run  # noqa: E402
+from server_overhead import PROMPTS, Run, via_grpc  # noqa: E402
 
 from clients import SpecstreamClient  # noqa: E402
 from service.config import DEFAULT_MODEL, EngineConfig, ServerConfig, models_dir_from_env  # noqa: E402,E501
@@ -64,15 +64,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def stream(client: SpecstreamClient, req: GenerationRequest) -> TokenRun:
-    run = TokenRun()
-    s, st = req.sampling, req.stopping
-    for r in client.generate(tokens=list(req.prompt_ids), temperature=s.temperature,
-                             max_new_tokens=st.max_new_tokens, ignore_eos=st.ignore_eos,
-                             speculative=req.speculative):
-        if r.HasField("delta"):
-            run.tokens_arrived(len(r.delta.token_ids))
-    run.done()
-    return run
+    return via_grpc(client, req, TokenRun())
 
 
 def level(client: SpecstreamClient, reqs: list[GenerationRequest]) -> dict[str, float]:

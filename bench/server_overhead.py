@@ -81,8 +81,9 @@ def via_engine(engine, req: GenerationRequest) -> Run:
     return run
 
 
-def via_grpc(client: SpecstreamClient, req: GenerationRequest) -> Run:
-    run = Run()
+def via_grpc(client: SpecstreamClient, req: GenerationRequest, run: Run | None = None) -> Run:
+    """Stream `req` through the client, recording token arrivals into `run` (a new Run)."""
+    run = Run() if run is None else run
     s, st = req.sampling, req.stopping
     for r in client.generate(tokens=list(req.prompt_ids), temperature=s.temperature,
                              max_new_tokens=st.max_new_tokens, ignore_eos=st.ignore_eos,
