@@ -105,6 +105,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-type-k", default=d.kv_cache_type_k)
     p.add_argument("--cache-type-v", default=d.kv_cache_type_v)
     p.add_argument("--verify-width", type=int, default=d.verify_width)
+    p.add_argument("--tree-budget", type=int, default=d.tree_budget, metavar="N",
+                   help="tree verify (DDTree) with N nodes per step, 2..16; 0 = chain verify")
     p.add_argument("--drafter", default=d.drafter, help="none | ngram | model")
     p.add_argument("--draft-model", default=d.draft_model, metavar="PATH|NAME",
                    help="--drafter model: the draft GGUF, sharing the target's vocabulary "
@@ -167,6 +169,7 @@ def cmd_generate(args) -> int:
 
     config = EngineConfig(kv_cache_type_k=args.cache_type_k, kv_cache_type_v=args.cache_type_v,
                           verify_width=args.verify_width, drafter=args.drafter,
+                          tree_budget=args.tree_budget,
                           draft_model=str(_resolve(args.draft_model)) if args.draft_model else "",
                           backend=args.backend, n_ctx=args.n_ctx, threads=args.threads,
                           cuda_graphs=args.cuda_graphs, n_slots=1)

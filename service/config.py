@@ -24,6 +24,7 @@ KV_TYPES = ("f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
 SUPPORTED_KV_PAIRS: tuple[tuple[str, str], ...] = supported_kv_pairs("auto")
 MIN_VERIFY_WIDTH = 1
 MAX_VERIFY_WIDTH = 16            # one step processes 1..16 tokens (decode, verify, batching)
+MAX_TREE_BUDGET = MAX_VERIFY_WIDTH   # tree verify: nodes per step (0 = chain verify)
 BACKENDS = ("auto", "cpu", "cuda")
 DRAFTERS = ("none", "ngram", "model")
 
@@ -43,6 +44,7 @@ class EngineConfig:
     drafter: str = "ngram"           # "none" | "ngram" (prompt lookup) | "model" (draft GGUF)
     draft_model: str = ""            # drafter "model": the draft GGUF (path or known name)
     ngram_size: int = 3              # n-gram length the lookup drafter matches
+    tree_budget: int = 0             # > 0: tree verify (DDTree) with this many nodes; 0: chain
     backend: str = "auto"
     n_ctx: int = 4096                # context per sequence; capped at the model's trained length
     n_slots: int = 4                 # sequences held in the KV cache at once
@@ -77,6 +79,9 @@ class EngineConfig:
         if self.drafter == "model" and not self.draft_model.strip():
             out.append(("draft_model", "the model drafter needs a draft model: a .gguf path or "
                                        "a known model name sharing the target's vocabulary"))
+        if self.tree_budget != 0 and not 2 <= self.tree_budget <= MAX_TREE_BUDGET:
+            out.append(("tree_budget", f"{self.tree_budget} is out of range; allowed 0 (chain "
+                                       f"verify) or 2..{MAX_TREE_BUDGET}"))
         if not 1 <= self.ngram_size <= 8:
             out.append(("ngram_size", f"{self.ngram_size} is out of range; allowed 1..8"))
         if self.backend not in BACKENDS:
@@ -218,6 +223,7 @@ _HELP = {
     "draft_model": "drafter 'model': the draft GGUF (path or known model name); it must share "
                    "the target's vocabulary",
     "ngram_size": "n-gram length the lookup drafter matches, 1..8",
+    "tree_budget": f"tree verify (DDTree) nodes per step, 2..{MAX_TREE_BUDGET}; 0 = chain verify",
     "backend": "compute backend: " + ", ".join(BACKENDS),
     "n_ctx": "context tokens per sequence (capped at the model's trained length)",
     "n_slots": "sequences held in the KV cache at once",

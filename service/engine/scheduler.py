@@ -222,7 +222,8 @@ class Engine:
         return Sequence(request=request, sink=sink, seed_value=seed,
                         text=TextStream(self.tokenizer, request.stopping.stop_sequences),
                         eog_ids=frozenset(self.tokenizer.eog_ids), n_ctx=self.config.n_ctx,
-                        speculative=spec_on)
+                        speculative=spec_on, verify_width=self.config.verify_width,
+                        tree_budget=self.config.tree_budget)
 
     def _wake(self) -> None:
         with self._lock:
@@ -401,7 +402,7 @@ class Engine:
         """How many tokens `seq` would like drafted this step (0: plain decoding)."""
         if not seq.speculative:
             return 0
-        room = min(self.config.verify_width - 1, self.config.n_ctx - seq.n_past - 1,
+        room = min(seq.verify_width - 1, self.config.n_ctx - seq.n_past - 1,
                    seq.request.stopping.max_new_tokens - len(seq.generated) - 1)
         k = draft_length(seq.accept_rate, self.verify_alpha, room)
         if k == 0 and seq.steps_without_draft >= PROBE_EVERY:

@@ -33,6 +33,8 @@ class Sequence:
     eog_ids: frozenset[int]
     n_ctx: int
     speculative: bool
+    verify_width: int = 1                 # rows a chain verify step may hold (seed + drafts)
+    tree_budget: int = 0                  # > 0: tree verify with this many nodes per step
     slot: int = -1
     n_past: int = 0                       # committed KV rows
     seed: int | None = None               # last chosen token, KV row not yet written
