@@ -212,16 +212,25 @@ def _decode_model(cp, G, a, model, source, path, synth_s, results: dict) -> None
     graphs = G._decode_rate(be, tr, a.tokens)
     step_graphs = [g for key, (g, _) in be._graphs.items() if key[0] == 1]
     nodes = G._graph_nodes(step_graphs[0]) if step_graphs else None
+    serial = None
+    if be.pdl:                            # the same graphs captured without PDL, side by side
+        be._graphs.clear()
+        be._seen.clear()
+        be.pdl = False
+        serial = G._decode_rate(be, tr, a.tokens)
+        be.pdl = True
     results["decode"].append({
         "model": model, "source": source, "weight_bytes": be.weight_bytes,
         "n_layer": spec.n_layer, "eager_tok_s": eager, "graph_tok_s": graphs,
+        "graph_serial_tok_s": serial,
         "graph_nodes": nodes if isinstance(nodes, int) else None, "launches": launches,
         "load_s": load_s,
         "synth_s": synth_s})
     results["kernels"].append({"model": model, "step_s": 1.0 / graphs,
                                "rows": T.aggregate_kernels(kernels)})
     print(f"  {model}: loaded in {load_s:.1f} s, eager {eager:.0f} tok/s, graphs "
-          f"{graphs:.0f} tok/s, {nodes} nodes", flush=True)
+          f"{graphs:.0f} tok/s ({serial and round(serial)} without PDL), {nodes} nodes",
+          flush=True)
     if prefill:
         be.graphs = False
         row = {"model": model, "tokens": T.PREFILL_TOKENS}

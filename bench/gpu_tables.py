@@ -253,7 +253,7 @@ def decode_table(rows: list[dict], copy_bw: float, tokens: int) -> str:
     lines = [f"Decode, greedy, batch 1, {tokens} tokens after a 32-token prompt; roofline = "
              f"weight bytes / copy bandwidth ({copy_bw / 1e12:.2f} TB/s, this run)",
              f"{'model':14} {'source':6} {'weights MB':>10} {'roofline':>10} {'eager':>9} "
-             f"{'graphs':>9} {'graphs/roof':>11} {'nodes':>6} {'nodes/layer':>11} "
+             f"{'graphs':>9} {'no PDL':>9} {'graphs/roof':>11} {'nodes':>6} {'nodes/layer':>11} "
              f"{'kern/layer':>10} {'llama.cpp*':>10}"]
     for r in rows:
         if r.get("error"):
@@ -265,12 +265,18 @@ def decode_table(rows: list[dict], copy_bw: float, tokens: int) -> str:
         kern = r["launches"]["layers"] / r["n_layer"] if r.get("launches") else None
         kern = "-" if kern is None else f"{kern:.1f}"
         rec = LLAMACPP_DECODE.get(r["model"])
+        serial = r.get("graph_serial_tok_s")
+        serial = "-" if serial is None else f"{serial:.0f}/s"
         lines.append(f"{r['model']:14} {r['source']:6} {r['weight_bytes'] / 1e6:10.1f} "
                      f"{roof:8.0f}/s {r['eager_tok_s']:7.0f}/s {r['graph_tok_s']:7.0f}/s "
+                     f"{serial:>9} "
                      f"{_x(r['graph_tok_s'] / roof, 11, pct=True)} "
                      f"{'-' if nodes is None else nodes:>6} {per:>11} {kern:>10} "
                      f"{'-' if rec is None else f'{rec:.0f}/s':>10}")
-    lines.append(f"* {RECORDED}; nodes = graph nodes of a decode step; nodes/layer = those less "
+    lines.append(f"* {RECORDED}; graphs = kernels launched with programmatic dependent launch "
+                 "(each kernel's launch overlaps its predecessor), no PDL = the same graphs "
+                 "with every kernel fully serialized; nodes = graph nodes of a decode step; "
+                 "nodes/layer = those less "
                  "the eager step's launches outside the layers (embedding, output norm, logits), "
                  "over the layers; kern/layer = the eager step's launches inside the layers, "
                  "over the layers")

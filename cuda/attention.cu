@@ -21,6 +21,7 @@
 //   splits with l_s > 0. out (T, H, Dv) view (strides o0, o1, 1); rows with slot < 0 get 0.
 //   When qa is not null the same block also writes the 8-bit blocks of out (act_quant.cuh) as
 //   rows of width H * Dv (Dv % 32 == 0) for the output projection's GEMV.
+#include "pdl.cuh"
 #include "act_quant.cuh"
 
 #define ATT_WARPS 4
@@ -197,6 +198,7 @@ __device__ __forceinline__ void attn_fused(
             const u8* kd, const u8* vq, const u8* vd, const int* slots, const int* positions, \
             int n_ctx, int window, float scale, int chunk, float2* part_ml, float* part_acc, \
             int* counters, float* out, int o0, int o1, signed char* qa, float2* ads) {       \
+        PDL_ENTRY();                                                                         \
         attn_fused<KT, VT>(q, q0, q1, H, Hkv, D, Dv, kq, kd, vq, vd, slots, positions, n_ctx, \
                            window, scale, chunk, part_ml, part_acc, counters, out, o0, o1,   \
                            qa, ads);                                                         \

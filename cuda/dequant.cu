@@ -12,6 +12,7 @@
 //
 // round_f16: out[t * K + k] = f16(x[t * ldx + k]) for t < T, k < K (round to nearest even),
 //   x (T, ldx) f32. Launch: grid (ceil(K / 256), T), block 256.
+#include "pdl.cuh"
 #include "quant_types.cuh"
 
 template <class Q>
@@ -51,6 +52,7 @@ __device__ __forceinline__ void dequant_rows(const Planes& P, int K, long long r
     extern "C" __global__ void __launch_bounds__(256)                                       \
     dequant_##name(const u8* p0, const u8* p1, const u8* p2, const u8* p3, int K,           \
                    long long r0, long long n, u16* out) {                                   \
+        PDL_ENTRY();                                                                        \
         dequant_rows<Q>(Planes{p0, p1, p2, p3}, K, r0, n, out);                             \
     }
 FOR_QUANT_TYPES(DEQUANT_KERNEL)
@@ -58,6 +60,7 @@ FOR_FLOAT_TYPES(DEQUANT_KERNEL)
 
 extern "C" __global__ void __launch_bounds__(256)
 round_f16(const float* __restrict__ x, int ldx, int T, int K, u16* __restrict__ out) {
+    PDL_ENTRY();
     const int k = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
     if (k >= K || t >= T) return;
     out[(size_t)t * K + k] = f2h(x[(size_t)t * ldx + k]);

@@ -27,6 +27,7 @@
 //               renormalized when asked; one thread per token, grid ceil(T / 64), block 64
 // moe_combine   out[t, e] = sum_u w[t, u] * y[t * n_used + u, e], u in order
 //               grid (ceil(E / 256), T), block 256
+#include "pdl.cuh"
 #include "quant_types.cuh"
 #include "act_quant.cuh"
 
@@ -45,6 +46,7 @@ __device__ __forceinline__ void embed_quant(Planes P, int E, const int* ids, flo
     extern "C" __global__ void embed_##name(const u8* p0, const u8* p1, const u8* p2,       \
                                             const u8* p3, int E, const int* ids,            \
                                             float scale, float* out) {                      \
+        PDL_ENTRY();                                                                        \
         embed_quant<Q>(Planes{p0, p1, p2, p3}, E, ids, scale, out);                         \
     }
 FOR_QUANT_TYPES(EMBED_KERNEL)
@@ -53,6 +55,7 @@ FOR_FLOAT_TYPES(EMBED_KERNEL)
 extern "C" __global__ void rms_norm(const float* __restrict__ x, int n1, int s0, int s1, int D,
                                     const float* __restrict__ w, float eps, float* out,
                                     int o0, int o1) {
+    PDL_ENTRY();
     const int i = blockIdx.x / n1, j = blockIdx.x % n1;
     const float* xr = x + (size_t)i * s0 + (size_t)j * s1;
     float* orow = out + (size_t)i * o0 + (size_t)j * o1;
@@ -65,6 +68,7 @@ extern "C" __global__ void rms_norm_quant(const float* __restrict__ x, int ldx, 
                                           const float* __restrict__ w, float eps, float* out,
                                           int ldo, signed char* __restrict__ qa,
                                           float2* __restrict__ ads) {
+    PDL_ENTRY();
     const int t = blockIdx.x;
     const float* xr = x + (size_t)t * ldx;
     float* orow = out + (size_t)t * ldo;
@@ -82,6 +86,7 @@ extern "C" __global__ void rms_norm_quant(const float* __restrict__ x, int ldx, 
 extern "C" __global__ void rms_norm_add(const float* __restrict__ o, int ldo, int D,
                                         const float* __restrict__ w, float eps, float* x,
                                         int ldx) {
+    PDL_ENTRY();
     const int t = blockIdx.x;
     const float* orow = o + (size_t)t * ldo;
     float* xr = x + (size_t)t * ldx;
@@ -92,6 +97,7 @@ extern "C" __global__ void rms_norm_add(const float* __restrict__ o, int ldo, in
 
 extern "C" __global__ void add_rows(const float* a, int lda, const float* b, int ldb, int N,
                                     float* out, int ldo) {
+    PDL_ENTRY();
     const int t = blockIdx.y, n = blockIdx.x * 256 + threadIdx.x;
     if (n >= N) return;
     out[(size_t)t * ldo + n] = __fadd_rn(a[(size_t)t * lda + n], b[(size_t)t * ldb + n]);
@@ -113,6 +119,7 @@ __device__ __forceinline__ float glu_act(float g, int act) {
 extern "C" __global__ void glu(const float* __restrict__ gate, int ldg,
                                const float* __restrict__ up, int ldu, int F, int act,
                                float* __restrict__ out, int ldo) {
+    PDL_ENTRY();
     const int t = blockIdx.y, f = blockIdx.x * 256 + threadIdx.x;
     if (f >= F) return;
     out[(size_t)t * ldo + f] = __fmul_rn(glu_act(gate[(size_t)t * ldg + f], act),
@@ -125,6 +132,7 @@ extern "C" __global__ void glu_quant(const float* __restrict__ gate, int ldg,
                                      const float* __restrict__ up, int ldu, int F, int act,
                                      float* __restrict__ out, int ldo,
                                      signed char* __restrict__ qa, float2* __restrict__ ads) {
+    PDL_ENTRY();
     const int t = blockIdx.y, f = blockIdx.x * 256 + threadIdx.x;
     if (f - (threadIdx.x & 31) >= F) return;
     const float y = __fmul_rn(glu_act(gate[(size_t)t * ldg + f], act), up[(size_t)t * ldu + f]);
@@ -136,6 +144,7 @@ extern "C" __global__ void glu_quant(const float* __restrict__ gate, int ldg,
 extern "C" __global__ void rope(float* x, int s0, int s1, const int* __restrict__ positions,
                                 const float* __restrict__ cos_t, const float* __restrict__ sin_t,
                                 int half, int neox) {
+    PDL_ENTRY();
     const int t = blockIdx.x, h = blockIdx.y;
     float* row = x + (size_t)t * s0 + (size_t)h * s1;
     const int p = positions[t];
@@ -151,6 +160,7 @@ extern "C" __global__ void rope(float* x, int s0, int s1, const int* __restrict_
 
 extern "C" __global__ void moe_route(float* logits, int ld, int T, int n_expert, int n_used,
                                      int normalize, int* ids, float* weights) {
+    PDL_ENTRY();
     const int t = blockIdx.x * 64 + threadIdx.x;
     if (t >= T) return;
     float* p = logits + (size_t)t * ld;
@@ -180,6 +190,7 @@ extern "C" __global__ void moe_route(float* logits, int ld, int T, int n_expert,
 
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w,
                                        int n_used, int E, float* __restrict__ out, int ldo) {
+    PDL_ENTRY();
     const int t = blockIdx.y, e = blockIdx.x * 256 + threadIdx.x;
     if (e >= E) return;
     float acc = 0.0f;

@@ -24,6 +24,7 @@
 // dots each weight group with every column's activations, so the weights are read once per
 // launch whatever NC is. R rows per warp share each activation load; NC is the step's column
 // count rounded up to 1, 2, 4, 8, 16 (chosen per launch; columns past n_cols are skipped).
+#include "pdl.cuh"
 #include "quant_types.cuh"
 
 #define GEMV_WARPS 4
@@ -177,6 +178,7 @@ __device__ __forceinline__ void gemv_float(const u8* __restrict__ W, int K, int 
                               int N, const signed char* qa, const float2* ads, int n_cols,   \
                               const int* ids, int rows_per_expert, int act_div, float* out,  \
                               int ldo, int accumulate) {                                     \
+        PDL_ENTRY();                                                                         \
         gemv_quant<Q, NC, R>(Planes{p0, p1, p2, p3}, K, N, qa, ads, n_cols, ids,             \
                              rows_per_expert, act_div, out, ldo, accumulate);                \
     }
@@ -185,6 +187,7 @@ __device__ __forceinline__ void gemv_float(const u8* __restrict__ W, int K, int 
     gemv_##name##_c##NC##r##R(const u8* W, int K, int N, const float* x, int ldx, int n_cols, \
                               const int* ids, int rows_per_expert, int act_div, float* out,  \
                               int ldo, int accumulate) {                                     \
+        PDL_ENTRY();                                                                         \
         gemv_float<F, NC, R>(W, K, N, x, ldx, n_cols, ids, rows_per_expert, act_div, out,    \
                              ldo, accumulate);                                               \
     }

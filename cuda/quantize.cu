@@ -14,12 +14,14 @@
 //   padding and are skipped. Launch: grid (T, Hkv), block (32, ceil(D / 32)): one warp per
 //   32-group of the row. (The decode path stores K and V inside rope_kv.cu; this kernel serves
 //   steps that write the cache directly.)
+#include "pdl.cuh"
 #include "act_quant.cuh"
 #include "kv_quant.cuh"
 
 extern "C" __global__ void __launch_bounds__(128)
 quantize_act(const float* __restrict__ x, int ldx, int C, int K, signed char* __restrict__ qa,
              float2* __restrict__ ads) {
+    PDL_ENTRY();
     const int G = K / 32;
     const int item = blockIdx.x * 4 + threadIdx.y;
     if (item >= C * G) return;
@@ -43,6 +45,7 @@ __device__ __forceinline__ void kv_store(const float* __restrict__ src, int st, 
     extern "C" __global__ void kv_store_##name(const float* src, int st, int sh, int D,     \
                                                const int* slots, const int* positions,      \
                                                int n_ctx, int Hkv, u8* codes, u16* scales) { \
+        PDL_ENTRY();                                                                         \
         kv_store<KP>(src, st, sh, D, slots, positions, n_ctx, Hkv, codes, scales);           \
     }
 FOR_KV_TYPES(KV_STORE_KERNEL)

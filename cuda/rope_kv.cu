@@ -12,6 +12,7 @@
 // Launch: grid (T, H + 2 Hkv), block norm_block(D) = min(256, 32 ceil(D / 32)) threads, the
 // block size elementwise.cu's rms_norm uses for rows of D (so the norm's sum has the same
 // order); blocks j < H rotate q heads, H <= j < H + Hkv k heads, the rest store v heads.
+#include "pdl.cuh"
 #include "act_quant.cuh"
 #include "kv_quant.cuh"
 
@@ -73,6 +74,7 @@ __device__ __forceinline__ void rope_kv(
             int v1, int H, int Hkv, int D, int Dv, const float* qn, const float* kn, float eps, \
             const int* positions, const int* slots, const float* cos_t, const float* sin_t,  \
             int half, int neox, int n_ctx, u8* kc, u16* ks, u8* vc, u16* vs) {               \
+        PDL_ENTRY();                                                                         \
         rope_kv<KP, VP>(q, q0, q1, k, k0, k1, v, v0, v1, H, Hkv, D, Dv, qn, kn, eps,          \
                         positions, slots, cos_t, sin_t, half, neox, n_ctx, kc, ks, vc, vs);   \
     }

@@ -34,6 +34,7 @@
 //   each thread owns a contiguous id range, thread 0 adds the per-thread sums in thread order,
 //   and the thread whose range crosses the target rescans it. Every sum has a fixed order, so a
 //   row's result never depends on the step it is in, and replays are bit-identical.
+#include "pdl.cuh"
 #include "common.cuh"
 
 __device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
@@ -51,6 +52,7 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
 
 extern "C" __global__ void __launch_bounds__(1024)
 argmax_rows(const float* __restrict__ logits, int ld, int V, int* __restrict__ out) {
+    PDL_ENTRY();
     __shared__ float sv[32];
     __shared__ int si[32];
     const int t = blockIdx.x, tid = threadIdx.x;
@@ -77,6 +79,7 @@ extern "C" __global__ void record_tokens(const int* __restrict__ ids,
                                          const int* __restrict__ slots,
                                          const int* __restrict__ positions, int T, int n_slots,
                                          int n_ctx, int* __restrict__ hist) {
+    PDL_ENTRY();
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= T) return;
     const int slot = slots[t], pos = positions[t];
@@ -397,6 +400,7 @@ __device__ int draw_token(RowState& r, int top_k, float top_p, u64 seed, int ind
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 sample_rows(const float* logits, int ld, int V, const int* __restrict__ params,
             const int* __restrict__ hist, int n_ctx, float* work, int* __restrict__ out) {
+    PDL_ENTRY();
     // logits and work carry no __restrict__: the filters read the row through one pointer
     // that is either, and work is written in this kernel (no read-only cache loads for it)
     __shared__ SampleShared sh;

@@ -27,6 +27,7 @@ from service.backends import cuda_sources
 from service.backends.base import Backend
 from service.backends.cuda_attention import AttentionOps
 from service.backends.cuda_gemm import PREFILL_GEMM_MIN_TOKENS, GemmOps, GemmScratch
+from service.backends.cuda_launch import PdlLauncher, pdl_available
 from service.backends.cuda_layout import LAYOUTS, PlaneLayout, layout_of, split_planes
 from service.backends.cuda_sampling import SamplingOps
 from service.backends.cuda_types import (
@@ -64,7 +65,7 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
                  invariant_tokens: int = 16, gemv_rows: int = 2, upload: str = "pinned",
                  prefill_gemm_min_tokens: int | None = PREFILL_GEMM_MIN_TOKENS,
                  staging_buffers: int = 3, staging_mib: int = 64,
-                 prefill_scratch_mib: int = 128):
+                 prefill_scratch_mib: int = 128, pdl: bool = True):
         """gemv_rows: 2 (the default) picks the GEMV variant by the step's width
         (cuda_types.gemv_choice); 1 runs the one-column one-row kernel at every width (the
         earlier kernel, kept for benchmarks). Both give the same bits.
@@ -73,7 +74,11 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
         prefill_gemm_min_tokens: matmuls of steps with at least this many tokens, and more than
         `invariant_tokens` (decode and verify steps stay on the step-size-invariant GEMV), go
         through dequantize + cuBLAS GEMM; None keeps every matmul on the GEMV. Weight tiles of
-        the GEMM are dequantized into a scratch of at most `prefill_scratch_mib` MiB."""
+        the GEMM are dequantized into a scratch of at most `prefill_scratch_mib` MiB.
+        pdl: kernels of captured steps are launched with programmatic dependent launch
+        (cuda_launch.py; each kernel's launch overlaps its predecessor's run); False launches
+        them through CuPy with full serialization (the earlier behaviour, for benchmarks).
+        Without cuda-bindings it is off. Both give the same bits."""
         # CPU threads do not apply; every GEMV column and attention query is computed the same
         # way at any step size, so steps up to invariant_tokens are invariant here.
         del threads
@@ -93,6 +98,9 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
         self.load_seconds = 0.0
         self._load_t0: float | None = None
         self.graphs = graphs
+        self.pdl = bool(pdl and pdl_available())       # read when a step is captured
+        self._pdl = PdlLauncher() if self.pdl else None
+        self._capturing = False           # kernels launched now are recorded into a graph
         self.gemv_rows = gemv_rows
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._modules: dict[str, Any] = {}
@@ -128,8 +136,12 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
     def _launch(self, name: str, grid, block, args) -> None:
         if not name.startswith("gemv_"):
             self._blocks = None
+        fn = self._fn(name)
+        if self._capturing and self.pdl and self._pdl is not None:
+            self._pdl.launch(fn.ptr, grid, block, tuple(args), self.stream.ptr)
+            return
         with self.stream:
-            self._fn(name)(grid, block, tuple(args))
+            fn(grid, block, tuple(args))
 
     # ---------------------------------------------------------------- memory
     def zeros(self, shape, dtype="float32"):
@@ -284,9 +296,11 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
             self._seen.add(full)
             return fn()
         self.stream.begin_capture()
+        self._capturing = True
         try:
             result = fn()
         finally:
+            self._capturing = False
             graph = self.stream.end_capture()
         self._graphs[full] = (graph, result)
         graph.launch(stream=self.stream)

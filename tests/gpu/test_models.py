@@ -139,12 +139,15 @@ def test_wrong_rope_fails_the_gpu_bound():
     assert np.median(rel) > 0.07 or np.percentile(rel, 75) > 0.12
 
 
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "serial"])
 @pytest.mark.parametrize("name", TINY_MODELS)
-def test_graph_replay_equals_eager(name):
+def test_graph_replay_equals_eager(name, pdl):
     """A prefill chunk, 6 decode steps and 3 4-token verify steps, eager and replayed from
-    captured graphs: byte-identical logits; the graphs are captured once per shape."""
+    captured graphs (kernels with programmatic dependent launch, or fully serialized):
+    byte-identical logits; the graphs are captured once per shape."""
     eager, fx = tiny_transformer(name, cuda_backend(graphs=False))
-    graphed, _ = tiny_transformer(name, cuda_backend(graphs=True))
+    graphed, _ = tiny_transformer(name, cuda_backend(graphs=True, pdl=pdl))
+    assert graphed.backend.pdl is pdl
     ids = list(fx["prompt_ids"])
     outs = {}
     for label, tr in (("eager", eager), ("graphs", graphed)):

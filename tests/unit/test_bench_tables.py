@@ -138,7 +138,8 @@ def test_gemv_table_ratios_are_this_runs(gt):
 
 def test_decode_table_roofline_and_nodes(gt):
     rows = [{"model": "llama3-8b", "source": "synth", "weight_bytes": 4.6e9, "n_layer": 32,
-             "eager_tok_s": 150.0, "graph_tok_s": 400.0, "graph_nodes": 300, "load_s": 9.0,
+             "eager_tok_s": 150.0, "graph_tok_s": 400.0, "graph_serial_tok_s": 320.0,
+             "graph_nodes": 300, "load_s": 9.0,
              "synth_s": 20.0, "launches": {"embed": 1, "layers": 288, "head": 3}},
             {"model": "llama3.2-1b", "source": "synth", "weight_bytes": 0.8e9, "n_layer": 16,
              "eager_tok_s": 300.0, "graph_tok_s": 900.0, "graph_nodes": None, "load_s": 2.0,
@@ -148,11 +149,13 @@ def test_decode_table_roofline_and_nodes(gt):
     line = next(x for x in table.splitlines() if x.startswith("llama3-8b"))
     f = _fields(line)
     roof = BW / 4.6e9
-    assert f[3] == f"{roof:.0f}/s" and f[6] == f"{400 / roof:.0%}"
-    assert f[7] == "300" and f[8] == f"{(300 - 1 - 3) / 32:.1f}" and f[9] == f"{288 / 32:.1f}"
-    assert f[10] == "274/s"
+    assert f[3] == f"{roof:.0f}/s" and f[5] == "400/s" and f[6] == "320/s"
+    assert f[7] == f"{400 / roof:.0%}"
+    assert f[8] == "300" and f[9] == f"{(300 - 1 - 3) / 32:.1f}" and f[10] == f"{288 / 32:.1f}"
+    assert f[11] == "274/s"
     f = _fields(next(x for x in table.splitlines() if x.startswith("llama3.2-1b")))
-    assert f[7:11] == ["-", "-", "-", "905/s"]          # no node count: nothing made up
+    assert f[6] == "-"                                  # no PDL-off run: nothing made up
+    assert f[8:12] == ["-", "-", "-", "905/s"]          # no node count: nothing made up
     assert "gemma3-270m" in table and "not in $SPECSTREAM_MODELS_DIR" in table
     assert "synthesized in 20.0 s" in table
 
