@@ -24,6 +24,9 @@
 // dots each weight group with every column's activations, so the weights are read once per
 // launch whatever NC is. R rows per warp share each activation load; NC is the step's column
 // count rounded up to 1, 2, 4, 8, 16 (chosen per launch; columns past n_cols are skipped).
+// Programmatic launch (pdl.cuh): every read and write comes after the kernel's wait, except in
+// gemv_<type>_c1r1e (quantized types), the 1-column 1-row kernel that loads each lane's first
+// weight group before it (more registers; CudaBackend(gemv_early=True) picks it at 1 column).
 #include "pdl.cuh"
 #include "quant_types.cuh"
 
@@ -67,16 +70,23 @@ __device__ __forceinline__ void gemv_store(float (&acc)[NC][R], const GemvCols& 
     }
 }
 
-template <class Q, int NC, int R>
+template <class Q, int NC, int R, bool EARLY = false>
 __device__ __forceinline__ void gemv_quant(Planes P, int K, int N, const signed char* __restrict__ qa,
                                            const float2* __restrict__ ads, int n_cols,
                                            const int* __restrict__ ids, int rows_per_expert,
                                            int act_div, float* __restrict__ out, int ldo,
                                            int accumulate) {
     const int lane = threadIdx.x, n0 = (blockIdx.x * GEMV_WARPS + threadIdx.y) * R;
-    if (n0 >= N) return;
     constexpr int SUB = Q::QK / 32;        // 32-element groups per block
     const int G = K / 32, nb = K / Q::QK;
+    // EARLY (the c1r1e variant: one column, one row, plain mode): the lane's first weight
+    // group is loaded before the programmatic-launch wait (weights never change during a
+    // step), so with PDL its read overlaps the previous kernel; everything else waits first.
+    typename Q::G w_first;
+    const bool early = EARLY && NC == 1 && R == 1 && ids == nullptr && n0 < N && lane < G;
+    if (early) Q::load(P, (size_t)n0 * nb + lane / SUB, lane % SUB, w_first);
+    PDL_ENTRY();
+    if (n0 >= N) return;
     const GemvCols cols = gemv_cols(NC, n0, n_cols, ids, rows_per_expert, act_div);
     // rows past N (the last warp of a matrix whose N is not a multiple of R) re-read row n0
     size_t rbase[R];
@@ -101,7 +111,8 @@ __device__ __forceinline__ void gemv_quant(Planes P, int K, int N, const signed 
             ld16(ap + 16, a + 4);
             const float2 ds = ads[(size_t)ar * G + g];
             typename Q::G w;
-            Q::load(P, rbase[0] + g / SUB, g % SUB, w);
+            if (early && g == lane) w = w_first;
+            else Q::load(P, rbase[0] + g / SUB, g % SUB, w);
             acc[0][0] += Q::dot(w, a, ds.x, ds.y);
         }
         gemv_store<NC, R>(acc, cols, n0, N, out, ldo, accumulate);
@@ -172,16 +183,17 @@ __device__ __forceinline__ void gemv_float(const u8* __restrict__ W, int K, int 
     gemv_store<NC, R>(acc, cols, n0, N, out, ldo, accumulate);
 }
 
-#define GEMV_QUANT_ONE(name, Q, NC, R)                                                      \
+#define GEMV_QUANT_KERNEL(name, Q, NC, R, SUFFIX, EARLY)                                    \
     extern "C" __global__ void __launch_bounds__(128)                                       \
-    gemv_##name##_c##NC##r##R(const u8* p0, const u8* p1, const u8* p2, const u8* p3, int K, \
-                              int N, const signed char* qa, const float2* ads, int n_cols,   \
-                              const int* ids, int rows_per_expert, int act_div, float* out,  \
-                              int ldo, int accumulate) {                                     \
-        PDL_ENTRY();                                                                         \
-        gemv_quant<Q, NC, R>(Planes{p0, p1, p2, p3}, K, N, qa, ads, n_cols, ids,             \
-                             rows_per_expert, act_div, out, ldo, accumulate);                \
+    gemv_##name##_c##NC##r##R##SUFFIX(const u8* p0, const u8* p1, const u8* p2,             \
+                                      const u8* p3, int K, int N, const signed char* qa,    \
+                                      const float2* ads, int n_cols, const int* ids,        \
+                                      int rows_per_expert, int act_div, float* out,         \
+                                      int ldo, int accumulate) {                            \
+        gemv_quant<Q, NC, R, EARLY>(Planes{p0, p1, p2, p3}, K, N, qa, ads, n_cols, ids,      \
+                                    rows_per_expert, act_div, out, ldo, accumulate);        \
     }
+#define GEMV_QUANT_ONE(name, Q, NC, R) GEMV_QUANT_KERNEL(name, Q, NC, R, , false)
 #define GEMV_FLOAT_ONE(name, F, NC, R)                                                      \
     extern "C" __global__ void __launch_bounds__(128)                                       \
     gemv_##name##_c##NC##r##R(const u8* W, int K, int N, const float* x, int ldx, int n_cols, \
@@ -197,7 +209,8 @@ __device__ __forceinline__ void gemv_float(const u8* __restrict__ W, int K, int 
     ONE(name, T, 1, 1) ONE(name, T, 1, 2) ONE(name, T, 2, 2) ONE(name, T, 4, 2) \
     ONE(name, T, 8, 2) ONE(name, T, 16, 2) ONE(name, T, 2, 4) ONE(name, T, 4, 4) \
     ONE(name, T, 8, 4) ONE(name, T, 16, 4)
-#define GEMV_QUANT_KERNELS(name, Q) GEMV_VARIANTS(GEMV_QUANT_ONE, name, Q)
+#define GEMV_QUANT_KERNELS(name, Q) GEMV_VARIANTS(GEMV_QUANT_ONE, name, Q) \
+    GEMV_QUANT_KERNEL(name, Q, 1, 1, e, true)
 #define GEMV_FLOAT_KERNELS(name, F) GEMV_VARIANTS(GEMV_FLOAT_ONE, name, F)
 FOR_QUANT_TYPES(GEMV_QUANT_KERNELS)
 FOR_FLOAT_TYPES(GEMV_FLOAT_KERNELS)

@@ -65,7 +65,7 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
                  invariant_tokens: int = 16, gemv_rows: int = 2, upload: str = "pinned",
                  prefill_gemm_min_tokens: int | None = PREFILL_GEMM_MIN_TOKENS,
                  staging_buffers: int = 3, staging_mib: int = 64,
-                 prefill_scratch_mib: int = 128, pdl: bool = True):
+                 prefill_scratch_mib: int = 128, pdl: bool = True, gemv_early: bool = False):
         """gemv_rows: 2 (the default) picks the GEMV variant by the step's width
         (cuda_types.gemv_choice); 1 runs the one-column one-row kernel at every width (the
         earlier kernel, kept for benchmarks). Both give the same bits.
@@ -78,7 +78,9 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
         pdl: kernels of captured steps are launched with programmatic dependent launch
         (cuda_launch.py; each kernel's launch overlaps its predecessor's run); False launches
         them through CuPy with full serialization (the earlier behaviour, for benchmarks).
-        Without cuda-bindings it is off. Both give the same bits."""
+        Without cuda-bindings it is off. Both give the same bits.
+        gemv_early: one-column quantized GEMVs use the c1r1e kernel, which reads each lane's
+        first weight group before the programmatic-launch wait (same bits, more registers)."""
         # CPU threads do not apply; every GEMV column and attention query is computed the same
         # way at any step size, so steps up to invariant_tokens are invariant here.
         del threads
@@ -102,6 +104,7 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
         self._pdl = PdlLauncher() if self.pdl else None
         self._capturing = False           # kernels launched now are recorded into a graph
         self.gemv_rows = gemv_rows
+        self.gemv_early = gemv_early
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._modules: dict[str, Any] = {}
         self._kernels: dict[str, Any] = {}
@@ -401,7 +404,8 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
             args = [*w.args(), I32(K), I32(N), qa, ads, *tail]
         else:
             args = [w.planes[0], I32(K), I32(N), x, I32(ldx), *tail]
-        self._launch(f"gemv_{w.layout.kernel}_c{nc}r{R}", grid, (32, GEMV_WARPS), args)
+        early = "e" if self.gemv_early and w.layout.quantized and (nc, R) == (1, 1) else ""
+        self._launch(f"gemv_{w.layout.kernel}_c{nc}r{R}{early}", grid, (32, GEMV_WARPS), args)
         if self._blocks is not None and overlaps(out, self._blocks):
             self._blocks = None
 

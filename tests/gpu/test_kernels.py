@@ -121,6 +121,13 @@ def test_gemv_columns_are_independent_of_the_step_size(cuda, cuda_rows1, name):
     for i in (0, 5, 15, 16, 39):
         single = gpu_matmul(cuda, w, x[i:i + 1], N_ROWS)
         assert np.array_equal(single[0], wide[i]), i
+    cuda.gemv_early = True                       # c1r1e: first weight group read early
+    try:
+        for i in (0, 39):
+            single = gpu_matmul(cuda, w, x[i:i + 1], N_ROWS)
+            assert np.array_equal(single[0], wide[i]), i
+    finally:
+        cuda.gemv_early = False
     cp.cuda.Device().synchronize()               # the other backend runs on its own stream
     r1 = cuda_rows1
     w1 = r1.load_matrix([t])
