@@ -11,7 +11,8 @@
 //   m, sum l, accumulator over Dv, lane d holding dims d, d + 32, ...); the 4 warps merge in
 //   order.
 //   Writes part_ml[t, h, s] = (m, l) (l = 0: no key in the split) and part_acc[t, h, s, :].
-//   q (T, H, D) view with strides (q0, q1, 1); D <= 512, Dv <= 256, S = ceil(n_ctx / chunk).
+//   q (T, H, D) view with strides (q0, q1, 1); D <= 512 and D % 8 == 0 (keys are read 8
+//   elements per vector load), Dv <= 256, S = ceil(n_ctx / chunk).
 //   The number of splits is fixed by n_ctx: a step never needs the host to know a KV length,
 //   so one captured graph serves every position.
 // The combine runs in the same launch: each block adds 1 to counters[t, h] after writing its
@@ -28,23 +29,84 @@
 #define ATT_MAX_D 512
 #define ATT_MAX_DV 256
 
+// at(i): element i of a cache row; load8(i0, v): elements i0..i0+7 (i0 % 8 == 0) with one
+// vector load, each equal to at(i0 + u).
 struct KvF16 {
+    static constexpr int PASS = 4;        // V rows loaded together in the accumulation
+    __device__ static void vrow(const u8* qs, const u8* dd, size_t row, int D, int lane,
+                                float v[ATT_MAX_DV / 32]) {
+#pragma unroll
+        for (int i = 0; i < ATT_MAX_DV / 32; i++)
+            v[i] = lane + 32 * i < D ? at(qs, dd, row, D, lane + 32 * i) : 0.0f;
+    }
     __device__ static float at(const u8* qs, const u8*, size_t row, int D, int i) {
         return h2f(reinterpret_cast<const u16*>(qs)[row * D + i]);
     }
+    __device__ static void load8(const u8* qs, const u8*, size_t row, int D, int i0,
+                                 float v[8]) {
+        const uint4 w = *reinterpret_cast<const uint4*>(qs + 2 * (row * D + i0));
+        v[0] = h2f((u16)(w.x & 0xFFFFu)); v[1] = h2f((u16)(w.x >> 16));
+        v[2] = h2f((u16)(w.y & 0xFFFFu)); v[3] = h2f((u16)(w.y >> 16));
+        v[4] = h2f((u16)(w.z & 0xFFFFu)); v[5] = h2f((u16)(w.z >> 16));
+        v[6] = h2f((u16)(w.w & 0xFFFFu)); v[7] = h2f((u16)(w.w >> 16));
+    }
 };
 struct KvQ8_0 {
+    static constexpr int PASS = 4;
+    __device__ static void vrow(const u8* qs, const u8* dd, size_t row, int D, int lane,
+                                float v[ATT_MAX_DV / 32]) {
+#pragma unroll
+        for (int i = 0; i < ATT_MAX_DV / 32; i++)
+            v[i] = lane + 32 * i < D ? at(qs, dd, row, D, lane + 32 * i) : 0.0f;
+    }
     __device__ static float at(const u8* qs, const u8* dd, size_t row, int D, int i) {
         const float d = h2f(reinterpret_cast<const u16*>(dd)[row * (D / 32) + i / 32]);
         return __fmul_rn((float)reinterpret_cast<const signed char*>(qs)[row * D + i], d);
     }
+    __device__ static void load8(const u8* qs, const u8* dd, size_t row, int D, int i0,
+                                 float v[8]) {
+        const float d = h2f(reinterpret_cast<const u16*>(dd)[row * (D / 32) + i0 / 32]);
+        const uint2 w = *reinterpret_cast<const uint2*>(qs + row * D + i0);
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const int c = (signed char)(((u < 4 ? w.x : w.y) >> (8 * (u & 3))) & 0xFF);
+            v[u] = __fmul_rn((float)c, d);
+        }
+    }
 };
 struct KvQ4_0 {
+    static constexpr int PASS = 4;
+    // elements d = lane + 32 i (i < D / 32) of a row, as at() gives them
+    __device__ static void vrow(const u8* qs, const u8* dd, size_t row, int D, int lane,
+                                float v[ATT_MAX_DV / 32]) {
+        const int shift = lane < 16 ? 0 : 4;
+#pragma unroll
+        for (int i = 0; i < ATT_MAX_DV / 32; i++) {
+            v[i] = 0.0f;
+            if (32 * i < D) {
+                const float d = h2f(reinterpret_cast<const u16*>(dd)[row * (D / 32) + i]);
+                const int b = qs[row * (D / 2) + 16 * i + (lane & 15)];
+                v[i] = __fmul_rn((float)(((b >> shift) & 15) - 8), d);
+            }
+        }
+    }
     __device__ static float at(const u8* qs, const u8* dd, size_t row, int D, int i) {
         const float d = h2f(reinterpret_cast<const u16*>(dd)[row * (D / 32) + i / 32]);
         const u8 b = qs[row * (D / 2) + 16 * (i / 32) + (i & 15)];
         const int c = ((i & 31) < 16 ? (b & 15) : (b >> 4)) - 8;
         return __fmul_rn((float)c, d);
+    }
+    __device__ static void load8(const u8* qs, const u8* dd, size_t row, int D, int i0,
+                                 float v[8]) {
+        const float d = h2f(reinterpret_cast<const u16*>(dd)[row * (D / 32) + i0 / 32]);
+        const uint2 w = *reinterpret_cast<const uint2*>(qs + row * (D / 2) + 16 * (i0 / 32)
+                                                        + (i0 & 15));
+        const int shift = (i0 & 31) < 16 ? 0 : 4;
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const int b = ((u < 4 ? w.x : w.y) >> (8 * (u & 3))) & 0xFF;
+            v[u] = __fmul_rn((float)(((b >> shift) & 15) - 8), d);
+        }
     }
 };
 
@@ -84,8 +146,14 @@ __device__ __forceinline__ void attn_split(
         float sc = NEG_INF;
         if (ok) {
             const size_t row = ((size_t)slot * n_ctx + j) * Hkv + hk;
-            float dot = 0.0f;
-            for (int i = 0; i < D; i++) dot += qsh[i] * KT::at(kq, kd, row, D, i);
+            float dot = 0.0f;                 // the products in order of i, 8 per load
+#pragma unroll 4
+            for (int i0 = 0; i0 < D; i0 += 8) {
+                float kv[8];
+                KT::load8(kq, kd, row, D, i0, kv);
+#pragma unroll
+                for (int u = 0; u < 8; u++) dot += qsh[i0 + u] * kv[u];
+            }
             sc = dot * scale;
         }
         const float mn = fmaxf(m, warp_max(sc));      // finite: lane 0's key is valid
@@ -95,13 +163,24 @@ __device__ __forceinline__ void attn_split(
 #pragma unroll
         for (int i = 0; i < ATT_MAX_DV / 32; i++) acc[i] *= corr;
         const int n = min(32, j1 - base);
-        for (int u = 0; u < n; u++) {
-            const float pu = __shfl_sync(FULL_MASK, p, u);
-            const size_t row = ((size_t)slot * n_ctx + base + u) * Hkv + hk;
+        // VT::PASS keys per pass: their V elements are loaded before any is accumulated (the
+        // loads in flight together), then added in key order, as one key at a time would.
+#pragma unroll 1
+        for (int u0 = 0; u0 < n; u0 += VT::PASS) {
+            float vv[VT::PASS][ATT_MAX_DV / 32];
 #pragma unroll
-            for (int i = 0; i < ATT_MAX_DV / 32; i++) {
-                const int d = lane + 32 * i;
-                if (d < Dv) acc[i] += pu * VT::at(vq, vd, row, Dv, d);
+            for (int du = 0; du < VT::PASS; du++) {
+                const size_t row = ((size_t)slot * n_ctx + base + min(u0 + du, n - 1)) * Hkv
+                                   + hk;
+                VT::vrow(vq, vd, row, Dv, lane, vv[du]);
+            }
+#pragma unroll
+            for (int du = 0; du < VT::PASS; du++) {
+                const float pu = __shfl_sync(FULL_MASK, p, (u0 + du) & 31);
+                if (u0 + du < n) {
+#pragma unroll
+                    for (int i = 0; i < ATT_MAX_DV / 32; i++) acc[i] += pu * vv[du][i];
+                }
             }
         }
         m = mn;

@@ -141,7 +141,7 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
             self._blocks = None
         fn = self._fn(name)
         if self._capturing and self.pdl and self._pdl is not None:
-            self._pdl.launch(fn.ptr, grid, block, tuple(args), self.stream.ptr)
+            self._pdl.launch(fn.kernel.ptr, grid, block, tuple(args), self.stream.ptr)
             return
         with self.stream:
             fn(grid, block, tuple(args))

@@ -121,7 +121,7 @@ class AttentionOps:
         T, H, q0, q1, D = view_rows(q)
         To, Ho, o0, o1, Dv = view_rows(out)
         Hkv = cache.n_head_kv
-        if (q.ndim, out.ndim) != (3, 3) or (To, Ho) != (T, H) or H % Hkv \
+        if (q.ndim, out.ndim) != (3, 3) or (To, Ho) != (T, H) or H % Hkv or D % 8 \
                 or (D, Dv) != (cache.head_dim, cache.head_dim_v):
             raise ValueError(f"attention: q {q.shape}, out {out.shape}, cache heads {Hkv} x "
                              f"{cache.head_dim}/{cache.head_dim_v}")
