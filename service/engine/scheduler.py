@@ -375,11 +375,11 @@ class Engine:
                 except Exception as one:
                     self._fail(item[0], one)
                     outs.append(None)
+        if timer is not None:           # before committing: a finishing request reports it
+            timer.charge([seq for seq, _ in batch])
         for (seq, draft), out in zip(batch, outs, strict=True):
             if out is not None and not seq.finished:
-                before = seq.n_past
                 self._commit(seq, draft, out)
-                seq.count_step(seq.n_past - before)
         if timer is not None:
             timer.finish([seq for seq, _ in batch], self.stats.decode_steps,
                          sum(len(d) for _, d in batch))
@@ -460,10 +460,12 @@ class Engine:
     def _commit(self, seq: Sequence, draft: list[int], out: StepOutput) -> None:
         if len(draft) == 1:
             seq.n_past += 1
+            seq.count_step(1)
             seq.emit([int(out.token_ids[0])], out.logprobs)
             return
         n_acc, emitted = accept_chain(draft, [int(t) for t in out.token_ids])
         seq.n_past += n_acc
+        seq.count_step(n_acc)
         seq.record_verify(len(draft) - 1, n_acc - 1)
         seq.emit(emitted, out.logprobs[:n_acc])
 
