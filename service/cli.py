@@ -266,8 +266,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from service.logging import configure_logging
 
-    # Logs go to stderr: stdout carries the generated text or JSON.
-    configure_logging("warning" if getattr(args, "json", False) else "info", fmt="console")
+    # Logs go to stderr: stdout carries the generated text or JSON. --step-profile shows the
+    # per-step lines, which are debug lines.
+    level = "warning" if getattr(args, "json", False) else "info"
+    configure_logging("debug" if getattr(args, "step_profile", False) else level, fmt="console")
     handlers = {"models": cmd_models, "inspect": cmd_inspect, "generate": cmd_generate,
                 "synth": cmd_synth, "quantize": cmd_quantize}
     try:
