@@ -1,6 +1,6 @@
 """Sampled requests speculate, exactly: with drafts verified by the rows' own seeded draws, the
 output equals plain seeded sampling token for token (SmolLM2 with the n-gram drafter and with a
-4-block self-drafter, a tiny model drafting for itself; several seeds, temperatures, top-k,
+full q8_0 self-drafter, a tiny model drafting for itself; several seeds, temperatures, top-k,
 top-p, min-p and the repetition penalty). A chi-square test checks the acceptance rule through
 the model runner's step, against a biased rule as negative control. Then the step profiler and
 the per-step token counts in Usage."""
@@ -57,7 +57,8 @@ def compare(eng: Engine, prompts, configs, top_logprobs: int = 0) -> tuple[int, 
             spec = run(eng, ids, params, speculative=True, **kw)
             assert spec.token_ids == plain.token_ids, (name, i)
             assert spec.text == plain.text
-            assert spec.started.seed == plain.started.seed
+            if params.seed is not None:
+                assert spec.started.seed == plain.started.seed == params.seed
             assert plain.finished.usage.draft_tokens == 0
             u = spec.finished.usage
             drafted += u.draft_tokens
@@ -66,7 +67,7 @@ def compare(eng: Engine, prompts, configs, top_logprobs: int = 0) -> tuple[int, 
 
 
 def smol_prompts() -> list[list[int]]:
-    return [c["prompt_ids"] for c in load_json("llamacpp_smollm2_greedy.json")["cases"][:4]]
+    return [c["prompt_ids"] for c in load_json("llamacpp_smollm2_greedy.json")["cases"][:3]]
 
 
 def test_sampled_speculation_equals_plain_sampling_ngram():
@@ -83,15 +84,17 @@ def test_sampled_speculation_equals_plain_sampling_ngram():
 
 
 def test_sampled_speculation_equals_plain_sampling_model_drafter(tmp_path):
-    draft = requantize(real_model_path(REAL_MODELS["smollm2"]), tmp_path / "smol-4l.gguf",
-                       "q8_0", 4).path
+    # a full q8_0 copy: it agrees with the target's argmax almost everywhere (README), so
+    # its greedy chain is often the sampled token too (a 4-block copy almost never is)
+    draft = requantize(real_model_path(REAL_MODELS["smollm2"]), tmp_path / "smol-q8.gguf",
+                       "q8_0").path
     eng = engine(real_model_path(REAL_MODELS["smollm2"]), drafter="model",
                  draft_model=str(draft), verify_width=6)
     try:
         configs = {k: SAMPLED[k] for k in ("t0.4-k10-p0.8", "t0.8-penalty")}
-        drafted, accepted = compare(eng, smol_prompts()[:3], configs)
-        print(f"\n4-block drafter, sampled: {accepted}/{drafted} drafts accepted")
-        assert drafted > 0 and accepted > 0
+        drafted, accepted = compare(eng, smol_prompts()[:2], configs)
+        print(f"\nq8_0 self-drafter, sampled: {accepted}/{drafted} drafts accepted")
+        assert accepted > 0.3 * drafted
     finally:
         eng.stop(10)
 
