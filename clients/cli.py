@@ -52,7 +52,9 @@ def cmd_generate(c: SpecstreamClient, a: argparse.Namespace) -> int:
         **kw, request_id=a.request_id, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
         min_p=a.min_p, repetition_penalty=a.repetition_penalty, seed=a.seed,
         max_new_tokens=a.max_new_tokens, stop=a.stop, stop_token_ids=a.stop_token_id,
-        ignore_eos=a.ignore_eos or None, top_logprobs=a.top_logprobs, speculative=a.speculative)
+        ignore_eos=a.ignore_eos or None, top_logprobs=a.top_logprobs, speculative=a.speculative,
+        speculative_mode=a.speculative_mode, speculative_width=a.speculative_width,
+        speculative_tree_budget=a.speculative_tree_budget)
     done = Completion()
     for r in c.generate(request=req):
         done.add(r)
@@ -165,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--top-logprobs", type=int)
     g.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--speculative-mode", choices=("chain", "tree", "off"))
+    g.add_argument("--speculative-width", type=int, metavar="N",
+                   help="chain verify rows, 2..the server's verify_width")
+    g.add_argument("--speculative-tree-budget", type=int, metavar="N",
+                   help="tree verify nodes, 2..the server's tree_budget")
     g.add_argument("--request-id", default="")
     g.add_argument("--json", action="store_true", help="print every response as a JSON line")
     g.add_argument("-q", "--quiet", action="store_true", help="no stats line on stderr")

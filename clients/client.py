@@ -70,9 +70,12 @@ def build_generate_request(
     max_new_tokens: int | None = None, stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (), ignore_eos: bool | None = None,
     top_logprobs: int | None = None, speculative: bool | None = None,
+    speculative_mode: str | None = None, speculative_width: int | None = None,
+    speculative_tree_budget: int | None = None,
     add_bos: bool | None = None, parse_special: bool | None = None,
 ) -> generation_pb2.GenerateRequest:
-    """A GenerateRequest from keyword arguments; None leaves a field unset (server default)."""
+    """A GenerateRequest from keyword arguments; None leaves a field unset (server default).
+    speculative_mode: "chain", "tree" or "off"."""
     given = [x is not None for x in (prompt, tokens, chat)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, tokens or chat")
@@ -90,6 +93,11 @@ def build_generate_request(
     req.stopping.stop_token_ids.extend(stop_token_ids)
     _set_optional(req.output, top_logprobs=top_logprobs)
     _set_optional(req.speculative, enabled=speculative)
+    if speculative_mode is not None:
+        req.speculative.mode = stubs().generation_pb2.SpeculativeMode.Value(
+            "SPECULATIVE_MODE_" + speculative_mode.upper())
+    _set_optional(req.speculative, width=speculative_width,
+                  tree_budget=speculative_tree_budget)
     _set_optional(req, add_bos=add_bos, parse_special=parse_special)
     return req
 

@@ -113,6 +113,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                         "(e.g. one made by `specstream quantize ... --layers N`)")
     p.add_argument("--n-ctx", type=int, default=d.n_ctx)
     p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--step-profile", action="store_true",
+                   help="time every decode step's draft / heads / verify / other parts (per "
+                        "step in the debug log; summed into the timings)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="CUDA backend: launch every kernel eagerly instead of replaying a "
                         "captured graph per step shape (for debugging)")
@@ -172,7 +175,8 @@ def cmd_generate(args) -> int:
                           tree_budget=args.tree_budget,
                           draft_model=str(_resolve(args.draft_model)) if args.draft_model else "",
                           backend=args.backend, n_ctx=args.n_ctx, threads=args.threads,
-                          cuda_graphs=args.cuda_graphs, n_slots=1)
+                          cuda_graphs=args.cuda_graphs, step_profile=args.step_profile,
+                          n_slots=1)
     engine = Engine.load(_resolve(args.model), config, chat_template=args.chat_template)
     if args.chat and args.prompt is not None and engine.chat_template is None:
         from service.model.chat import missing_template
@@ -222,8 +226,11 @@ def cmd_generate(args) -> int:
         u, t = finished.usage, finished.timings
         print(f"[{finished.reason.value}: {u.prompt_tokens} prompt + {u.completion_tokens} "
               f"generated tokens, {t.per_token_decode_ms:.1f} ms/token"
-              + (f", {u.accepted_draft_tokens}/{u.draft_tokens} drafts accepted"
-                 if u.draft_tokens else "") + "]", file=sys.stderr)
+              + (f", {u.accepted_draft_tokens}/{u.draft_tokens} drafts accepted, "
+                 f"{u.mean_tokens_per_step:.2f} tokens/step" if u.draft_tokens else "")
+              + (f"; steps: draft {t.draft_ms:.1f} ms, heads {t.heads_ms:.1f} ms, verify "
+                 f"{t.verify_ms:.1f} ms, other {t.other_ms:.1f} ms" if args.step_profile else "")
+              + "]", file=sys.stderr)
     return 0 if finished.error is None else 1
 
 
@@ -259,8 +266,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from service.logging import configure_logging
 
-    # Logs go to stderr: stdout carries the generated text or JSON.
-    configure_logging("warning" if getattr(args, "json", False) else "info", fmt="console")
+    # Logs go to stderr: stdout carries the generated text or JSON. --step-profile shows the
+    # per-step lines, which are debug lines.
+    level = "warning" if getattr(args, "json", False) else "info"
+    configure_logging("debug" if getattr(args, "step_profile", False) else level, fmt="console")
     handlers = {"models": cmd_models, "inspect": cmd_inspect, "generate": cmd_generate,
                 "synth": cmd_synth, "quantize": cmd_quantize}
     try:

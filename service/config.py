@@ -52,6 +52,7 @@ class EngineConfig:
     max_queue: int = 64              # requests waiting for a slot before RESOURCE_EXHAUSTED
     threads: int = 0                 # CPU backend threads; 0 = all cores
     cuda_graphs: bool = True         # CUDA backend: capture each step shape once and replay it
+    step_profile: bool = False       # time each decode step's parts (log + Finished timings)
 
     def problems(self) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
@@ -232,6 +233,8 @@ _HELP = {
     "threads": "CPU backend threads (0 = all cores)",
     "cuda_graphs": "CUDA backend: replay each step shape from a captured CUDA graph (false: "
                    "launch every kernel eagerly, for debugging)",
+    "step_profile": "time every decode step's draft / heads / verify / other parts: logged per "
+                    "step at debug level, summed per request into Finished timings",
 }
 
 
@@ -313,6 +316,9 @@ def build_serve_parser() -> argparse.ArgumentParser:
                      + f" (default: {toml_value(s.default)})")
         if s.name == "model":
             p.add_argument("model", nargs="?", metavar="MODEL", help=help_text)
+        elif s.kind is bool:     # `--step-profile` alone means true
+            p.add_argument(s.flag, dest=s.name, metavar="BOOL", nargs="?", const="true",
+                           help=help_text)
         else:
             p.add_argument(s.flag, dest=s.name, metavar=s.kind.__name__.upper(), help=help_text)
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const="false",

@@ -31,6 +31,7 @@ from grpc_reflection.v1alpha import reflection
 
 from service import __version__
 from service.config import EngineConfig, ServerConfig
+from service.engine.spec_options import resolve as resolve_speculation
 from service.engine.types import (
     Delta,
     Event,
@@ -38,10 +39,11 @@ from service.engine.types import (
     FinishReason,
     GenerationRequest,
     SamplingParams,
+    SpeculativeOptions,
     Started,
     StoppingCriteria,
 )
-from service.errors import ConfigError, InvalidRequestError, UnavailableError
+from service.errors import InvalidRequestError, UnavailableError
 from service.interceptors import ServiceInterceptor
 from service.metrics import Metrics
 from service.proto_build import DocumentedPool, stubs
@@ -153,6 +155,19 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
         seed=_opt(msg, "seed", d.seed, int))
 
 
+_SPECULATIVE_MODES = {0: None, 1: "chain", 2: "tree", 3: "off"}   # SpeculativeMode values
+
+
+def speculative_from_proto(msg: generation_pb2.SpeculativeOptions
+                           ) -> tuple[bool | None, SpeculativeOptions]:
+    """(enabled, the other options); an unknown mode number is INVALID_ARGUMENT."""
+    if msg.mode not in _SPECULATIVE_MODES:
+        raise InvalidRequestError("speculative.mode", f"unknown SpeculativeMode {msg.mode}")
+    return _opt(msg, "enabled", None, bool), SpeculativeOptions(
+        mode=_SPECULATIVE_MODES[msg.mode], width=_opt(msg, "width", None, int),
+        tree_budget=_opt(msg, "tree_budget", None, int))
+
+
 def stopping_from_proto(msg: generation_pb2.StoppingCriteria) -> StoppingCriteria:
     d = StoppingCriteria()
     return StoppingCriteria(
@@ -237,15 +252,14 @@ async def prompt_ids(state: ServingState, engine: Any, msg: Any) -> tuple[int, .
 
 async def request_from_proto(state: ServingState, engine: Any,
                              msg: generation_pb2.GenerateRequest) -> GenerationRequest:
-    speculative = _opt(msg.speculative, "enabled", None, bool)
-    if speculative and (engine.config.drafter == "none" or engine.config.verify_width < 2):
-        raise ConfigError([("speculative.enabled", "speculation was requested but the server "
-                            f"runs with drafter={engine.config.drafter!r}, verify_width="
-                            f"{engine.config.verify_width}")])
+    speculative, options = speculative_from_proto(msg.speculative)
+    # checked again by the engine; here so a refused request is never tokenized
+    resolve_speculation(speculative, options, engine.config, engine.config.drafter != "none")
     return GenerationRequest(
         request_id=msg.request_id, prompt_ids=await prompt_ids(state, engine, msg),
         sampling=sampling_from_proto(msg.sampling), stopping=stopping_from_proto(msg.stopping),
-        top_logprobs=_opt(msg.output, "top_logprobs", 0, int), speculative=speculative)
+        top_logprobs=_opt(msg.output, "top_logprobs", 0, int), speculative=speculative,
+        speculative_options=options)
 
 
 def engine_config_from_proto(msg: config_pb2.EngineConfig, base: EngineConfig) -> EngineConfig:
@@ -277,11 +291,7 @@ def response_from_event(request_id: str, event: Event) -> generation_pb2.Generat
     u, t = event.usage, event.timings
     fin = pb.Finished(
         reason=_finish_reasons()[event.reason],
-        usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                       draft_tokens=u.draft_tokens, accepted_draft_tokens=u.accepted_draft_tokens),
-        timings=pb.Timings(queue_ms=t.queue_ms, time_to_first_token_ms=t.time_to_first_token_ms,
-                           prefill_ms=t.prefill_ms, decode_ms=t.decode_ms,
-                           per_token_decode_ms=t.per_token_decode_ms))
+        usage=pb.Usage(**vars(u)), timings=pb.Timings(**vars(t)))
     if isinstance(event.matched_stop, str):
         fin.stop_sequence = event.matched_stop
     elif isinstance(event.matched_stop, int):

@@ -1,6 +1,12 @@
 """Speculative sampling: verify drafts of a sampled request so the output follows the target's
 distribution exactly. Pure numpy; every function works on any leading batch shape.
 
+The engine's drafters are deterministic (point-mass proposals), for which the rule below
+reduces to what the engine runs: accept the draft iff the row's own plain-sampling draw equals
+it (service/engine/speculative.py gives the argument); that coupling also keeps the output
+equal to plain seeded sampling token for token. The general rule here is for a drafter that
+samples its proposals.
+
 One draft token. The drafter proposed x drawn from its distribution q; the target's
 distribution at that position is p. With uniforms u_a and u_d:
 

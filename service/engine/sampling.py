@@ -7,10 +7,9 @@ service/backends/counter_rng.py keyed by (seed, token index): a seeded request r
 alone or batched, on either backend.
 
 The engine samples through its model runner (the backend op, on the device); `Sampler` runs the
-same reference on a host row, for tests and tools. Speculative decoding does not sample: the
-engine speculates only for greedy requests without a repetition penalty
-(`Engine._new_sequence`) and accepts drafts that equal the target's argmax
-(`speculative.accept_chain`).
+same reference on a host row, for tests and tools. Speculative decoding samples each verify
+row exactly as plain decoding would sample that token index and accepts the drafts that equal
+the rows' choices (`speculative.accept_chain`, whose docstring gives the argument).
 """
 
 from __future__ import annotations

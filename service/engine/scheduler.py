@@ -12,7 +12,12 @@ loop iteration then runs:
    lengths shrink first (the longest draft loses a token, the youngest sequence's on a tie);
    only when the sequences alone exceed 16 does a sequence sit a step out, in turns: the
    sequences that waited longest since their last step go first, FIFO by start among equals.
-   Each sequence's segment is verified on its own with speculative.accept_chain.
+   Each sequence's segment is verified on its own with speculative.accept_chain. Every row
+   chooses its token with the request's own sampling (greedy or seeded sampling, penalties
+   included) keyed by the token index it would produce, so a sampled request speculates too
+   and its output equals plain seeded sampling token for token (speculative.py: why this is
+   rejection sampling). With EngineConfig.step_profile each step's parts are timed
+   (stepprofile.py).
 2. then at most ONE prefill chunk (`prefill_chunk` prompt tokens) of the oldest sequence still
    prefilling, as its own step (a wider step takes another numeric path and would change the
    batched rows' bits). A long prompt therefore delays running streams by at most one chunk per
@@ -46,7 +51,9 @@ from service.engine.loader import ModelInfo, load_model, phase
 from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput, StepOutput
 from service.engine.sampling import resolve_seed
 from service.engine.sequence import Sequence
+from service.engine.spec_options import resolve as resolve_speculation
 from service.engine.speculative import accept_chain, draft_length
+from service.engine.stepprofile import DRAFT, HEADS, OTHER, VERIFY, StepTimer
 from service.engine.textstream import TextStream
 from service.engine.types import (
     Event,
@@ -56,7 +63,7 @@ from service.engine.types import (
     SamplingParams,
     StoppingCriteria,
 )
-from service.errors import CapacityError, InvalidRequestError, UnavailableError
+from service.errors import CapacityError, UnavailableError
 from service.gguf.reader import GGUFFile
 from service.model.chat import chat_prompt_ids, chat_prompt_text, template_for
 from service.model.spec import ModelSpec
@@ -208,22 +215,14 @@ class Engine:
 
     # ------------------------------------------------------------------ engine thread
     def _new_sequence(self, request: GenerationRequest, sink) -> Sequence:
-        seed = resolve_seed(request.sampling.seed)
-        p = request.sampling
-        applicable = p.greedy and p.repetition_penalty == 1.0
-        if request.speculative and not applicable:
-            raise InvalidRequestError(
-                "speculative.enabled", "speculative decoding verifies greedy choices: it needs "
-                "sampling.temperature = 0 and sampling.repetition_penalty = 1 (leave it unset "
-                "to let the engine decide)")
-        spec_on = request.speculative if request.speculative is not None else True
-        spec_on = bool(spec_on and applicable and self.drafter is not None
-                       and self.config.verify_width > 1)
-        return Sequence(request=request, sink=sink, seed_value=seed,
+        spec = resolve_speculation(request.speculative, request.speculative_options,
+                                   self.config, self.drafter is not None)
+        return Sequence(request=request, sink=sink,
+                        seed_value=resolve_seed(request.sampling.seed),
                         text=TextStream(self.tokenizer, request.stopping.stop_sequences),
                         eog_ids=frozenset(self.tokenizer.eog_ids), n_ctx=self.config.n_ctx,
-                        speculative=spec_on, verify_width=self.config.verify_width,
-                        tree_budget=self.config.tree_budget)
+                        speculative=spec.on, verify_width=spec.verify_width,
+                        tree_budget=spec.tree_budget)
 
     def _wake(self) -> None:
         with self._lock:
@@ -338,10 +337,12 @@ class Engine:
         return self.runner.step(StepInput(tokens, range(start, start + T), [seq.slot] * T,
                                           range(T - L, T), rows))
 
-    def _choice(self, seq: Sequence) -> RowSampling:
-        """How `seq` chooses its next token (the draw's counter: tokens generated so far)."""
+    def _choice(self, seq: Sequence, ahead: int = 0) -> RowSampling:
+        """How `seq` chooses the token `ahead` tokens after its next one (the draw's counter:
+        the index of the token the row produces, as plain decoding would count it)."""
         n_top = seq.request.top_logprobs or -1
-        return RowSampling.of(seq.request.sampling, seq.seed_value, len(seq.generated), n_top)
+        return RowSampling.of(seq.request.sampling, seq.seed_value,
+                              len(seq.generated) + ahead, n_top)
 
     def _prefill(self, seq: Sequence) -> None:
         """One chunk of `seq`'s prompt; the last chunk chooses its first token."""
@@ -359,9 +360,10 @@ class Engine:
     def _decode(self, decoding: list[Sequence]) -> None:
         """One step for the decoding sequences; a step that fails is retried one sequence at
         a time (nothing was committed), so a fault fails only the request that causes it."""
-        batch = self._plan(decoding)
+        timer = StepTimer() if self.config.step_profile else None
+        batch = self._plan(decoding, timer)
         try:
-            outs: list[StepOutput | None] = self._split(batch, self._verify_step(batch))
+            outs: list[StepOutput | None] = self._split(batch, self._verify_step(batch, timer))
         except Exception as exc:
             if len(batch) == 1:
                 self._fail(batch[0][0], exc)
@@ -373,11 +375,17 @@ class Engine:
                 except Exception as one:
                     self._fail(item[0], one)
                     outs.append(None)
+        if timer is not None:           # before committing: a finishing request reports it
+            timer.charge([seq for seq, _ in batch])
         for (seq, draft), out in zip(batch, outs, strict=True):
             if out is not None and not seq.finished:
                 self._commit(seq, draft, out)
+        if timer is not None:
+            timer.finish([seq for seq, _ in batch], self.stats.decode_steps,
+                         sum(len(d) for _, d in batch))
 
-    def _plan(self, decoding: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+    def _plan(self, decoding: list[Sequence],
+              timer: StepTimer | None = None) -> list[tuple[Sequence, list[int]]]:
         """Which sequences step now and the rows of each ([seed, drafts...]), <= step_rows."""
         # Turns: the sequences that waited longest go first; sorted() keeps start order on ties.
         chosen = sorted(decoding, key=lambda s: s.last_turn)[:self.step_rows]
@@ -394,7 +402,11 @@ class Engine:
             draft = [seq.seed]
             if seq.speculative:
                 seq.steps_without_draft = 0 if k else seq.steps_without_draft + 1
+                if timer is not None:
+                    timer.lap(OTHER)
                 draft += self.drafter.propose(seq, k)
+                if timer is not None:
+                    timer.lap(DRAFT)
             batch.append((seq, draft))
         return batch
 
@@ -409,8 +421,14 @@ class Engine:
             k = min(1, room)            # keep measuring: the text may turn repetitive
         return k
 
-    def _verify_step(self, batch: list[tuple[Sequence, list[int]]]) -> StepOutput:
-        """Every row of the batch in one step; every row chooses a token."""
+    def _verify_step(self, batch: list[tuple[Sequence, list[int]]],
+                     timer: StepTimer | None = None) -> StepOutput:
+        """Every row of the batch in one step; every row chooses a token: row i of a sequence
+        exactly as plain decoding chooses the token i after its next one (its own sampling,
+        seed and token index; the penalty window sees the drafts before it, recorded into the
+        token history by the same step before sampling)."""
+        if timer is not None:
+            timer.lap(OTHER)            # planning (drafting laps itself)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -419,14 +437,13 @@ class Engine:
             ids += draft
             positions += range(seq.n_past, seq.n_past + len(draft))
             slots += [seq.slot] * len(draft)
-            if len(draft) == 1:
-                rows.append(self._choice(seq))
-            else:
-                # speculation only runs for greedy requests without a penalty: every row's
-                # choice is the argmax, with log-probabilities of the raw logits when asked
-                rows += [replace(GREEDY, n_top=seq.request.top_logprobs or -1)] * len(draft)
+            rows += [self._choice(seq, i) for i in range(len(draft))]
         T = len(ids)
+        if timer is not None:
+            timer.lap(HEADS)
         out = self.runner.step(StepInput(ids, positions, slots, range(T), rows))
+        if timer is not None:
+            timer.lap(VERIFY)
         self.stats.count_decode(len(batch), T)
         return out
 
@@ -443,10 +460,12 @@ class Engine:
     def _commit(self, seq: Sequence, draft: list[int], out: StepOutput) -> None:
         if len(draft) == 1:
             seq.n_past += 1
+            seq.count_step(1)
             seq.emit([int(out.token_ids[0])], out.logprobs)
             return
         n_acc, emitted = accept_chain(draft, [int(t) for t in out.token_ids])
         seq.n_past += n_acc
+        seq.count_step(n_acc)
         seq.record_verify(len(draft) - 1, n_acc - 1)
         seq.emit(emitted, out.logprobs[:n_acc])
 

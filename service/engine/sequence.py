@@ -44,6 +44,9 @@ class Sequence:
     accepted_draft_tokens: int = 0
     accept_rate: float = 0.6              # running acceptance of this sequence's drafts
     steps_without_draft: int = 0
+    decode_steps: int = 0                 # target steps after the prompt that held it
+    step_tokens: int = 0                  # tokens those steps committed (accepted drafts + 1)
+    step_ms: list[float] = field(default_factory=lambda: [0.0] * 4)  # stepprofile.PARTS
     last_turn: int = -1                   # the decode step that last held this sequence
     cancelled: bool = False
     finished: bool = False
@@ -69,6 +72,11 @@ class Sequence:
             self.draft_tokens += drafted
             self.accepted_draft_tokens += accepted
             self.accept_rate = 0.7 * self.accept_rate + 0.3 * (accepted / drafted)
+
+    def count_step(self, committed: int) -> None:
+        """One decode step committed `committed` KV rows (the seed and the accepted drafts)."""
+        self.decode_steps += 1
+        self.step_tokens += committed
 
     @property
     def prefill_left(self) -> int:
@@ -142,8 +150,12 @@ class Sequence:
             prefill_ms=((self.t_prefill_done or now) - started) * 1e3,
             decode_ms=decode_ms,
             per_token_decode_ms=decode_ms / (n - 1) if n > 1 else 0.0,
+            draft_ms=self.step_ms[0], heads_ms=self.step_ms[1], verify_ms=self.step_ms[2],
+            other_ms=self.step_ms[3],
         )
+        steps = self.decode_steps
         usage = Usage(prompt_tokens=len(self.request.prompt_ids), completion_tokens=n,
                       draft_tokens=self.draft_tokens,
-                      accepted_draft_tokens=self.accepted_draft_tokens)
+                      accepted_draft_tokens=self.accepted_draft_tokens, decode_steps=steps,
+                      mean_tokens_per_step=self.step_tokens / steps if steps else 0.0)
         self.send(Finished(reason, usage, timings, matched, error))

@@ -85,6 +85,20 @@ class StoppingCriteria:
                     f"token id {t} is outside the vocabulary [0, {vocab_size})")
 
 
+SPECULATIVE_MODES = ("chain", "tree", "off")
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    """Per-request speculation within the server's limits (service/engine/spec_options.py
+    resolves and checks them); None: the server's default. `GenerationRequest.speculative`
+    is the on/off switch beside these."""
+
+    mode: str | None = None          # "chain" | "tree" | "off"
+    width: int | None = None         # chain verify rows, 2..the server's verify_width
+    tree_budget: int | None = None   # tree verify nodes, 2..the server's tree_budget
+
+
 class FinishReason(enum.Enum):
     LENGTH = "length"                # max_new_tokens reached
     EOS = "eos"                      # the model's end-of-generation token
@@ -103,6 +117,7 @@ class GenerationRequest:
     stopping: StoppingCriteria = StoppingCriteria()
     top_logprobs: int = 0            # alternatives reported per generated token, 0..20
     speculative: bool | None = None  # None: the server's default
+    speculative_options: SpeculativeOptions = SpeculativeOptions()
 
     def validate(self, vocab_size: int, n_ctx: int) -> None:
         if not self.prompt_ids:
@@ -137,6 +152,8 @@ class Usage:
     completion_tokens: int = 0
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    decode_steps: int = 0            # target steps after the prompt that decoded the request
+    mean_tokens_per_step: float = 0.0   # accepted drafts + 1, averaged over decode_steps
 
 
 @dataclass(frozen=True)
@@ -146,6 +163,13 @@ class Timings:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0           # first token -> last token
     per_token_decode_ms: float = 0.0
+    # step profile (EngineConfig.step_profile; 0 when off): the decode steps that held the
+    # request, each counted in full, split into drafting / candidate building / target step /
+    # the rest
+    draft_ms: float = 0.0
+    heads_ms: float = 0.0
+    verify_ms: float = 0.0
+    other_ms: float = 0.0
 
 
 # ---------------------------------------------------------------- events, in stream order

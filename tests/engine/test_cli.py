@@ -110,3 +110,20 @@ def test_inspect_summarizes_the_model(capsys):
 def test_unknown_model_is_a_clear_error(capsys):
     code, _, err = run_cli(capsys, "generate", "no-such-model", "--prompt", "x")
     assert code == 2 and "smollm2-135m" in err
+
+
+def test_generate_step_profile(capsys):
+    """--step-profile fills the step timings (--json) and adds them to the summary line; the
+    debug log holds one step_profile line per decode step."""
+    argv = ["generate", str(Path(__file__).parent.parent / "data/tiny/tiny-qwen3.gguf"),
+            "--prompt-ids", "5,6,7,5,6,7,5,6", "--max-new-tokens", "12", "--temperature",
+            "0.5", "--seed", "3", "--ignore-eos", "--backend", "cpu", "--step-profile"]
+    code, out, err = run_cli(capsys, *argv, "--json")
+    assert code == 0
+    result = json.loads(out)
+    t, u = result["timings"], result["usage"]
+    assert t["verify_ms"] > 0 and t["heads_ms"] > 0 and t["other_ms"] > 0
+    assert u["decode_steps"] + u["accepted_draft_tokens"] == 11
+    assert err.count("step_profile") == u["decode_steps"]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 0 and re.search(r"steps: draft [\d.]+ ms, heads [\d.]+ ms, verify", err)

@@ -18,6 +18,7 @@ from service.engine.types import (
     FinishReason,
     GenerationRequest,
     SamplingParams,
+    SpeculativeOptions,
     Started,
     StoppingCriteria,
 )
@@ -341,8 +342,11 @@ def test_invalid_requests_name_the_field(smol):
         (GenerationRequest("x", (1,), stopping=StoppingCriteria(max_new_tokens=0)),
          "stopping.max_new_tokens"),
         (GenerationRequest("x", (1,), top_logprobs=50), "output.top_logprobs"),
-        (GenerationRequest("x", (1,), SamplingParams(temperature=0.7), speculative=True),
-         "speculative.enabled"),
+        (GenerationRequest("x", (1,), speculative_options=SpeculativeOptions(width=99)),
+         "speculative.width"),
+        (GenerationRequest("x", (1,), speculative=False,
+                           speculative_options=SpeculativeOptions(mode="chain")),
+         "speculative.mode"),
     ]
     for req, field in bad:
         with pytest.raises(InvalidRequestError) as e:

@@ -206,3 +206,11 @@ def test_no_cuda_graphs_flag_turns_graphs_off():
     assert load_config(["--no-cuda-graphs"], {})[1].cuda_graphs is False
     assert load_config(["--cuda-graphs", "false"], {})[1].cuda_graphs is False
     assert load_config([], {"SPECSTREAM_CUDA_GRAPHS": "off"})[1].cuda_graphs is False
+
+
+def test_step_profile_flag():
+    assert load_config([], {})[1].step_profile is False
+    assert load_config(["--step-profile"], {})[1].step_profile is True
+    assert load_config(["--step-profile", "--port", "0"], {})[1].step_profile is True
+    assert load_config(["--step-profile", "false"], {})[1].step_profile is False
+    assert load_config([], {"SPECSTREAM_STEP_PROFILE": "1"})[1].step_profile is True

@@ -1,0 +1,90 @@
+"""Per-request speculation: a request's options resolved against the server's configuration.
+
+The server decides what speculation can do (its drafter, `verify_width`, `tree_budget`); a
+request may switch it off, pick chain or tree verify, and narrow the width or the tree budget
+within those limits. `resolve` turns (enabled, SpeculativeOptions) into what a Sequence runs
+with, or raises InvalidRequestError naming the field:
+
+    INVALID_ARGUMENT     a value out of range (`speculative.width` outside 2..verify_width,
+                         `speculative.tree_budget` outside 2..tree_budget, an unknown mode) or
+                         contradicting another (enabled=false with mode chain/tree, mode off
+                         with enabled=true, width or tree_budget with speculation off,
+                         tree_budget with mode chain)
+    FAILED_PRECONDITION  speculation asked for (enabled=true, a mode other than off, a width or
+                         a tree budget) from a server without a drafter or with verify_width 1;
+                         tree mode from a server whose tree_budget is 0
+
+Unset options take the server's defaults: speculation on when it has a drafter, chain verify of
+verify_width rows, or tree verify of tree_budget nodes when tree_budget > 0. A tree budget given
+without a mode selects tree mode, as `--tree-budget` does on the command line. Whatever is
+chosen, the output is the same tokens as plain decoding (scheduler and speculative.py say why).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.config import EngineConfig
+from service.engine.types import SPECULATIVE_MODES, SpeculativeOptions
+from service.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """What one sequence runs with."""
+
+    on: bool                 # drafts are proposed and verified
+    verify_width: int        # rows of a chain verify step (seed + drafts)
+    tree_budget: int         # > 0: tree verify with this many nodes; 0: chain verify
+
+
+def _precondition(field: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(field, message, reason="FAILED_PRECONDITION")
+
+
+def resolve(enabled: bool | None, opts: SpeculativeOptions, config: EngineConfig,
+            has_drafter: bool) -> Speculation:
+    """The speculation of one request, or InvalidRequestError naming the offending field."""
+    mode, width, budget = opts.mode, opts.width, opts.tree_budget
+    if mode is not None and mode not in SPECULATIVE_MODES:
+        raise InvalidRequestError("speculative.mode", f"unknown mode {mode!r}; one of "
+                                  + ", ".join(SPECULATIVE_MODES))
+    if enabled is False and mode in ("chain", "tree"):
+        raise InvalidRequestError("speculative.mode", f"mode {mode} contradicts "
+                                  "speculative.enabled = false")
+    if enabled is True and mode == "off":
+        raise InvalidRequestError("speculative.mode", "mode off contradicts "
+                                  "speculative.enabled = true")
+    off = enabled is False or mode == "off"
+    if off:
+        for name, value in (("width", width), ("tree_budget", budget)):
+            if value is not None:
+                raise InvalidRequestError(f"speculative.{name}", f"set to {value} while "
+                                          "speculation is off")
+        return Speculation(False, config.verify_width, 0)
+
+    asked = [name for name, given in (("enabled", enabled is True),
+                                      ("mode", mode is not None), ("width", width is not None),
+                                      ("tree_budget", budget is not None)) if given]
+    able = has_drafter and config.verify_width >= 2
+    if asked and not able:
+        raise _precondition(f"speculative.{asked[0]}", "speculation was requested but the "
+                            f"server runs with drafter={config.drafter!r}, verify_width="
+                            f"{config.verify_width}")
+    if width is not None and not 2 <= width <= config.verify_width:
+        raise InvalidRequestError("speculative.width", f"must be in [2, {config.verify_width}] "
+                                  f"(the server's verify_width), got {width}")
+    if mode == "chain" and budget is not None:
+        raise InvalidRequestError("speculative.tree_budget", "applies to tree mode, not to "
+                                  "mode chain")
+    tree = mode == "tree" or (mode is None and (budget is not None or config.tree_budget > 0))
+    if tree and config.tree_budget == 0:
+        raise _precondition("speculative.tree_budget" if budget is not None
+                            else "speculative.mode", "tree verify needs a server started with "
+                            "tree_budget > 0 (--tree-budget); this one verifies chains")
+    if budget is not None and not 2 <= budget <= config.tree_budget:
+        raise InvalidRequestError("speculative.tree_budget", f"must be in [2, "
+                                  f"{config.tree_budget}] (the server's tree_budget), got "
+                                  f"{budget}")
+    return Speculation(able, width or config.verify_width,
+                       (budget or config.tree_budget) if tree else 0)

@@ -1,0 +1,68 @@
+"""The step profiler (EngineConfig.step_profile): where a decode step's wall time goes.
+
+A decode step runs in order: plan (which sequences, how many drafts) -> draft (each
+speculating sequence's drafter.propose) -> heads (build the verify candidates: chain rows, or
+the candidate tree and its mask) -> verify (the target step: upload, forward, sampling,
+readback) -> other (accept, commit, emit). `StepTimer.lap(part)` charges the time since the
+previous lap to `part`; planning and committing are charged to OTHER. One perf_counter call per
+lap, and only when profiling is on: with it off the scheduler holds no timer at all.
+
+Per step: one debug log line `step_profile` with the four parts in ms. Per request: every
+decode step that held it adds the step's four parts (each step in full: the request waited for
+all of it) into Sequence.step_ms, reported as Finished timings draft_ms / heads_ms / verify_ms /
+other_ms. The parts are charged just before the step commits (`charge`), so the step that
+finishes a request is in its timings; the commit itself is then added to the requests still
+running (`finish`): the finishing step's commit, which builds the Finished event, is the one
+part a request's timings leave out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import structlog
+
+log = structlog.get_logger("specstream.engine")
+
+DRAFT, HEADS, VERIFY, OTHER = range(4)
+PARTS = ("draft_ms", "heads_ms", "verify_ms", "other_ms")
+
+
+class StepTimer:
+    """The parts of one decode step, in ms (a fresh timer per step)."""
+
+    __slots__ = ("ms", "_t", "_charged")
+
+    def __init__(self) -> None:
+        self.ms = [0.0, 0.0, 0.0, 0.0]
+        self._charged = 0.0
+        self._t = time.perf_counter()
+
+    def lap(self, part: int) -> None:
+        """Charge the time since the previous lap (or the start) to `part`."""
+        now = time.perf_counter()
+        self.ms[part] += (now - self._t) * 1e3
+        self._t = now
+
+    def charge(self, seqs: Iterable) -> None:
+        """Before the step commits: add the parts so far to each sequence's step_ms (a
+        sequence that finishes while committing reports its timings at once)."""
+        self.lap(OTHER)
+        for seq in seqs:
+            acc = seq.step_ms
+            for i in range(4):
+                acc[i] += self.ms[i]
+        self._charged = self.ms[OTHER]
+
+    def finish(self, seqs: Iterable, step: int, rows: int) -> None:
+        """After the step committed: charge the commit to OTHER (of the sequences still
+        running) and log the step."""
+        self.lap(OTHER)
+        seqs = list(seqs)
+        rest = self.ms[OTHER] - self._charged
+        for seq in seqs:
+            if not seq.finished:
+                seq.step_ms[OTHER] += rest
+        log.debug("step_profile", step=step, sequences=len(seqs), rows=rows,
+                  **{name: round(v, 3) for name, v in zip(PARTS, self.ms, strict=True)})
