@@ -15,8 +15,8 @@ corrupted one are verified too but cannot be accepted, so the engine's acceptanc
 drafted) is (E - 1) / k, lower than p.
 
 Results are one JSON-ready dict (`--json` writes it):
-    real      [{model, kind, drafter, verify, drafted, accepted, tokens, decode_s, tok_s,
-               speedup, identical}]  (a row with "error" when its engine failed)
+    real      [{model, kind, drafter, verify, alpha, drafted, accepted, tokens, decode_s,
+               tok_s, speedup, identical}]  (a row with "error" when its engine failed)
     verify    [{shape, kv, width, rows, step_s, ratio}]      (rows: the padded step size)
     oracle    [{shape, width, target, p, tokens_per_step, acceptance, tok_s, speedup,
                identical, plain_tok_s}]
@@ -149,11 +149,15 @@ def _num(value: float | None, fmt: str, width: int) -> str:
 
 
 def real_table(rows: list[dict], title: str) -> str:
-    """Part (a): one line per (model, prompt kind, drafter/verify)."""
-    lines = [title, f"{'model':14} {'kind':10} {'drafter':24} {'verify':10} {'acceptance':>17} "
-                    f"{'tok/step':>8} {'tok/s':>8} {'speedup':>7}  greedy vs plain"]
+    """Part (a): one line per (model, prompt kind, drafter/verify). alpha: the engine's
+    measured cost of each extra verify row relative to a plain step, from which it chooses
+    the draft length (0 when told to draft in full)."""
+    lines = [title, f"{'model':14} {'kind':10} {'drafter':24} {'verify':10} {'alpha':>5} "
+                    f"{'acceptance':>17} {'tok/step':>8} {'tok/s':>8} {'speedup':>7}  "
+                    "greedy vs plain"]
     for r in rows:
-        head = f"{r['model']:14} {r['kind']:10} {r['drafter']:24} {r['verify']:10}"
+        head = (f"{r['model']:14} {r['kind']:10} {r['drafter']:24} {r['verify']:10} "
+                f"{_num(r.get('alpha'), '.2f', 5)}")
         if "error" in r:
             lines.append(f"{head} error: {r['error']}")
             continue

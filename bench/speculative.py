@@ -28,6 +28,7 @@ Tables are printed last, then the goals.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -139,12 +140,14 @@ def _load(a, target: Path, **fields) -> Engine:
     if a.full_drafts:
         eng.verify_alpha = 0.0
     eng.warmup()
+    ids = eng.text_prompt_ids(S.PROMPTS["prose"][0])
+    for spec in (False, True):                  # every step shape of this config, once
+        decode(eng, ids, min(16, a.tokens), spec)
     return eng
 
 
 def _run_kind(a, eng: Engine, prompts: list[list[int]], spec: bool, plain=None) -> dict:
     """Decode every prompt of a kind (median decode time of --repeats runs per prompt)."""
-    decode(eng, prompts[0], min(16, a.tokens), spec)           # graphs / caches of this config
     drafted = accepted = tokens = 0
     seconds, outs = 0.0, []
     for ids in prompts:
@@ -155,7 +158,8 @@ def _run_kind(a, eng: Engine, prompts: list[list[int]], spec: bool, plain=None) 
         seconds += statistics.median(r.finished.timings.decode_ms for r in runs) / 1e3
         outs.append(out.token_ids)
     row = {"drafted": drafted, "accepted": accepted, "tokens": tokens, "decode_s": seconds,
-           "tok_s": tokens / seconds, "outputs": outs}
+           "tok_s": tokens / seconds, "alpha": eng.verify_alpha if spec else None,
+           "outputs": outs}
     if plain is not None:
         row["speedup"] = row["tok_s"] / plain["tok_s"]
         row["identical"] = S.identity_text([S.first_difference(r, o) for r, o in
@@ -194,6 +198,8 @@ def bench_real(a, results: dict) -> None:
                                                                plain[k])))
                     _progress(name, rows[-1])
                 eng.stop(10)
+                del eng
+                gc.collect()
             order = {k: i for i, k in enumerate(kinds)}
             for drafter, verify, k, r in sorted(rows, key=lambda x: order[x[2]]):
                 r.pop("outputs", None)
@@ -317,6 +323,7 @@ def bench_synth(a, results: dict) -> None:
                                  "tokens": a.synth_tokens})
         results["goals"] += S.goals(shape, verify, rows)
         del eng, oracle
+        gc.collect()                     # this shape's weights, before the next one loads
 
 
 def _tok_s(out: Collected) -> float:

@@ -52,7 +52,8 @@ def test_oracle_at_the_extremes(S):
     wrong.configure(rec, len(PROMPT), 0.0)
     seq = S._History(history=[*PROMPT, *rec[:10]])
     draft = wrong.propose(seq, 5)
-    assert len(draft) == 5 and all(d != t and 0 <= d < 1000 for d, t in zip(draft, rec[10:15]))
+    assert len(draft) == 5
+    assert all(d != t and 0 <= d < 1000 for d, t in zip(draft, rec[10:15], strict=True))
     assert S.simulate_chain(wrong, PROMPT, rec, 6)[2] == 0
 
 
@@ -79,8 +80,9 @@ def _real_rows() -> list[dict]:
     base = {"model": "smollm2-135m", "kind": "code"}
     return [{**base, "drafter": "plain", "verify": "-", "drafted": 0, "accepted": 0,
              "tokens": 63, "tok_s": 40.0, "speedup": 1.0, "identical": "(reference)"},
-            {**base, "drafter": "ngram", "verify": "chain 6", "drafted": 40, "accepted": 30,
-             "tokens": 63, "tok_s": 70.0, "speedup": 1.75, "identical": "differs p0@12"},
+            {**base, "drafter": "ngram", "verify": "chain 6", "alpha": 0.18, "drafted": 40,
+             "accepted": 30, "tokens": 63, "tok_s": 70.0, "speedup": 1.75,
+             "identical": "differs p0@12"},
             {**base, "drafter": "self q8_0 28/30L", "verify": "tree 8", "error": "ConfigError"}]
 
 
@@ -89,6 +91,7 @@ def test_real_table_lines(S):
     assert len(lines) == 5
     assert "1.00" in lines[2] and "(reference)" in lines[2]
     # 63 tokens in 63 - 30 = 33 steps
+    assert " 0.18 " in lines[3] and " 0.18 " not in lines[2]
     assert "30/40 75.0%" in lines[3] and "1.91" in lines[3] and "1.75x" in lines[3]
     assert lines[3].endswith("differs p0@12")
     assert "error: ConfigError" in lines[4]
