@@ -173,7 +173,13 @@ def bench_real(a, results: dict) -> None:
     kinds = [k for k in a.kinds.split(",") if k]
     with tempfile.TemporaryDirectory(prefix="specbench-") as tmp:
         for name in [m for m in a.models.split(",") if m]:
-            target = fetch_model(name, models_dir_from_env())
+            target = models_dir_from_env() / f"{name}.gguf"
+            try:                          # an offline host must hold the file already
+                target = target if target.is_file() else fetch_model(name, target.parent)
+            except Exception as exc:
+                results["real"].append({"model": name, "kind": "-", "drafter": "-",
+                                        "verify": "-", "error": f"{type(exc).__name__}: {exc}"})
+                continue
             base = _load(a, target, drafter="ngram")
             prompts = {k: [base.text_prompt_ids(t) for t in S.PROMPTS[k]] for k in kinds}
             n_layer = base.spec.n_layer
