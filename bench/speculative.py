@@ -12,7 +12,11 @@ and an oracle drafter on synthetic shapes; every ratio against plain decoding in
     plain, and whether every greedy output equals plain decoding's (else the first differing
     prompt and token index; the run goes on). Each configuration is its own engine, loaded with
     its EngineConfig (verify_width, drafter, draft_model, tree_budget): the table shows what the
-    engine does with it, draft length decided by the engine unless --full-drafts.
+    engine does with it. The engine chooses each step's draft length from the sequence's recent
+    acceptance and alpha, the cost of a verify row relative to a plain step, which it times at
+    start; alpha is timed once per model (by the plain/ngram engine) and given to every other
+    engine of that model, so that timing noise does not make the rows decide differently
+    (`--alpha X` sets it; 0 drafts in full every step).
 (b) `--part synth`: a synthetic Q4_K_M model per --shapes (8b, 1b; tiny for a CPU check),
     generated seeded into --synth-dir (the names bench/gpu_bench.py uses, so its files are
     reused). Verify-step time for widths 1..16 at KV length --kv: runner steps of one sequence
@@ -73,8 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--tree-budget", default="8", help="tree verify node budgets ('' = none)")
     g.add_argument("--draft", action="append", default=[], metavar="PATH",
                    help="a draft GGUF of the target's vocabulary (repeatable)")
-    g.add_argument("--full-drafts", action="store_true",
-                   help="draft in full every step (verify cost 0) instead of the engine's choice")
+    g.add_argument("--alpha", type=float, help="verify cost per extra row for every engine "
+                   "(0: draft in full); default: timed once per model")
     g = ap.add_argument_group("part synth")
     g.add_argument("--shapes", default="8b,1b", help="of " + ", ".join(SHAPES))
     g.add_argument("--kv", type=int, default=1024, help="KV length of the verify steps, and "
@@ -90,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 2 <= a.width <= 16:
         ap.error("--width must be in 2..16")
+    if a.alpha is not None and not 0.0 <= a.alpha <= 1.0:
+        ap.error("--alpha must be in [0, 1]")
     a.layer_list = [int(x) for x in a.layers.split(",") if x.strip()]
     a.budgets = [int(x) for x in a.tree_budget.split(",") if x.strip()]
     a.shape_list = [s for s in a.shapes.split(",") if s]
@@ -132,13 +138,13 @@ def real_configs(a, n_layer: int, tmp: Path, target: Path) -> list[tuple[str, st
     return out
 
 
-def _load(a, target: Path, **fields) -> Engine:
+def _load(a, target: Path, alpha: float | None, **fields) -> Engine:
     cfg = EngineConfig(backend=a.backend, n_ctx=1024, n_slots=1, threads=a.threads,
                        verify_width=a.width, **fields)
     eng = Engine.load(target, cfg)
     eng.start()
-    if a.full_drafts:
-        eng.verify_alpha = 0.0
+    if alpha is not None:               # else the engine's own timing at start
+        eng.verify_alpha = alpha
     eng.warmup()
     ids = eng.text_prompt_ids(S.PROMPTS["prose"][0])
     for spec in (False, True):                  # every step shape of this config, once
@@ -180,7 +186,8 @@ def bench_real(a, results: dict) -> None:
                 results["real"].append({"model": name, "kind": "-", "drafter": "-",
                                         "verify": "-", "error": f"{type(exc).__name__}: {exc}"})
                 continue
-            base = _load(a, target, drafter="ngram")
+            base = _load(a, target, a.alpha, drafter="ngram")
+            alpha = base.verify_alpha            # every engine of this model decides alike
             prompts = {k: [base.text_prompt_ids(t) for t in S.PROMPTS[k]] for k in kinds}
             n_layer = base.spec.n_layer
             plain, rows = {}, []
@@ -194,7 +201,7 @@ def bench_real(a, results: dict) -> None:
             base.stop(10)
             for drafter, verify, fields in real_configs(a, n_layer, Path(tmp), target):
                 try:
-                    eng = _load(a, target, **fields)
+                    eng = _load(a, target, alpha, **fields)
                 except Exception as exc:   # a configuration the engine refuses is a table row
                     rows += [(drafter, verify, k, {"error": f"{type(exc).__name__}: {exc}"})
                              for k in kinds]
@@ -343,7 +350,7 @@ def report(results: dict, a) -> str:
         parts.append(S.real_table(results["real"], (
             f"Real models, greedy, {a.tokens} tokens per prompt, {len(S.PROMPTS['code'])} "
             f"prompts per kind, verify width {a.width}, backend {results['meta']['backend']}"
-            + (", drafting in full" if a.full_drafts else ", draft length chosen by the engine")
+            + (", drafting in full" if a.alpha == 0 else ", draft length chosen by the engine")
             + f" (median of {a.repeats})")))
     for p in results["plain"]:
         shape = p["shape"]
