@@ -10,8 +10,8 @@ MODEL  ?= smollm2-135m
 PROMPT ?= The capital of France is
 GPU_PY ?= 3.12
 
-.PHONY: help setup proto models serve generate test test-gpu check-cuda bench bench-gpu lint \
-        wheelhouse clean
+.PHONY: help setup proto models serve generate test test-gpu check-cuda bench bench-gpu \
+        bench-spec lint wheelhouse clean
 
 help:
 	@echo "make serve       set up, fetch the default model, start the gRPC server on :$(PORT)"
@@ -24,6 +24,9 @@ help:
 	@echo "make bench       CPU decode benchmark and server overhead benchmark"
 	@echo "make bench-gpu   GPU GEMV and decode benchmark, goals met/missed (needs CUDA and CuPy;"
 	@echo "                 BENCH_ARGS='--quick' or '--only gemv|decode', BENCH_JSON=path)"
+	@echo "make bench-spec  speculative decoding: real drafters, verify steps and an oracle"
+	@echo "                 drafter on synthetic 8B/1B (GPU when CuPy is present, else CPU;"
+	@echo "                 SPEC_ARGS='--part real|synth ...', SPEC_JSON=path)"
 	@echo "make lint        ruff"
 	@echo "make wheelhouse  wheels for an offline GPU host (Python $(GPU_PY))"
 
@@ -74,6 +77,12 @@ BENCH_ARGS ?=
 
 bench-gpu:
 	$(GPU_RUN_PY) bench/gpu_bench.py --json $(BENCH_JSON) $(BENCH_ARGS)
+
+SPEC_JSON ?= docs/bench-spec.json
+SPEC_ARGS ?=
+
+bench-spec:
+	$(GPU_RUN_PY) bench/speculative.py --json $(SPEC_JSON) $(SPEC_ARGS)
 
 lint: $(BIN)/specstream
 	$(BIN)/ruff check service clients tests bench

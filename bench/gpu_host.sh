@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command on an offline GPU host: install the carried wheels, put the real models in place
 # (from pieces carried in .gpu/, joined and checked), run the GPU tests, then the benchmarks.
-#   bash bench/gpu_host.sh [tests|bench|all|load|prefill] [pytest args / script args...]
+#   bash bench/gpu_host.sh [tests|bench|all|load|prefill|spec] [pytest args / script args...]
 # The bench stage runs bench/gpu_bench.py (BENCH_ARGS='--quick', BENCH_JSON=path).
 # Wheels: `make wheelhouse` (or any folder of wheels) in .whl/; model pieces: .gpu*/NAME.part.*
 # with .gpu*/NAME.sha256 (one folder per call when a call carries one piece). Models land in
@@ -53,5 +53,10 @@ if [ "$what" = load ]; then
 fi
 if [ "$what" = prefill ]; then
   python3 bench/gpu_prefill.py "$@" || status=1
+fi
+# Speculative decoding (bench/speculative.py): real drafters on the real models, verify steps
+# and the oracle drafter on synthetic 8B/1B (generated into /tmp/specstream-synth, reused).
+if [ "$what" = spec ]; then
+  python3 bench/speculative.py --json "${SPEC_JSON:-/tmp/bench-spec.json}" "$@" || status=1
 fi
 exit $status
