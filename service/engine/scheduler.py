@@ -48,6 +48,10 @@ from service.engine.sampling import resolve_seed
 from service.engine.sequence import Sequence
 from service.engine.speculative import accept_chain, draft_length
 from service.engine.textstream import TextStream
+from service.engine.tree import Tree
+from service.engine.tree_verify import commit as commit_tree
+from service.engine.tree_verify import compact, draft_tree, n_rows, step_fields
+from service.engine.tree_verify import rows as rows_of
 from service.engine.types import (
     Event,
     Finished,
@@ -218,7 +222,7 @@ class Engine:
                 "to let the engine decide)")
         spec_on = request.speculative if request.speculative is not None else True
         spec_on = bool(spec_on and applicable and self.drafter is not None
-                       and self.config.verify_width > 1)
+                       and max(self.config.verify_width, self.config.tree_budget) > 1)
         return Sequence(request=request, sink=sink, seed_value=seed,
                         text=TextStream(self.tokenizer, request.stopping.stop_sequences),
                         eog_ids=frozenset(self.tokenizer.eog_ids), n_ctx=self.config.n_ctx,
@@ -373,11 +377,16 @@ class Engine:
                 except Exception as one:
                     self._fail(item[0], one)
                     outs.append(None)
+        moves = []
         for (seq, draft), out in zip(batch, outs, strict=True):
             if out is not None and not seq.finished:
-                self._commit(seq, draft, out)
+                if isinstance(draft, Tree):
+                    moves.append(commit_tree(seq, draft, out))
+                else:
+                    self._commit(seq, draft, out)
+        compact(self.runner, moves)
 
-    def _plan(self, decoding: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+    def _plan(self, decoding: list[Sequence]) -> list[tuple[Sequence, list[int] | Tree]]:
         """Which sequences step now and the rows of each ([seed, drafts...]), <= step_rows."""
         # Turns: the sequences that waited longest go first; sorted() keeps start order on ties.
         chosen = sorted(decoding, key=lambda s: s.last_turn)[:self.step_rows]
@@ -394,7 +403,8 @@ class Engine:
             draft = [seq.seed]
             if seq.speculative:
                 seq.steps_without_draft = 0 if k else seq.steps_without_draft + 1
-                draft += self.drafter.propose(seq, k)
+                draft = (draft_tree(self.drafter, seq, k + 1) if seq.tree_budget
+                         else draft + self.drafter.propose(seq, k))
             batch.append((seq, draft))
         return batch
 
@@ -402,40 +412,45 @@ class Engine:
         """How many tokens `seq` would like drafted this step (0: plain decoding)."""
         if not seq.speculative:
             return 0
-        room = min(seq.verify_width - 1, self.config.n_ctx - seq.n_past - 1,
+        room = min((seq.tree_budget or seq.verify_width) - 1, self.config.n_ctx - seq.n_past - 1,
                    seq.request.stopping.max_new_tokens - len(seq.generated) - 1)
+        if seq.tree_budget:             # a tree uses its budget (tree_verify.py)
+            return max(0, room)
         k = draft_length(seq.accept_rate, self.verify_alpha, room)
         if k == 0 and seq.steps_without_draft >= PROBE_EVERY:
             k = min(1, room)            # keep measuring: the text may turn repetitive
         return k
 
-    def _verify_step(self, batch: list[tuple[Sequence, list[int]]]) -> StepOutput:
+    def _verify_step(self, batch: list[tuple[Sequence, list[int] | Tree]]) -> StepOutput:
         """Every row of the batch in one step; every row chooses a token."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         rows: list[RowSampling] = []
-        for seq, draft in batch:
-            ids += draft
-            positions += range(seq.n_past, seq.n_past + len(draft))
-            slots += [seq.slot] * len(draft)
-            if len(draft) == 1:
+        segments = [rows_of(draft, seq.n_past) for seq, draft in batch]
+        for (seq, draft), seg in zip(batch, segments, strict=True):
+            ids += seg.ids
+            positions += seg.positions
+            slots += [seq.slot] * len(seg.ids)
+            if len(seg.ids) == 1:
                 rows.append(self._choice(seq))
             else:
                 # speculation only runs for greedy requests without a penalty: every row's
                 # choice is the argmax, with log-probabilities of the raw logits when asked
                 rows += [replace(GREEDY, n_top=seq.request.top_logprobs or -1)] * len(draft)
         T = len(ids)
-        out = self.runner.step(StepInput(ids, positions, slots, range(T), rows))
+        out = self.runner.step(StepInput(ids, positions, slots, range(T), rows,
+                                         **step_fields(segments)))
         self.stats.count_decode(len(batch), T)
         return out
 
     @staticmethod
-    def _split(batch: list[tuple[Sequence, list[int]]], out: StepOutput) -> list[StepOutput]:
+    def _split(batch: list[tuple[Sequence, list[int] | Tree]], out: StepOutput
+               ) -> list[StepOutput]:
         """The step's output cut into each sequence's segment."""
         parts, o = [], 0
         for _, draft in batch:
-            n = len(draft)
+            n = n_rows(draft)
             parts.append(StepOutput(out.token_ids[o:o + n], out.logprobs[o:o + n]))
             o += n
         return parts
