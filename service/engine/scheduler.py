@@ -437,7 +437,7 @@ class Engine:
             else:
                 # speculation only runs for greedy requests without a penalty: every row's
                 # choice is the argmax, with log-probabilities of the raw logits when asked
-                rows += [replace(GREEDY, n_top=seq.request.top_logprobs or -1)] * len(draft)
+                rows += [replace(GREEDY, n_top=seq.request.top_logprobs or -1)] * len(seg.ids)
         T = len(ids)
         out = self.runner.step(StepInput(ids, positions, slots, range(T), rows,
                                          **step_fields(segments)))
