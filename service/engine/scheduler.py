@@ -384,7 +384,7 @@ class Engine:
                     moves.append(commit_tree(seq, draft, out))
                 else:
                     self._commit(seq, draft, out)
-        compact(self.runner, moves)
+        self.stats.kv_moves += compact(self.runner, moves)
 
     def _plan(self, decoding: list[Sequence]) -> list[tuple[Sequence, list[int] | Tree]]:
         """Which sequences step now and the rows of each ([seed, drafts...]), <= step_rows."""
@@ -474,6 +474,7 @@ class StepStats:
         self.prefill_steps = 0
         self.decode_rows = 0
         self.max_sequences = 0          # most sequences one decode step held
+        self.kv_moves = 0               # KV rows moved by tree compaction
 
     def count_decode(self, n_sequences: int, n_rows: int) -> None:
         self.decode_steps += 1
