@@ -428,7 +428,7 @@ class Engine:
         slots: list[int] = []
         rows: list[RowSampling] = []
         segments = [rows_of(draft, seq.n_past) for seq, draft in batch]
-        for (seq, draft), seg in zip(batch, segments, strict=True):
+        for (seq, _), seg in zip(batch, segments, strict=True):
             ids += seg.ids
             positions += seg.positions
             slots += [seq.slot] * len(seg.ids)
