@@ -19,8 +19,9 @@ backend's sample op with log-probabilities asked, as for top_logprobs: greedy ch
 of the raw logits); the chosen token is the first of them.
 
 Rollback is the same position move as the target's: stale rows past n_cached are overwritten
-by the next catch-up. The argmax runs on the backend (Backend.argmax); only int32 ids come back,
-one per draft step; no logits row is copied to the host.
+by the next catch-up. The argmax runs on the backend (the sample op with a greedy record, so
+chain and tree drafting run the same ops in a step of one shape); only int32 ids (and the asked
+log-probabilities) come back, one record per draft step; no logits row is copied to the host.
 
 Each step goes through one packed int32 upload and one readback as in the model runner
 (service/engine/runner.py), padded to the backend's step sizes with padding rows first, so a
@@ -123,8 +124,8 @@ class ModelDrafter(Drafter):
     def _step(self, tokens: list[int], start: int, slot: int, choose: bool, n_top: int = 0,
               tops: list | None = None) -> int:
         """Run `tokens` of `slot` from position `start`; the argmax after the last row when
-        `choose` (else -1). With n_top > 0 the choice goes through the sample op and the
-        n_top most likely (id, log-probability) pairs are appended to `tops`."""
+        `choose` (else -1). With n_top > 0 the n_top most likely (id, log-probability) pairs
+        after the last row are appended to `tops`."""
         model, be = self.model, self.model.backend
         M, n = model.max_tokens, len(tokens)
         T = next(s for s in self.sizes if s >= n)
@@ -136,20 +137,18 @@ class ModelDrafter(Drafter):
         h[2 * M:2 * M + T] = -1
         h[2 * M + pad:2 * M + T] = slot
         top = choose and n_top > 0
-        if top:
-            h[3 * M:] = param_record(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
-                                     penalty=1.0, repeat_last_n=0, seed=0, token_index=0,
-                                     n_top=n_top, slot=0, position=0)
+        # every choice goes through the sample op (greedy: the argmax, the lowest id on ties),
+        # log-probabilities or not: a captured step of one shape must run the same ops
+        h[3 * M:] = param_record(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, penalty=1.0,
+                                 repeat_last_n=0, seed=0, token_index=0,
+                                 n_top=n_top if top else -1, slot=0, position=0)
         be.upload_step(h, self._dev)
         ids, pos = self._dev[:T], self._dev[M:M + T]                    # (T,) i32 each
         slots = self._dev[2 * M:2 * M + T]                              # (T,) i32
         out, params = self._out_dev, self._dev[3 * M:].reshape(1, N_PARAMS)
 
         def choose_token(logits) -> None:                               # logits (1, V) f32
-            if top:
-                be.sample(logits, params, self._hist, out)
-            else:
-                be.argmax(logits, out.reshape(-1)[:1])
+            be.sample(logits, params, self._hist, out)
 
         model.forward(ids, pos, slots, start + n, 1 if choose else 0,
                       epilogue=choose_token if choose else None)
