@@ -1,5 +1,7 @@
 """The attention family of the CUDA backend: the KV cache, RoPE, KV stores, RoPE + KV store
-in one launch (rope_kv.cu) and split-KV attention with its combine (attention.cu).
+in one launch (rope_kv.cu), split-KV attention with its combine (attention.cu), and KV row
+moves for tree compaction (kv_move in quantize.cu). Tree verify rows (base.py) reach the
+kernels as optional int32 arrays (kv_positions, attn_lo, attn_mask); null pointers when absent.
 
 A mixin of CudaBackend: it uses the backend's stream, `_launch`, scratch `_s` and its 8-bit
 block bookkeeping (`_block_room`, `_block_args`, `_blocks`).
