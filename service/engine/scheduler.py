@@ -12,7 +12,9 @@ loop iteration then runs:
    lengths shrink first (the longest draft loses a token, the youngest sequence's on a tie);
    only when the sequences alone exceed 16 does a sequence sit a step out, in turns: the
    sequences that waited longest since their last step go first, FIFO by start among equals.
-   Each sequence's segment is verified on its own with speculative.accept_chain.
+   Each sequence's segment is verified on its own with speculative.accept_chain, or, for a
+   sequence with a tree budget, as a draft tree (service/engine/tree_verify.py: its rows, path
+   following and the KV compaction after the step).
 2. then at most ONE prefill chunk (`prefill_chunk` prompt tokens) of the oldest sequence still
    prefilling, as its own step (a wider step takes another numeric path and would change the
    batched rows' bits). A long prompt therefore delays running streams by at most one chunk per
