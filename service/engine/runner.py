@@ -166,7 +166,8 @@ class ModelRunner:
             if L:
                 be.sample(logits, params, hist, out)
 
-        kv_len = max(max(inp.positions), max(inp.kv_positions or (0,))) + 1
+        kv_rows = inp.kv_positions if inp.kv_positions is not None else inp.positions
+        kv_len = max(max(inp.positions), max(kv_rows)) + 1
         model.forward(ids, pos, slots, kv_len, L, choose, *tree)
         be.download_step(self._out_dev[:L * OUT_WORDS], self._out_host)
         res = self._out_host[:L * OUT_WORDS].reshape(L, OUT_WORDS)
