@@ -7,9 +7,9 @@ import json
 import subprocess
 
 import pytest
-from service.proto import generation_pb2
 
 from clients import AsyncSpecstreamClient, Completion
+from service.proto import generation_pb2
 
 from .grpc_harness import N_CTX, ROOT, specstream_bin
 
