@@ -6,9 +6,9 @@ from __future__ import annotations
 import grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from service.proto import generation_pb2
 
 from clients import error_details
+from service.proto import generation_pb2
 
 from .grpc_harness import N_CTX
 
