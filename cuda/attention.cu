@@ -2,6 +2,12 @@
 //
 //   out[t, h, :] = sum_j softmax_j(scale * q[t, h] . K[j]) V[j]   over the cache rows j of
 //   slot[t] with lo <= j <= pos[t], lo = max(0, pos[t] - window + 1) when window > 0 else 0;
+//   with attn_lo / attn_mask (tree verify rows; null: b = pos[t] + 1, mask 0, the line above),
+//   the rows j >= lo are those with j < b, and b + i for every set bit i of mask[t], where
+//   b = attn_lo[t]: the key predicate j < b || (mask >> (j - b)) & 1 over
+//   [lo, b + 32 - clz(mask)) (a tree's rows are inside the window: depth < budget <= window).
+//   While every key so far is masked (m = -inf) a tile leaves m, l and acc as they are; an
+//   ordinary row never meets that case and computes what it computed without the arrays.
 //   K, V rows of kv head h / (H / Hkv), stored as f16, q8_0 or q4_0 (quantize.cu's layout).
 //
 // attn_<K>_<V>: one kernel, grid (S, H, T), block (32, 4). Split s covers the ABSOLUTE positions
@@ -116,6 +122,7 @@ __device__ __forceinline__ void attn_split(
         const float* __restrict__ q, int q0, int q1, int H, int Hkv, int D, int Dv,
         const u8* __restrict__ kq, const u8* __restrict__ kd, const u8* __restrict__ vq,
         const u8* __restrict__ vd, const int* __restrict__ slots, const int* __restrict__ positions,
+        const int* __restrict__ attn_lo, const int* __restrict__ attn_mask,
         int n_ctx, int window, float scale, int chunk, float2* __restrict__ my_ml,
         float* __restrict__ my_acc) {
     __shared__ float qsh[ATT_MAX_D];
@@ -125,7 +132,10 @@ __device__ __forceinline__ void attn_split(
     const int lane = threadIdx.x, warp = threadIdx.y, tid = warp * 32 + lane;
     const int slot = slots[t], pos = positions[t];
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
-    const int j0 = max(lo, s * chunk), j1 = min(pos + 1, (s + 1) * chunk);
+    const int b = attn_lo != nullptr ? attn_lo[t] : pos + 1;
+    const u32 bits = attn_mask != nullptr ? (u32)attn_mask[t] : 0u;
+    const int hi = bits != 0u ? b + 32 - __clz(bits) : b;
+    const int j0 = max(lo, s * chunk), j1 = min(hi, (s + 1) * chunk);
     if (slot < 0 || j0 >= j1) {
         if (tid == 0) *my_ml = make_float2(NEG_INF, 0.0f);
         return;
@@ -142,7 +152,7 @@ __device__ __forceinline__ void attn_split(
     // holds dims d, d + 32, ...). Warp w takes the tiles starting at j0 + 32 (w + 4 i).
     for (int base = j0 + 32 * warp; base < j1; base += 32 * ATT_WARPS) {
         const int j = base + lane;
-        const bool ok = j < j1;
+        bool ok = j < j1;
         float sc = NEG_INF;
         if (ok) {
             const size_t row = ((size_t)slot * n_ctx + j) * Hkv + hk;
@@ -154,10 +164,12 @@ __device__ __forceinline__ void attn_split(
 #pragma unroll
                 for (int u = 0; u < 8; u++) dot += qsh[i0 + u] * kv[u];
             }
-            sc = dot * scale;
+            const u32 r = (u32)(j - b);           // >= 32 exactly when j < b (j < j1)
+            ok = r >= 32u || ((bits >> r) & 1u) != 0u;
+            sc = ok ? dot * scale : NEG_INF;
         }
-        const float mn = fmaxf(m, warp_max(sc));      // finite: lane 0's key is valid
-        const float corr = expf(m - mn);
+        const float mn = fmaxf(m, warp_max(sc));  // finite unless every key so far is masked
+        const float corr = mn == NEG_INF ? 1.0f : expf(m - mn);   // -inf: all masked so far
         const float p = ok ? expf(sc - mn) : 0.0f;
         l = l * corr + warp_sum(p);
 #pragma unroll
@@ -248,13 +260,15 @@ __device__ __forceinline__ void attn_fused(
         const float* __restrict__ q, int q0, int q1, int H, int Hkv, int D, int Dv,
         const u8* __restrict__ kq, const u8* __restrict__ kd, const u8* __restrict__ vq,
         const u8* __restrict__ vd, const int* __restrict__ slots, const int* __restrict__ positions,
+        const int* __restrict__ attn_lo, const int* __restrict__ attn_mask,
         int n_ctx, int window, float scale, int chunk, float2* __restrict__ part_ml,
         float* __restrict__ part_acc, int* __restrict__ counters, float* __restrict__ out,
         int o0, int o1, signed char* __restrict__ qa, float2* __restrict__ ads) {
     const int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z, S = gridDim.x;
     const size_t part = ((size_t)t * H + h) * S + s;
-    attn_split<KT, VT>(q, q0, q1, H, Hkv, D, Dv, kq, kd, vq, vd, slots, positions, n_ctx,
-                       window, scale, chunk, part_ml + part, part_acc + part * Dv);
+    attn_split<KT, VT>(q, q0, q1, H, Hkv, D, Dv, kq, kd, vq, vd, slots, positions, attn_lo,
+                       attn_mask, n_ctx, window, scale, chunk, part_ml + part,
+                       part_acc + part * Dv);
     // Last block of (t, h) in: merge. The fences order the partials before the count.
     __shared__ int last;
     __threadfence();
@@ -271,16 +285,19 @@ __device__ __forceinline__ void attn_fused(
     if (tid == 0) counters[(size_t)t * H + h] = 0;
 }
 
+// (128, 4): with the minimum block count stated ptxas keeps every variant in <= 128 registers
+// without spills; left to its own heuristics it spilled a few bytes in some K/V type pairs.
 #define ATTN_KERNEL(kn, KT, vn, VT)                                                          \
-    extern "C" __global__ void __launch_bounds__(128) attn_##kn##_##vn(                     \
+    extern "C" __global__ void __launch_bounds__(128, 4) attn_##kn##_##vn(                  \
             const float* q, int q0, int q1, int H, int Hkv, int D, int Dv, const u8* kq,     \
             const u8* kd, const u8* vq, const u8* vd, const int* slots, const int* positions, \
-            int n_ctx, int window, float scale, int chunk, float2* part_ml, float* part_acc, \
-            int* counters, float* out, int o0, int o1, signed char* qa, float2* ads) {       \
+            const int* attn_lo, const int* attn_mask, int n_ctx, int window, float scale,    \
+            int chunk, float2* part_ml, float* part_acc, int* counters, float* out, int o0,  \
+            int o1, signed char* qa, float2* ads) {                                          \
         PDL_ENTRY();                                                                         \
-        attn_fused<KT, VT>(q, q0, q1, H, Hkv, D, Dv, kq, kd, vq, vd, slots, positions, n_ctx, \
-                           window, scale, chunk, part_ml, part_acc, counters, out, o0, o1,   \
-                           qa, ads);                                                         \
+        attn_fused<KT, VT>(q, q0, q1, H, Hkv, D, Dv, kq, kd, vq, vd, slots, positions,        \
+                           attn_lo, attn_mask, n_ctx, window, scale, chunk, part_ml,         \
+                           part_acc, counters, out, o0, o1, qa, ads);                        \
     }
 #define ATTN_V(kn, KT) ATTN_KERNEL(kn, KT, f16, KvF16) ATTN_KERNEL(kn, KT, q8_0, KvQ8_0) \
     ATTN_KERNEL(kn, KT, q4_0, KvQ4_0)

@@ -14,6 +14,14 @@
 //   padding and are skipped. Launch: grid (T, Hkv), block (32, ceil(D / 32)): one warp per
 //   32-group of the row. (The decode path stores K and V inside rope_kv.cu; this kernel serves
 //   steps that write the cache directly.)
+//
+// kv_move: for m = 0 .. n - 1 IN ORDER, every plane p of the cache (each layer's K and V codes
+//   and scales), the bytes of position src[m] of slot slots[m] are copied to position dst[m]:
+//   plane[p][(slots[m] n_ctx + dst[m]) rb_p + i] = plane[p][(slots[m] n_ctx + src[m]) rb_p + i]
+//   for i < rb_p (rb_p = row_bytes[p], the bytes of one position: Hkv heads of codes or
+//   scales). Tree compaction (service/engine/tree.py): a later move may read a row an earlier
+//   one wrote, so one block walks a plane's moves in order with a barrier between them.
+//   planes (P,) u64 device pointers, row_bytes (P,) i32. Launch: grid (P,), block (256,).
 #include "pdl.cuh"
 #include "act_quant.cuh"
 #include "kv_quant.cuh"
@@ -49,3 +57,18 @@ __device__ __forceinline__ void kv_store(const float* __restrict__ src, int st, 
         kv_store<KP>(src, st, sh, D, slots, positions, n_ctx, Hkv, codes, scales);           \
     }
 FOR_KV_TYPES(KV_STORE_KERNEL)
+
+extern "C" __global__ void __launch_bounds__(256)
+kv_move(const unsigned long long* __restrict__ planes, const int* __restrict__ row_bytes,
+        int n_ctx, const int* __restrict__ slots, const int* __restrict__ src,
+        const int* __restrict__ dst, int n) {
+    PDL_ENTRY();
+    u8* base = reinterpret_cast<u8*>(planes[blockIdx.x]);
+    const size_t rb = (size_t)row_bytes[blockIdx.x];
+    for (int m = 0; m < n; m++) {
+        const size_t from = ((size_t)slots[m] * n_ctx + src[m]) * rb;
+        const size_t to = ((size_t)slots[m] * n_ctx + dst[m]) * rb;
+        for (size_t i = threadIdx.x; i < rb; i += blockDim.x) base[to + i] = base[from + i];
+        __syncthreads();                  // move m is written before move m + 1 reads
+    }
+}

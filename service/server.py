@@ -253,11 +253,13 @@ async def prompt_ids(state: ServingState, engine: Any, msg: Any) -> tuple[int, .
 async def request_from_proto(state: ServingState, engine: Any,
                              msg: generation_pb2.GenerateRequest) -> GenerationRequest:
     speculative, options = speculative_from_proto(msg.speculative)
+    sampling = sampling_from_proto(msg.sampling)
     # checked again by the engine; here so a refused request is never tokenized
-    resolve_speculation(speculative, options, engine.config, engine.config.drafter != "none")
+    resolve_speculation(speculative, options, engine.config, engine.config.drafter != "none",
+                        sampling.repetition_penalty)
     return GenerationRequest(
         request_id=msg.request_id, prompt_ids=await prompt_ids(state, engine, msg),
-        sampling=sampling_from_proto(msg.sampling), stopping=stopping_from_proto(msg.stopping),
+        sampling=sampling, stopping=stopping_from_proto(msg.stopping),
         top_logprobs=_opt(msg.output, "top_logprobs", 0, int), speculative=speculative,
         speculative_options=options)
 

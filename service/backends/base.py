@@ -9,6 +9,14 @@ Design rules (they are what lets the CUDA backend capture one step as one CUDA g
   rows (slot -1, id 0, position 0): kv_write stores nothing for them, attention outputs 0 for
   them, and no real row ever reads them. `kv_len` is a host-side int >= every real position + 1,
   there for the CPU backend only: no launch geometry may depend on it.
+- Tree verify rows (service/engine/tree.py) separate a row's RoPE position from where its K/V
+  is written and what it sees. Three optional (T,) int32 arrays, read by rope_kv and attention:
+  `kv_positions` (the KV row written; default: the position), `attn_lo` and `attn_mask` (the
+  keys seen: rows [0, attn_lo) and rows attn_lo + j for each set bit j of the 32-bit mask;
+  default: attn_lo = position + 1, mask 0, which is plain causal attention). Sliding-window
+  layers judge the rows below attn_lo by the query's RoPE position (row c kept when
+  c > position - window); rows picked by the mask are always kept. `kv_move` copies KV rows
+  inside a slot (tree compaction). An ordinary row gives the same bits with or without them.
 - Token choice happens on the backend (`sample`), so only int32 ids (and log-probabilities when
   asked) come back, with one copy (`download_step`).
 - Arrays are the backend's own (numpy for CPU, CuPy for CUDA); the model layer only slices,
@@ -149,12 +157,21 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def attention(self, q: Array, cache: KVCache, layer: int, slots: Array, positions: Array,
-                  kv_len: int, window: int, scale: float, out: Array) -> None:
+                  kv_len: int, window: int, scale: float, out: Array, attn_lo: Array = None,
+                  attn_mask: Array = None) -> None:
         """Causal (optionally sliding-window) GQA attention of q (T, H, D) over the cache.
 
         Query t sees cache rows j of its slot with j <= positions[t] (and positions[t] - j <
-        window when window > 0). out (T, H, Dv).
+        window when window > 0). out (T, H, Dv). With attn_lo / attn_mask (T,) int32 (see the
+        module docstring) it sees rows j < attn_lo[t] (inside the window) and the rows
+        attn_lo[t] + b for the set bits b of attn_mask[t].
         """
+
+    @abc.abstractmethod
+    def kv_move(self, cache: KVCache, slots: Array, src: Array, dst: Array) -> None:
+        """For m = 0, 1, .. in order: the K and V rows (every layer, every head) at row src[m]
+        of slot slots[m] are copied to row dst[m] of the same slot. slots, src, dst (n,) int32
+        on the backend. Used after a tree verify step (tree.compaction_plan)."""
 
     @abc.abstractmethod
     def moe(self, x: Array, router: Any, gate: Any, up: Any, down: Any, n_used: int,
@@ -183,24 +200,26 @@ class Backend(abc.ABC):
 
     def attention_for_matmul(self, q: Array, cache: KVCache, layer: int, slots: Array,
                              positions: Array, kv_len: int, window: int, scale: float,
-                             out: Array) -> None:
+                             out: Array, attn_lo: Array = None, attn_mask: Array = None) -> None:
         """attention(...) where `out` (T, H, Dv), read as (T, H*Dv), feeds the next matmul."""
-        self.attention(q, cache, layer, slots, positions, kv_len, window, scale, out)
+        self.attention(q, cache, layer, slots, positions, kv_len, window, scale, out, attn_lo,
+                       attn_mask)
 
     def rope_kv(self, q: Array, k: Array, v: Array, q_norm: Array | None,
                 k_norm: Array | None, eps: float, positions: Array, slots: Array, table: Any,
-                neox: bool, cache: KVCache, layer: int) -> None:
+                neox: bool, cache: KVCache, layer: int, kv_positions: Array = None) -> None:
         """The attention inputs of one layer: q, k (T, H | Hkv, D) get their per-head RMSNorm
-        (when q_norm / k_norm are given) and RoPE; q is updated in place, k (rotated) and v
-        (T, Hkv, Dv) are stored in the cache at rows positions[t] of slots[t]. k's contents
-        are unspecified afterwards."""
+        (when q_norm / k_norm are given) and RoPE by positions[t]; q is updated in place, k
+        (rotated) and v (T, Hkv, Dv) are stored in the cache at rows kv_positions[t] (default
+        positions[t]) of slots[t]. k's contents are unspecified afterwards."""
         if q_norm is not None:
             self.rms_norm(q, q_norm, eps, q)
         if k_norm is not None:
             self.rms_norm(k, k_norm, eps, k)
         self.rope(q, positions, table, neox)
         self.rope(k, positions, table, neox)
-        self.kv_write(cache, layer, k, v, slots, positions)
+        self.kv_write(cache, layer, k, v, slots,
+                      positions if kv_positions is None else kv_positions)
 
     def matmul_add(self, x: Array, w: Any, out: Array, tmp: Array) -> None:
         """out (T, N) += x (T, K) @ W^T, rounded as matmul into tmp then add(out, tmp, out).

@@ -366,17 +366,22 @@ class CpuBackend(Backend):
         cache.v[layer][slots, positions] = vq
 
     def attention(self, q, cache: CpuKVCache, layer, slots, positions, kv_len, window, scale,
-                  out):
+                  out, attn_lo=None, attn_mask=None):
         self.threads.enter(q.shape[0])
-        if q.shape[0] <= self.invariant_tokens:
-            self._attention_per_query(q, cache, layer, slots, positions, window, scale, out)
+        tree = attn_lo is not None and (attn_mask.any() or (attn_lo != positions + 1).any())
+        if q.shape[0] <= self.invariant_tokens or tree:
+            self._attention_per_query(q, cache, layer, slots, positions, window, scale, out,
+                                      attn_lo if tree else None, attn_mask)
         else:
             self._attention_masked(q, cache, layer, slots, positions, window, scale, out)
 
-    def _attention_per_query(self, q, cache, layer, slots, positions, window, scale, out):
+    def _attention_per_query(self, q, cache, layer, slots, positions, window, scale, out,
+                             attn_lo=None, attn_mask=None):
         # One query at a time over exactly the keys it may see (j <= pos, inside the window):
         # the same shapes and order of operations whatever else is in the step, so a token's
-        # output never depends on how the step was batched.
+        # output never depends on how the step was batched. A tree row sees the rows below
+        # attn_lo and then its mask's rows, in row order (for an ancestor mask, the order plain
+        # decoding of its path sees them), those inside the window by its RoPE position.
         T, H, D = q.shape
         hkv = cache.n_head_kv
         g = H // hkv
@@ -387,8 +392,19 @@ class CpuBackend(Backend):
                 out[t] = 0.0
                 continue
             lo = max(0, pos - window + 1) if window else 0
-            kc = cache.k[layer][slot, lo:pos + 1]                            # (n, Hkv, D)
-            vc = cache.v[layer][slot, lo:pos + 1]                            # (n, Hkv, Dv)
+            bits = int(attn_mask[t]) & 0xFFFFFFFF if attn_lo is not None else 0
+            if bits == 0:
+                hi = pos + 1 if attn_lo is None else int(attn_lo[t])
+                kc = cache.k[layer][slot, lo:hi]                             # (n, Hkv, D)
+                vc = cache.v[layer][slot, lo:hi]                             # (n, Hkv, Dv)
+            else:
+                base = int(attn_lo[t])
+                rows = np.concatenate([np.arange(lo, base),
+                                       base + np.flatnonzero([(bits >> j) & 1
+                                                              for j in range(32)])])
+                rows = rows[rows >= lo]          # the window applies to every key
+                kc = cache.k[layer][slot, rows]                              # (n, Hkv, D)
+                vc = cache.v[layer][slot, rows]                              # (n, Hkv, Dv)
             qh = q[t].reshape(hkv, g, D)                                     # (Hkv, G, D)
             s = np.matmul(qh, kc.transpose(1, 2, 0))                         # (Hkv, G, n)
             s *= sc
@@ -426,6 +442,13 @@ class CpuBackend(Backend):
             s /= s.sum(axis=-1, keepdims=True)
             o = np.matmul(s, vc.transpose(1, 0, 2))                          # (Hkv, G*Tq, Dv)
             out[idx] = o.reshape(hkv, g, tq, -1).transpose(2, 0, 1, 3).reshape(tq, H, -1)
+
+    def kv_move(self, cache: CpuKVCache, slots, src, dst):
+        for m in range(len(src)):        # in order: a later move may read an earlier source
+            slot, a, b = int(slots[m]), int(src[m]), int(dst[m])
+            for planes in (cache.k, cache.v):
+                for layer in planes:
+                    layer[slot, b] = layer[slot, a]
 
     def moe(self, x, router: CpuMatrix, gate, up, down, n_used, normalize, activation, out):
         T = x.shape[0]

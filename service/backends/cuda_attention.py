@@ -1,5 +1,7 @@
 """The attention family of the CUDA backend: the KV cache, RoPE, KV stores, RoPE + KV store
-in one launch (rope_kv.cu) and split-KV attention with its combine (attention.cu).
+in one launch (rope_kv.cu), split-KV attention with its combine (attention.cu), and KV row
+moves for tree compaction (kv_move in quantize.cu). Tree verify rows (base.py) reach the
+kernels as optional int32 arrays (kv_positions, attn_lo, attn_mask); null pointers when absent.
 
 A mixin of CudaBackend: it uses the backend's stream, `_launch`, scratch `_s` and its 8-bit
 block bookkeeping (`_block_room`, `_block_args`, `_blocks`).
@@ -52,8 +54,21 @@ class AttentionOps:
 
         k = [planes(type_k, head_dim) for _ in range(n_layer)]
         v = [planes(type_v, head_dim_v) for _ in range(n_layer)]
+        # kv_move's table: every plane and the bytes of one position in it
+        ptrs, sizes = [], []
+        for per_layer, d, t in ((k, head_dim, type_k), (v, head_dim_v, type_v)):
+            code_bytes = {"f16": 2 * d, "q8_0": d, "q4_0": d // 2}[t]
+            for codes, scales in per_layer:
+                ptrs.append(codes.data.ptr)
+                sizes.append(n_head_kv * code_bytes)
+                if scales is not None:
+                    ptrs.append(scales.data.ptr)
+                    sizes.append(n_head_kv * (d // 32) * 2)
+        with self.stream:
+            move_planes = cp.asarray(np.array(ptrs, np.uint64))               # (P,) u64
+            move_bytes = cp.asarray(np.array(sizes, np.int32))                # (P,) i32
         return CudaKVCache(k, v, type_k, type_v, n_slots, n_ctx, n_head_kv, head_dim,
-                           head_dim_v)
+                           head_dim_v, move_planes, move_bytes)
 
     def rope_table(self, n_ctx, n_dims, base):
         inv = base ** (-np.arange(0, n_dims, 2, dtype=np.float64) / n_dims)    # (n_dims/2,)
@@ -78,7 +93,7 @@ class AttentionOps:
                           scales if scales is not None else NULL])
 
     def rope_kv(self, q, k, v, q_norm, k_norm, eps, positions, slots, table, neox,
-                cache: CudaKVCache, layer):
+                cache: CudaKVCache, layer, kv_positions=None):
         T, H, q0, q1, D = view_rows(q)
         Tk, Hkv, k0, k1, Dk = view_rows(k)
         Tv, Hv, v0, v1, Dv = view_rows(v)
@@ -98,25 +113,29 @@ class AttentionOps:
                 raise ValueError(f"rope_kv: norm weights {a.shape}, heads of {D}")
         check_dtype(positions, np.int32, "rope_kv positions")
         check_dtype(slots, np.int32, "rope_kv slots")
+        _check_rows(T, positions=positions, slots=slots, kv_positions=kv_positions)
         (kc, ks), (vc, vs) = cache.k[layer], cache.v[layer]
         opt = [a if a is not None else NULL for a in (q_norm, k_norm, ks, vs)]
         self._launch(f"rope_kv_{cache.type_k}_{cache.type_v}", (T, H + 2 * Hkv),
                      (norm_block(D),),
                      [q, I32(q0), I32(q1), k, I32(k0), I32(k1), v, I32(v0), I32(v1),
                       I32(H), I32(Hkv), I32(D), I32(Dv), opt[0], opt[1], F32(eps),
-                      positions, slots, table[0], table[1], I32(half), I32(1 if neox else 0),
+                      positions, slots, _opt(kv_positions), table[0], table[1], I32(half),
+                      I32(1 if neox else 0),
                       I32(cache.n_ctx), kc, opt[2], vc, opt[3]])
 
     def attention(self, q, cache: CudaKVCache, layer, slots, positions, kv_len, window, scale,
-                  out):
-        self._attention(q, cache, layer, slots, positions, window, scale, out, False)
+                  out, attn_lo=None, attn_mask=None):
+        self._attention(q, cache, layer, slots, positions, window, scale, out, False, attn_lo,
+                        attn_mask)
 
     def attention_for_matmul(self, q, cache: CudaKVCache, layer, slots, positions, kv_len,
-                             window, scale, out):
-        self._attention(q, cache, layer, slots, positions, window, scale, out, True)
+                             window, scale, out, attn_lo=None, attn_mask=None):
+        self._attention(q, cache, layer, slots, positions, window, scale, out, True, attn_lo,
+                        attn_mask)
 
     def _attention(self, q, cache: CudaKVCache, layer, slots, positions, window, scale, out,
-                   for_matmul: bool):
+                   for_matmul: bool, attn_lo=None, attn_mask=None):
         # kv_len is not used: positions come from the device, no host length in the launch
         T, H, q0, q1, D = view_rows(q)
         To, Ho, o0, o1, Dv = view_rows(out)
@@ -127,6 +146,9 @@ class AttentionOps:
                              f"{cache.head_dim}/{cache.head_dim_v}")
         check_dtype(q, np.float32, "attention q")
         check_dtype(out, np.float32, "attention out")
+        if (attn_lo is None) != (attn_mask is None):
+            raise ValueError("attention: attn_lo and attn_mask come together")
+        _check_rows(T, slots=slots, positions=positions, attn_lo=attn_lo, attn_mask=attn_mask)
         n_split = ceil_div(cache.n_ctx, ATT_CHUNK)
         s = self._s
         if s.part_ml is None or T * H * n_split > s.part_ml.shape[0] or T * H > s.counters.size:
@@ -139,7 +161,32 @@ class AttentionOps:
         self._launch(f"attn_{cache.type_k}_{cache.type_v}", (n_split, H, T), (32, 4),
                      [q, I32(q0), I32(q1), I32(H), I32(Hkv), I32(D), I32(Dv), kq,
                       kd if kd is not None else kq, vq, vd if vd is not None else vq, slots,
-                      positions, I32(cache.n_ctx), I32(window), F32(scale), I32(ATT_CHUNK),
+                      positions, _opt(attn_lo), _opt(attn_mask), I32(cache.n_ctx), I32(window),
+                      F32(scale), I32(ATT_CHUNK),
                       ml, acc, s.counters, out, I32(o0), I32(o1), *blocks])
         if quant:
             self._blocks = (out.data.ptr, T, H * Dv, o0)
+
+    def kv_move(self, cache: CudaKVCache, slots, src, dst):
+        n = len(src)
+        _check_rows(n, slots=slots, src=src, dst=dst)
+        if n == 0:
+            return
+        P = cache.move_planes.size
+        self._launch("kv_move", (P,), (256,),
+                     [cache.move_planes, cache.move_bytes, I32(cache.n_ctx), slots, src, dst,
+                      I32(n)])
+
+
+def _opt(a):
+    return a if a is not None else NULL
+
+
+def _check_rows(n: int, **arrays) -> None:
+    """Every given per-row array is (>= n,) int32 and contiguous."""
+    for name, a in arrays.items():
+        if a is None:
+            continue
+        check_dtype(a, np.int32, name)
+        if a.ndim != 1 or a.shape[0] < n or not a.flags.c_contiguous:
+            raise ValueError(f"{name}: (>= {n},) contiguous int32 wanted, got {a.shape}")

@@ -52,6 +52,8 @@ class CudaKVCache(KVCache):
     n_head_kv: int
     head_dim: int
     head_dim_v: int
+    move_planes: Any = None          # (P,) u64 device pointers of every plane (kv_move)
+    move_bytes: Any = None           # (P,) i32 bytes of one position in each plane
 
 
 @dataclass

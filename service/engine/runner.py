@@ -15,8 +15,13 @@ rows need a token chosen and how); the runner decides *how*:
 4. reads back only the int32 output records with ONE copy and one wait.
 
 Layout of the packed step buffer (int32 words; M = max tokens, L = max logits rows):
-    [0, M) ids | [M, 2M) positions | [2M, 3M) slots | [3M, 3M + L) logits rows (indices into the
-    padded step) | [3M + L, 3M + L + L * N_PARAMS) per-row sampling records (cpu_sampling.Param)
+    [0, M) ids | [M, 2M) positions | [2M, 3M) slots | [3M, 4M) KV rows written | [4M, 5M)
+    attn_lo | [5M, 6M) attn_mask (tree verify rows, backends/base.py; an ordinary row has KV row
+    = position, attn_lo = position + 1, mask 0) | [6M, 6M + L) logits rows (indices into the
+    padded step) | [6M + L, 6M + L + L * N_PARAMS) per-row sampling records (cpu_sampling.Param)
+
+KV row moves (tree compaction, `move_kv`) go through a second small host buffer of 3M words
+(slots | sources | destinations), also uploaded with one copy, then one kv_move op.
 """
 
 from __future__ import annotations
@@ -59,13 +64,18 @@ class StepInput:
     """One step: n rows (1 <= n <= max tokens) and the rows that need a token chosen.
 
     logit_rows must be the last rows, in order (the transformer computes logits for the last
-    rows of a step); sampling holds one RowSampling per logits row."""
+    rows of a step); sampling holds one RowSampling per logits row. kv_positions, attn_lo and
+    attn_mask (all three or none) describe tree verify rows (service/engine/tree_verify.py);
+    None: ordinary causal rows."""
 
     token_ids: Sequence[int]
     positions: Sequence[int]
     slots: Sequence[int]          # -1 = padding row
     logit_rows: Sequence[int] = ()
     sampling: Sequence[RowSampling] = ()
+    kv_positions: Sequence[int] | None = None     # KV row each row writes (default: position)
+    attn_lo: Sequence[int] | None = None          # sees rows [0, attn_lo) (default: position+1)
+    attn_mask: Sequence[int] | None = None        # ... and attn_lo + bit for each set bit
 
     def check(self, max_tokens: int, max_logits: int) -> None:
         n = len(self.token_ids)
@@ -78,6 +88,9 @@ class StepInput:
                              f"the step (at most {max_logits})")
         if len(self.sampling) != L:
             raise ValueError(f"{len(self.sampling)} sampling records for {L} logits rows")
+        tree = (self.kv_positions, self.attn_lo, self.attn_mask)
+        if any(a is not None for a in tree) and any(a is None or len(a) != n for a in tree):
+            raise ValueError("kv_positions, attn_lo and attn_mask: all three, one per row")
 
 
 @dataclass(frozen=True)
@@ -91,14 +104,16 @@ class ModelRunner:
         self.model, be = model, model.backend
         M, L = model.max_tokens, model.max_logits
         self.sizes = be.step_sizes(M)
-        self._o_pos, self._o_slot, self._o_rows, self._o_par = M, 2 * M, 3 * M, 3 * M + L
-        n_words = 3 * M + L + L * N_PARAMS
+        self._o_rows, self._o_par = 6 * M, 6 * M + L
+        n_words = 6 * M + L + L * N_PARAMS
         self._host = be.host_buffer(n_words)                      # (W,) i32 pinned on CUDA
         self._dev = be.zeros((n_words,), "int32")                 # (W,) i32
         self._out_host = be.host_buffer(L * OUT_WORDS)            # (L * OUT_WORDS,) i32
         self._out_dev = be.zeros((L * OUT_WORDS,), "int32")       # (L * OUT_WORDS,) i32
         self.hist = be.zeros((n_slots, n_ctx), "int32")           # (n_slots, n_ctx) i32
         self._params = self._dev[self._o_par:].reshape(L, N_PARAMS)   # (L, N_PARAMS) i32
+        self._mv_host = be.host_buffer(3 * M)                     # (3M,) i32 pinned on CUDA
+        self._mv_dev = be.zeros((3 * M,), "int32")                # (3M,) i32
         self._out = self._out_dev.reshape(L, OUT_WORDS)               # (L, OUT_WORDS) i32
         be.prepare_sampling(L, model.spec.vocab_size)
 
@@ -114,6 +129,16 @@ class ModelRunner:
         h[M + pad:M + T] = inp.positions
         h[2 * M:2 * M + T] = -1
         h[2 * M + pad:2 * M + T] = inp.slots
+        h[3 * M:3 * M + T] = 0                                    # padding: position 0 rows
+        h[4 * M:4 * M + T] = 1
+        h[5 * M:5 * M + T] = 0
+        if inp.kv_positions is None:
+            h[3 * M + pad:3 * M + T] = inp.positions
+            h[4 * M + pad:4 * M + T] = h[M + pad:M + T] + 1
+        else:
+            h[3 * M + pad:3 * M + T] = inp.kv_positions
+            h[4 * M + pad:4 * M + T] = inp.attn_lo
+            h[5 * M + pad:5 * M + T] = np.asarray(inp.attn_mask, np.int64).astype(np.int32)
         L = len(inp.logit_rows)
         h[self._o_rows:self._o_rows + L] = np.asarray(inp.logit_rows, np.int32) + pad
         for r, (row, s) in enumerate(zip(inp.logit_rows, inp.sampling, strict=True)):
@@ -133,6 +158,7 @@ class ModelRunner:
         be.upload_step(self._host, self._dev)
         ids, pos = self._dev[:T], self._dev[M:M + T]                  # (T,) i32 each
         slots = self._dev[2 * M:2 * M + T]                            # (T,) i32
+        tree = [self._dev[o * M:o * M + T] for o in (3, 4, 5)]        # 3 x (T,) i32
         params, out, hist = self._params[:L], self._out[:L], self.hist
 
         def choose(logits) -> None:
@@ -140,11 +166,25 @@ class ModelRunner:
             if L:
                 be.sample(logits, params, hist, out)
 
-        model.forward(ids, pos, slots, max(inp.positions) + 1, L, epilogue=choose)
+        kv_rows = inp.kv_positions if inp.kv_positions is not None else inp.positions
+        kv_len = max(max(inp.positions), max(kv_rows)) + 1
+        model.forward(ids, pos, slots, kv_len, L, choose, *tree)
         be.download_step(self._out_dev[:L * OUT_WORDS], self._out_host)
         res = self._out_host[:L * OUT_WORDS].reshape(L, OUT_WORDS)
         return StepOutput(res[:, 0].copy(), tuple(
             _logprob(res[r], s.n_top) for r, s in enumerate(inp.sampling)))
+
+    def move_kv(self, slots: Sequence[int], src: Sequence[int], dst: Sequence[int]) -> None:
+        """KV rows src[m] -> dst[m] of slot slots[m], for every layer, in order (one upload,
+        one kv_move op). At most max_tokens moves."""
+        n, M, h = len(src), self.model.max_tokens, self._mv_host
+        if not 0 < n <= M or len(slots) != n or len(dst) != n:
+            raise ValueError(f"{n} KV moves (at most {M}), {len(slots)} slots, {len(dst)} dst")
+        h[:n], h[M:M + n], h[2 * M:2 * M + n] = slots, src, dst
+        be = self.model.backend
+        be.upload_step(h, self._mv_dev)
+        be.kv_move(self.model.cache, self._mv_dev[:n], self._mv_dev[M:M + n],
+                   self._mv_dev[2 * M:2 * M + n])
 
 
 def _logprob(rec: np.ndarray, n_top: int) -> TokenLogprob | None:

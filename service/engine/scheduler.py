@@ -12,12 +12,15 @@ loop iteration then runs:
    lengths shrink first (the longest draft loses a token, the youngest sequence's on a tie);
    only when the sequences alone exceed 16 does a sequence sit a step out, in turns: the
    sequences that waited longest since their last step go first, FIFO by start among equals.
-   Each sequence's segment is verified on its own with speculative.accept_chain. Every row
-   chooses its token with the request's own sampling (greedy or seeded sampling, penalties
-   included) keyed by the token index it would produce, so a sampled request speculates too
-   and its output equals plain seeded sampling token for token (speculative.py: why this is
-   rejection sampling). With EngineConfig.step_profile each step's parts are timed
-   (stepprofile.py).
+   Each sequence's segment is verified on its own with speculative.accept_chain, or, for a
+   sequence with a tree budget, as a draft tree (service/engine/tree_verify.py: its rows, path
+   following and the KV compaction after the step). Every row chooses its token with the
+   request's own sampling (greedy or seeded sampling, penalties included) keyed by the index
+   of the token it would produce (a tree node: by its depth), so a sampled request speculates
+   too and its output equals plain seeded sampling token for token (speculative.py: why this
+   is rejection sampling). A request with a repetition penalty verifies chains only (its
+   penalty window reads the token history by position, which a tree's siblings share). With
+   EngineConfig.step_profile each step's parts are timed (stepprofile.py).
 2. then at most ONE prefill chunk (`prefill_chunk` prompt tokens) of the oldest sequence still
    prefilling, as its own step (a wider step takes another numeric path and would change the
    batched rows' bits). A long prompt therefore delays running streams by at most one chunk per
@@ -55,6 +58,10 @@ from service.engine.spec_options import resolve as resolve_speculation
 from service.engine.speculative import accept_chain, draft_length
 from service.engine.stepprofile import DRAFT, HEADS, OTHER, VERIFY, StepTimer
 from service.engine.textstream import TextStream
+from service.engine.tree import Tree
+from service.engine.tree_verify import commit as commit_tree
+from service.engine.tree_verify import compact, draft_tree, n_rows, step_fields
+from service.engine.tree_verify import rows as rows_of
 from service.engine.types import (
     Event,
     Finished,
@@ -216,7 +223,8 @@ class Engine:
     # ------------------------------------------------------------------ engine thread
     def _new_sequence(self, request: GenerationRequest, sink) -> Sequence:
         spec = resolve_speculation(request.speculative, request.speculative_options,
-                                   self.config, self.drafter is not None)
+                                   self.config, self.drafter is not None,
+                                   request.sampling.repetition_penalty)
         return Sequence(request=request, sink=sink,
                         seed_value=resolve_seed(request.sampling.seed),
                         text=TextStream(self.tokenizer, request.stopping.stop_sequences),
@@ -377,15 +385,20 @@ class Engine:
                     outs.append(None)
         if timer is not None:           # before committing: a finishing request reports it
             timer.charge([seq for seq, _ in batch])
+        moves = []
         for (seq, draft), out in zip(batch, outs, strict=True):
             if out is not None and not seq.finished:
-                self._commit(seq, draft, out)
+                if isinstance(draft, Tree):
+                    moves.append(commit_tree(seq, draft, out))
+                else:
+                    self._commit(seq, draft, out)
+        self.stats.kv_moves += compact(self.runner, moves)
         if timer is not None:
             timer.finish([seq for seq, _ in batch], self.stats.decode_steps,
-                         sum(len(d) for _, d in batch))
+                         sum(n_rows(d) for _, d in batch))
 
-    def _plan(self, decoding: list[Sequence],
-              timer: StepTimer | None = None) -> list[tuple[Sequence, list[int]]]:
+    def _plan(self, decoding: list[Sequence], timer: StepTimer | None = None
+              ) -> list[tuple[Sequence, list[int] | Tree]]:
         """Which sequences step now and the rows of each ([seed, drafts...]), <= step_rows."""
         # Turns: the sequences that waited longest go first; sorted() keeps start order on ties.
         chosen = sorted(decoding, key=lambda s: s.last_turn)[:self.step_rows]
@@ -404,7 +417,8 @@ class Engine:
                 seq.steps_without_draft = 0 if k else seq.steps_without_draft + 1
                 if timer is not None:
                     timer.lap(OTHER)
-                draft += self.drafter.propose(seq, k)
+                draft = (draft_tree(self.drafter, seq, k + 1) if seq.tree_budget
+                         else draft + self.drafter.propose(seq, k))
                 if timer is not None:
                     timer.lap(DRAFT)
             batch.append((seq, draft))
@@ -414,45 +428,50 @@ class Engine:
         """How many tokens `seq` would like drafted this step (0: plain decoding)."""
         if not seq.speculative:
             return 0
-        room = min(seq.verify_width - 1, self.config.n_ctx - seq.n_past - 1,
+        room = min((seq.tree_budget or seq.verify_width) - 1, self.config.n_ctx - seq.n_past - 1,
                    seq.request.stopping.max_new_tokens - len(seq.generated) - 1)
+        if seq.tree_budget:             # a tree uses its budget (tree_verify.py)
+            return max(0, room)
         k = draft_length(seq.accept_rate, self.verify_alpha, room)
         if k == 0 and seq.steps_without_draft >= PROBE_EVERY:
             k = min(1, room)            # keep measuring: the text may turn repetitive
         return k
 
-    def _verify_step(self, batch: list[tuple[Sequence, list[int]]],
+    def _verify_step(self, batch: list[tuple[Sequence, list[int] | Tree]],
                      timer: StepTimer | None = None) -> StepOutput:
-        """Every row of the batch in one step; every row chooses a token: row i of a sequence
-        exactly as plain decoding chooses the token i after its next one (its own sampling,
-        seed and token index; the penalty window sees the drafts before it, recorded into the
-        token history by the same step before sampling)."""
+        """Every row of the batch in one step; every row chooses a token: a row at depth d of
+        a sequence's chain or tree exactly as plain decoding chooses the token d after its
+        next one (its own sampling, seed and token index; in a chain the penalty window sees
+        the drafts before it, recorded into the token history by the same step)."""
         if timer is not None:
             timer.lap(OTHER)            # planning (drafting laps itself)
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         rows: list[RowSampling] = []
-        for seq, draft in batch:
-            ids += draft
-            positions += range(seq.n_past, seq.n_past + len(draft))
-            slots += [seq.slot] * len(draft)
-            rows += [self._choice(seq, i) for i in range(len(draft))]
+        segments = [rows_of(draft, seq.n_past) for seq, draft in batch]
+        for (seq, _), seg in zip(batch, segments, strict=True):
+            ids += seg.ids
+            positions += seg.positions
+            slots += [seq.slot] * len(seg.ids)
+            rows += [self._choice(seq, p - seq.n_past) for p in seg.positions]
         T = len(ids)
         if timer is not None:
             timer.lap(HEADS)
-        out = self.runner.step(StepInput(ids, positions, slots, range(T), rows))
+        out = self.runner.step(StepInput(ids, positions, slots, range(T), rows,
+                                         **step_fields(segments)))
         if timer is not None:
             timer.lap(VERIFY)
         self.stats.count_decode(len(batch), T)
         return out
 
     @staticmethod
-    def _split(batch: list[tuple[Sequence, list[int]]], out: StepOutput) -> list[StepOutput]:
+    def _split(batch: list[tuple[Sequence, list[int] | Tree]], out: StepOutput
+               ) -> list[StepOutput]:
         """The step's output cut into each sequence's segment."""
         parts, o = [], 0
         for _, draft in batch:
-            n = len(draft)
+            n = n_rows(draft)
             parts.append(StepOutput(out.token_ids[o:o + n], out.logprobs[o:o + n]))
             o += n
         return parts
@@ -478,6 +497,7 @@ class StepStats:
         self.prefill_steps = 0
         self.decode_rows = 0
         self.max_sequences = 0          # most sequences one decode step held
+        self.kv_moves = 0               # KV rows moved by tree compaction
 
     def count_decode(self, n_sequences: int, n_rows: int) -> None:
         self.decode_steps += 1

@@ -5,7 +5,8 @@ request may switch it off, pick chain or tree verify, and narrow the width or th
 within those limits. `resolve` turns (enabled, SpeculativeOptions) into what a Sequence runs
 with, or raises InvalidRequestError naming the field:
 
-    INVALID_ARGUMENT     a value out of range (`speculative.width` outside 2..verify_width,
+    INVALID_ARGUMENT     tree mode with sampling.repetition_penalty != 1 (see resolve);
+                         a value out of range (`speculative.width` outside 2..verify_width,
                          `speculative.tree_budget` outside 2..tree_budget, an unknown mode) or
                          contradicting another (enabled=false with mode chain/tree, mode off
                          with enabled=true, width or tree_budget with speculation off,
@@ -43,8 +44,12 @@ def _precondition(field: str, message: str) -> InvalidRequestError:
 
 
 def resolve(enabled: bool | None, opts: SpeculativeOptions, config: EngineConfig,
-            has_drafter: bool) -> Speculation:
-    """The speculation of one request, or InvalidRequestError naming the offending field."""
+            has_drafter: bool, repetition_penalty: float = 1.0) -> Speculation:
+    """The speculation of one request, or InvalidRequestError naming the offending field.
+
+    A request with a repetition penalty verifies chains: its penalty window reads the token
+    history by position, which the nodes of one tree depth share. Asking for tree mode with a
+    penalty is INVALID_ARGUMENT; a server default of tree verify falls back to chain."""
     mode, width, budget = opts.mode, opts.width, opts.tree_budget
     if mode is not None and mode not in SPECULATIVE_MODES:
         raise InvalidRequestError("speculative.mode", f"unknown mode {mode!r}; one of "
@@ -82,6 +87,15 @@ def resolve(enabled: bool | None, opts: SpeculativeOptions, config: EngineConfig
         raise _precondition("speculative.tree_budget" if budget is not None
                             else "speculative.mode", "tree verify needs a server started with "
                             "tree_budget > 0 (--tree-budget); this one verifies chains")
+    if tree and repetition_penalty != 1.0:
+        if mode == "tree" or budget is not None:
+            raise InvalidRequestError("speculative.mode" if mode == "tree"
+                                      else "speculative.tree_budget",
+                                      "tree verify does not combine with "
+                                      "sampling.repetition_penalty != 1 (the penalty reads the "
+                                      "token history by position, which sibling nodes share); "
+                                      "use mode chain")
+        tree = False
     if budget is not None and not 2 <= budget <= config.tree_budget:
         raise InvalidRequestError("speculative.tree_budget", f"must be in [2, "
                                   f"{config.tree_budget}] (the server's tree_budget), got "

@@ -64,10 +64,14 @@ class Transformer:
         for w, c0, c1 in parts:
             self.backend.matmul(x, w, out[:, c0:c1])
 
-    def forward(self, ids, positions, slots, kv_len: int, n_logits: int = 1, epilogue=None):
+    def forward(self, ids, positions, slots, kv_len: int, n_logits: int = 1, epilogue=None,
+                kv_positions=None, attn_lo=None, attn_mask=None):
         """Run one step; return logits (n_logits, V) for the last n_logits tokens.
 
         ids, positions, slots: (T,) int32 backend arrays; padding rows have slot -1.
+        kv_positions, attn_lo, attn_mask: optional (T,) int32 backend arrays for tree verify
+        rows (base.py): where each row's K/V goes and which KV rows it sees; all three or none.
+        kv_len must then also exceed every kv_positions entry.
         kv_len >= every real position + 1 (read by the CPU backend only). `epilogue(logits)`,
         when given, runs right after the step inside the same `run_step` (token choice), so a
         backend that captures the step captures it too. The backend may capture the step per
@@ -79,15 +83,21 @@ class Transformer:
             raise ValueError(f"step of {T} tokens / {n_logits} logits outside the workspace "
                              f"(max {self.max_tokens} / {self.max_logits})")
 
+        tree = (kv_positions, attn_lo, attn_mask)
+        if any(a is None for a in tree) and any(a is not None for a in tree):
+            raise ValueError("kv_positions, attn_lo and attn_mask come together")
+
         def step():
-            logits = self._forward(ids, positions, slots, kv_len, n_logits)
+            logits = self._forward(ids, positions, slots, kv_len, n_logits, *tree)
             if epilogue is not None:
                 epilogue(logits)
             return logits
 
-        return self.backend.run_step((T, n_logits), (ids, positions, slots), step)
+        inputs = (ids, positions, slots, *(a for a in tree if a is not None))
+        return self.backend.run_step((T, n_logits), inputs, step)
 
-    def _forward(self, ids, positions, slots, kv_len: int, n_logits: int):
+    def _forward(self, ids, positions, slots, kv_len: int, n_logits: int, kv_positions=None,
+                 attn_lo=None, attn_mask=None):
         s, be, W = self.spec, self.backend, self.weights
         T = len(ids)
         eps, neox = s.rms_eps, s.traits.rope_mode is RopeMode.NEOX
@@ -105,10 +115,10 @@ class Transformer:
             k = qkv[:, Q:Q + K].reshape(T, s.n_head_kv, s.head_dim)     # (T, Hkv, hd)
             v = qkv[:, Q + K:].reshape(T, s.n_head_kv, s.head_dim_v)    # (T, Hkv, hv)
             be.rope_kv(q, k, v, L.q_norm, L.k_norm, eps, positions, slots, self.rope_tables[i],
-                       neox, self.cache, i)
+                       neox, self.cache, i, kv_positions)
             a = attn.reshape(T, s.n_head, s.head_dim_v)                 # (T, H, hv)
             be.attention_for_matmul(q, self.cache, i, slots, positions, kv_len, lay.window,
-                                    s.attn_scale, a)
+                                    s.attn_scale, a, attn_lo, attn_mask)
             self._residual(attn, L.wo, L.post_attn_norm, o, x)
             be.rms_norm_for_matmul(x, L.ffn_norm, eps, h)               # (T, E)
             if s.moe:

@@ -1,0 +1,151 @@
+"""Tree verify (DDTree) on the CPU: greedy output with tree verify equals plain greedy output
+token for token, with the model drafter at budgets 4, 8 and 16, the ngram drafter, on SmolLM2
+and Gemma-3, and with a drafter built so that the accepted path leaves the leading chain (its
+top-1 is wrong, its top-2 right), which makes every step compact KV rows.
+
+Exact equality (not the near-tie rule of tests/near_ties.py): in steps of up to 16 rows the CPU
+backend computes a tree row exactly as plain decoding computes the same token after the same
+path (same keys in the same order, tests/unit/test_tree_attention.py), so the logits are
+bit-identical. The GPU version of this gate (tests/gpu/test_tree_verify.py) uses the near-tie
+rule, its attention tiles keys by KV row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from service.config import EngineConfig
+from service.engine.drafters import Drafter
+from service.engine.scheduler import Engine
+from service.gguf.requant import requantize
+from tests.conftest import REAL_MODELS, load_json, real_model_path
+from tests.engine.test_engine import run
+
+N_NEW = 16                       # tokens per prompt: several tree steps, modest CI time
+FIXTURES = {"smollm2": "llamacpp_smollm2_greedy.json", "gemma3": "llamacpp_gemma3_greedy.json"}
+N_CASES = {"smollm2": 4, "gemma3": 2}
+
+
+def cases(model: str) -> list[dict]:
+    return load_json(FIXTURES[model])["cases"][:N_CASES[model]]
+
+
+def engine(model: str, **overrides) -> Engine:
+    cfg = EngineConfig(**{"backend": "cpu", "n_ctx": 256, "n_slots": 1, "verify_width": 16,
+                          **overrides})
+    eng = Engine.load(real_model_path(REAL_MODELS[model]), cfg)
+    eng.start()
+    eng.verify_alpha = 0.0       # draft in full: the machine's load must not decide
+    return eng
+
+
+@pytest.fixture(scope="module")
+def plain() -> dict[str, list[list[int]]]:
+    out = {}
+    for model in FIXTURES:
+        eng = engine(model, drafter="none", verify_width=1)
+        try:
+            out[model] = [run(eng, c["prompt_ids"], max_new_tokens=N_NEW, ignore_eos=True,
+                              speculative=False).token_ids for c in cases(model)]
+        finally:
+            eng.stop(10)
+    return out
+
+
+@pytest.fixture(scope="module")
+def draft_files(tmp_path_factory) -> dict[str, str]:
+    """model -> a 4-block q8_0 copy of it (a cheap drafter of the same vocabulary)."""
+    d = tmp_path_factory.mktemp("tree-drafts")
+    return {m: str(requantize(real_model_path(REAL_MODELS[m]), d / f"{m}-4l.gguf", "q8_0",
+                              4).path) for m in FIXTURES}
+
+
+def check_identity(eng: Engine, model: str, plain_ids: list[list[int]], label: str):
+    drafted = accepted = tokens = 0
+    for case, want in zip(cases(model), plain_ids, strict=True):
+        out = run(eng, case["prompt_ids"], max_new_tokens=N_NEW, ignore_eos=True)
+        assert out.token_ids == want, (label, case["name"])
+        u = out.finished.usage
+        drafted, accepted = drafted + u.draft_tokens, accepted + u.accepted_draft_tokens
+        tokens += u.completion_tokens - 1          # the first one comes from the prefill
+    print(f"\n{label}: {accepted}/{drafted} drafts accepted, "
+          f"{tokens / (tokens - accepted):.2f} tokens per step, {eng.stats.kv_moves} KV moves")
+    return drafted, accepted
+
+
+def test_model_drafter_trees_equal_plain_greedy_smollm2(plain, draft_files):
+    eng = engine("smollm2", drafter="model", draft_model=draft_files["smollm2"], tree_budget=4)
+    try:
+        for budget in (4, 8, 16):
+            eng.config = replace(eng.config, tree_budget=budget)
+            drafted, _ = check_identity(eng, "smollm2", plain["smollm2"],
+                                        f"smollm2 model drafter, budget {budget}")
+            assert drafted > 0
+    finally:
+        eng.stop(10)
+
+
+def test_model_drafter_tree_equals_plain_greedy_gemma3(plain, draft_files):
+    eng = engine("gemma3", drafter="model", draft_model=draft_files["gemma3"], tree_budget=8)
+    try:
+        drafted, _ = check_identity(eng, "gemma3", plain["gemma3"], "gemma3 model, budget 8")
+        assert drafted > 0
+    finally:
+        eng.stop(10)
+
+
+@pytest.mark.parametrize("model", sorted(FIXTURES))
+def test_ngram_chain_in_tree_mode_equals_plain_greedy(plain, model):
+    eng = engine(model, drafter="ngram", tree_budget=8)
+    try:
+        check_identity(eng, model, plain[model], f"{model} ngram, budget 8")
+    finally:
+        eng.stop(10)
+
+
+class SecondBestDrafter(Drafter):
+    """Knows plain greedy decoding's continuation of each prompt and ranks it SECOND at every
+    depth, under a wrong token: the top-1 chain is always rejected and the accepted path runs
+    through branches, so every step that accepts a draft must compact KV rows."""
+
+    name = "second-best"
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], vocab: int):
+        self.cont, self.vocab = continuations, vocab
+
+    def _right(self, history: list[int], k: int) -> list[int]:
+        prompt = next(p for p in self.cont if tuple(history[:len(p)]) == p)
+        done = len(history) - len(prompt)
+        return self.cont[prompt][done:done + k]
+
+    def propose(self, seq, k: int) -> list[int]:
+        return self._right(seq.history, k)
+
+    def candidates(self, seq, k: int, n_top: int):
+        right = self._right(seq.history, k)
+        if not right:
+            return [], np.zeros((0, n_top), np.int64), np.zeros((0, n_top))
+        ids = np.array([[(r + 1) % self.vocab, r, (r + 2) % self.vocab] for r in right])
+        logp = np.tile([-0.1, -0.15, -4.0], (len(right), 1))
+        return [int(t) for t in ids[:, 0]], ids[:, :n_top], logp[:, :n_top]
+
+
+def test_accepted_paths_off_the_leading_chain_are_compacted(plain, monkeypatch):
+    model = "smollm2"
+    eng = engine(model, drafter="ngram", tree_budget=8)
+    eng.drafter = SecondBestDrafter(
+        {tuple(c["prompt_ids"]): ids for c, ids in zip(cases(model), plain[model],
+                                                        strict=True)}, eng.spec.vocab_size)
+    try:
+        drafted, accepted = check_identity(eng, model, plain[model], "second-best, budget 8")
+        assert accepted > 0 and eng.stats.kv_moves >= accepted
+        # negative control: without the compaction the accepted rows sit at the wrong KV rows
+        monkeypatch.setattr("service.engine.scheduler.compact", lambda runner, moves: 0)
+        outs = [run(eng, c["prompt_ids"], max_new_tokens=N_NEW, ignore_eos=True).token_ids
+                for c in cases(model)]
+        assert outs != plain[model]
+    finally:
+        eng.stop(10)
