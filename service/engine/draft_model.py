@@ -13,6 +13,10 @@ with H = len(seq.history) (the seed, history[H-1], is the last):
     chain:     d_{i+1} = argmax(draft(d_i at position H - 1 + i)) for i = 1..k-1
     keep:      n_cached = H, pending = d1..d_{k-1}  (d_k has no row)
 
+With a DSpark Markov head (service/engine/markov_head.py), every row that picks a draft gets
+`logits += W2 @ W1[prev]` before the argmax, prev being that row's input id (the seed for d1,
+d_i for d_{i+1}); it runs inside the step like the argmax.
+
 Rollback is the same position move as the target's: stale rows past n_cached are overwritten
 by the next catch-up. The argmax runs on the backend (Backend.argmax); only int32 ids come back,
 one per draft step; no logits row is copied to the host.
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from service.engine.drafters import Drafter, DraftState
+from service.engine.markov_head import MarkovHead
 from service.model.transformer import Transformer
 
 
@@ -45,8 +50,8 @@ class _SlotState:
 class ModelDrafter(Drafter):
     name = "model"
 
-    def __init__(self, model: Transformer, model_name: str):
-        self.model, self.model_name = model, model_name
+    def __init__(self, model: Transformer, model_name: str, head: MarkovHead | None = None):
+        self.model, self.model_name, self.head = model, model_name, head
         be, M = model.backend, model.max_tokens
         self.sizes = be.step_sizes(M)
         self._host = be.host_buffer(3 * M)                  # (3M,) i32 ids | positions | slots
@@ -112,7 +117,11 @@ class ModelDrafter(Drafter):
         slots = self._dev[2 * M:2 * M + T]                              # (T,) i32
         out = self._out_dev
 
+        head = self.head
+
         def choose_token(logits) -> None:                               # logits (1, V) f32
+            if head is not None:
+                head.apply(ids, logits)                                 # += W2 @ W1[ids[-1]]
             be.argmax(logits, out)
 
         model.forward(ids, pos, slots, start + n, 1 if choose else 0,
