@@ -66,7 +66,7 @@ class FitResult:
 
 
 # ---------------------------------------------------------------- running the two models
-def _model(path: Path, threads: int) -> tuple[GGUFFile, ModelSpec, Tokenizer, Transformer]:
+def load_cpu_model(path: Path, threads: int) -> tuple[GGUFFile, ModelSpec, Tokenizer, Transformer]:
     """A model on its own CPU backend, one slot of min(MAX_WINDOW, trained context) positions."""
     f = GGUFFile(path)
     spec = ModelSpec.from_gguf(f)
@@ -237,8 +237,8 @@ def fit_markov(target: str | os.PathLike, draft: str | os.PathLike, out: str | o
     if problems := _problems(rank, dtype, corpus, n_tokens, out, draft):
         raise ConfigError(problems)
     t0 = time.perf_counter()
-    tf, tspec, ttok, tmodel = _model(target, threads)
-    df, dspec, dtok, dmodel = _model(draft, threads)
+    tf, tspec, ttok, tmodel = load_cpu_model(target, threads)
+    df, dspec, dtok, dmodel = load_cpu_model(draft, threads)
     n_ctx = min(tmodel.n_ctx, dmodel.n_ctx)
     check_draft_vocabulary(tf, tspec, ttok, df, dspec, dtok, n_ctx=0)
     if corpus == GENERATE:
