@@ -211,3 +211,37 @@ def test_fit_markov_lowers_the_residual_on_its_corpus_and_round_trips(draft4, tm
                        n_tokens=64, dtype="f32")
     g = GGUFFile(again.path)
     assert g.tensors[W1_NAME].shape == (V, 4) and read_head_shape(g, V).rank == 4
+
+
+def test_fit_markov_cli_on_a_corpus_generated_by_the_target(draft4, tmp_path, capsys):
+    from service.cli import main
+
+    out = tmp_path / "gen.gguf"
+    assert main(["fit-markov", "smollm2-135m", str(draft4), str(out), "--rank", "4",
+                 "--corpus", "-generate", "--tokens", "40", "--seed", "3"]) == 0
+    line = capsys.readouterr().out
+    assert "rank 4 Markov head fitted on 40 positions" in line, line
+    before, after = (float(x) for x in line.rsplit("logit ", 1)[1].split(",")[0].split(" -> "))
+    assert after < before
+    assert read_head_shape(GGUFFile(out), V).rank == 4
+    assert main(["fit-markov", "smollm2-135m", str(draft4), str(out), "--rank", "0",
+                 "--corpus", "nowhere.txt"]) == 2
+
+
+def test_headed_draft_steps_obey_the_capture_rules(headed):
+    """With the CPU backend's capture rules on, the head's ops inside the draft step use only
+    workspace buffers and the same op sequence per step shape (what a CUDA graph needs)."""
+    from service.backends import backend_options
+
+    prompt = load_json("llamacpp_smollm2_greedy.json")["cases"][1]["prompt_ids"]   # 18 ids
+    with backend_options("cpu", capture_rules=True):
+        eng = model_engine(str(headed[0]), verify_width=4, prefill_chunk=8)
+    try:
+        assert hasattr(eng.drafter.model.backend, "capture_state")
+        spec = run(eng, prompt, max_new_tokens=12)
+        plain = run(eng, prompt, max_new_tokens=12, speculative=False)
+    finally:
+        eng.stop(10)
+    assert eng.failure is None and spec.finished.error is None, spec.finished.error
+    assert spec.token_ids == plain.token_ids
+    assert spec.finished.usage.draft_tokens > 0
