@@ -35,7 +35,12 @@ def _random_head(vocab: int, rank: int, scale: float, seed: int = 0):
 
 @pytest.mark.parametrize("dtype", ["f16", "f32"])
 @pytest.mark.parametrize("rank", [16, 64])
-def test_head_on_cuda_equals_cpu(cuda, tmp_path, dtype, rank):
+def test_head_on_cuda_equals_cpu(tmp_path, dtype, rank):
+    from service.backends.cuda import CudaBackend
+
+    # a backend of its own: a backend shares loaded matrices by tensor name, and every case
+    # here names its head's tensors alike
+    cuda = CudaBackend(graphs=False, prefill_gemm_min_tokens=None)
     tiny = GGUFFile(TINY / "tiny-qwen3.gguf")
     vocab = ModelSpec.from_gguf(tiny).vocab_size
     out = tmp_path / "tiny-head.gguf"
@@ -45,15 +50,16 @@ def test_head_on_cuda_equals_cpu(cuda, tmp_path, dtype, rank):
     gpu, cpu = MarkovHead(f, shape, cuda), MarkovHead(f, shape, create_backend("cpu"))
     cuda.finish_load()
     rng = np.random.default_rng(rank)
-    for ids in ([3], [1, vocab - 1], [0, 7, 7, 2, 5]):
-        logits = rng.standard_normal((1, vocab)).astype(np.float32)            # (1, V)
-        ref = logits.copy()
-        cpu.apply(np.array(ids, np.int32), ref)
-        dev = cp.asarray(logits)
-        gpu.apply(cp.asarray(np.array(ids, np.int32)), dev)
-        got = cuda.to_host(dev)
-        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
-        assert not np.allclose(got, logits)              # the head added something
+    with cuda.stream:
+        for ids in ([3], [1, vocab - 1], [0, 7, 7, 2, 5]):
+            logits = rng.standard_normal((1, vocab)).astype(np.float32)        # (1, V)
+            ref = logits.copy()
+            cpu.apply(np.array(ids, np.int32), ref)
+            dev = cp.asarray(logits)                                           # (1, V) f32
+            gpu.apply(cp.asarray(np.array(ids, np.int32)), dev)
+            got = cuda.to_host(dev)
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
+            assert not np.allclose(got, logits)          # the head added something
 
 
 @pytest.fixture(scope="module")
