@@ -4,7 +4,7 @@
 
 W1 (V, R) holds one R-vector per previous token, W2 (V, R) maps it back to the vocabulary. In a
 draft GGUF they are the tensors `dflash.dspark.markov.w1` and `dflash.dspark.markov.w2`, ggml
-shape [rank, vocab] each (row-major (V, R)), F16 or F32, with metadata
+shape [rank, vocab] each (row-major (V, R)), F16, F32 or Q8_0, with metadata
 `<arch>.dflash.dspark.{enabled, markov_rank, vocab_size}`. In a draft chain the input id of the
 row that picks d_{i+1} is d_i, so the correction is sequential over the block; it runs on the
 backend inside the drafter's step, right before the argmax, with two existing ops (captured with
@@ -35,7 +35,9 @@ log = structlog.get_logger("specstream.engine")
 
 W1_NAME = "dflash.dspark.markov.w1"
 W2_NAME = "dflash.dspark.markov.w2"
-HEAD_TYPES = (QuantType.F16, QuantType.F32)
+# F16/F32 as fit-markov writes them; Q8_0 as `specstream quantize` re-encodes a head whose rank
+# is a multiple of 32 (its near-tie corrections need 8 bits or more, SEED.md: 4-bit is refused)
+HEAD_TYPES = (QuantType.F16, QuantType.F32, QuantType.Q8_0)
 
 
 def meta_key(arch: str, what: str) -> str:

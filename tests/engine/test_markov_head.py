@@ -245,3 +245,20 @@ def test_headed_draft_steps_obey_the_capture_rules(headed):
     assert eng.failure is None and spec.finished.error is None, spec.finished.error
     assert spec.token_ids == plain.token_ids
     assert spec.finished.usage.draft_tokens > 0
+
+
+def test_quantize_keeps_a_head_at_8_bits_or_refuses_it_at_4(tmp_path):
+    tiny = GGUFFile(TINY / "tiny-qwen3.gguf")
+    vocab = ModelSpec.from_gguf(tiny).vocab_size
+    w1, w2 = _random_head(vocab, 64, 1.0)
+    write_head(tiny, tmp_path / "h.gguf", w1, w2, "f32")
+    q8 = GGUFFile(requantize(tmp_path / "h.gguf", tmp_path / "h8.gguf", "q8_0").path)
+    assert q8.tensors[W1_NAME].qtype.name == "Q8_0" and read_head_shape(q8, vocab).rank == 64
+    be = create_backend("cpu")
+    head = MarkovHead(q8, read_head_shape(q8, vocab), be)
+    logits = np.zeros((1, vocab), np.float32)
+    head.apply(np.array([5], np.int32), logits)
+    np.testing.assert_allclose(logits[0], w2 @ w1[5], atol=0.05 * np.abs(w2 @ w1[5]).max())
+    q4 = GGUFFile(requantize(tmp_path / "h.gguf", tmp_path / "h4.gguf", "q4_0").path)
+    with pytest.raises(ModelFormatError, match="Q4_0; the head is stored as"):
+        read_head_shape(q4, vocab)
