@@ -9,8 +9,12 @@ engine's adaptive draft length is told verification is free), and the table give
                  accepted drafts plus one token of the target's own)
     identical    whether every output equals plain greedy decoding of the same run
 No timings: the draft model's cost is not in the table (see bench/cpu_decode.py for speed).
+`--drafts A.gguf,B.gguf` measures given draft files as well (e.g. the same truncated copy with
+and without a DSpark Markov head from `specstream fit-markov`); `--layers ""` skips the copies
+made here and `--no-full` the full q8_0 one.
 
     python bench/draft_acceptance.py [--layers 4,15,22,28] [--widths 2,6,16] [--tokens 48]
+        [--drafts FILE,...] [--no-full]
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ def main() -> int:
     ap.add_argument("--widths", default="2,6,16")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--drafts", default="", help="draft GGUF files to measure as well")
+    ap.add_argument("--no-full", action="store_true", help="skip the full q8_0 copy")
     args = ap.parse_args()
     configure_logging("warning", fmt="console")
     target = fetch_model("smollm2-135m", models_dir_from_env())
@@ -68,12 +74,17 @@ def main() -> int:
     plain_eng.stop(10)
     print(f"SmolLM2-135M (Q4_1) target, {len(CASES)} fixture prompts x {args.tokens} greedy "
           "tokens, CPU")
-    print(f"{'drafter':<22}{'width':>6}{'acceptance':>20}{'tokens/step':>13}{'identical':>11}")
     with tempfile.TemporaryDirectory() as tmp:
-        drafts = [("q8_0, 30 layers", None)] + [(f"q8_0, {n} layers", n)
-                                               for n in map(int, args.layers.split(","))]
+        drafts = [] if args.no_full else [("q8_0, 30 layers", None)]
+        drafts += [(f"q8_0, {n} layers", n) for n in map(int, filter(None,
+                                                                   args.layers.split(",")))]
+        drafts += [(Path(p).name, Path(p)) for p in filter(None, args.drafts.split(","))]
+        width = max(22, *(len(label) + 1 for label, _ in drafts))
+        print(f"{'drafter':<{width}}{'width':>6}{'acceptance':>20}{'tokens/step':>13}"
+              f"{'identical':>11}")
         for label, n in drafts:
-            path = requantize(target, Path(tmp) / f"draft-{n or 'all'}.gguf", "q8_0", n).path
+            path = n if isinstance(n, Path) else requantize(
+                target, Path(tmp) / f"draft-{n or 'all'}.gguf", "q8_0", n).path
             eng = load(target, args.threads, drafter="model", draft_model=str(path),
                        verify_width=max(widths))
             for w in widths:
@@ -88,7 +99,8 @@ def main() -> int:
                     accepted += u.accepted_draft_tokens
                     tokens += u.completion_tokens - 1     # the first token comes from prefill
                 steps = tokens - accepted
-                print(f"{label:<22}{w:>6}{f'{accepted}/{drafted} {accepted / drafted:.1%}':>20}"
+                rate = f"{accepted}/{drafted} {accepted / drafted:.1%}"
+                print(f"{label:<{width}}{w:>6}{rate:>20}"
                       f"{tokens / steps:>13.2f}{'yes' if same else 'NO':>11}", flush=True)
             eng.stop(10)
     return 0

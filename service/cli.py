@@ -1,4 +1,5 @@
-"""`specstream` command line: models fetch/list, inspect, generate, synth, quantize, serve."""
+"""`specstream` command line: models fetch/list, inspect, generate, synth, quantize,
+fit-markov, serve."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ EPILOG = """examples:
   specstream quantize smollm2-135m smollm2-4l.gguf --type q8_0 --layers 4   # a self-drafter
   specstream generate smollm2-135m --prompt "def fib(n):" --temperature 0 \
       --drafter model --draft-model smollm2-4l.gguf --verify-width 6
+  specstream fit-markov smollm2-135m smollm2-4l.gguf smollm2-4l-m16.gguf --rank 16 \
+      --corpus bench/corpus/markov_fit.txt          # the same drafter + a DSpark Markov head
   specstream serve                      # gRPC on :50051 with the default model
 """
 
@@ -91,6 +94,20 @@ def build_parser() -> argparse.ArgumentParser:
                      "dflash.* tensors at q8_0); 1-D tensors are written as F32")
     qnt.add_argument("--layers", type=int, default=None, metavar="N",
                      help="keep blocks 0..N-1 (plus embeddings, output norm and head)")
+
+    fit = sub.add_parser("fit-markov", help="fit a DSpark Markov head (a low-rank previous-token "
+                         "correction of a drafter's logits) and write it into a copy of DRAFT")
+    fit.add_argument("target", help="the target: a .gguf path or a known model name")
+    fit.add_argument("draft", help="the drafter: a .gguf of the target's vocabulary")
+    fit.add_argument("out", help="output .gguf path (DRAFT plus the head)")
+    fit.add_argument("--rank", type=int, required=True, metavar="R")
+    fit.add_argument("--corpus", required=True, metavar="FILE|-generate",
+                     help="a UTF-8 text file, or -generate to sample the corpus from the target")
+    fit.add_argument("--tokens", type=int, default=None, metavar="N",
+                     help="corpus tokens used (default: the whole file; 2048 with -generate)")
+    fit.add_argument("--dtype", default="f16", help="f16 | f32 (the head's tensors)")
+    fit.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = all cores")
+    fit.add_argument("--seed", type=int, default=0, help="-generate's sampling seed")
 
     sub.add_parser("serve", help="run the gRPC server (see `specstream serve --help`)",
                    add_help=False)
@@ -257,12 +274,36 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def cmd_fit_markov(args) -> int:
+    from service.engine.fit_markov import fit_markov
+
+    r = fit_markov(_resolve(args.target), _resolve(args.draft), args.out, args.rank,
+                   args.corpus, args.tokens, args.dtype, args.threads, args.seed)
+    print(f"{r.path}: rank {r.rank} Markov head fitted on {r.n_tokens} positions "
+          f"({r.n_prev} distinct previous tokens); mean squared residual per logit "
+          f"{r.loss_before:.4f} -> {r.loss_after:.4f}, {r.seconds:.1f} s")
+    return 0
+
+
+def _joined_generate(argv: list[str]) -> list[str]:
+    """`--corpus -generate` as `--corpus=-generate` (argparse reads a value starting with '-'
+    as an option)."""
+    out: list[str] = []
+    for a in argv:
+        if a == "-generate" and out[-1:] == ["--corpus"]:
+            out[-1] = "--corpus=-generate"
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
         from service.serve import serve_main
 
         return serve_main(argv[1:])
+    argv = _joined_generate(argv)
     args = build_parser().parse_args(argv)
     from service.logging import configure_logging
 
@@ -271,7 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = "warning" if getattr(args, "json", False) else "info"
     configure_logging("debug" if getattr(args, "step_profile", False) else level, fmt="console")
     handlers = {"models": cmd_models, "inspect": cmd_inspect, "generate": cmd_generate,
-                "synth": cmd_synth, "quantize": cmd_quantize}
+                "synth": cmd_synth, "quantize": cmd_quantize,
+                "fit-markov": cmd_fit_markov}
     try:
         return handlers[args.command](args)
     except SpecstreamError as exc:

@@ -18,6 +18,10 @@ each of the k draft positions, the n_top most likely tokens with their log-proba
 backend's sample op with log-probabilities asked, as for top_logprobs: greedy choice, log_softmax
 of the raw logits); the chosen token is the first of them.
 
+With a DSpark Markov head (service/engine/markov_head.py), every row that picks a draft gets
+`logits += W2 @ W1[prev]` before the choice, prev being that row's input id (the seed for d1,
+d_i for d_{i+1}); it runs inside the step like the argmax.
+
 Rollback is the same position move as the target's: stale rows past n_cached are overwritten
 by the next catch-up. The argmax runs on the backend (the sample op with a greedy record, so
 chain and tree drafting run the same ops in a step of one shape); only int32 ids (and the asked
@@ -40,6 +44,7 @@ import numpy as np
 
 from service.backends.cpu_sampling import N_PARAMS, OUT_WORDS, TOP_MAX, param_record
 from service.engine.drafters import Drafter, DraftState
+from service.engine.markov_head import MarkovHead
 from service.model.transformer import Transformer
 
 
@@ -52,8 +57,8 @@ class _SlotState:
 class ModelDrafter(Drafter):
     name = "model"
 
-    def __init__(self, model: Transformer, model_name: str):
-        self.model, self.model_name = model, model_name
+    def __init__(self, model: Transformer, model_name: str, head: MarkovHead | None = None):
+        self.model, self.model_name, self.head = model, model_name, head
         be, M = model.backend, model.max_tokens
         self.sizes = be.step_sizes(M)
         # (3M + N_PARAMS,) i32: ids | positions | slots | one sampling record (candidates)
@@ -147,7 +152,11 @@ class ModelDrafter(Drafter):
         slots = self._dev[2 * M:2 * M + T]                              # (T,) i32
         out, params = self._out_dev, self._dev[3 * M:].reshape(1, N_PARAMS)
 
+        head = self.head
+
         def choose_token(logits) -> None:                               # logits (1, V) f32
+            if head is not None:
+                head.apply(ids, logits)                                 # += W2 @ W1[ids[-1]]
             be.sample(logits, params, self._hist, out)
 
         model.forward(ids, pos, slots, start + n, 1 if choose else 0,

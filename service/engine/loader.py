@@ -14,6 +14,7 @@ from service.backends import create_backend, resolve_backend_name
 from service.config import MAX_VERIFY_WIDTH, EngineConfig
 from service.engine.draft_model import ModelDrafter
 from service.engine.drafters import Drafter
+from service.engine.markov_head import load_markov_head
 from service.errors import ConfigError
 from service.gguf.reader import GGUFFile
 from service.model.chat import load_template
@@ -116,7 +117,8 @@ def load_model(model_path: str | Path, config: EngineConfig,
              kv_type_k=config.kv_cache_type_k, kv_type_v=config.kv_cache_type_v,
              n_ctx=n_ctx, n_slots=config.n_slots, verify_width=config.verify_width,
              seconds=round(t - t0, 2))
-    drafter = _load_drafter(draft, config, backend_name) if draft is not None else None
+    drafter = (_load_drafter(draft, config, backend_name, spec.vocab_size)
+               if draft is not None else None)
     return LoadedModel(path, gguf, spec, tokenizer, model, config, backend_name, template,
                        drafter)
 
@@ -169,18 +171,22 @@ def check_draft_vocabulary(target: GGUFFile, spec: ModelSpec, tok: Tokenizer,
 
 
 def _load_drafter(draft: tuple[GGUFFile, ModelSpec, Tokenizer], config: EngineConfig,
-                  backend_name: str) -> ModelDrafter:
+                  backend_name: str, target_vocab: int) -> ModelDrafter:
     """The draft Transformer on its own backend instance of the target's kind and options
-    (service/engine/draft_model.py says why), same n_slots, n_ctx and KV types."""
+    (service/engine/draft_model.py says why), same n_slots, n_ctx and KV types; with the file's
+    DSpark Markov head when it has one of the target's vocabulary size, loaded first (the
+    Transformer's `prepare` ends the backend's loading)."""
     f, dspec, _ = draft
     t = time.perf_counter()
     extra = {"graphs": config.cuda_graphs} if backend_name == "cuda" else {}
     backend = create_backend(backend_name, threads=config.threads,
                              invariant_tokens=MAX_VERIFY_WIDTH, **extra)
+    head = load_markov_head(f, target_vocab, backend)
     model = Transformer(dspec, f, backend, n_ctx=config.n_ctx, n_slots=config.n_slots,
                         max_tokens=max(config.prefill_chunk, config.verify_width),
                         type_k=config.kv_cache_type_k, type_v=config.kv_cache_type_v,
                         max_logits=1)
     phase("draft_model", t, path=str(f.path), model=dspec.name, n_layer=dspec.n_layer,
-          file_type=dspec.file_type)
-    return ModelDrafter(model, f"{dspec.name} ({f.path.name})")
+          file_type=dspec.file_type, markov_rank=head.rank if head else 0)
+    name = f"{dspec.name} ({f.path.name}" + (f", Markov head rank {head.rank})" if head else ")")
+    return ModelDrafter(model, name, head)

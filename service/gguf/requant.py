@@ -26,6 +26,7 @@ import os
 import re
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
@@ -88,17 +89,19 @@ def _nbytes(qtype: QuantType, shape: tuple[int, ...]) -> int:
 
 
 # ---------------------------------------------------------------- metadata
-def _copy_metadata(f: GGUFFile, writer, mode: Mode, n_layers: int | None) -> list[str]:
-    """Every key of `f` into `writer` with its value type, edited as the module says.
-    Returns the keys that could not be copied (empty arrays, which GGUFWriter refuses)."""
+def copy_metadata(f: GGUFFile, writer, file_type: int | None, n_layers: int | None,
+                  drop: Callable[[str], bool] = lambda key: False) -> list[str]:
+    """Every key of `f` into `writer` with its value type, edited as the module says
+    (`file_type` None: kept as it is), except the keys `drop` selects. Returns the keys that
+    could not be copied (empty arrays, which GGUFWriter refuses)."""
     from gguf import GGUFValueType
 
     arch = f.metadata["general.architecture"]
     old_blocks = f.metadata[f"{arch}.block_count"]
     skipped = []
     for key, value in f.metadata.items():
-        if key == "general.architecture":
-            continue                   # the writer adds it first
+        if key == "general.architecture" or drop(key):
+            continue                   # the writer adds the architecture first
         types = [GGUFValueType(int(t)) for t in f.header.value_types[key]]
         vtype, sub = types[0], (types[1] if len(types) > 1 else None)
         if sub == GGUFValueType.ARRAY:
@@ -106,8 +109,8 @@ def _copy_metadata(f: GGUFFile, writer, mode: Mode, n_layers: int | None) -> lis
         if key == "general.alignment":
             writer.add_custom_alignment(int(value))
             continue
-        if key == "general.file_type":
-            value = mode.file_type
+        if key == "general.file_type" and file_type is not None:
+            value = file_type
         if n_layers is not None and key.startswith(f"{arch}."):
             if key == f"{arch}.block_count":
                 value = n_layers
@@ -118,8 +121,8 @@ def _copy_metadata(f: GGUFFile, writer, mode: Mode, n_layers: int | None) -> lis
             skipped.append(key)
             continue
         writer.add_key_value(key, value, vtype, sub_type=sub)
-    if "general.file_type" not in f.metadata:
-        writer.add_key_value("general.file_type", mode.file_type, GGUFValueType.UINT32)
+    if "general.file_type" not in f.metadata and file_type is not None:
+        writer.add_key_value("general.file_type", file_type, GGUFValueType.UINT32)
     return skipped
 
 
@@ -173,7 +176,7 @@ def requantize(src: str | os.PathLike, dst: str | os.PathLike, mode: str,
             if keeps_tensor(t.name, n_layers)]
     part = dst.with_name(dst.name + ".part")        # renamed into place once complete
     w = gguf.GGUFWriter(str(part), arch)
-    skipped = _copy_metadata(f, w, m, n_layers)
+    skipped = copy_metadata(f, w, m.file_type, n_layers)
     for t, qtype in plan:
         w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), _nbytes(qtype, t.shape),
                           raw_dtype=gguf.GGMLQuantizationType(int(qtype)))
