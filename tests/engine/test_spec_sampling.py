@@ -113,6 +113,25 @@ def test_sampled_speculation_equals_plain_sampling_tiny_self_drafter():
         eng.stop(10)
 
 
+def test_sampled_tree_verify_equals_plain_sampling_tiny_self_drafter():
+    """Tree verify with sampled requests: each node's row draws as plain sampling would draw
+    the token at its depth, and the path follows the child equal to the draw, so the output
+    is plain seeded sampling's; requests with a repetition penalty verify chains."""
+    path = TINY / "tiny-qwen3.gguf"
+    eng = engine(path, drafter="model", draft_model=str(path), verify_width=16, tree_budget=8)
+    try:
+        prompts = [[1, 5, 9, 20, 5, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11], [700, 2, 700, 2]]
+        configs = {f"{k}-seed{s}": SamplingParams(**{**vars(p), "seed": s})
+                   for k, p in SAMPLED.items() for s in (21, 22)}
+        drafted, accepted = compare(eng, prompts, configs)
+        print(f"\ntiny self-drafter, tree budget 8, sampled: {accepted}/{drafted} drafts "
+              f"accepted, {eng.stats.kv_moves} KV rows moved")
+        assert accepted > 0.2 * drafted
+        assert eng.stats.kv_moves > 0          # accepted paths left the leading chain
+    finally:
+        eng.stop(10)
+
+
 # ------------------------------------------------------------------ the acceptance rule
 N_DRAWS, TOP_K = 3000, 6
 

@@ -71,3 +71,15 @@ def test_a_server_with_verify_width_1_cannot_speculate():
     with pytest.raises(InvalidRequestError) as e:
         resolve(True, Opts(), cfg, True)
     assert e.value.reason == "FAILED_PRECONDITION" and "verify_width=1" in str(e.value)
+
+
+def test_a_repetition_penalty_verifies_chains():
+    """The penalty reads the token history by position, which a tree's siblings share: the
+    server's default tree falls back to chain; asking for a tree with a penalty is refused."""
+    assert resolve(None, Opts(), TREE, True, 1.3) == Speculation(True, 6, 0)
+    assert resolve(None, Opts(), TREE, True, 1.0) == Speculation(True, 6, 12)
+    for opts, field in ((Opts(mode="tree"), "speculative.mode"),
+                        (Opts(tree_budget=4), "speculative.tree_budget")):
+        with pytest.raises(InvalidRequestError) as e:
+            resolve(None, opts, TREE, True, 1.3)
+        assert e.value.field == field and "repetition_penalty" in str(e.value)
