@@ -491,4 +491,4 @@ _KERNEL_SOURCE = (("gemv_", "gemv.cu"), ("quantize_", "quantize.cu"), ("kv_", "q
                   ("moe_", "elementwise.cu"), ("attn_", "attention.cu"),
                   ("argmax_", "sampling.cu"), ("dequant_", "dequant.cu"),
                   ("round_f16", "dequant.cu"), ("record_tokens", "sampling.cu"),
-                  ("sample_", "sampling.cu"))
+                  ("chosen_ids", "sampling.cu"), ("sample_", "sampling.cu"))
