@@ -313,6 +313,11 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
     def n_graphs(self) -> int:
         return len(self._graphs)
 
+    @property
+    def graph_keys(self) -> tuple[tuple, ...]:
+        """One entry per captured graph: its step key followed by its inputs' device pointers."""
+        return tuple(self._graphs)
+
     # ---------------------------------------------------------------- ops
     def embed(self, table: CudaMatrix, ids, scale, out):
         T, E = out.shape

@@ -36,8 +36,8 @@ then per draft position the forward of one token whose id the previous choice wr
 device (`chosen_ids`), the head and the sample op into the next output row. The last catch-up
 chunk and the chain end with one readback of the k ids (or, for candidates, the k output
 records) and one host wait, whatever k (at most max_tokens drafts per propose: the output
-records). `one_step_chain=False` runs the chain as k - 1 steps of their own, each read back (the earlier
-way, kept as the reference the one-step chain is tested against).
+records). `one_step_chain=False` runs the chain as k - 1 steps of their own, each read back
+(the earlier way, kept as the reference the one-step chain is tested against).
 
 The draft model gets its own backend instance of the target's kind and options: a backend sizes
 its step scratch (`prepare`) for one model and keys its captured steps by shape, so a second

@@ -26,11 +26,9 @@ M = 8                            # draft workspace rows: the prompt is caught up
 LENGTHS = (2, 5, 8)              # draft lengths k (chains of 1, 4 and 7 forwards)
 
 
-@pytest.fixture(scope="module")
-def draft_files(tmp_path_factory) -> dict[str, Path]:
-    """SmolLM2's first 4 blocks at q8_0, plain and with a random rank-8 head strong enough to
-    move argmaxes (as in test_markov_head.py)."""
-    d = tmp_path_factory.mktemp("chain")
+def make_draft_files(d: Path) -> dict[str, Path]:
+    """SmolLM2's first 4 blocks at q8_0 in directory d, plain and with a random rank-8 head
+    strong enough to move argmaxes (as in test_markov_head.py)."""
     plain = requantize(real_model_path(REAL_MODELS["smollm2"]), d / "smol-4l.gguf", "q8_0",
                        4).path
     rng = np.random.default_rng(0)
@@ -41,18 +39,27 @@ def draft_files(tmp_path_factory) -> dict[str, Path]:
     return {"plain": plain, "head": headed}
 
 
-def _drafter(path: Path, head: bool) -> ModelDrafter:
-    """A drafter on a CPU backend with the capture rules on, 2 slots, M-row steps."""
+@pytest.fixture(scope="module")
+def draft_files(tmp_path_factory) -> dict[str, Path]:
+    return make_draft_files(tmp_path_factory.mktemp("chain"))
+
+
+def drafter_on(be, path: Path, head: bool) -> ModelDrafter:
+    """A drafter of file `path` on backend `be` (its own), 2 slots, M-row steps."""
     f = GGUFFile(path)
-    be = create_backend("cpu", capture_rules=True, invariant_tokens=16)
-    h = load_markov_head(f, V, be) if head else None
+    h = load_markov_head(f, V, be) if head else None      # before the Transformer's prepare
     assert (h is not None) == head
     model = Transformer(ModelSpec.from_gguf(f), f, be, n_ctx=96, n_slots=2, max_tokens=M,
                         max_logits=1)
     return ModelDrafter(model, path.name, h)
 
 
-def _draft(d: ModelDrafter, seq: _State, k: int, one_step: bool, n_top: int):
+def _drafter(path: Path, head: bool) -> ModelDrafter:
+    """A drafter on a CPU backend with the capture rules on."""
+    return drafter_on(create_backend("cpu", capture_rules=True, invariant_tokens=16), path, head)
+
+
+def draft(d: ModelDrafter, seq: _State, k: int, one_step: bool, n_top: int):
     d.one_step_chain = one_step
     if n_top:
         return d.candidates(seq, k, n_top)
@@ -75,9 +82,9 @@ def test_the_one_step_chain_equals_the_chain_step_by_step(draft_files, which, n_
     for r in range(6):
         k = LENGTHS[r % len(LENGTHS)]
         steps = state.steps
-        got = _draft(d, one, k, True, n_top)
+        got = draft(d, one, k, True, n_top)
         one_step_steps = state.steps - steps
-        want = _draft(d, ref, k, False, n_top)
+        want = draft(d, ref, k, False, n_top)
         assert len(want[0]) == k and got[0] == want[0], (r, k)
         if n_top:
             np.testing.assert_array_equal(got[1], want[1])
@@ -86,12 +93,17 @@ def test_the_one_step_chain_equals_the_chain_step_by_step(draft_files, which, n_
         # catch-up chunks (3 for the prompt, 1 later) and then the whole chain as one step
         assert one_step_steps == (3 if r == 0 else 1) + 1, (r, one_step_steps)
         assert (1, 1, "chain", k - 1) in state.sequences
-        # the target accepts r % k drafts, then picks another token than the next draft
-        j = r % k
-        nxt = (got[0][j] + 1 + r) % V
-        for seq in (one, ref):
-            seq.history += [*got[0][:j], nxt]
+        accept_part([one, ref], got[0], r)
     assert one.history == ref.history
+
+
+def accept_part(seqs: list[_State], drafts: list[int], r: int) -> None:
+    """Round r's verdict: the target accepts r % k of the k drafts, then picks another token
+    than the next draft (so the drafter keeps some of its chain's rows and rewrites others)."""
+    j = r % len(drafts)
+    nxt = (drafts[j] + 1 + r) % V
+    for seq in seqs:
+        seq.history += [*drafts[:j], nxt]
 
 
 def test_forward_chain_checks_its_inputs(draft_files):
