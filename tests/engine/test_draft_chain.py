@@ -27,15 +27,15 @@ LENGTHS = (2, 5, 8)              # draft lengths k (chains of 1, 4 and 7 forward
 
 
 def make_draft_files(d: Path) -> dict[str, Path]:
-    """SmolLM2's first 4 blocks at q8_0 in directory d, plain and with a random rank-8 head
-    strong enough to move argmaxes (as in test_markov_head.py)."""
+    """SmolLM2's first 4 blocks at q8_0 in directory d, plain and with a random rank-16 F16
+    head strong enough to move argmaxes (as in the Markov head tests)."""
     plain = requantize(real_model_path(REAL_MODELS["smollm2"]), d / "smol-4l.gguf", "q8_0",
                        4).path
     rng = np.random.default_rng(0)
-    w1 = rng.standard_normal((V, 8)).astype(np.float32)                 # (V, 8) f32
-    w2 = (rng.standard_normal((V, 8)) * 4.0 / np.sqrt(8)).astype(np.float32)
+    w1 = rng.standard_normal((V, 16)).astype(np.float32)                # (V, 16) f32
+    w2 = (rng.standard_normal((V, 16)) * 4.0 / np.sqrt(16)).astype(np.float32)
     headed = d / "smol-4l-head.gguf"
-    write_head(GGUFFile(plain), headed, w1, w2, "f32")
+    write_head(GGUFFile(plain), headed, w1, w2, "f16")
     return {"plain": plain, "head": headed}
 
 
