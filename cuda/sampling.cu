@@ -11,6 +11,10 @@
 //   history the repetition penalty reads). ids, slots, positions (T,) int32; hist (n_slots,
 //   n_ctx) int32. Launch: grid ceil(T / 128), block 128.
 //
+// chosen_ids: out[r] = records[r * ld] for r < L, the chosen id (word 0) of sample_rows' output
+//   records, so a draft chain feeds each step's choice to the next step's input on the device.
+//   records (L, ld) int32 (ld = OUT_WORDS); out (L,) int32. Launch: grid ceil(L / 128), block 128.
+//
 // sample_rows: one token per logits row, exactly the chain of service/backends/cpu_sampling.py
 //   (its docstring is the specification; ties and orders as there):
 //     l = logits with penalty r on hist[slot, max(0, pos - n + 1) .. pos]: l/r if l > 0 else l*r
@@ -85,6 +89,14 @@ extern "C" __global__ void record_tokens(const int* __restrict__ ids,
     const int slot = slots[t], pos = positions[t];
     if (slot >= 0 && slot < n_slots && pos >= 0 && pos < n_ctx)
         hist[(size_t)slot * n_ctx + pos] = ids[t];
+}
+
+// ---------------------------------------------------------------- chosen ids
+extern "C" __global__ void chosen_ids(const int* __restrict__ records, int ld, int L,
+                                      int* __restrict__ out) {
+    PDL_ENTRY();
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r < L) out[r] = records[(size_t)r * ld];
 }
 
 // ---------------------------------------------------------------- sampling

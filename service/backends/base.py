@@ -257,6 +257,12 @@ class Backend(abc.ABC):
         token history). ids, slots, positions (T,) int32; hist (n_slots, n_ctx) int32."""
 
     @abc.abstractmethod
+    def chosen_ids(self, records: Array, out: Array) -> None:
+        """out[r] = records[r, 0]: the chosen ids of `sample`'s output records (L, OUT_WORDS)
+        int32 into out (L,) int32, on the backend (how a draft chain feeds each step's choice to
+        the next step's input without a host round trip)."""
+
+    @abc.abstractmethod
     def sample(self, logits: Array, params: Array, hist: Array, out: Array) -> None:
         """Choose one token per logits row (service/backends/cpu_sampling.py defines the
         parameter record, the chain of filters, the draw and the output record).

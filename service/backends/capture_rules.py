@@ -30,7 +30,7 @@ FORBIDDEN = ("zeros", "upload_vector", "upload_ints", "to_host", "synchronize", 
              "prepare")
 # Ops: their array arguments are checked and their shapes recorded.
 OPS = ("embed", "rms_norm", "matmul", "add", "rope", "glu", "kv_write", "attention", "moe",
-       "argmax")
+       "argmax", "chosen_ids")
 # Calls whose returned arrays become workspace (registered; they run before any step).
 HANDS_OUT = ("zeros", "upload_vector", "rope_table")
 

@@ -500,5 +500,8 @@ class CpuBackend(Backend):
         real = slots >= 0
         hist[slots[real], positions[real]] = ids[real]
 
+    def chosen_ids(self, records, out) -> None:
+        out[:] = records[:, 0]
+
     def sample(self, logits, params, hist, out) -> None:
         cpu_sampling.sample_rows(logits, params, hist, out)

@@ -313,6 +313,11 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
     def n_graphs(self) -> int:
         return len(self._graphs)
 
+    @property
+    def graph_keys(self) -> tuple[tuple, ...]:
+        """One entry per captured graph: its step key followed by its inputs' device pointers."""
+        return tuple(self._graphs)
+
     # ---------------------------------------------------------------- ops
     def embed(self, table: CudaMatrix, ids, scale, out):
         T, E = out.shape
@@ -491,4 +496,4 @@ _KERNEL_SOURCE = (("gemv_", "gemv.cu"), ("quantize_", "quantize.cu"), ("kv_", "q
                   ("moe_", "elementwise.cu"), ("attn_", "attention.cu"),
                   ("argmax_", "sampling.cu"), ("dequant_", "dequant.cu"),
                   ("round_f16", "dequant.cu"), ("record_tokens", "sampling.cu"),
-                  ("sample_", "sampling.cu"))
+                  ("chosen_ids", "sampling.cu"), ("sample_", "sampling.cu"))

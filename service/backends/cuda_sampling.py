@@ -20,7 +20,8 @@ SAMPLE_THREADS = 512      # block of sample_rows (cuda/sampling.cu SAMPLE_THREAD
 
 
 class SamplingOps:
-    """host_buffer / upload_step / download_step / record_tokens / sample of CudaBackend."""
+    """host_buffer / upload_step / download_step / record_tokens / chosen_ids / sample of
+    CudaBackend."""
 
     _sample_work: Any = None          # (rows * V,) f32 penalised logits, one row per logits row
     _sample_rows: int = 0
@@ -77,6 +78,19 @@ class SamplingOps:
         self._launch("record_tokens", (ceil_div(T, 128),), (128,),
                      [ids, slots, positions, I32(T), I32(hist.shape[0]), I32(hist.shape[1]),
                       hist])
+
+    def chosen_ids(self, records, out) -> None:
+        L = records.shape[0]
+        check_dtype(records, np.int32, "chosen_ids records")
+        check_dtype(out, np.int32, "chosen_ids out")
+        if records.shape != (L, OUT_WORDS) or not records.flags.c_contiguous:
+            raise ValueError(f"chosen_ids records: {records.shape}, expected contiguous "
+                             f"(L, {OUT_WORDS})")
+        if out.shape != (L,) or not out.flags.c_contiguous:
+            raise ValueError(f"chosen_ids out: {out.shape}, expected contiguous ({L},)")
+        if L:
+            self._launch("chosen_ids", (ceil_div(L, 128),), (128,),
+                         [records, I32(OUT_WORDS), I32(L), out])
 
     def sample(self, logits, params, hist, out) -> None:
         L, _, ld, _, V = view_rows(logits)

@@ -25,11 +25,19 @@ d_i for d_{i+1}); it runs inside the step like the argmax.
 Rollback is the same position move as the target's: stale rows past n_cached are overwritten
 by the next catch-up. The argmax runs on the backend (the sample op with a greedy record, so
 chain and tree drafting run the same ops in a step of one shape); only int32 ids (and the asked
-log-probabilities) come back, one record per draft step; no logits row is copied to the host.
+log-probabilities) come back; no logits row is copied to the host.
 
-Each step goes through one packed int32 upload and one readback as in the model runner
+Each catch-up chunk goes through one packed int32 upload as in the model runner
 (service/engine/runner.py), padded to the backend's step sizes with padding rows first, so a
-capturing backend sees the same few step shapes every time.
+capturing backend sees the same few step shapes every time; its choice d1 stays on the device
+(row 0 of the output records). The chain d2..dk is ONE backend step (Transformer.forward_chain,
+one captured graph per k): one upload of its k - 1 positions and slots and the sampling record,
+then per draft position the forward of one token whose id the previous choice wrote on the
+device (`chosen_ids`), the head and the sample op into the next output row. The last catch-up
+chunk and the chain end with one readback of the k ids (or, for candidates, the k output
+records) and one host wait, whatever k (at most max_tokens drafts per propose: the output
+records). `one_step_chain=False` runs the chain as k - 1 steps of their own, each read back
+(the earlier way, kept as the reference the one-step chain is tested against).
 
 The draft model gets its own backend instance of the target's kind and options: a backend sizes
 its step scratch (`prepare`) for one model and keys its captured steps by shape, so a second
@@ -57,15 +65,23 @@ class _SlotState:
 class ModelDrafter(Drafter):
     name = "model"
 
-    def __init__(self, model: Transformer, model_name: str, head: MarkovHead | None = None):
+    def __init__(self, model: Transformer, model_name: str, head: MarkovHead | None = None,
+                 one_step_chain: bool = True):
         self.model, self.model_name, self.head = model, model_name, head
+        self.one_step_chain = one_step_chain
         be, M = model.backend, model.max_tokens
         self.sizes = be.step_sizes(M)
         # (3M + N_PARAMS,) i32: ids | positions | slots | one sampling record (candidates)
         self._host = be.host_buffer(3 * M + N_PARAMS)
         self._dev = be.zeros((3 * M + N_PARAMS,), "int32")  # (3M + N_PARAMS,) i32
-        self._out_dev = be.zeros((1, OUT_WORDS), "int32")   # (1, OUT_WORDS) i32 chosen id first
-        self._out_host = be.host_buffer(OUT_WORDS)          # (OUT_WORDS,) i32
+        # up to k <= M drafts per propose: output record i chooses d_{i+1}
+        self._out_dev = be.zeros((M, OUT_WORDS), "int32")   # (M, OUT_WORDS) i32 chosen id first
+        self._out_host = be.host_buffer(M * OUT_WORDS)      # (M * OUT_WORDS,) i32
+        # the one-step chain: (2M + N_PARAMS,) i32 positions | slots | one sampling record,
+        # its own host buffer (the catch-up's stays untouched until the chain's readback)
+        self._chain_host = be.host_buffer(2 * M + N_PARAMS)
+        self._chain_dev = be.zeros((2 * M + N_PARAMS,), "int32")   # (2M + N_PARAMS,) i32
+        self._chain_ids = be.zeros((M,), "int32")           # (M,) i32 d1..dk, written on device
         self._hist = be.zeros((1, 1), "int32")              # (1, 1) i32: no penalty reads it
         be.prepare_sampling(1, model.spec.vocab_size)
         self._slots: dict[int, _SlotState] = {}
@@ -100,8 +116,9 @@ class ModelDrafter(Drafter):
 
     def _draft(self, seq: DraftState, k: int, n_top: int
                ) -> tuple[list[int], list[list[tuple[int, float]]]]:
-        h, H = seq.history, len(seq.history)
-        k = min(k, self.model.n_ctx - H + 1)    # rows written up to position H + k - 2
+        h, H, M = seq.history, len(seq.history), self.model.max_tokens
+        # rows written up to position H + k - 2; at most M drafts (the output records)
+        k = min(k, self.model.n_ctx - H + 1, M)
         if k <= 0 or H == 0:
             return [], []
         st = self._slots.setdefault(seq.slot, _SlotState())
@@ -111,26 +128,45 @@ class ModelDrafter(Drafter):
                 break
             n += 1
         n = min(n, H - 1)                       # the seed's row is never written yet
-        M = self.model.max_tokens
-        tops: list[list[tuple[int, float]]] = []
         while True:                             # catch up; the last chunk chooses d1
             chunk = h[n:min(H, n + M)]
             last = n + len(chunk) == H
-            tok = self._step(chunk, n, seq.slot, choose=last, n_top=n_top, tops=tops)
+            self._step(chunk, n, seq.slot, choose=last, n_top=n_top)
             n += len(chunk)
             if last:
                 break
-        out = [tok]
-        for i in range(1, k):
-            out.append(self._step([out[-1]], H - 1 + i, seq.slot, True, n_top, tops))
+            self._read(0, 0)                    # the next chunk rewrites the upload buffer
+        if self.one_step_chain and k > 1:
+            self._chain(H, k - 1, seq.slot, n_top)
+            out, tops = self._read(k, n_top, chain=True)
+        else:
+            out, tops = self._read(1, n_top)
+            for i in range(1, k):
+                self._step([out[-1]], H - 1 + i, seq.slot, True, n_top)
+                d, top = self._read(1, n_top)
+                out, tops = out + d, tops + top
         st.n_cached, st.pending = H, out[:-1]
         return out, tops
 
-    def _step(self, tokens: list[int], start: int, slot: int, choose: bool, n_top: int = 0,
-              tops: list | None = None) -> int:
-        """Run `tokens` of `slot` from position `start`; the argmax after the last row when
-        `choose` (else -1). With n_top > 0 the n_top most likely (id, log-probability) pairs
-        after the last row are appended to `tops`."""
+    @staticmethod
+    def _record(n_top: int) -> list[int]:
+        """The sampling record of every draft choice: greedy (the argmax, the lowest id on
+        ties), with n_top log-probabilities when n_top > 0. Every choice goes through the
+        sample op, log-probabilities or not: a captured step of one shape runs the same ops."""
+        return param_record(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, penalty=1.0,
+                            repeat_last_n=0, seed=0, token_index=0,
+                            n_top=n_top if n_top > 0 else -1, slot=0, position=0)
+
+    def _choose(self, ids, logits, params, out) -> None:
+        """The Markov head (logits (1, V) += W2 @ W1[ids[-1]]) and the sample op into the
+        output record out (1, OUT_WORDS), on the backend."""
+        if self.head is not None:
+            self.head.apply(ids, logits)
+        self.model.backend.sample(logits, params, self._hist, out)
+
+    def _step(self, tokens: list[int], start: int, slot: int, choose: bool, n_top: int) -> None:
+        """Queue `tokens` of `slot` from position `start`; when `choose`, the choice after the
+        last row goes into output record 0 (read by `_read`)."""
         model, be = self.model, self.model.backend
         M, n = model.max_tokens, len(tokens)
         T = next(s for s in self.sizes if s >= n)
@@ -141,32 +177,64 @@ class ModelDrafter(Drafter):
         h[M + pad:M + T] = np.arange(start, start + n, dtype=np.int32)
         h[2 * M:2 * M + T] = -1
         h[2 * M + pad:2 * M + T] = slot
-        top = choose and n_top > 0
-        # every choice goes through the sample op (greedy: the argmax, the lowest id on ties),
-        # log-probabilities or not: a captured step of one shape must run the same ops
-        h[3 * M:] = param_record(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, penalty=1.0,
-                                 repeat_last_n=0, seed=0, token_index=0,
-                                 n_top=n_top if top else -1, slot=0, position=0)
+        h[3 * M:] = self._record(n_top)
         be.upload_step(h, self._dev)
         ids, pos = self._dev[:T], self._dev[M:M + T]                    # (T,) i32 each
         slots = self._dev[2 * M:2 * M + T]                              # (T,) i32
-        out, params = self._out_dev, self._dev[3 * M:].reshape(1, N_PARAMS)
-
-        head = self.head
+        params = self._dev[3 * M:].reshape(1, N_PARAMS)                 # (1, N_PARAMS) i32
+        out = self._out_dev[:1]                                         # (1, OUT_WORDS) i32
 
         def choose_token(logits) -> None:                               # logits (1, V) f32
-            if head is not None:
-                head.apply(ids, logits)                                 # += W2 @ W1[ids[-1]]
-            be.sample(logits, params, self._hist, out)
+            self._choose(ids, logits, params, out)
 
         model.forward(ids, pos, slots, start + n, 1 if choose else 0,
                       epilogue=choose_token if choose else None)
-        words = (OUT_WORDS if top else 1) if choose else 0
-        be.download_step(out.reshape(-1)[:words], self._out_host[:max(words, 1)])
         self.steps += 1
-        if top:
-            rec = self._out_host
-            lp = rec.view(np.float32)
-            tops.append([(int(rec[2 + i]), float(lp[2 + TOP_MAX + i])) for i in range(n_top)
-                         if rec[2 + i] >= 0])
-        return int(self._out_host[0]) if choose else -1
+
+    def _chain(self, H: int, n: int, slot: int, n_top: int) -> None:
+        """Queue d2..d_{n+1} after d1 (output record 0, on the device) as one backend step:
+        forward i (0..n-1) runs d_{i+1} at position H + i and chooses d_{i+2} into output
+        record i + 1, whose id it copies to the next forward's input."""
+        model, be, M = self.model, self.model.backend, self.model.max_tokens
+        c = self._chain_host
+        c[:n] = np.arange(H, H + n, dtype=np.int32)
+        c[M:M + n] = slot
+        c[2 * M:] = self._record(n_top)
+        be.upload_step(c, self._chain_dev)
+        pos, slots = self._chain_dev[:n], self._chain_dev[M:M + n]     # (n,) i32 each
+        params = self._chain_dev[2 * M:].reshape(1, N_PARAMS)           # (1, N_PARAMS) i32
+        ids, out = self._chain_ids, self._out_dev                       # (M,), (M, OUT_WORDS)
+
+        def first() -> None:
+            be.chosen_ids(out[:1], ids[:1])                             # d1
+
+        def choose(i: int, logits) -> None:                             # logits (1, V) f32
+            self._choose(ids[i:i + 1], logits, params, out[i + 1:i + 2])
+            be.chosen_ids(out[i + 1:i + 2], ids[i + 1:i + 2])           # d_{i+2}
+
+        model.forward_chain(ids[:n], pos, slots, range(H + 1, H + n + 1), choose, first)
+        self.steps += n
+
+    def _read(self, rows: int, n_top: int, chain: bool = False
+              ) -> tuple[list[int], list[list[tuple[int, float]]]]:
+        """Wait for the queued steps and read the choices of output records 0..rows-1 (rows 0:
+        only wait): with n_top > 0 the whole records (ids and each one's n_top most likely (id,
+        log-probability) pairs), else only ids: after a chain the k it wrote on the device,
+        else record 0's (rows <= 1)."""
+        if n_top > 0:
+            src = self._out_dev[:rows].reshape(-1)                      # (rows * OUT_WORDS,) i32
+        elif chain:
+            src = self._chain_ids[:rows]                                # (rows,) i32
+        elif rows <= 1:
+            src = self._out_dev.reshape(-1)[:rows]                      # (rows,) i32
+        else:
+            raise ValueError(f"{rows} ids without a chain: only record 0 holds one")
+        host = self._out_host[:src.size]
+        self.model.backend.download_step(src, host)
+        if n_top <= 0:
+            return [int(t) for t in host], []
+        rec = host.reshape(rows, OUT_WORDS)                             # (rows, OUT_WORDS) i32
+        lp = rec.view(np.float32)                                       # (rows, OUT_WORDS) f32
+        tops = [[(int(r[2 + i]), float(p[2 + TOP_MAX + i])) for i in range(n_top)
+                 if r[2 + i] >= 0] for r, p in zip(rec, lp, strict=True)]
+        return [int(r[0]) for r in rec], tops

@@ -96,6 +96,31 @@ class Transformer:
         inputs = (ids, positions, slots, *(a for a in tree if a is not None))
         return self.backend.run_step((T, n_logits), inputs, step)
 
+    def forward_chain(self, ids, positions, slots, kv_lens, epilogue, prologue=None) -> None:
+        """Run n = len(ids) single-token steps as ONE backend step, keyed (1, 1, "chain", n):
+        `prologue()` first, then for i = 0..n-1 the forward of token ids[i] at positions[i] in
+        slots[i] (kv_len kv_lens[i]) and `epilogue(i, logits (1, V))`.
+
+        ids, positions, slots: (n,) int32 backend arrays; kv_lens: n host ints (CPU only).
+        Each forward reads its id from the backend when it runs, so the prologue or an earlier
+        epilogue may write it there (a draft chain: step i's choice is step i + 1's input), and
+        a backend that captures the step captures the whole chain, one graph per n.
+        """
+        n, kv = len(ids), [int(v) for v in kv_lens]
+        if n < 1 or len(positions) != n or len(slots) != n or len(kv) != n:
+            raise ValueError(f"chain of {n} steps: {len(positions)} positions, {len(slots)} "
+                             f"slots, {len(kv)} kv lengths")
+
+        def chain() -> None:
+            if prologue is not None:
+                prologue()
+            for i in range(n):
+                logits = self._forward(ids[i:i + 1], positions[i:i + 1], slots[i:i + 1],
+                                       kv[i], 1)                        # (1, V) f32
+                epilogue(i, logits)
+
+        self.backend.run_step((1, 1, "chain", n), (ids, positions, slots), chain)
+
     def _forward(self, ids, positions, slots, kv_len: int, n_logits: int, kv_positions=None,
                  attn_lo=None, attn_mask=None):
         s, be, W = self.spec, self.backend, self.weights

@@ -1,15 +1,29 @@
 """The `model` drafter on the CUDA backend: a full q8_0 copy and a 4-block truncation of
 SmolLM2 (made with service.gguf.requant) draft for it with their own backend instance, KV cache
-and captured steps; greedy output equals plain greedy output at widths 2, 6 and 16."""
+and captured steps; greedy output equals plain greedy output at widths 2, 6 and 16. The draft
+chain is one captured graph per chain length, and the drafts, candidates and log-probabilities
+of the captured chain (eager on first use, captured on the second, replayed after) equal those
+of the chain on an eager backend and of the chain run step by step, over rounds of partial
+acceptance, with and without a Markov head."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
+from service.backends import create_backend
 from service.gguf.requant import requantize
 from tests.conftest import load_json
+from tests.engine.test_draft_chain import (
+    LENGTHS,
+    accept_part,
+    draft,
+    drafter_on,
+    make_draft_files,
+)
+from tests.engine.test_model_drafter import _State
 from tests.gpu.test_models import cuda_engine, real_path
 
 cp = pytest.importorskip("cupy")
@@ -52,3 +66,40 @@ def _run(eng, ids, speculative):
     for e in eng.generate(req, timeout=300):
         out.add(e)
     return out
+
+
+ROUNDS = 3 * len(LENGTHS)       # every length eager, captured, then replayed
+
+
+@pytest.fixture(scope="module")
+def draft_files(tmp_path_factory):
+    return make_draft_files(tmp_path_factory.mktemp("chain"))
+
+
+@pytest.mark.parametrize("n_top", [0, 3], ids=["ids", "candidates"])
+@pytest.mark.parametrize("which", ["plain", "head"])
+def test_the_captured_chain_equals_eager_and_step_by_step(draft_files, which, n_top):
+    head = which == "head"
+    graphed = drafter_on(create_backend("cuda", graphs=True, invariant_tokens=16),
+                         draft_files[which], head)
+    eager = drafter_on(create_backend("cuda", graphs=False, invariant_tokens=16),
+                       draft_files[which], head)
+    prompt = load_json("llamacpp_smollm2_greedy.json")["cases"][1]["prompt_ids"]   # 18 ids
+    one, ref, plain = _State(0, list(prompt)), _State(1, list(prompt)), _State(0, list(prompt))
+    graphed.start(one)
+    graphed.start(ref)
+    eager.start(plain)
+    for r in range(ROUNDS):
+        k = LENGTHS[r % len(LENGTHS)]
+        got = draft(graphed, one, k, True, n_top)
+        for other in (draft(graphed, ref, k, False, n_top), draft(eager, plain, k, True, n_top)):
+            assert len(got[0]) == k and got[0] == other[0], (r, k)
+            if n_top:
+                np.testing.assert_array_equal(got[1], other[1])
+                np.testing.assert_array_equal(got[2], other[2])
+        accept_part([one, ref, plain], got[0], r)
+    be = graphed.model.backend
+    chains = [key for key in be.graph_keys if "chain" in key]
+    # (1, 1, "chain", n, input pointers...): one graph per chain length k, n = k - 1 forwards
+    assert sorted(key[3] for key in chains) == sorted(k - 1 for k in LENGTHS), chains
+    assert eager.model.backend.n_graphs == 0

@@ -119,6 +119,24 @@ def test_record_tokens_skips_padding_rows(cuda):
     assert np.array_equal(cuda.to_host(hist), want)
 
 
+def test_chosen_ids_copies_word_0_of_each_record(cuda):
+    """chosen_ids on the CUDA backend equals the CPU op: word 0 of every output record (row
+    views included, as a draft chain passes them), nothing else of out written."""
+    from service.backends.cpu import CpuBackend
+
+    rng = np.random.default_rng(3)
+    records = rng.integers(-5, 50000, (6, OUT_WORDS), dtype=np.int32)   # (6, OUT_WORDS) i32
+    want = np.full(8, -7, np.int32)
+    CpuBackend().chosen_ids(records[1:5], want[2:6])
+    dev = cp.asarray(records)
+    out = cp.full((8,), -7, cp.int32)                                   # poisoned
+    cuda.chosen_ids(dev[1:5], out[2:6])
+    cuda.chosen_ids(dev[5:6], out[7:8])
+    want[7] = records[5, 0]
+    assert np.array_equal(cuda.to_host(out), want)
+    assert np.array_equal(want[2:6], records[1:5, 0])
+
+
 def test_step_io_round_trip(cuda):
     host = cuda.host_buffer(100)
     host[:] = np.arange(100, dtype=np.int32) * 3
