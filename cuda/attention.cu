@@ -3,11 +3,11 @@
 //   out[t, h, :] = sum_j softmax_j(scale * q[t, h] . K[j]) V[j]   over the cache rows j of
 //   slot[t] with lo <= j <= pos[t], lo = max(0, pos[t] - window + 1) when window > 0 else 0;
 //   with attn_lo / attn_mask (tree verify rows; null: b = pos[t] + 1, mask 0, the line above),
-//   the rows j >= lo are those with j < b, and b + i for every set bit i of mask[t], where
-//   b = attn_lo[t]: the key predicate j < b || (mask >> (j - b)) & 1 over
-//   [lo, b + 32 - clz(mask)) (a tree's rows are inside the window: depth < budget <= window).
-//   While every key so far is masked (m = -inf) a tile leaves m, l and acc as they are; an
-//   ordinary row never meets that case and computes what it computed without the arrays.
+//   the keys are LOGICAL positions j in [lo, b + popc(mask)): key j < b is cache row j, key
+//   b + k is the row b + (the k-th set bit of mask), the node's ancestor at depth k (DFS order
+//   puts ancestors first, by depth). So a tree row runs over the same positions, splits and
+//   tiles as plain decoding of its path and gives the same bits; the window is judged on j,
+//   the RoPE position of the key. An ordinary row computes what it computed without arrays.
 //   K, V rows of kv head h / (H / Hkv), stored as f16, q8_0 or q4_0 (quantize.cu's layout).
 //
 // attn_<K>_<V>: one kernel, grid (S, H, T), block (32, 4). Split s covers the ABSOLUTE positions
@@ -116,6 +116,12 @@ struct KvQ4_0 {
     }
 };
 
+// The cache row of logical key j of a row (b = attn_lo, bits = attn_mask): j itself below b,
+// else the row of the (j - b)-th set bit of bits (a tree node's ancestors, by depth).
+__device__ __forceinline__ int key_row(int j, int b, u32 bits) {
+    return j < b ? j : b + (int)__fns(bits, 0u, j - b + 1);
+}
+
 // One split's partials: (m, l) and the Dv accumulators of queries t, head h, keys of split s.
 template <class KT, class VT>
 __device__ __forceinline__ void attn_split(
@@ -134,7 +140,7 @@ __device__ __forceinline__ void attn_split(
     const int lo = window > 0 ? max(0, pos - window + 1) : 0;
     const int b = attn_lo != nullptr ? attn_lo[t] : pos + 1;
     const u32 bits = attn_mask != nullptr ? (u32)attn_mask[t] : 0u;
-    const int hi = bits != 0u ? b + 32 - __clz(bits) : b;
+    const int hi = b + __popc(bits);      // logical keys [0, hi): the path's positions
     const int j0 = max(lo, s * chunk), j1 = min(hi, (s + 1) * chunk);
     if (slot < 0 || j0 >= j1) {
         if (tid == 0) *my_ml = make_float2(NEG_INF, 0.0f);
@@ -155,7 +161,7 @@ __device__ __forceinline__ void attn_split(
         bool ok = j < j1;
         float sc = NEG_INF;
         if (ok) {
-            const size_t row = ((size_t)slot * n_ctx + j) * Hkv + hk;
+            const size_t row = ((size_t)slot * n_ctx + key_row(j, b, bits)) * Hkv + hk;
             float dot = 0.0f;                 // the products in order of i, 8 per load
 #pragma unroll 4
             for (int i0 = 0; i0 < D; i0 += 8) {
@@ -164,12 +170,10 @@ __device__ __forceinline__ void attn_split(
 #pragma unroll
                 for (int u = 0; u < 8; u++) dot += qsh[i0 + u] * kv[u];
             }
-            const u32 r = (u32)(j - b);           // >= 32 exactly when j < b (j < j1)
-            ok = r >= 32u || ((bits >> r) & 1u) != 0u;
-            sc = ok ? dot * scale : NEG_INF;
+            sc = dot * scale;
         }
-        const float mn = fmaxf(m, warp_max(sc));  // finite unless every key so far is masked
-        const float corr = mn == NEG_INF ? 1.0f : expf(m - mn);   // -inf: all masked so far
+        const float mn = fmaxf(m, warp_max(sc));      // finite: lane 0's key is valid
+        const float corr = expf(m - mn);
         const float p = ok ? expf(sc - mn) : 0.0f;
         l = l * corr + warp_sum(p);
 #pragma unroll
@@ -182,7 +186,8 @@ __device__ __forceinline__ void attn_split(
             float vv[VT::PASS][ATT_MAX_DV / 32];
 #pragma unroll
             for (int du = 0; du < VT::PASS; du++) {
-                const size_t row = ((size_t)slot * n_ctx + base + min(u0 + du, n - 1)) * Hkv
+                const size_t row = ((size_t)slot * n_ctx
+                                    + key_row(base + min(u0 + du, n - 1), b, bits)) * Hkv
                                    + hk;
                 VT::vrow(vq, vd, row, Dv, lane, vv[du]);
             }

@@ -26,7 +26,7 @@ from service.gguf.requant import requantize
 from tests.conftest import load_json
 from tests.gpu.test_kernels import PAIRS, _gpu_cache_values, _kv_pair_caches, poisoned
 from tests.gpu.test_models import cuda_engine, real_path
-from tests.near_ties import REAL_MODEL_GAP, assert_free_running_agrees, logprob_gap
+from tests.near_ties import logprob_gap
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -148,9 +148,10 @@ def test_tree_verify_is_lossless_on_cuda(tmp_path, model):
             for case in load_json(fixture)["cases"]:
                 plain, plain_gaps = _run(eng, case["prompt_ids"], False)
                 tree, tree_gaps = _run(eng, case["prompt_ids"], None)
-                compared += assert_free_running_agrees(
-                    f"{model} budget {budget} {case['name']}", tree.token_ids,
-                    plain.token_ids, tree_gaps, plain_gaps, REAL_MODEL_GAP)
+                # a tree row runs over its path's logical key positions (attention.cu),
+                # so it computes plain decoding's bits: the same ids, not only to a near-tie
+                assert tree.token_ids == plain.token_ids, (model, budget, case["name"])
+                compared += len(plain.token_ids)
                 drafted += tree.finished.usage.draft_tokens
             print(f"\n{model} budget {budget}: {compared} ids compared, {drafted} drafted, "
                   f"{eng.stats.kv_moves} KV moves so far")
@@ -172,10 +173,9 @@ def test_off_chain_paths_are_compacted_on_cuda():
         eng.drafter = SecondBestDrafter({p: list(o.token_ids) for p, (o, _) in plain.items()},
                                         eng.spec.vocab_size)
         accepted = 0
-        for p, (ref, ref_gaps) in plain.items():
+        for p, (ref, _) in plain.items():
             tree, gaps = _run(eng, p, None)
-            assert_free_running_agrees("second-best", tree.token_ids, ref.token_ids, gaps,
-                                       ref_gaps, REAL_MODEL_GAP)
+            assert tree.token_ids == ref.token_ids
             accepted += tree.finished.usage.accepted_draft_tokens
         assert accepted > 0 and eng.stats.kv_moves >= accepted
     finally:
