@@ -35,13 +35,19 @@ PROMPTS = {
 }
 
 
-def engine_tok_s(engine: Engine, ids: list[int], n: int, speculative: bool) -> float:
+def decode(engine: Engine, ids, n: int, speculative: bool | None) -> Collected:
+    """n greedy tokens after `ids` (the end-of-generation tokens ignored), every event kept."""
     req = GenerationRequest("bench", tuple(ids), SamplingParams(temperature=0.0),
                             StoppingCriteria(max_new_tokens=n, ignore_eos=True),
                             speculative=speculative)
     out = Collected()
     for ev in engine.generate(req):
         out.add(ev)
+    return out
+
+
+def engine_tok_s(engine: Engine, ids: list[int], n: int, speculative: bool) -> float:
+    out = decode(engine, ids, n, speculative)
     t = out.finished.timings
     return (len(out.token_ids) - 1) / (t.decode_ms / 1e3)
 

@@ -27,26 +27,17 @@ from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from cpu_decode import decode  # noqa: E402
 
 from service.config import EngineConfig, models_dir_from_env  # noqa: E402
 from service.engine.scheduler import Engine  # noqa: E402
-from service.engine.types import Collected, GenerationRequest, SamplingParams, StoppingCriteria  # noqa: E402
 from service.gguf.fetch import fetch_model  # noqa: E402
 from service.gguf.requant import requantize  # noqa: E402
 from service.logging import configure_logging  # noqa: E402
 
 CASES = json.loads((ROOT / "tests/data/llamacpp_smollm2_greedy.json").read_text())["cases"]
-
-
-def decode(engine: Engine, ids, n: int, speculative: bool) -> Collected:
-    req = GenerationRequest("bench", tuple(ids), SamplingParams(temperature=0.0),
-                            StoppingCriteria(max_new_tokens=n, ignore_eos=True),
-                            speculative=speculative)
-    out = Collected()
-    for ev in engine.generate(req):
-        out.add(ev)
-    return out
 
 
 def load(target: Path, threads: int, **cfg) -> Engine:

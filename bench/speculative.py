@@ -47,12 +47,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import spec_tables as S  # noqa: E402
+from cpu_decode import decode  # noqa: E402
 
 from service.config import EngineConfig, models_dir_from_env  # noqa: E402
 from service.engine.loader import load_model  # noqa: E402
 from service.engine.runner import GREEDY, StepInput  # noqa: E402
 from service.engine.scheduler import Engine  # noqa: E402
-from service.engine.types import Collected, GenerationRequest, SamplingParams, StoppingCriteria  # noqa: E402
+from service.engine.types import Collected  # noqa: E402
 from service.logging import configure_logging  # noqa: E402
 
 SHAPES = {"8b": "llama3-8b", "1b": "llama3.2-1b", "tiny": "tiny"}
@@ -103,16 +104,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad:
         ap.error(f"unknown shape(s) {bad}; one of {', '.join(SHAPES)}")
     return a
-
-
-def decode(engine: Engine, ids, n: int, speculative: bool) -> Collected:
-    req = GenerationRequest("bench", tuple(ids), SamplingParams(temperature=0.0),
-                            StoppingCriteria(max_new_tokens=n, ignore_eos=True),
-                            speculative=speculative)
-    out = Collected()
-    for ev in engine.generate(req):
-        out.add(ev)
-    return out
 
 
 # ---------------------------------------------------------------- part (a): real models

@@ -174,7 +174,7 @@ def write_head(draft: GGUFFile, out: Path, w1: np.ndarray, w2: np.ndarray, dtype
     and its metadata replaced)."""
     import gguf
 
-    from service.gguf.requant import copy_metadata
+    from service.gguf.requant import copy_metadata, write_tensor_data
 
     arch = draft.require("general.architecture", str)
     np_type, qtype = DTYPES[dtype]
@@ -194,19 +194,11 @@ def write_head(draft: GGUFFile, out: Path, w1: np.ndarray, w2: np.ndarray, dtype
         for name, a in new:
             w.add_tensor_info(name, a.shape, np.dtype(np.float32), a.nbytes,
                               raw_dtype=gguf.GGMLQuantizationType(int(qtype)))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        fout, align = w.fout[0], w.data_alignment
-        for data in [t.raw for t in kept] + [a for _, a in new]:
-            fout.write(bytes(-fout.tell() % align))
-            fout.write(np.ascontiguousarray(data).data)
-        fout.write(bytes(-fout.tell() % align))
-        w.close()
-        os.replace(part, out)
-    finally:
+    except BaseException:
         w.close()
         part.unlink(missing_ok=True)
+        raise
+    write_tensor_data(w, [[t.raw] for t in kept] + [[a] for _, a in new], part, out)
 
 
 # ---------------------------------------------------------------- the command

@@ -180,14 +180,24 @@ def requantize(src: str | os.PathLike, dst: str | os.PathLike, mode: str,
     for t, qtype in plan:
         w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), _nbytes(qtype, t.shape),
                           raw_dtype=gguf.GGMLQuantizationType(int(qtype)))
+    write_tensor_data(w, (convert_rows(t, qtype) for t, qtype in plan), part, dst)
+    return RequantResult(dst, len(plan), dst.stat().st_size, time.perf_counter() - t0,
+                         Counter(q.name for _, q in plan), skipped)
+
+
+def write_tensor_data(w, tensors, part: Path, dst: Path) -> None:
+    """Finish a GGUFWriter `w` whose metadata and tensor infos are added: header, key-values and
+    tensor infos, then each tensor's data (an iterable of array chunks, in the order of the
+    infos) at the file's alignment, into `part`, renamed to `dst` once complete. `part` is
+    removed if anything fails, so `dst` is never a partial file."""
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         fout, align = w.fout[0], w.data_alignment
-        for t, qtype in plan:
+        for chunks in tensors:
             fout.write(bytes(-fout.tell() % align))
-            for chunk in convert_rows(t, qtype):
+            for chunk in chunks:
                 fout.write(np.ascontiguousarray(chunk).data)
         fout.write(bytes(-fout.tell() % align))
         w.close()
@@ -195,5 +205,3 @@ def requantize(src: str | os.PathLike, dst: str | os.PathLike, mode: str,
     finally:
         w.close()
         part.unlink(missing_ok=True)
-    return RequantResult(dst, len(plan), dst.stat().st_size, time.perf_counter() - t0,
-                         Counter(q.name for _, q in plan), skipped)
