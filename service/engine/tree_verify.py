@@ -11,9 +11,10 @@ of at most n nodes (n = the rows the plan gives it, <= its budget):
 - rows: node i of a sequence with `committed` KV rows is one step row with token tokens[i],
   RoPE position committed + depth[i], KV row committed + i, and attention to the committed rows
   plus its ancestors and itself: attn_lo = committed, attn_mask = those nodes' bits (n <= 16).
-  Every node's row chooses the target's greedy token.
+  Every node's row chooses its token as plain decoding would choose the token at its depth
+  (greedy, or the request's seeded draw keyed by that token's index: scheduler._choice).
 - accepting: follow_path over the rows' choices; the accepted nodes' tokens and the bonus are
-  emitted (exactly plain greedy decoding's next tokens, tree.py says why), the committed count
+  emitted (exactly plain decoding's next tokens, tree.py says why), the committed count
   grows by the accepted node count, and when the path leaves the leading chain the accepted
   nodes' KV rows move to committed + depth (compaction_plan), every sequence's moves in ONE
   runner.move_kv after the step.
