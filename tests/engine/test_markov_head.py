@@ -24,7 +24,7 @@ from service.model.tokenizer import Tokenizer
 from service.model.transformer import Transformer
 from tests.conftest import REAL_MODELS, TINY, load_json, real_model_path
 from tests.engine.test_engine import run
-from tests.engine.test_model_drafter import model_engine
+from tests.engine.test_model_drafter import captured_drafting_run, model_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = ROOT / "bench/corpus/markov_fit.txt"
@@ -231,19 +231,7 @@ def test_fit_markov_cli_on_a_corpus_generated_by_the_target(draft4, tmp_path, ca
 def test_headed_draft_steps_obey_the_capture_rules(headed):
     """With the CPU backend's capture rules on, the head's ops inside the draft step use only
     workspace buffers and the same op sequence per step shape (what a CUDA graph needs)."""
-    from service.backends import backend_options
-
-    prompt = load_json("llamacpp_smollm2_greedy.json")["cases"][1]["prompt_ids"]   # 18 ids
-    with backend_options("cpu", capture_rules=True):
-        eng = model_engine(str(headed[0]), verify_width=4, prefill_chunk=8)
-    try:
-        assert hasattr(eng.drafter.model.backend, "capture_state")
-        spec = run(eng, prompt, max_new_tokens=12)
-        plain = run(eng, prompt, max_new_tokens=12, speculative=False)
-    finally:
-        eng.stop(10)
-    assert eng.failure is None and spec.finished.error is None, spec.finished.error
-    assert spec.token_ids == plain.token_ids
+    spec = captured_drafting_run(str(headed[0]))
     assert spec.finished.usage.draft_tokens > 0
 
 

@@ -210,11 +210,19 @@ def test_draft_steps_obey_the_capture_rules(drafts):
     """The draft chain runs through run_step like the target's steps: with the CPU backend's
     capture rules on (what a captured CUDA graph cannot contain raises), a generation whose
     catch-up spans several chunks still drafts, verifies and matches plain decoding."""
+    spec = captured_drafting_run(drafts["full q8_0"])
+    assert spec.finished.usage.accepted_draft_tokens > 0
+
+
+def captured_drafting_run(draft: str):
+    """12 tokens of an 18-id prompt (catch-up over several 8-token chunks) drafted by `draft`
+    with the CPU backend's capture rules on; asserts it ran cleanly and matched plain decoding,
+    and returns the speculative run."""
     from service.backends import backend_options
 
     prompt = load_json("llamacpp_smollm2_greedy.json")["cases"][1]["prompt_ids"]   # 18 ids
     with backend_options("cpu", capture_rules=True):
-        eng = model_engine(drafts["full q8_0"], verify_width=4, prefill_chunk=8)
+        eng = model_engine(draft, verify_width=4, prefill_chunk=8)
     try:
         assert hasattr(eng.drafter.model.backend, "capture_state")
         spec = run(eng, prompt, max_new_tokens=12)
@@ -223,7 +231,7 @@ def test_draft_steps_obey_the_capture_rules(drafts):
         eng.stop(10)
     assert eng.failure is None and spec.finished.error is None, spec.finished.error
     assert spec.token_ids == plain.token_ids
-    assert spec.finished.usage.accepted_draft_tokens > 0
+    return spec
 
 
 def test_generate_cli_drafts_with_a_model(capsys, drafts):
