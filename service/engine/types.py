@@ -154,6 +154,7 @@ class Usage:
     accepted_draft_tokens: int = 0
     decode_steps: int = 0            # target steps after the prompt that decoded the request
     mean_tokens_per_step: float = 0.0   # accepted drafts + 1, averaged over decode_steps
+    cached_prompt_tokens: int = 0    # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(frozen=True)
