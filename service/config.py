@@ -47,8 +47,12 @@ class EngineConfig:
     tree_budget: int = 0             # > 0: tree verify (DDTree) with this many nodes; 0: chain
     backend: str = "auto"
     n_ctx: int = 4096                # context per sequence; capped at the model's trained length
-    n_slots: int = 4                 # sequences held in the KV cache at once
+    n_slots: int = 64                # sequences running at once (each holds KV blocks)
     prefill_chunk: int = 256         # prompt tokens per prefill step
+    max_step_tokens: int = 0         # tokens one engine iteration computes; 0 = chunk + 64
+    kv_cache_memory: str = ""        # KV pool: bytes ("8GiB"), a fraction ("0.5"), "" = 8 contexts
+    kv_block_size: int = 16          # positions per KV block (a power of two, 8..256)
+    prefix_cache: bool = True        # reuse the KV blocks of identical prompt prefixes
     max_queue: int = 64              # requests waiting for a slot before RESOURCE_EXHAUSTED
     threads: int = 0                 # CPU backend threads; 0 = all cores
     cuda_graphs: bool = True         # CUDA backend: capture each step shape once and replay it
@@ -94,11 +98,59 @@ class EngineConfig:
             out.append(("n_slots", f"{self.n_slots} is out of range; allowed 1..256"))
         if not 1 <= self.prefill_chunk <= 1024:
             out.append(("prefill_chunk", f"{self.prefill_chunk} is out of range; allowed 1..1024"))
+        if self.max_step_tokens and not 32 <= self.max_step_tokens <= 4096:
+            out.append(("max_step_tokens", f"{self.max_step_tokens} is out of range; allowed 0 "
+                                           "(prefill_chunk + 64) or 32..4096"))
+        try:
+            parse_memory(self.kv_cache_memory)
+        except ValueError as e:
+            out.append(("kv_cache_memory", str(e)))
+        bs = self.kv_block_size
+        if not 8 <= bs <= 256 or bs & (bs - 1):
+            out.append(("kv_block_size", f"{bs} is not a power of two in 8..256"))
         if not 0 <= self.max_queue <= 100_000:
             out.append(("max_queue", f"{self.max_queue} is out of range; allowed 0..100000"))
         if not 0 <= self.threads <= 1024:
             out.append(("threads", f"{self.threads} is out of range; allowed 0..1024"))
         return out
+
+
+MAX_STEP_ROWS = 64               # rows of one decode step (all sequences' tokens together)
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40,
+          "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_memory(text: str) -> tuple[str, float]:
+    """kv_cache_memory: ("default", 0) for "", ("bytes", n) for "8GiB" / "512MiB" / "1e9" /
+    "4096", ("fraction", f) for a number in (0, 1] such as "0.5". ValueError with the rules."""
+    t = text.strip().lower().replace(" ", "")
+    if not t:
+        return "default", 0.0
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value <= 0 or value != value:
+        raise ValueError(f"{text!r} is neither a size (e.g. 8GiB, 512MiB, 2000000000) nor a "
+                         "fraction in (0, 1] of the memory free after loading the model")
+    if not unit and value <= 1:
+        return "fraction", value
+    return "bytes", value * _UNITS[unit]
+
+
+def step_budget(config: EngineConfig) -> tuple[int, int]:
+    """(decode rows per step, prefill chunk) under config.max_step_tokens B: the decode step
+    holds at most min(64, B - 16) rows and the prefill chunk is min(prefill_chunk, B - rows),
+    a fixed size so a prompt's KV rows never depend on the load. B = 0: 64 rows and
+    prefill_chunk."""
+    b = config.max_step_tokens
+    if not b:
+        return MAX_STEP_ROWS, config.prefill_chunk
+    rows = min(MAX_STEP_ROWS, b - 16)
+    return rows, min(config.prefill_chunk, b - rows)
 
 
 # ---------------------------------------------------------------- model directory
@@ -227,8 +279,17 @@ _HELP = {
     "tree_budget": f"tree verify (DDTree) nodes per step, 2..{MAX_TREE_BUDGET}; 0 = chain verify",
     "backend": "compute backend: " + ", ".join(BACKENDS),
     "n_ctx": "context tokens per sequence (capped at the model's trained length)",
-    "n_slots": "sequences held in the KV cache at once",
+    "n_slots": "sequences running at once (each holds KV blocks; more wait in the queue)",
     "prefill_chunk": "prompt tokens per prefill step",
+    "max_step_tokens": "tokens one engine iteration computes: a decode step of up to "
+                       "min(64, N - 16) rows, then a prefill chunk of min(prefill_chunk, N - "
+                       "rows) (0 = prefill_chunk + 64)",
+    "kv_cache_memory": "KV cache pool size: bytes (8GiB, 512MiB, 2000000000) or a fraction "
+                       "(0.5) of the memory free after loading the model; '' = room for 8 "
+                       "full contexts (n_ctx each)",
+    "kv_block_size": "positions per KV cache block (a power of two, 8..256)",
+    "prefix_cache": "reuse the KV blocks of identical prompt prefixes (false: compute every "
+                    "prompt in full)",
     "max_queue": "requests that may wait for a slot before RESOURCE_EXHAUSTED",
     "threads": "CPU backend threads (0 = all cores)",
     "cuda_graphs": "CUDA backend: replay each step shape from a captured CUDA graph (false: "
@@ -323,6 +384,8 @@ def build_serve_parser() -> argparse.ArgumentParser:
             p.add_argument(s.flag, dest=s.name, metavar=s.kind.__name__.upper(), help=help_text)
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const="false",
                    help="the same as --cuda-graphs false")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const",
+                   const="false", help="the same as --prefix-cache false")
     return p
 
 

@@ -28,6 +28,7 @@ Weight handles (`Matrix`, `Experts`, `Embedding`) are opaque to the model layer.
 from __future__ import annotations
 
 import abc
+import os
 from typing import Any
 
 from service.gguf.reader import TensorInfo
@@ -67,6 +68,26 @@ class Backend(abc.ABC):
 
     def synchronize(self) -> None:  # noqa: B027 - a no-op default on synchronous backends
         """Wait for queued work."""
+
+    def memory_free(self) -> int:
+        """Bytes of memory free for the KV cache pool now (device memory on a GPU)."""
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+    def kv_position_bytes(self, n_layer: int, n_head_kv: int, head_dim: int, head_dim_v: int,
+                          type_k: str, type_v: str) -> int:
+        """Bytes one position of the KV cache takes over all layers (K and V), as stored:
+        f16 2 bytes an element; q8_0 1 byte + a 2-byte scale per 32; q4_0 half a byte + a
+        2-byte scale per 32."""
+        def row(t: str, d: int) -> int:
+            return {"f16": 2 * d, "q8_0": d + d // 16, "q4_0": d // 2 + d // 16}[t]
+        return n_layer * n_head_kv * (row(type_k, head_dim) + row(type_v, head_dim_v))
 
     # ---------------------------------------------------------------- weights (load time)
     @abc.abstractmethod

@@ -487,6 +487,11 @@ class CpuBackend(Backend):
         big = range(32, max_tokens, 16)
         return tuple(sorted({*super().step_sizes(max_tokens), *big}))
 
+    def kv_position_bytes(self, n_layer, n_head_kv, head_dim, head_dim_v, type_k, type_v):
+        """float32 rows whatever the type (each value rounded through the type when written)."""
+        del type_k, type_v
+        return 4 * n_layer * n_head_kv * (head_dim + head_dim_v)
+
     def host_buffer(self, n: int) -> np.ndarray:
         return np.zeros(n, np.int32)
 

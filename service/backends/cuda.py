@@ -174,6 +174,11 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
     def synchronize(self) -> None:
         self.stream.synchronize()
 
+    def memory_free(self) -> int:
+        """Free device memory, counting what CuPy's pool holds unused as free."""
+        pool = cp.get_default_memory_pool()
+        return int(cp.cuda.runtime.memGetInfo()[0]) + pool.free_bytes()
+
     # ---------------------------------------------------------------- weights
     def _upload_planes(self, raws: list[np.ndarray], layout: PlaneLayout) -> list[Any]:
         """The planes of the blocks of `raws` stacked by rows, on the device."""

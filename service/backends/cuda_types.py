@@ -13,7 +13,7 @@ from service.backends.cuda_layout import PlaneLayout
 
 GEMV_WARPS = 4            # warps per GEMV block (cuda/gemv.cu GEMV_WARPS)
 GEMV_NC = (1, 2, 4, 8, 16)   # column variants of cuda/gemv.cu; wider steps: chunks of 16
-GRAPH_MAX_TOKENS = 16     # steps up to this many tokens are captured (decode and verify)
+GRAPH_MAX_TOKENS = 64     # steps up to this many tokens are captured (decode and verify)
 ATT_CHUNK = 128           # KV positions per attention split: one 32-key tile per warp
 ATT_MAX_D, ATT_MAX_DV = 512, 256
 ROPE_KV_MAX_D = 512       # cuda/rope_kv.cu ROPE_KV_MAX_D

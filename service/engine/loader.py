@@ -11,7 +11,7 @@ from pathlib import Path
 import structlog
 
 from service.backends import create_backend, resolve_backend_name
-from service.config import MAX_VERIFY_WIDTH, EngineConfig
+from service.config import MAX_STEP_ROWS, EngineConfig, parse_memory, step_budget
 from service.engine.draft_model import ModelDrafter
 from service.engine.drafters import Drafter
 from service.engine.markov_head import load_markov_head
@@ -92,7 +92,7 @@ def load_model(model_path: str | Path, config: EngineConfig,
     backend_name = resolve_backend_name(config.backend)
     extra = {"graphs": config.cuda_graphs} if backend_name == "cuda" else {}
     backend = create_backend(backend_name, threads=config.threads,
-                             invariant_tokens=MAX_VERIFY_WIDTH, **extra)
+                             invariant_tokens=MAX_STEP_ROWS, **extra)
     pair = (config.kv_cache_type_k, config.kv_cache_type_v)
     if any(t not in backend.kv_types for t in pair):
         raise ConfigError([("kv_cache_type_k,kv_cache_type_v",
@@ -103,24 +103,70 @@ def load_model(model_path: str | Path, config: EngineConfig,
     n_ctx = min(config.n_ctx, spec.n_ctx_train)
     config = replace(config, n_ctx=n_ctx, backend=backend_name)
     t_model = time.perf_counter()
+    specs = [spec] + ([draft[1]] if draft is not None else [])
     model = Transformer(spec, gguf, backend, n_ctx=n_ctx, n_slots=config.n_slots,
-                        max_tokens=max(config.prefill_chunk, config.verify_width),
-                        type_k=config.kv_cache_type_k, type_v=config.kv_cache_type_v,
-                        max_logits=MAX_VERIFY_WIDTH)
+                        max_tokens=max_tokens(config), type_k=config.kv_cache_type_k,
+                        type_v=config.kv_cache_type_v, max_logits=MAX_STEP_ROWS,
+                        kv_blocks=lambda: pool_blocks(config, backend, specs),
+                        block_size=config.kv_block_size)
+    c = model.cache
+    log.info("kv_pool", blocks=c.n_blocks, block_size=c.block_size,
+             positions=c.n_blocks * c.block_size,
+             full_contexts=round(c.n_blocks / c.max_blocks, 1),
+             mib=round(c.n_blocks * c.block_size * kv_bytes(backend, specs, config) / 2**20, 1),
+             prefix_cache=config.prefix_cache)
     # the Transformer loads the weights, then allocates the KV cache and its workspace
     weights_s = model.weights.load_seconds
     log.info("load_phase", phase="weights", seconds=round(weights_s, 3), backend=backend_name,
              n_layer=spec.n_layer)
     t = phase("kv_cache", t_model + weights_s, n_ctx=n_ctx, n_slots=config.n_slots,
+              kv_blocks=model.cache.n_blocks,
               kv_type_k=config.kv_cache_type_k, kv_type_v=config.kv_cache_type_v)
     log.info("model_loaded", path=str(path), arch=spec.arch, backend=backend_name,
              kv_type_k=config.kv_cache_type_k, kv_type_v=config.kv_cache_type_v,
              n_ctx=n_ctx, n_slots=config.n_slots, verify_width=config.verify_width,
              seconds=round(t - t0, 2))
-    drafter = (_load_drafter(draft, config, backend_name, spec.vocab_size)
+    drafter = (_load_drafter(draft, config, backend_name, spec.vocab_size, model.cache.n_blocks)
                if draft is not None else None)
     return LoadedModel(path, gguf, spec, tokenizer, model, config, backend_name, template,
                        drafter)
+
+
+# ---------------------------------------------------------------- the KV pool
+def max_tokens(config: EngineConfig) -> int:
+    """Rows of the model's workspace: the prefill chunk, a verify step or a decode step."""
+    rows, chunk = step_budget(config)
+    return max(chunk, config.verify_width, rows)
+
+
+def kv_bytes(backend, specs: list[ModelSpec], config: EngineConfig) -> int:
+    """Bytes one position takes in the KV caches of `specs` (the target and a draft model,
+    which shares the target's block table and so its pool size)."""
+    return sum(backend.kv_position_bytes(s.n_layer, s.n_head_kv, s.head_dim, s.head_dim_v,
+                                         config.kv_cache_type_k, config.kv_cache_type_v)
+               for s in specs)
+
+
+def pool_blocks(config: EngineConfig, backend, specs: list[ModelSpec]) -> int:
+    """Blocks of the KV pool per config.kv_cache_memory ('' = 8 full contexts, bytes, or a
+    fraction of the memory free once the target's weights are loaded); ConfigError when they
+    cannot hold one full context."""
+    bs = config.kv_block_size
+    n_ctx = min(config.n_ctx, specs[0].n_ctx_train)
+    per_block = bs * kv_bytes(backend, specs, config)
+    full = -(-n_ctx // bs)
+    kind, value = parse_memory(config.kv_cache_memory)
+    if kind == "default":
+        return min(config.n_slots, 8) * full
+    budget = value if kind == "bytes" else value * backend.memory_free()
+    n = int(budget // per_block)
+    if n < full:
+        raise ConfigError([("kv_cache_memory", f"{config.kv_cache_memory!r} gives "
+                            f"{budget / 2**20:.1f} MiB, room for {n * bs} positions at "
+                            f"{per_block // bs} bytes each; one full context (n_ctx {n_ctx}) "
+                            f"needs {full * per_block / 2**20:.1f} MiB: raise kv_cache_memory "
+                            "or lower n_ctx")])
+    return n
 
 
 # ---------------------------------------------------------------- the draft model
@@ -171,7 +217,7 @@ def check_draft_vocabulary(target: GGUFFile, spec: ModelSpec, tok: Tokenizer,
 
 
 def _load_drafter(draft: tuple[GGUFFile, ModelSpec, Tokenizer], config: EngineConfig,
-                  backend_name: str, target_vocab: int) -> ModelDrafter:
+                  backend_name: str, target_vocab: int, kv_blocks: int) -> ModelDrafter:
     """The draft Transformer on its own backend instance of the target's kind and options
     (service/engine/draft_model.py says why), same n_slots, n_ctx and KV types; with the file's
     DSpark Markov head when it has one of the target's vocabulary size, loaded first (the
@@ -180,12 +226,12 @@ def _load_drafter(draft: tuple[GGUFFile, ModelSpec, Tokenizer], config: EngineCo
     t = time.perf_counter()
     extra = {"graphs": config.cuda_graphs} if backend_name == "cuda" else {}
     backend = create_backend(backend_name, threads=config.threads,
-                             invariant_tokens=MAX_VERIFY_WIDTH, **extra)
+                             invariant_tokens=MAX_STEP_ROWS, **extra)
     head = load_markov_head(f, target_vocab, backend)
     model = Transformer(dspec, f, backend, n_ctx=config.n_ctx, n_slots=config.n_slots,
-                        max_tokens=max(config.prefill_chunk, config.verify_width),
-                        type_k=config.kv_cache_type_k, type_v=config.kv_cache_type_v,
-                        max_logits=1)
+                        max_tokens=max_tokens(config), type_k=config.kv_cache_type_k,
+                        type_v=config.kv_cache_type_v, max_logits=1, kv_blocks=kv_blocks,
+                        block_size=config.kv_block_size)
     phase("draft_model", t, path=str(f.path), model=dspec.name, n_layer=dspec.n_layer,
           file_type=dspec.file_type, markov_rank=head.rank if head else 0)
     name = f"{dspec.name} ({f.path.name}" + (f", Markov head rank {head.rank})" if head else ")")

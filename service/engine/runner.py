@@ -174,6 +174,12 @@ class ModelRunner:
         return StepOutput(res[:, 0].copy(), tuple(
             _logprob(res[r], s.n_top) for r, s in enumerate(inp.sampling)))
 
+    def write_history(self, slot: int, tokens: Sequence[int]) -> None:
+        """hist[slot, :n] = tokens: the token history of positions whose KV rows a sequence
+        took from the prefix cache (the repetition penalty's window reads it)."""
+        n = len(tokens)
+        self.model.backend.upload_ints(np.asarray(tokens, np.int32), self.hist[slot, :n])
+
     def move_kv(self, slots: Sequence[int], src: Sequence[int], dst: Sequence[int]) -> None:
         """KV rows src[m] -> dst[m] of slot slots[m], for every layer, in order (one upload,
         one kv_move op). At most max_tokens moves."""

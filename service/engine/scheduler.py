@@ -48,7 +48,8 @@ from pathlib import Path
 
 import structlog
 
-from service.config import MAX_VERIFY_WIDTH, EngineConfig
+from service.config import EngineConfig, step_budget
+from service.engine.blocks import BlockPool
 from service.engine.drafters import Drafter, create_drafter
 from service.engine.loader import ModelInfo, load_model, phase
 from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput, StepOutput
@@ -119,8 +120,13 @@ class Engine:
         self._ready = threading.Event()
         self._stopping = False
         self.runner = ModelRunner(model, config.n_slots, config.n_ctx)
-        # rows of one decode step: the step-size-invariant width, within the model's workspace
-        self.step_rows = min(MAX_VERIFY_WIDTH, model.max_tokens, model.max_logits)
+        # rows of one decode step (the backends' step-size-invariant width, within the model's
+        # workspace) and the fixed prefill chunk, under config.max_step_tokens
+        rows, self.prefill_chunk = step_budget(config)
+        self.step_rows = min(rows, model.max_tokens, model.max_logits)
+        cache = model.cache
+        self.pool = BlockPool(cache.n_blocks, cache.block_size, config.n_slots,
+                              cache.max_blocks, config.prefix_cache, self._upload_table)
         self.stats = StepStats()
         # Cost of each extra verified token relative to a plain step (see draft_length);
         # measured on the engine thread before it serves anything.
@@ -232,6 +238,13 @@ class Engine:
                         speculative=spec.on, verify_width=spec.verify_width,
                         tree_budget=spec.tree_budget)
 
+    def _upload_table(self, table) -> None:
+        """The block table, to the target model and the draft model (which shares it)."""
+        self.runner.set_block_table(table)
+        share = getattr(self.drafter, "set_block_table", None)
+        if share is not None:
+            share(table)
+
     def _wake(self) -> None:
         with self._lock:
             self._lock.notify_all()
@@ -285,19 +298,16 @@ class Engine:
         while True:
             with self._lock:
                 self._reap_cancelled()
-                while self._waiting and self._free_slots:
-                    seq = self._waiting.popleft()
-                    seq.start(self._free_slots.pop())
-                    if self.drafter is not None:
-                        self.drafter.start(seq)
-                    self._active.append(seq)
+                while self._waiting and self._free_slots and self._admit(self._waiting[0]):
+                    self._waiting.popleft()
                 if not self._active:
                     if self._stopping:
                         return
                     self._lock.wait(0.5)
                     continue
                 # _active is in start order (FIFO admission)
-                decoding = [s for s in self._active if s.seed is not None and not s.cancelled]
+                decoding = [s for s in self._active if s.seed is not None and not s.cancelled
+                            and not s.prefill_left]
                 prefilling = next((s for s in self._active if s.prefill_left
                                    and not s.cancelled), None)
             if decoding:
@@ -306,7 +316,7 @@ class Engine:
                 except Exception as exc:   # planning failed (e.g. a drafter): fail its batch
                     for seq in decoding:
                         self._fail(seq, exc)
-            if prefilling is not None and not prefilling.cancelled:
+            if prefilling is not None and not prefilling.cancelled and prefilling.slot >= 0:
                 try:
                     self._prefill(prefilling)
                 except Exception as exc:   # one request's failure must not stop the engine
@@ -334,9 +344,65 @@ class Engine:
     def _release_locked(self, seq: Sequence) -> None:
         if seq in self._active:
             self._active.remove(seq)
-            self._free_slots.append(seq.slot)
-            if self.drafter is not None:
-                self.drafter.release(seq)
+            self._free_blocks(seq)
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        """Return `seq`'s slot and KV blocks (its full committed blocks stay cached)."""
+        self.pool.register(seq.slot, seq.history, seq.n_past)
+        self.pool.release(seq.slot)
+        self._free_slots.append(seq.slot)
+        if self.drafter is not None:
+            self.drafter.release(seq)
+
+    # ------------------------------------------------------------------ KV blocks
+    def _admit(self, seq: Sequence) -> bool:
+        """Start `seq` (the queue's head) in a free slot when the pool has the blocks for its
+        whole context plus one token, counting the blocks a cached prefix gives it; else
+        False (it keeps waiting: admission is FIFO). Holds the lock."""
+        ctx = seq.context_ids
+        # a new prompt computes at least its last token (its logits choose the first one)
+        limit = len(ctx) - (1 if seq.seed is None else 0)
+        cached = self.pool.match(ctx, limit)
+        idle = sum(1 for b in cached if self.pool.ref[b] == 0)   # cached, counted as available
+        if self.pool.blocks_for(len(ctx) + 1) - len(cached) > self.pool.available - idle:
+            return False
+        slot = self._free_slots.pop()
+        self.pool.attach(slot, cached)
+        n = len(cached) * self.pool.block_size
+        if n:
+            self.runner.write_history(slot, ctx[:n])   # the penalty window reads it
+            self.stats.cached_tokens += n
+        seq.start(slot, n)
+        if self.drafter is not None:
+            self.drafter.start(seq)
+        self._active.append(seq)
+        return True
+
+    def _room(self, seq: Sequence, n_positions: int) -> bool:
+        """Blocks for positions [0, n_positions) of `seq`, preempting the most recently
+        submitted other sequences while the pool lacks them; False when `seq` itself had to
+        go (it waits again at the head of the queue)."""
+        while not self.pool.ensure(seq.slot, n_positions):
+            with self._lock:
+                victim = max((s for s in self._active if s.slot >= 0 and not s.finished),
+                             key=lambda s: s.t_submit)
+                self._preempt(victim)
+            if victim is seq:
+                return False
+        self.pool.sync()
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Take `seq`'s blocks back; it recomputes its context when admitted again (its
+        emitted tokens stand: sampling is keyed by token index, so it goes on as before).
+        Holds the lock."""
+        log.info("preempted", request_id=seq.request.request_id, n_past=seq.n_past,
+                 generated=len(seq.generated), blocks_used=self.pool.used_blocks)
+        self._active.remove(seq)
+        self._free_blocks(seq)
+        seq.preempt()
+        self._waiting.appendleft(seq)
+        self.stats.preemptions += 1
 
     def _forward(self, seq: Sequence, tokens: list[int], start: int,
                  rows: list[RowSampling]) -> StepOutput:
@@ -353,13 +419,23 @@ class Engine:
                               len(seq.generated) + ahead, n_top)
 
     def _prefill(self, seq: Sequence) -> None:
-        """One chunk of `seq`'s prompt; the last chunk chooses its first token."""
-        n = min(seq.prefill_left, self.config.prefill_chunk)
-        chunk = list(seq.request.prompt_ids[seq.n_past:seq.n_past + n])
-        last = n == seq.prefill_left
+        """One chunk of `seq`'s prompt (chunks of prefill_chunk from where its prefill began);
+        the prompt's last chunk chooses its first token. A preempted sequence recomputes its
+        prompt the same way, then its generated tokens in decode-sized steps (the step-size-
+        invariant path, so their KV rows get the bits decoding gave them) choosing nothing."""
+        n_prompt = len(seq.request.prompt_ids)
+        if seq.n_past < n_prompt:
+            n = min(self.prefill_chunk, n_prompt - seq.n_past)
+        else:
+            n = min(self.step_rows, seq.prefill_left)
+        chunk = list(seq.history[seq.n_past:seq.n_past + n])
+        last = seq.seed is None and seq.n_past + n == n_prompt
+        if not self._room(seq, seq.n_past + n):
+            return
         out = self._forward(seq, chunk, seq.n_past, [self._choice(seq)] if last else [])
         self.stats.prefill_steps += 1
         seq.n_past += n
+        self.pool.register(seq.slot, seq.history, min(seq.n_past, n_prompt))
         if last:
             seq.t_prefill_done = time.perf_counter()
             seq.emit([int(out.token_ids[0])], out.logprobs)
@@ -370,6 +446,8 @@ class Engine:
         a time (nothing was committed), so a fault fails only the request that causes it."""
         timer = StepTimer() if self.config.step_profile else None
         batch = self._plan(decoding, timer)
+        if not batch:                   # every chosen sequence was preempted for room
+            return
         try:
             outs: list[StepOutput | None] = self._split(batch, self._verify_step(batch, timer))
         except Exception as exc:
@@ -411,7 +489,12 @@ class Engine:
             i = max(range(len(want)), key=lambda j: (want[j], j))
             want[i] -= 1
         batch = []
+        for i, seq in enumerate(chosen):     # blocks for every row; the drafter writes them too
+            if seq.slot >= 0 and not self._room(seq, seq.n_past + want[i] + 1):
+                want[i] = -1
         for seq, k in zip(chosen, want, strict=True):
+            if k < 0 or seq.slot < 0:         # preempted to make room
+                continue
             draft = [seq.seed]
             if seq.speculative:
                 seq.steps_without_draft = 0 if k else seq.steps_without_draft + 1
@@ -498,6 +581,8 @@ class StepStats:
         self.decode_rows = 0
         self.max_sequences = 0          # most sequences one decode step held
         self.kv_moves = 0               # KV rows moved by tree compaction
+        self.preemptions = 0            # sequences whose KV blocks were taken back
+        self.cached_tokens = 0          # prompt positions served from the prefix cache
 
     def count_decode(self, n_sequences: int, n_rows: int) -> None:
         self.decode_steps += 1

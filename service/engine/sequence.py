@@ -48,6 +48,9 @@ class Sequence:
     step_tokens: int = 0                  # tokens those steps committed (accepted drafts + 1)
     step_ms: list[float] = field(default_factory=lambda: [0.0] * 4)  # stepprofile.PARTS
     last_turn: int = -1                   # the decode step that last held this sequence
+    cached_prompt_tokens: int = 0         # prompt positions taken from the prefix cache
+    preemptions: int = 0                  # times its KV blocks were taken back (recomputed)
+    prefill_start: int = 0                # where its last prefill began (chunks align to it)
     cancelled: bool = False
     finished: bool = False
     t_submit: float = field(default_factory=time.perf_counter)
@@ -79,13 +82,32 @@ class Sequence:
         self.step_tokens += committed
 
     @property
-    def prefill_left(self) -> int:
-        return len(self.request.prompt_ids) - self.n_past if self.seed is None else 0
+    def context_ids(self) -> Seq[int]:
+        """The tokens whose KV rows must be written before the next decode step: the prompt,
+        or after a preemption everything but the seed (the last chosen token)."""
+        return self.request.prompt_ids if self.seed is None else self.history[:-1]
 
-    def start(self, slot: int) -> None:
-        self.slot = slot
+    @property
+    def prefill_left(self) -> int:
+        """Positions still to compute before decoding (the prompt, or a preempted sequence's
+        recomputation); 0 while decoding."""
+        n = len(self.request.prompt_ids) if self.seed is None else len(self.history) - 1
+        return max(0, n - self.n_past)
+
+    def start(self, slot: int, n_cached: int = 0) -> None:
+        """Take `slot` with its first `n_cached` positions' KV rows already in place (prefix
+        cache). The first start sends Started; a resumption after a preemption sends nothing."""
+        self.slot, self.n_past, self.prefill_start = slot, n_cached, n_cached
+        if self.t_start:
+            return
+        self.cached_prompt_tokens = n_cached
         self.t_start = time.perf_counter()
         self.send(Started(prompt_tokens=len(self.request.prompt_ids), seed=self.seed_value))
+
+    def preempt(self) -> None:
+        """Its KV blocks were taken back: it waits again and recomputes its context."""
+        self.slot, self.n_past = -1, 0
+        self.preemptions += 1
 
     # ------------------------------------------------------------------ committing tokens
     def emit(self, tokens: list[int], logprobs: Seq[TokenLogprob | None] = ()) -> None:
@@ -157,5 +179,6 @@ class Sequence:
         usage = Usage(prompt_tokens=len(self.request.prompt_ids), completion_tokens=n,
                       draft_tokens=self.draft_tokens,
                       accepted_draft_tokens=self.accepted_draft_tokens, decode_steps=steps,
-                      mean_tokens_per_step=self.step_tokens / steps if steps else 0.0)
+                      mean_tokens_per_step=self.step_tokens / steps if steps else 0.0,
+                      cached_prompt_tokens=self.cached_prompt_tokens)
         self.send(Finished(reason, usage, timings, matched, error))

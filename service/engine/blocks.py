@@ -1,0 +1,212 @@
+"""The KV block pool: which fixed-size blocks of the paged KV cache each sequence holds, and the
+prefix cache over full blocks.
+
+The backends store K/V as a pool of `n_blocks` blocks of `block_size` positions; a sequence in
+slot s finds position p at row table[s, p // block_size] * block_size + p % block_size
+(service/backends/base.py). This module owns the host copy of that table and decides it:
+
+- A sequence holds the blocks that cover its positions [0, n), allocated on demand
+  (`ensure(slot, n)`) before each step that writes them; memory follows actual lengths.
+- Prefix cache: a FULL block whose KV rows are written is registered under a hash of its tokens
+  chained with the previous block's hash (blake2b of the previous digest and the block's token
+  ids), so equal hashes mean the same tokens at the same positions after the same prefix.
+  `match(tokens)` returns the cached blocks of the longest registered prefix; a new sequence
+  takes them by reference (`attach`) and computes only the rest. A block is written only by the
+  sequence that allocated it, at positions it has not committed yet, and registered only once
+  every row in it is committed, so shared blocks are never written again.
+- Reference counts: a block referenced by no sequence but registered stays cached (its rows
+  survive) in least-recently-released order; allocation takes never-registered free blocks
+  first, then evicts the least recently released cached block (dropping its hash).
+- `release(slot)` drops the slot's references (blocks with none left return to the free list,
+  or to the cached LRU when registered). After every sequence has ended,
+  `free_blocks + cached_blocks == n_blocks` (tests check this after random mixes).
+
+All methods run on the engine thread; nothing here touches the device except through the
+`upload(table)` callback the engine passes (the model runner's set_block_table).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+ROOT_HASH = b"specstream-kv-root"
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, n_blocks: int,
+                 start: list[bytes] | None = None) -> list[bytes]:
+    """The chained hashes of the first n_blocks full blocks of `tokens` (`start`: hashes of
+    a leading run already known, extended rather than recomputed)."""
+    out = list(start or [])
+    prev = out[-1] if out else ROOT_HASH
+    for i in range(len(out), n_blocks):
+        ids = np.asarray(tokens[i * block_size:(i + 1) * block_size], np.int64)  # (bs,)
+        if len(ids) != block_size:
+            raise ValueError(f"block {i}: {len(ids)} tokens, not {block_size}")
+        prev = hashlib.blake2b(prev + ids.tobytes(), digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
+class BlockPool:
+    def __init__(self, n_blocks: int, block_size: int, n_slots: int, max_blocks: int,
+                 prefix_cache: bool = True,
+                 upload: Callable[[np.ndarray], None] | None = None):
+        if n_blocks < max_blocks:
+            raise ValueError(f"{n_blocks} KV blocks cannot hold one full context "
+                             f"({max_blocks} blocks of {block_size})")
+        self.n_blocks, self.block_size = n_blocks, block_size
+        self.max_blocks, self.prefix_cache = max_blocks, prefix_cache
+        self._upload = upload
+        self.table = np.zeros((n_slots, max_blocks), np.int32)      # (n_slots, max_blocks)
+        self._dirty = True
+        self.ref = np.zeros(n_blocks, np.int32)                      # (n_blocks,) references
+        self._free: collections.deque[int] = collections.deque(range(n_blocks))
+        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._by_hash: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self.owned: dict[int, list[int]] = {}                        # slot -> its blocks
+        self._hashes: dict[int, list[bytes]] = {}                    # slot -> hashed prefix
+        self.hits = self.lookups = self.evictions = 0
+
+    # ---------------------------------------------------------------- accounting
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Registered blocks no sequence references (reusable, evictable)."""
+        return len(self._lru)
+
+    @property
+    def available(self) -> int:
+        """Blocks an allocation may take now."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.n_blocks - self.available
+
+    def blocks_for(self, n_positions: int) -> int:
+        return -(-n_positions // self.block_size)
+
+    def need(self, slot: int, n_positions: int) -> int:
+        """New blocks `slot` needs to cover positions [0, n_positions)."""
+        return max(0, self.blocks_for(n_positions) - len(self.owned.get(slot, ())))
+
+    # ---------------------------------------------------------------- prefix cache
+    def match(self, tokens: Sequence[int], limit: int) -> list[int]:
+        """Cached blocks holding the longest registered prefix of `tokens`, at most `limit`
+        positions (whole blocks only)."""
+        if not self.prefix_cache:
+            return []
+        self.lookups += 1
+        out: list[int] = []
+        prev = ROOT_HASH
+        for i in range(limit // self.block_size):
+            ids = np.asarray(tokens[i * self.block_size:(i + 1) * self.block_size], np.int64)
+            prev = hashlib.blake2b(prev + ids.tobytes(), digest_size=16).digest()
+            b = self._by_hash.get(prev)
+            if b is None:
+                break
+            out.append(b)
+        if out:
+            self.hits += 1
+        return out
+
+    def attach(self, slot: int, blocks: list[int]) -> None:
+        """Give a new sequence in `slot` the cached blocks `blocks` (from match) as its first."""
+        if self.owned.get(slot):
+            raise ValueError(f"slot {slot} already holds blocks")
+        for b in blocks:
+            if self.ref[b] == 0:
+                self._lru.pop(b, None)
+            self.ref[b] += 1
+        self.owned[slot] = list(blocks)
+        self._hashes[slot] = [self._hash_of[b] for b in blocks]
+        self.table[slot, :len(blocks)] = blocks
+        self._dirty = True
+
+    def register(self, slot: int, tokens: Sequence[int], n_committed: int) -> None:
+        """Enter the slot's full blocks whose rows [0, n_committed) are all committed, with
+        `tokens` the sequence's tokens at those positions. A block whose hash another block
+        already holds stays private (it is freed, not cached, when released)."""
+        if not self.prefix_cache:
+            return
+        blocks = self.owned.get(slot, [])
+        n_full = min(n_committed // self.block_size, len(blocks))
+        known = self._hashes.setdefault(slot, [])
+        if n_full <= len(known):
+            return
+        hashes = block_hashes(tokens, self.block_size, n_full, known)
+        for i in range(len(known), n_full):
+            b, h = blocks[i], hashes[i]
+            if h not in self._by_hash and b not in self._hash_of:
+                self._by_hash[h] = b
+                self._hash_of[b] = h
+        self._hashes[slot] = hashes
+
+    # ---------------------------------------------------------------- allocation
+    def ensure(self, slot: int, n_positions: int) -> bool:
+        """Allocate blocks so `slot` covers positions [0, n_positions); False (and nothing
+        allocated) when the pool lacks them."""
+        want = self.need(slot, n_positions)
+        if want == 0:
+            return True
+        if want > self.available:
+            return False
+        mine = self.owned.setdefault(slot, [])
+        for _ in range(want):
+            b = self._take()
+            self.ref[b] = 1
+            self.table[slot, len(mine)] = b
+            mine.append(b)
+        self._dirty = True
+        return True
+
+    def _take(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        b, _ = self._lru.popitem(last=False)        # the least recently released cached block
+        del self._by_hash[self._hash_of.pop(b)]
+        self.evictions += 1
+        return b
+
+    def release(self, slot: int) -> None:
+        """Drop `slot`'s references; its table row is left pointing at block 0 (never read)."""
+        for b in self.owned.pop(slot, []):
+            self.ref[b] -= 1
+            if self.ref[b] < 0:
+                raise AssertionError(f"block {b} released twice")
+            if self.ref[b] == 0:
+                if b in self._hash_of:
+                    self._lru[b] = None
+                else:
+                    self._free.append(b)
+        self._hashes.pop(slot, None)
+        self.table[slot] = 0
+        self._dirty = True
+
+    def sync(self) -> None:
+        """Upload the table if it changed since the last upload (before a step)."""
+        if self._dirty and self._upload is not None:
+            self._upload(self.table)
+        self._dirty = False
+
+    def check(self) -> None:
+        """Every block is either referenced, cached or free, exactly once (tests)."""
+        held = collections.Counter(b for bs in self.owned.values() for b in bs)
+        for b in range(self.n_blocks):
+            if held[b] != self.ref[b]:
+                raise AssertionError(f"block {b}: {self.ref[b]} references, {held[b]} holders")
+        free, lru = set(self._free), set(self._lru)
+        if len(free) != len(self._free) or free & lru or any(self.ref[b] for b in free | lru):
+            raise AssertionError("a free or cached block is referenced or listed twice")
+        if len(free) + len(lru) + int((self.ref > 0).sum()) != self.n_blocks:
+            raise AssertionError("blocks lost: "
+                                 f"{len(free)} free + {len(lru)} cached + "
+                                 f"{int((self.ref > 0).sum())} held != {self.n_blocks}")
