@@ -36,6 +36,7 @@ Engine settings: --n-ctx (default: long enough for the streams and the prefix re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -262,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     backend = resolve_backend_name(a.backend)
     levels = sorted(set(a.level_list) | ({8} if backend == "cpu" else set()))
     fields = engine_fields(a, backend, levels)
+    missing = sorted(set(fields) - {f.name for f in dataclasses.fields(EngineConfig)})
+    if missing:
+        raise SystemExit(f"this EngineConfig has no field {', '.join(missing)}")
     if a.model in SYNTH:
         path, _ = synth_model(a.synth_dir, SYNTH[a.model], "Q4_K_M", a.seed)
     else:
