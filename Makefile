@@ -11,7 +11,7 @@ PROMPT ?= The capital of France is
 GPU_PY ?= 3.12
 
 .PHONY: help setup proto models serve generate test test-gpu check-cuda bench bench-gpu \
-        bench-spec lint wheelhouse clean
+        bench-spec bench-concurrency lint wheelhouse clean
 
 help:
 	@echo "make serve       set up, fetch the default model, start the gRPC server on :$(PORT)"
@@ -27,6 +27,9 @@ help:
 	@echo "make bench-spec  speculative decoding: real drafters, verify steps and an oracle"
 	@echo "                 drafter on synthetic 8B/1B (GPU when CuPy is present, else CPU;"
 	@echo "                 SPEC_ARGS='--part real|synth ...', SPEC_JSON=path)"
+	@echo "make bench-concurrency  streams 1..64 through the gRPC server on the CPU, goals and"
+	@echo "                 the prefix-cache TTFT (CONC_JSON=path, CONC_ARGS='--levels 1,4"
+	@echo "                 --tokens 64 --plot PNG ...'; the plot needs matplotlib)"
 	@echo "make lint        ruff"
 	@echo "make wheelhouse  wheels for an offline GPU host (Python $(GPU_PY))"
 
@@ -83,6 +86,12 @@ SPEC_ARGS ?=
 
 bench-spec:
 	$(GPU_RUN_PY) bench/speculative.py --json $(SPEC_JSON) $(SPEC_ARGS)
+
+CONC_JSON ?= docs/bench-concurrency-cpu.json
+CONC_ARGS ?=
+
+bench-concurrency: setup models
+	$(PY) bench/concurrency.py --json $(CONC_JSON) $(CONC_ARGS)
 
 lint: $(BIN)/specstream
 	$(BIN)/ruff check service clients tests bench

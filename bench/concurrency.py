@@ -1,47 +1,78 @@
 """Throughput and latency against the number of concurrent streams, through the real gRPC server.
 
 One engine behind a localhost gRPC server (BackgroundServer + SpecstreamClient, as in
-bench/server_overhead.py); for each concurrency level c, c client threads each stream one greedy
-request of --tokens tokens at the same time. Per level: aggregate tok/s (all tokens / wall time
-of the level), per-stream tok/s (tokens / that stream's wall time, median), time to first token
-(median and p99 over the streams), inter-token latency p50/p99 (the gap before each token as
-its client sees it; a message of k tokens counts k gaps of 1/k of it), and the aggregate
-throughput against one stream's, measured in the same run.
+bench/server_overhead.py); for each concurrency level c (--levels; on the CPU backend level 8 is
+added), c client threads each stream one request of --tokens tokens at the same time (greedy, or
+with --sampled temperature 0.8, top_p 0.95 and seed 1000 + i for stream i). Per level: aggregate
+tok/s (all tokens / wall time of the level), per-stream tok/s (tokens / that stream's wall time,
+median), time to first token p50/p99 over the streams, inter-token latency p50/p99 (the gap
+before each token as its client sees it; a message of k tokens counts k gaps of 1/k of it), the
+prompt tokens the prefix cache served, and the aggregate throughput against one stream's,
+measured in the same run. The goals of issue 9 follow, computed from these rows.
 
-    python bench/concurrency.py [--model smollm2-135m] [--backend cpu|cuda] [--tokens 64]
-                                [--max-streams 8] [--rounds 1] [--speculative]
+Prompts: a text model's streams use the fixed short texts of bench/server_overhead.py (their
+repeats may come from the prefix cache: the "cached" column); synthetic models (`--model
+synth-8b|synth-1b|synth-tiny`, generated seeded into --synth-dir and reused) and `--prompts ids`
+get --prompt-tokens random ordinary vocabulary ids, fresh per level and round.
+
+Prefix part (--prefix-tokens N, 0 skips it), through the same server after the levels: request A
+is a random N-token prefix + a 16-token suffix, 1 token generated; request B the same prefix +
+another suffix. Time to first token of A (uncached) and B (cached), their ratio and both
+requests' Usage.cached_prompt_tokens; median of 3 rounds, each with a fresh prefix.
+
+Engine settings: --n-ctx (default: long enough for the streams and the prefix requests),
+--n-slots (default: the highest level); --kv-cache-memory, --max-step-tokens and
+--no-prefix-cache reach EngineConfig only when given.
+
+    python bench/concurrency.py [--model smollm2-135m|PATH|synth-8b|synth-1b|synth-tiny]
+        [--backend cpu|cuda|auto] [--levels 1,4,16,64] [--tokens 256] [--sampled]
+        [--prompts text|ids] [--prompt-tokens 32] [--prefix-tokens 2000] [--rounds 1]
+        [--n-ctx N] [--n-slots N] [--kv-cache-memory 8GiB] [--max-step-tokens N]
+        [--no-prefix-cache] [--speculative] [--threads 0] [--synth-dir DIR] [--seed 0]
+        [--json PATH] [--plot PNG]
+    python bench/plot_concurrency.py RESULT.json [MORE.json ...] OUT.png   (redraw from JSON)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import numpy as np
 
-from server_overhead import PROMPTS, Run, via_grpc  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from server_overhead import PROMPTS, Run  # noqa: E402
+from synth_model import DEFAULT_DIR, synth_model  # noqa: E402
 
 from clients import SpecstreamClient  # noqa: E402
 from service.config import DEFAULT_MODEL, EngineConfig, ServerConfig, models_dir_from_env  # noqa: E402,E501
-from service.engine.types import GenerationRequest, SamplingParams, StoppingCriteria  # noqa: E402
 from service.logging import configure_logging  # noqa: E402
 from service.serve import BackgroundServer  # noqa: E402
 
-LEVELS = (1, 4, 8, 16, 32, 64)
+SYNTH = {"synth-8b": "llama3-8b", "synth-1b": "llama3.2-1b", "synth-tiny": "tiny"}
+SUFFIX_TOKENS = 16
+PREFIX_ROUNDS = 3
+# (streams, aggregate at least this many times one stream's, check p99 ITL <= 2x; backend or
+# None for every backend) -- issue 9's goals.
+GOALS = ((16, 10.0, True, None), (64, 25.0, False, None), (8, 2.0, False, "cpu"))
 
 
 class TokenRun(Run):
-    """Run plus the number of tokens each message carried (for per-token gaps)."""
+    """Run plus the number of tokens each message carried (for per-token gaps) and the usage
+    of the Finished message."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sizes: list[int] = []
+        self.cached = 0
 
     def tokens_arrived(self, n: int) -> None:
         if n:
@@ -63,11 +94,27 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def stream(client: SpecstreamClient, req: GenerationRequest) -> TokenRun:
-    return via_grpc(client, req, TokenRun())
+def stream(client: SpecstreamClient, kw: dict) -> TokenRun:
+    run = TokenRun()
+    for r in client.generate(**kw):
+        if r.HasField("delta"):
+            run.tokens_arrived(len(r.delta.token_ids))
+        elif r.HasField("finished"):
+            run.cached = r.finished.usage.cached_prompt_tokens
+    run.done()
+    return run
 
 
-def level(client: SpecstreamClient, reqs: list[GenerationRequest]) -> dict[str, float]:
+def request(prompt: list[int], tokens: int, a, i: int) -> dict:
+    """client.generate keywords of stream i."""
+    kw = {"tokens": prompt, "max_new_tokens": tokens, "ignore_eos": True,
+          "speculative": None if a.speculative else False}
+    if a.sampled:
+        return {**kw, "temperature": 0.8, "top_p": 0.95, "seed": 1000 + i}
+    return {**kw, "temperature": 0.0}
+
+
+def level(client: SpecstreamClient, reqs: list[dict]) -> dict[str, float]:
     """All requests at once, one client thread each."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(reqs)) as pool:
@@ -79,62 +126,223 @@ def level(client: SpecstreamClient, reqs: list[GenerationRequest]) -> dict[str, 
     return {"streams": len(reqs), "tokens": tokens, "wall_s": wall, "agg_tok_s": tokens / wall,
             "stream_tok_s": statistics.median(r.tokens / r.wall for r in runs),
             "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
-            "itl_p50_ms": pct(gaps, 0.5), "itl_p99_ms": pct(gaps, 0.99)}
+            "itl_p50_ms": pct(gaps, 0.5), "itl_p99_ms": pct(gaps, 0.99),
+            "cached": sum(r.cached for r in runs)}
 
 
-def print_table(rows: list[dict[str, float]]) -> None:
+def ordinary_ids(tok) -> np.ndarray:
+    """Ids of NORMAL vocabulary entries (no control, byte or unused tokens); every id when the
+    model has no token attributes."""
+    from service.model.tokenizer import TokenAttr
+
+    ids = [i for i in range(tok.vocab_size) if tok.token_attr(i) == TokenAttr.NORMAL]
+    return np.array(ids if ids else range(tok.vocab_size), dtype=np.int64)      # [n]
+
+
+def random_prompt(pool: np.ndarray, n: int, rng: np.random.Generator) -> list[int]:
+    return [int(x) for x in rng.choice(pool, n)]
+
+
+# ---------------------------------------------------------------- goals, tables
+def goals(rows: list[dict], backend: str) -> list[dict]:
+    """Issue 9's concurrency goals for the levels this run has, against its own 1-stream row."""
+    by = {r["streams"]: r for r in rows}
+    if 1 not in by:
+        return []
+    one, out = by[1], []
+    for n, times, itl, only in GOALS:
+        if n not in by or only not in (None, backend):
+            continue
+        ratio = by[n]["agg_tok_s"] / one["agg_tok_s"]
+        out.append({"goal": f"{n} streams: aggregate >= {times:g}x one stream's",
+                    "value": ratio, "met": ratio >= times})
+        if itl:
+            r = by[n]["itl_p99_ms"] / one["itl_p99_ms"]
+            out.append({"goal": f"{n} streams: p99 ITL <= 2x one stream's", "value": r,
+                        "met": r <= 2.0})
+    return out
+
+
+def print_table(rows: list[dict]) -> None:
     cols = [("streams", "streams", "{:>8.0f}"), ("tokens", "tokens", "{:>8.0f}"),
             ("wall_s", "wall s", "{:>8.2f}"), ("agg_tok_s", "agg tok/s", "{:>10.1f}"),
             ("stream_tok_s", "tok/s/str", "{:>10.1f}"), ("ttft_p50_ms", "TTFT p50", "{:>10.0f}"),
             ("ttft_p99_ms", "TTFT p99", "{:>10.0f}"), ("itl_p50_ms", "ITL p50", "{:>9.1f}"),
-            ("itl_p99_ms", "ITL p99", "{:>9.1f}"), ("ratio", "x 1 str", "{:>8.2f}")]
+            ("itl_p99_ms", "ITL p99", "{:>9.1f}"), ("cached", "cached", "{:>8.0f}"),
+            ("ratio", "x 1 str", "{:>8.2f}")]
     print("".join(f"{h:>{len(f.format(0))}}" for _, h, f in cols) + "   (ms for TTFT/ITL)")
     for r in rows:
         print("".join(f.format(r[k]) for k, _, f in cols))
 
 
-def main(argv: list[str] | None = None) -> int:
+def met(ok: bool) -> str:
+    return "met" if ok else "missed"
+
+
+# ---------------------------------------------------------------- prefix cache
+def prefix_part(client: SpecstreamClient, pool: np.ndarray, a) -> dict:
+    """TTFT of a request on a fresh random prefix (A) and of one on the same prefix (B), median
+    of PREFIX_ROUNDS rounds with a new prefix each."""
+    rng = np.random.default_rng([a.seed, 2])
+    rounds = []
+    for k in range(PREFIX_ROUNDS):
+        prefix = random_prompt(pool, a.prefix_tokens, rng)
+        runs = [stream(client, request(prefix + random_prompt(pool, SUFFIX_TOKENS, rng), 1, a,
+                                       k)) for _ in "AB"]
+        rounds.append({"ttft_a_ms": runs[0].first_token_s() * 1e3,
+                       "ttft_b_ms": runs[1].first_token_s() * 1e3,
+                       "cached_a": runs[0].cached, "cached_b": runs[1].cached})
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    ratio = med["ttft_b_ms"] / med["ttft_a_ms"]
+    return {"prefix_tokens": a.prefix_tokens, "suffix_tokens": SUFFIX_TOKENS, **med,
+            "ratio": ratio, "rounds": rounds,
+            "goal": {"goal": "cached TTFT <= 1/10 uncached", "value": ratio,
+                     "met": ratio <= 0.1}}
+
+
+# ---------------------------------------------------------------- main
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--backend", default="cpu")
-    p.add_argument("--tokens", type=int, default=64, help="max_new_tokens per stream")
-    p.add_argument("--max-streams", type=int, default=8, help="highest concurrency level")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="known name, GGUF path, or " + "|".join(SYNTH))
+    p.add_argument("--backend", default="cpu", choices=("cpu", "cuda", "auto"))
+    p.add_argument("--levels", default="1,4,16,64", help="concurrency levels")
+    p.add_argument("--tokens", type=int, default=256, help="max_new_tokens per stream")
+    p.add_argument("--sampled", action="store_true",
+                   help="temperature 0.8, top_p 0.95, seed 1000+i (default greedy)")
+    p.add_argument("--prompts", choices=("text", "ids"),
+                   help="default: text for a text model, ids for a synthetic one")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="length of id prompts")
+    p.add_argument("--prefix-tokens", type=int, default=2000, help="shared prefix (0: skip)")
     p.add_argument("--rounds", type=int, default=1, help="runs per level (the best is kept)")
     p.add_argument("--speculative", action="store_true", help="leave speculation on")
+    g = p.add_argument_group("engine")
+    g.add_argument("--n-ctx", type=int, help="default: prompt + tokens (or prefix) + 64")
+    g.add_argument("--n-slots", type=int, help="default: the highest level")
+    g.add_argument("--kv-cache-memory", help="EngineConfig.kv_cache_memory (e.g. 8GiB, 0.5)")
+    g.add_argument("--max-step-tokens", type=int, help="EngineConfig.max_step_tokens")
+    g.add_argument("--no-prefix-cache", action="store_true", help="EngineConfig.prefix_cache=False")
+    g.add_argument("--threads", type=int, default=0, help="CPU backend threads (0 = all)")
+    g = p.add_argument_group("synthetic models")
+    g.add_argument("--synth-dir", default=DEFAULT_DIR)
+    g.add_argument("--seed", type=int, default=0, help="synthetic weights and random prompts")
+    p.add_argument("--json", metavar="PATH", help="write rows, goals, prefix figures, config")
+    p.add_argument("--plot", metavar="PNG", help="draw the plot (needs matplotlib)")
     a = p.parse_args(argv)
+    a.level_list = sorted({int(x) for x in a.levels.split(",") if x.strip()})
+    if not a.level_list or min(a.level_list) < 1:
+        p.error("--levels: positive integers")
+    for name in ("tokens", "prompt_tokens", "rounds"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return a
+
+
+def engine_fields(a, backend: str, levels: list[int]) -> dict:
+    """EngineConfig keywords: the options given, nothing else."""
+    need = max(a.prompt_tokens + a.tokens, a.prefix_tokens + SUFFIX_TOKENS + 1)
+    fields = {"backend": backend, "n_ctx": a.n_ctx or need + 64,
+              "n_slots": a.n_slots or max(levels), "threads": a.threads}
+    if a.kv_cache_memory is not None:
+        fields["kv_cache_memory"] = a.kv_cache_memory
+    if a.max_step_tokens is not None:
+        fields["max_step_tokens"] = a.max_step_tokens
+    if a.no_prefix_cache:
+        fields["prefix_cache"] = False
+    return fields
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     configure_logging("warning")
 
+    from service.backends import resolve_backend_name
     from service.engine.scheduler import Engine
     from service.gguf.fetch import resolve_model
 
-    levels = [n for n in LEVELS if n <= a.max_streams]
-    cfg = EngineConfig(backend=a.backend, n_ctx=1024, n_slots=max(levels))
-    engine = Engine.load(resolve_model(a.model, models_dir_from_env()), cfg)
+    backend = resolve_backend_name(a.backend)
+    levels = sorted(set(a.level_list) | ({8} if backend == "cpu" else set()))
+    fields = engine_fields(a, backend, levels)
+    missing = sorted(set(fields) - {f.name for f in dataclasses.fields(EngineConfig)})
+    if missing:
+        raise SystemExit(f"this EngineConfig has no field {', '.join(missing)}")
+    if a.model in SYNTH:
+        path, _ = synth_model(a.synth_dir, SYNTH[a.model], "Q4_K_M", a.seed)
+    else:
+        path = resolve_model(a.model, models_dir_from_env())
+    engine = Engine.load(path, EngineConfig(**fields))
     engine.start()
     engine.warmup()
     tok = engine.tokenizer
-    reqs = [GenerationRequest(
-        f"c-{i}", tuple(tok.encode(PROMPTS[i % len(PROMPTS)])), SamplingParams(temperature=0.0),
-        StoppingCriteria(max_new_tokens=a.tokens, ignore_eos=True),
-        speculative=None if a.speculative else False) for i in range(max(levels))]
+    kind = a.prompts or ("ids" if a.model in SYNTH or not tok.can_encode else "text")
+    pool = ordinary_ids(tok)
+    texts = [tok.encode(t) for t in PROMPTS] if kind == "text" else []
+
+    def prompts(n: int, rnd: int) -> list[list[int]]:
+        if texts:
+            return [texts[i % len(texts)] for i in range(n)]
+        rng = np.random.default_rng([a.seed, 1, n, rnd])       # fresh per level and round
+        return [random_prompt(pool, a.prompt_tokens, rng) for _ in range(n)]
+
     print(f"model {engine.info.name} backend {engine.info.backend}; streams of {a.tokens} "
-          f"tokens, speculation {'on' if a.speculative else 'off'}, best of {a.rounds}")
-    rows = []
+          f"tokens, {'sampled' if a.sampled else 'greedy'}, {kind} prompts, speculation "
+          f"{'on' if a.speculative else 'off'}, best of {a.rounds}; engine {fields}", flush=True)
+    rows, prefix = [], None
     server_cfg = ServerConfig(host="127.0.0.1", port=0, metrics_port=-1)
+    t0 = time.perf_counter()
     try:
         with BackgroundServer(engine, server_cfg) as srv, \
-                SpecstreamClient(srv.target, timeout=600) as client:
-            stream(client, reqs[0])                 # connection and first-call warm-up
+                SpecstreamClient(srv.target, timeout=3600) as client:
+            stream(client, request(prompts(1, a.rounds)[0], a.tokens, a, 0))   # warm-up
             for n in levels:
-                rows.append(max((level(client, reqs[:n]) for _ in range(a.rounds)),
-                                key=lambda r: r["agg_tok_s"]))
+                runs = []
+                for r in range(a.rounds):
+                    ps = prompts(n, r)
+                    runs.append(level(client, [request(p, a.tokens, a, i)
+                                               for i, p in enumerate(ps)]))
+                rows.append(max(runs, key=lambda x: x["agg_tok_s"]))
                 rows[-1]["ratio"] = rows[-1]["agg_tok_s"] / rows[0]["agg_tok_s"]
+                print(f"  {n} streams: {rows[-1]['agg_tok_s']:.1f} tok/s", flush=True)
+            if a.prefix_tokens > 0:
+                if a.prefix_tokens + SUFFIX_TOKENS + 1 > engine.info.n_ctx:
+                    print(f"prefix part skipped: {a.prefix_tokens} + {SUFFIX_TOKENS} tokens do "
+                          f"not fit n_ctx {engine.info.n_ctx}")
+                else:
+                    prefix = prefix_part(client, pool, a)
     finally:
         engine.stop(10)
+    print()
     print_table(rows)
     s = engine.stats
+    stats = {"decode_steps": s.decode_steps, "decode_rows": s.decode_rows,
+             "prefill_steps": s.prefill_steps, "max_sequences": s.max_sequences}
     print(f"engine: {s.decode_steps} decode steps for {s.decode_rows} rows, "
           f"{s.prefill_steps} prefill steps, at most {s.max_sequences} sequences in a step")
+    if prefix:
+        print(f"\nprefix of {a.prefix_tokens} tokens + {SUFFIX_TOKENS}, median of "
+              f"{PREFIX_ROUNDS}: TTFT uncached {prefix['ttft_a_ms']:.1f} ms (cached prompt "
+              f"tokens {prefix['cached_a']:.0f}), cached {prefix['ttft_b_ms']:.1f} ms (cached "
+              f"prompt tokens {prefix['cached_b']:.0f}); ratio {prefix['ratio']:.3f}")
+    gl = goals(rows, backend) + ([prefix["goal"]] if prefix else [])
+    print("\ngoals (this run):")
+    for g in gl:
+        print(f"  {g['goal']}: {met(g['met'])} ({g['value']:.2f}"
+              f"{'' if g['goal'].startswith('cached') else 'x'})")
+    results = {"config": {"args": sys.argv[1:] if argv is None else argv, "model": a.model,
+                          "model_name": engine.info.name, "backend": engine.info.backend,
+                          "engine": fields, "tokens": a.tokens, "sampled": a.sampled,
+                          "prompts": kind, "prompt_tokens": a.prompt_tokens,
+                          "rounds": a.rounds, "speculative": a.speculative,
+                          "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+               "rows": rows, "goals": gl, "prefix": prefix, "engine_stats": stats,
+               "seconds": time.perf_counter() - t0}
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+        print(f"results written to {a.json}")
+    if a.plot:
+        from plot_concurrency import plot
+
+        plot([results], a.plot)
     return 0
 
 

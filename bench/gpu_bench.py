@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import gpu_tables as T  # noqa: E402
+from synth_model import synth_model  # noqa: E402
 
 GEMV_REPS = 20            # calls per captured graph
 
@@ -153,22 +154,6 @@ def _torch_graph_time(torch, launch, reps: int = GEMV_REPS) -> float:
 
 
 # ---------------------------------------------------------------- decode
-def _synth(a, preset: str, quant: str) -> tuple[Path, float | None]:
-    """The seeded synthetic model's path, generated unless present; seconds it took."""
-    from service.gguf.synth import synthesize
-
-    path = Path(a.synth_dir) / f"{preset}-{quant}-seed{a.seed}.gguf"
-    if path.is_file():
-        return path, None
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_suffix(".part")
-    res = synthesize(part, preset, quant, seed=a.seed)
-    part.rename(path)
-    print(f"  synthesized {path} ({res.n_bytes / 1e9:.2f} GB in {res.seconds:.1f} s)",
-          flush=True)
-    return path, res.seconds
-
-
 def bench_decode(cp, G, a, results: dict) -> None:
     from service.config import models_dir_from_env
 
@@ -178,7 +163,7 @@ def bench_decode(cp, G, a, results: dict) -> None:
         row = {"model": model, "source": source}
         try:
             if quant:
-                path, synth_s = _synth(a, model, quant)
+                path, synth_s = synth_model(a.synth_dir, model, quant, a.seed)
             else:
                 path, synth_s = models_dir_from_env() / f"{model}.gguf", None
                 if not path.is_file():

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command on an offline GPU host: install the carried wheels, put the real models in place
 # (from pieces carried in .gpu/, joined and checked), run the GPU tests, then the benchmarks.
-#   bash bench/gpu_host.sh [tests|bench|all|load|prefill|spec] [pytest args / script args...]
+#   bash bench/gpu_host.sh [tests|bench|all|load|prefill|spec|concurrency] [pytest / script args]
 # The bench stage runs bench/gpu_bench.py (BENCH_ARGS='--quick', BENCH_JSON=path).
 # Wheels: `make wheelhouse` (or any folder of wheels) in .whl/; model pieces: .gpu*/NAME.part.*
 # with .gpu*/NAME.sha256 (one folder per call when a call carries one piece). Models land in
@@ -58,5 +58,11 @@ fi
 # and the oracle drafter on synthetic 8B/1B (generated into /tmp/specstream-synth, reused).
 if [ "$what" = spec ]; then
   python3 bench/speculative.py --json "${SPEC_JSON:-/tmp/bench-spec.json}" "$@" || status=1
+fi
+# Concurrent streams through the gRPC server (bench/concurrency.py) on the synthetic 8B
+# (generated into /tmp/specstream-synth, reused); script args follow, e.g. --levels 1,16.
+if [ "$what" = concurrency ]; then
+  python3 bench/concurrency.py --backend cuda --model synth-8b \
+    --json "${CONC_JSON:-/tmp/bench-concurrency.json}" "$@" || status=1
 fi
 exit $status

@@ -48,6 +48,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import spec_tables as S  # noqa: E402
 from cpu_decode import decode  # noqa: E402
+from synth_model import synth_model  # noqa: E402
 
 from service.config import EngineConfig, models_dir_from_env  # noqa: E402
 from service.engine.loader import load_model  # noqa: E402
@@ -218,20 +219,6 @@ def _progress(model: str, row) -> None:
 
 
 # ---------------------------------------------------------------- part (b): synthetic shapes
-def _synth(a, preset: str) -> Path:
-    from service.gguf.synth import synthesize
-
-    path = Path(a.synth_dir) / f"{preset}-Q4_K_M-seed{a.seed}.gguf"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        part = path.with_suffix(".part")
-        res = synthesize(part, preset, "Q4_K_M", seed=a.seed)
-        part.rename(path)
-        print(f"  synthesized {path} ({res.n_bytes / 1e9:.2f} GB in {res.seconds:.1f} s)",
-              flush=True)
-    return path
-
-
 def verify_times(eng: Engine, kv: int, reps: int) -> list[dict]:
     """Median wall time of runner steps of T rows of slot 0 at positions kv..kv+T-1 (every row
     chooses a token, as a verify step does), T = 1..16, after filling kv KV rows."""
@@ -300,7 +287,8 @@ def bench_synth(a, results: dict) -> None:
     for shape in a.shape_list:
         cfg = EngineConfig(backend=a.backend, n_ctx=a.kv + a.synth_tokens + 64, n_slots=1,
                            threads=a.threads, verify_width=16, drafter="none")
-        eng, oracle = oracle_engine(_synth(a, SHAPES[shape]), cfg, a.seed)
+        path, _ = synth_model(a.synth_dir, SHAPES[shape], "Q4_K_M", a.seed)
+        eng, oracle = oracle_engine(path, cfg, a.seed)
         t0 = time.perf_counter()
         verify = verify_times(eng, a.kv, a.reps)
         print(f"  {shape}: verify steps timed ({time.perf_counter() - t0:.1f} s); width 1 "

@@ -1,0 +1,82 @@
+"""bench/concurrency.py: the goals from a run's own rows, the EngineConfig fields it passes (only
+the options given), the prompt id pool, and one short run through the real server on a tiny
+synthetic model. Nothing here asserts a speed."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def C():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))            # concurrency.py imports server_overhead
+    return importlib.import_module("concurrency")
+
+
+def _row(n: int, agg: float, itl99: float) -> dict:
+    return {"streams": n, "agg_tok_s": agg, "itl_p99_ms": itl99}
+
+
+def test_goals_against_the_one_stream_row(C):
+    rows = [_row(1, 100.0, 10.0), _row(8, 199.0, 30.0), _row(16, 1000.0, 20.0),
+            _row(64, 2400.0, 50.0)]
+    cpu = {g["goal"]: g for g in C.goals(rows, "cpu")}
+    assert cpu["16 streams: aggregate >= 10x one stream's"]["met"]          # exactly 10x
+    assert cpu["16 streams: p99 ITL <= 2x one stream's"]["met"]             # exactly 2x
+    assert not cpu["64 streams: aggregate >= 25x one stream's"]["met"]      # 24x
+    assert cpu["64 streams: aggregate >= 25x one stream's"]["value"] == pytest.approx(24.0)
+    assert not cpu["8 streams: aggregate >= 2x one stream's"]["met"]        # 1.99x
+    cuda = [g["goal"] for g in C.goals(rows, "cuda")]
+    assert not any(g.startswith("8 streams") for g in cuda) and len(cuda) == 3
+    assert C.goals(rows[1:], "cpu") == []                  # no 1-stream row, no ratio
+
+
+def test_engine_fields_hold_only_the_options_given(C):
+    a = C.parse_args(["--levels", "4,1", "--tokens", "100", "--prefix-tokens", "300"])
+    f = C.engine_fields(a, "cpu", [1, 4, 8])
+    assert f == {"backend": "cpu", "n_ctx": 300 + C.SUFFIX_TOKENS + 1 + 64, "n_slots": 8,
+                 "threads": 0}
+    a = C.parse_args(["--kv-cache-memory", "0.5", "--max-step-tokens", "512",
+                      "--no-prefix-cache", "--n-ctx", "4096", "--n-slots", "3",
+                      "--prefix-tokens", "0"])
+    f = C.engine_fields(a, "cuda", a.level_list)
+    assert a.level_list == [1, 4, 16, 64]
+    assert f == {"backend": "cuda", "n_ctx": 4096, "n_slots": 3, "threads": 0,
+                 "kv_cache_memory": "0.5", "max_step_tokens": 512, "prefix_cache": False}
+
+
+def test_short_run_on_a_tiny_synthetic_model(C, tmp_path):
+    out = tmp_path / "c.json"
+    assert C.main(["--model", "synth-tiny", "--synth-dir", str(tmp_path), "--levels", "1",
+                   "--tokens", "4", "--prefix-tokens", "40", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [r["streams"] for r in res["rows"]] == [1, 8]         # level 8 added on the CPU
+    assert [r["tokens"] for r in res["rows"]] == [4, 32]
+    assert res["config"]["prompts"] == "ids" and res["config"]["engine"]["n_slots"] == 8
+    p = res["prefix"]
+    assert p["prefix_tokens"] == 40 and len(p["rounds"]) == C.PREFIX_ROUNDS
+    assert p["cached_a"] <= p["cached_b"] <= 40 + C.SUFFIX_TOKENS
+    assert [g["goal"] for g in res["goals"]] == ["8 streams: aggregate >= 2x one stream's",
+                                                 "cached TTFT <= 1/10 uncached"]
+
+
+def test_prompt_ids_are_ordinary_tokens(C, tmp_path):
+    from synth_model import synth_model
+
+    from service.gguf.reader import GGUFFile
+    from service.model.tokenizer import TokenAttr, Tokenizer
+
+    path, _ = synth_model(tmp_path, "tiny")
+    tok = Tokenizer.from_metadata(GGUFFile(path).metadata)
+    pool = C.ordinary_ids(tok)
+    assert 0 < len(pool) < tok.vocab_size
+    assert tok.bos_id not in pool and tok.eos_id not in pool
+    assert all(tok.token_attr(int(i)) == TokenAttr.NORMAL for i in pool)
