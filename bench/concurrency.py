@@ -314,10 +314,17 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print_table(rows)
     s = engine.stats
+    graphs = getattr(engine.model.backend, "n_graphs", 0)
     stats = {"decode_steps": s.decode_steps, "decode_rows": s.decode_rows,
-             "prefill_steps": s.prefill_steps, "max_sequences": s.max_sequences}
+             "prefill_steps": s.prefill_steps, "max_sequences": s.max_sequences,
+             "preemptions": s.preemptions, "cached_tokens": s.cached_tokens,
+             "graphs": graphs, "kv_blocks": engine.pool.n_blocks,
+             "kv_block_size": engine.pool.block_size}
     print(f"engine: {s.decode_steps} decode steps for {s.decode_rows} rows, "
-          f"{s.prefill_steps} prefill steps, at most {s.max_sequences} sequences in a step")
+          f"{s.prefill_steps} prefill steps, at most {s.max_sequences} sequences in a step, "
+          f"{s.preemptions} preemptions, {s.cached_tokens} prompt tokens from the prefix "
+          f"cache, {graphs} CUDA graphs captured; KV pool {engine.pool.n_blocks} blocks of "
+          f"{engine.pool.block_size}")
     if prefix:
         print(f"\nprefix of {a.prefix_tokens} tokens + {SUFFIX_TOKENS}, median of "
               f"{PREFIX_ROUNDS}: TTFT uncached {prefix['ttft_a_ms']:.1f} ms (cached prompt "

@@ -1,17 +1,29 @@
 """The engine: one thread that owns the model and batches every running request into its steps.
 
-Scheduling policy (continuous batching). Requests wait in a bounded FIFO (`max_queue` beyond
-the free slots) until a KV slot is free, and are admitted in arrival order between steps. Each
-loop iteration then runs:
+Scheduling policy (continuous batching over a paged KV cache). Requests wait in a bounded FIFO
+(`max_queue` beyond the free slots, then RESOURCE_EXHAUSTED). The queue's head is admitted
+between steps when one of `n_slots` slots is free AND the KV block pool (service/engine/
+blocks.py) can give it the blocks of its whole prompt plus one token, counting the blocks its
+longest cached prefix already holds (prefix cache: whole blocks of identical earlier prompts,
+taken by reference; it computes only the rest); admission is strictly in arrival order. Each
+loop iteration then runs, under the step budget `max_step_tokens` (config.step_budget: decode
+rows R = min(64, B - 16), prefill chunk min(prefill_chunk, B - R); B = 0 means 64 rows and
+prefill_chunk):
 
-1. ONE decode step for all decoding sequences: every sequence's seed token plus its drafted
-   tokens (each sequence keeps its own draft length) are the rows of one StepInput, at most
-   MAX_VERIFY_WIDTH (16) rows in all. Steps of up to 16 rows are the backends' step-size-
+1. ONE decode step for the decoding sequences, decode first: every sequence's seed token plus
+   its drafted tokens (each sequence keeps its own draft length) are the rows of one
+   StepInput, at most R rows in all. Steps of up to 64 rows are the backends' step-size-
    invariant path: each row's logits are bit-identical whatever else is in the step, so a
-   request gives the same tokens alone and in any batch. When the rows wanted exceed 16, draft
+   request gives the same tokens alone and in any batch. When the rows wanted exceed R, draft
    lengths shrink first (the longest draft loses a token, the youngest sequence's on a tie);
-   only when the sequences alone exceed 16 does a sequence sit a step out, in turns: the
+   only when the sequences alone exceed R does a sequence sit a step out, in turns: the
    sequences that waited longest since their last step go first, FIFO by start among equals.
+   Before drafting, every chosen sequence gets the KV blocks its rows write; when the pool
+   lacks them, the most recently submitted running sequence is PREEMPTED: its full committed
+   blocks go to the prefix cache, the rest back to the pool, and it waits again at the head
+   of the queue; readmitted, it recomputes its context (the prompt in the same chunks, its
+   generated tokens in decode-sized steps, choosing nothing) and goes on: its emitted tokens
+   stand and, sampling being keyed by token index, it continues exactly as it would have.
    Each sequence's segment is verified on its own with speculative.accept_chain, or, for a
    sequence with a tree budget, as a draft tree (service/engine/tree_verify.py: its rows, path
    following and the KV compaction after the step). Every row chooses its token with the
@@ -21,13 +33,15 @@ loop iteration then runs:
    is rejection sampling). A request with a repetition penalty verifies chains only (its
    penalty window reads the token history by position, which a tree's siblings share). With
    EngineConfig.step_profile each step's parts are timed (stepprofile.py).
-2. then at most ONE prefill chunk (`prefill_chunk` prompt tokens) of the oldest sequence still
-   prefilling, as its own step (a wider step takes another numeric path and would change the
-   batched rows' bits). A long prompt therefore delays running streams by at most one chunk per
-   token they receive, and running streams never starve a waiting prompt.
+2. then at most ONE prefill chunk of the oldest sequence still prefilling (or recomputing
+   after a preemption), as its own step: a fixed chunk size, so a prompt's KV rows never
+   depend on the load, and its own step, because a step wider than 64 rows takes another
+   numeric path and would change the batched rows' bits. A long prompt therefore delays
+   running streams by at most one chunk per token they receive, and running streams never
+   starve a waiting prompt.
 
-A cancelled request leaves the batch before the next step (its slot is free within one step).
-Events go to each request's sink on this thread; sinks must not block.
+A cancelled request leaves the batch before the next step (its slot and blocks are free
+within one step). Events go to each request's sink on this thread; sinks must not block.
 
 The scheduler decides what a step holds (service/engine/runner.py's StepInput); the model
 runner packs, uploads, runs and samples it, and hands back token ids (and log-probabilities):
