@@ -74,9 +74,10 @@ def test_batched_requests_equal_solo_runs(smol, mode, n):
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3moe", "tiny-llama-mixq"])
 def test_more_streams_than_a_step_take_turns(name):
-    """20 streams over 16-row steps: drafts shrink, then sequences sit steps out in turns;
-    each still equals its solo run (the MoE and mixed-quant models too)."""
-    eng = start(TINY / f"{name}.gguf", n_slots=20, prefill_chunk=32)
+    """20 streams over 16-row steps (max_step_tokens 32: 16 decode rows, 16-token prefill
+    chunks): drafts shrink, then sequences sit steps out in turns; each still equals its solo
+    run (the MoE and mixed-quant models too)."""
+    eng = start(TINY / f"{name}.gguf", n_slots=20, prefill_chunk=32, max_step_tokens=32)
     try:
         prompts = [[(7 * i + j) % 200 + 3 for j in range(5 + i % 7)] for i in range(9)]
         reqs = requests("mixed-spec", 20, prompts, base_tokens=24)
