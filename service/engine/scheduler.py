@@ -64,19 +64,15 @@ import structlog
 
 from service.config import EngineConfig, step_budget
 from service.engine.blocks import BlockPool
+from service.engine.decode_step import BatchedDecode, StepStats
 from service.engine.drafters import Drafter, create_drafter
+from service.engine.kv_admission import PagedKV
 from service.engine.loader import ModelInfo, load_model, phase
 from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput, StepOutput
 from service.engine.sampling import resolve_seed
 from service.engine.sequence import Sequence
 from service.engine.spec_options import resolve as resolve_speculation
-from service.engine.speculative import accept_chain, draft_length
-from service.engine.stepprofile import DRAFT, HEADS, OTHER, VERIFY, StepTimer
 from service.engine.textstream import TextStream
-from service.engine.tree import Tree
-from service.engine.tree_verify import commit as commit_tree
-from service.engine.tree_verify import compact, draft_tree, n_rows, step_fields
-from service.engine.tree_verify import rows as rows_of
 from service.engine.types import (
     Event,
     Finished,
@@ -93,7 +89,6 @@ from service.model.tokenizer import Tokenizer
 from service.model.transformer import Transformer
 
 log = structlog.get_logger("specstream.engine")
-PROBE_EVERY = 8   # plain steps after which a sequence that stopped drafting tries one draft
 
 
 class RequestHandle:
@@ -107,7 +102,7 @@ class RequestHandle:
         self._engine._wake()
 
 
-class Engine:
+class Engine(PagedKV, BatchedDecode):
     def __init__(self, path: Path, gguf: GGUFFile, spec: ModelSpec, tokenizer: Tokenizer,
                  model: Transformer, config: EngineConfig, backend_name: str,
                  chat_template: str | None = None, drafter: Drafter | None = None):
@@ -252,13 +247,6 @@ class Engine:
                         speculative=spec.on, verify_width=spec.verify_width,
                         tree_budget=spec.tree_budget)
 
-    def _upload_table(self, table) -> None:
-        """The block table, to the target model and the draft model (which shares it)."""
-        self.runner.set_block_table(table)
-        share = getattr(self.drafter, "set_block_table", None)
-        if share is not None:
-            share(table)
-
     def _wake(self) -> None:
         with self._lock:
             self._lock.notify_all()
@@ -360,64 +348,6 @@ class Engine:
             self._active.remove(seq)
             self._free_blocks(seq)
 
-    def _free_blocks(self, seq: Sequence) -> None:
-        """Return `seq`'s slot and KV blocks (its full committed blocks stay cached)."""
-        self.pool.register(seq.slot, seq.history, seq.n_past)
-        self.pool.release(seq.slot)
-        self._free_slots.append(seq.slot)
-        if self.drafter is not None:
-            self.drafter.release(seq)
-
-    # ------------------------------------------------------------------ KV blocks
-    def _admit(self, seq: Sequence) -> bool:
-        """Start `seq` (the queue's head) in a free slot when the pool has the blocks for its
-        whole context plus one token, counting the blocks a cached prefix gives it; else
-        False (it keeps waiting: admission is FIFO). Holds the lock."""
-        ctx = seq.context_ids
-        # a new prompt computes at least its last token (its logits choose the first one)
-        limit = len(ctx) - (1 if seq.seed is None else 0)
-        cached = self.pool.match(ctx, limit)
-        idle = sum(1 for b in cached if self.pool.ref[b] == 0)   # cached, counted as available
-        if self.pool.blocks_for(len(ctx) + 1) - len(cached) > self.pool.available - idle:
-            return False
-        slot = self._free_slots.pop()
-        self.pool.attach(slot, cached)
-        n = len(cached) * self.pool.block_size
-        if n:
-            self.runner.write_history(slot, ctx[:n])   # the penalty window reads it
-            self.stats.cached_tokens += n
-        seq.start(slot, n)
-        if self.drafter is not None:
-            self.drafter.start(seq)
-        self._active.append(seq)
-        return True
-
-    def _room(self, seq: Sequence, n_positions: int) -> bool:
-        """Blocks for positions [0, n_positions) of `seq`, preempting the most recently
-        submitted other sequences while the pool lacks them; False when `seq` itself had to
-        go (it waits again at the head of the queue)."""
-        while not self.pool.ensure(seq.slot, n_positions):
-            with self._lock:
-                victim = max((s for s in self._active if s.slot >= 0 and not s.finished),
-                             key=lambda s: s.t_submit)
-                self._preempt(victim)
-            if victim is seq:
-                return False
-        self.pool.sync()
-        return True
-
-    def _preempt(self, seq: Sequence) -> None:
-        """Take `seq`'s blocks back; it recomputes its context when admitted again (its
-        emitted tokens stand: sampling is keyed by token index, so it goes on as before).
-        Holds the lock."""
-        log.info("preempted", request_id=seq.request.request_id, n_past=seq.n_past,
-                 generated=len(seq.generated), blocks_used=self.pool.used_blocks)
-        self._active.remove(seq)
-        self._free_blocks(seq)
-        seq.preempt()
-        self._waiting.appendleft(seq)
-        self.stats.preemptions += 1
-
     def _forward(self, seq: Sequence, tokens: list[int], start: int,
                  rows: list[RowSampling]) -> StepOutput:
         """Run `tokens` of `seq` from position `start`; the last len(rows) rows choose a token."""
@@ -453,152 +383,3 @@ class Engine:
         if last:
             seq.t_prefill_done = time.perf_counter()
             seq.emit([int(out.token_ids[0])], out.logprobs)
-
-    # ------------------------------------------------------------------ batched decode
-    def _decode(self, decoding: list[Sequence]) -> None:
-        """One step for the decoding sequences; a step that fails is retried one sequence at
-        a time (nothing was committed), so a fault fails only the request that causes it."""
-        timer = StepTimer() if self.config.step_profile else None
-        batch = self._plan(decoding, timer)
-        if not batch:                   # every chosen sequence was preempted for room
-            return
-        try:
-            outs: list[StepOutput | None] = self._split(batch, self._verify_step(batch, timer))
-        except Exception as exc:
-            if len(batch) == 1:
-                self._fail(batch[0][0], exc)
-                return
-            outs = []
-            for item in batch:
-                try:
-                    outs += self._split([item], self._verify_step([item]))
-                except Exception as one:
-                    self._fail(item[0], one)
-                    outs.append(None)
-        if timer is not None:           # before committing: a finishing request reports it
-            timer.charge([seq for seq, _ in batch])
-        moves = []
-        for (seq, draft), out in zip(batch, outs, strict=True):
-            if out is not None and not seq.finished:
-                if isinstance(draft, Tree):
-                    moves.append(commit_tree(seq, draft, out))
-                else:
-                    self._commit(seq, draft, out)
-        self.stats.kv_moves += compact(self.runner, moves)
-        if timer is not None:
-            timer.finish([seq for seq, _ in batch], self.stats.decode_steps,
-                         sum(n_rows(d) for _, d in batch))
-
-    def _plan(self, decoding: list[Sequence], timer: StepTimer | None = None
-              ) -> list[tuple[Sequence, list[int] | Tree]]:
-        """Which sequences step now and the rows of each ([seed, drafts...]), <= step_rows."""
-        # Turns: the sequences that waited longest go first; sorted() keeps start order on ties.
-        chosen = sorted(decoding, key=lambda s: s.last_turn)[:self.step_rows]
-        turn = self.stats.decode_steps
-        for seq in chosen:
-            seq.last_turn = turn
-        want = [self._draft_length(seq) for seq in chosen]
-        spare = self.step_rows - len(chosen)
-        while sum(want) > spare:        # shrink the longest draft (the later in turn on a tie)
-            i = max(range(len(want)), key=lambda j: (want[j], j))
-            want[i] -= 1
-        batch = []
-        for i, seq in enumerate(chosen):     # blocks for every row; the drafter writes them too
-            if seq.slot >= 0 and not self._room(seq, seq.n_past + want[i] + 1):
-                want[i] = -1
-        for seq, k in zip(chosen, want, strict=True):
-            if k < 0 or seq.slot < 0:         # preempted to make room
-                continue
-            draft = [seq.seed]
-            if seq.speculative:
-                seq.steps_without_draft = 0 if k else seq.steps_without_draft + 1
-                if timer is not None:
-                    timer.lap(OTHER)
-                draft = (draft_tree(self.drafter, seq, k + 1) if seq.tree_budget
-                         else draft + self.drafter.propose(seq, k))
-                if timer is not None:
-                    timer.lap(DRAFT)
-            batch.append((seq, draft))
-        return batch
-
-    def _draft_length(self, seq: Sequence) -> int:
-        """How many tokens `seq` would like drafted this step (0: plain decoding)."""
-        if not seq.speculative:
-            return 0
-        room = min((seq.tree_budget or seq.verify_width) - 1, self.config.n_ctx - seq.n_past - 1,
-                   seq.request.stopping.max_new_tokens - len(seq.generated) - 1)
-        if seq.tree_budget:             # a tree uses its budget (tree_verify.py)
-            return max(0, room)
-        k = draft_length(seq.accept_rate, self.verify_alpha, room)
-        if k == 0 and seq.steps_without_draft >= PROBE_EVERY:
-            k = min(1, room)            # keep measuring: the text may turn repetitive
-        return k
-
-    def _verify_step(self, batch: list[tuple[Sequence, list[int] | Tree]],
-                     timer: StepTimer | None = None) -> StepOutput:
-        """Every row of the batch in one step; every row chooses a token: a row at depth d of
-        a sequence's chain or tree exactly as plain decoding chooses the token d after its
-        next one (its own sampling, seed and token index; in a chain the penalty window sees
-        the drafts before it, recorded into the token history by the same step)."""
-        if timer is not None:
-            timer.lap(OTHER)            # planning (drafting laps itself)
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        rows: list[RowSampling] = []
-        segments = [rows_of(draft, seq.n_past) for seq, draft in batch]
-        for (seq, _), seg in zip(batch, segments, strict=True):
-            ids += seg.ids
-            positions += seg.positions
-            slots += [seq.slot] * len(seg.ids)
-            rows += [self._choice(seq, p - seq.n_past) for p in seg.positions]
-        T = len(ids)
-        if timer is not None:
-            timer.lap(HEADS)
-        out = self.runner.step(StepInput(ids, positions, slots, range(T), rows,
-                                         **step_fields(segments)))
-        if timer is not None:
-            timer.lap(VERIFY)
-        self.stats.count_decode(len(batch), T)
-        return out
-
-    @staticmethod
-    def _split(batch: list[tuple[Sequence, list[int] | Tree]], out: StepOutput
-               ) -> list[StepOutput]:
-        """The step's output cut into each sequence's segment."""
-        parts, o = [], 0
-        for _, draft in batch:
-            n = n_rows(draft)
-            parts.append(StepOutput(out.token_ids[o:o + n], out.logprobs[o:o + n]))
-            o += n
-        return parts
-
-    def _commit(self, seq: Sequence, draft: list[int], out: StepOutput) -> None:
-        if len(draft) == 1:
-            seq.n_past += 1
-            seq.count_step(1)
-            seq.emit([int(out.token_ids[0])], out.logprobs)
-            return
-        n_acc, emitted = accept_chain(draft, [int(t) for t in out.token_ids])
-        seq.n_past += n_acc
-        seq.count_step(n_acc)
-        seq.record_verify(len(draft) - 1, n_acc - 1)
-        seq.emit(emitted, out.logprobs[:n_acc])
-
-
-class StepStats:
-    """Counts of the engine's steps (read by tests and benchmarks; written by its thread)."""
-
-    def __init__(self) -> None:
-        self.decode_steps = 0
-        self.prefill_steps = 0
-        self.decode_rows = 0
-        self.max_sequences = 0          # most sequences one decode step held
-        self.kv_moves = 0               # KV rows moved by tree compaction
-        self.preemptions = 0            # sequences whose KV blocks were taken back
-        self.cached_tokens = 0          # prompt positions served from the prefix cache
-
-    def count_decode(self, n_sequences: int, n_rows: int) -> None:
-        self.decode_steps += 1
-        self.decode_rows += n_rows
-        self.max_sequences = max(self.max_sequences, n_sequences)

@@ -159,7 +159,7 @@ def test_random_cancels_and_completions_return_every_block():
             results = [Result() for _ in range(14)]
             handles = []
 
-            def sink_for(i):
+            def sink_for(i, results=results, done=done):
                 def sink(ev):
                     results[i].add(ev)
                     if isinstance(ev, Finished):
