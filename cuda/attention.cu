@@ -9,6 +9,9 @@
 //   tiles as plain decoding of its path and gives the same bits; the window is judged on j,
 //   the RoPE position of the key. An ordinary row computes what it computed without arrays.
 //   K, V rows of kv head h / (H / Hkv), stored as f16, q8_0 or q4_0 (quantize.cu's layout).
+//   The cache is paged: cache row r of slot s is pool row table[s, r >> lb] * 2^lb + (r & (2^lb
+//   - 1)) (common.cuh kv_page_row; table (n_slots, max_blocks) int32, 2^lb = block size), for
+//   keys and values alike; the order of additions does not depend on the table.
 //
 // attn_<K>_<V>: one kernel, grid (S, H, T), block (32, 4). Split s covers the ABSOLUTE positions
 //   [s * chunk, (s + 1) * chunk): its boundaries never depend on the step or on how long the
@@ -18,7 +21,7 @@
 //   order.
 //   Writes part_ml[t, h, s] = (m, l) (l = 0: no key in the split) and part_acc[t, h, s, :].
 //   q (T, H, D) view with strides (q0, q1, 1); D <= 512 and D % 8 == 0 (keys are read 8
-//   elements per vector load), Dv <= 256, S = ceil(n_ctx / chunk).
+//   elements per vector load), Dv <= 256, S = gridDim.x = ceil(n_ctx / chunk).
 //   The number of splits is fixed by n_ctx: a step never needs the host to know a KV length,
 //   so one captured graph serves every position.
 // The combine runs in the same launch: each block adds 1 to counters[t, h] after writing its
@@ -129,8 +132,8 @@ __device__ __forceinline__ void attn_split(
         const u8* __restrict__ kq, const u8* __restrict__ kd, const u8* __restrict__ vq,
         const u8* __restrict__ vd, const int* __restrict__ slots, const int* __restrict__ positions,
         const int* __restrict__ attn_lo, const int* __restrict__ attn_mask,
-        int n_ctx, int window, float scale, int chunk, float2* __restrict__ my_ml,
-        float* __restrict__ my_acc) {
+        const int* __restrict__ table, int max_blocks, int lb, int window, float scale,
+        int chunk, float2* __restrict__ my_ml, float* __restrict__ my_acc) {
     __shared__ float qsh[ATT_MAX_D];
     __shared__ float wm[ATT_WARPS], wl[ATT_WARPS];
     __shared__ float wacc[ATT_WARPS][ATT_MAX_DV];
@@ -161,7 +164,8 @@ __device__ __forceinline__ void attn_split(
         bool ok = j < j1;
         float sc = NEG_INF;
         if (ok) {
-            const size_t row = ((size_t)slot * n_ctx + key_row(j, b, bits)) * Hkv + hk;
+            const size_t row = kv_page_row(table, max_blocks, lb, slot, key_row(j, b, bits))
+                               * Hkv + hk;
             float dot = 0.0f;                 // the products in order of i, 8 per load
 #pragma unroll 4
             for (int i0 = 0; i0 < D; i0 += 8) {
@@ -186,9 +190,9 @@ __device__ __forceinline__ void attn_split(
             float vv[VT::PASS][ATT_MAX_DV / 32];
 #pragma unroll
             for (int du = 0; du < VT::PASS; du++) {
-                const size_t row = ((size_t)slot * n_ctx
-                                    + key_row(base + min(u0 + du, n - 1), b, bits)) * Hkv
-                                   + hk;
+                const size_t row = kv_page_row(table, max_blocks, lb, slot,
+                                               key_row(base + min(u0 + du, n - 1), b, bits))
+                                   * Hkv + hk;
                 VT::vrow(vq, vd, row, Dv, lane, vv[du]);
             }
 #pragma unroll
@@ -266,13 +270,14 @@ __device__ __forceinline__ void attn_fused(
         const u8* __restrict__ kq, const u8* __restrict__ kd, const u8* __restrict__ vq,
         const u8* __restrict__ vd, const int* __restrict__ slots, const int* __restrict__ positions,
         const int* __restrict__ attn_lo, const int* __restrict__ attn_mask,
-        int n_ctx, int window, float scale, int chunk, float2* __restrict__ part_ml,
+        const int* __restrict__ table, int max_blocks, int lb, int window, float scale,
+        int chunk, float2* __restrict__ part_ml,
         float* __restrict__ part_acc, int* __restrict__ counters, float* __restrict__ out,
         int o0, int o1, signed char* __restrict__ qa, float2* __restrict__ ads) {
     const int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z, S = gridDim.x;
     const size_t part = ((size_t)t * H + h) * S + s;
     attn_split<KT, VT>(q, q0, q1, H, Hkv, D, Dv, kq, kd, vq, vd, slots, positions, attn_lo,
-                       attn_mask, n_ctx, window, scale, chunk, part_ml + part,
+                       attn_mask, table, max_blocks, lb, window, scale, chunk, part_ml + part,
                        part_acc + part * Dv);
     // Last block of (t, h) in: merge. The fences order the partials before the count.
     __shared__ int last;
@@ -296,13 +301,13 @@ __device__ __forceinline__ void attn_fused(
     extern "C" __global__ void __launch_bounds__(128, 4) attn_##kn##_##vn(                  \
             const float* q, int q0, int q1, int H, int Hkv, int D, int Dv, const u8* kq,     \
             const u8* kd, const u8* vq, const u8* vd, const int* slots, const int* positions, \
-            const int* attn_lo, const int* attn_mask, int n_ctx, int window, float scale,    \
-            int chunk, float2* part_ml, float* part_acc, int* counters, float* out, int o0,  \
-            int o1, signed char* qa, float2* ads) {                                          \
+            const int* attn_lo, const int* attn_mask, const int* table, int max_blocks,      \
+            int lb, int window, float scale, int chunk, float2* part_ml, float* part_acc,    \
+            int* counters, float* out, int o0, int o1, signed char* qa, float2* ads) {       \
         PDL_ENTRY();                                                                         \
         attn_fused<KT, VT>(q, q0, q1, H, Hkv, D, Dv, kq, kd, vq, vd, slots, positions,        \
-                           attn_lo, attn_mask, n_ctx, window, scale, chunk, part_ml,         \
-                           part_acc, counters, out, o0, o1, qa, ads);                        \
+                           attn_lo, attn_mask, table, max_blocks, lb, window, scale, chunk,  \
+                           part_ml, part_acc, counters, out, o0, o1, qa, ads);               \
     }
 #define ATTN_V(kn, KT) ATTN_KERNEL(kn, KT, f16, KvF16) ATTN_KERNEL(kn, KT, q8_0, KvQ8_0) \
     ATTN_KERNEL(kn, KT, q4_0, KvQ4_0)

@@ -15,6 +15,15 @@ typedef unsigned int u32;
 // NVRTC has no math.h: infinity from its bits.
 #define NEG_INF __int_as_float(0xff800000)
 
+// The pool row of logical position pos of a slot in the paged KV cache (service/backends/
+// base.py): block table[slot * max_blocks + (pos >> lb)] of 1 << lb rows, row pos & (2^lb - 1)
+// inside it. table (n_slots, max_blocks) int32, entries in [0, n_blocks).
+__device__ __forceinline__ size_t kv_page_row(const int* __restrict__ table, int max_blocks,
+                                              int lb, int slot, int pos) {
+    return ((size_t)table[(size_t)slot * max_blocks + (pos >> lb)] << lb)
+           + (size_t)(pos & ((1 << lb) - 1));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);

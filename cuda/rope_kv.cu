@@ -1,9 +1,11 @@
 // rope_kv.cu: the attention inputs of one layer in one pass (RoPE + KV write):
 //   q[t, h]  <- rope(norm_q(q[t, h]))                       for h < H        (in place)
-//   K[slot[t], kvp[t], h] <- store_K(rope(norm_k(k[t, h])))  for h < Hkv
-//   V[slot[t], kvp[t], h] <- store_V(v[t, h])                for h < Hkv
+//   K[row(slot[t], kvp[t]), h] <- store_K(rope(norm_k(k[t, h])))  for h < Hkv
+//   V[row(slot[t], kvp[t]), h] <- store_V(v[t, h])                for h < Hkv
 // kvp = kv_positions (tree verify rows write their K/V at committed + node index while RoPE
-// uses committed + depth); kvp[t] = pos[t] when kv_positions is null.
+// uses committed + depth); kvp[t] = pos[t] when kv_positions is null. row(s, p) is the paged
+// cache's pool row table[s, p >> lb] * 2^lb + (p & (2^lb - 1)) (common.cuh kv_page_row; table
+// (n_slots, max_blocks) int32, 2^lb = block size).
 // norm_x(r) = r * (1 / sqrt(sum(r^2) / D + eps)) * w_x per head (Qwen3's q/k norms; identity
 // when w_x is null); rope rotates the first 2 * half dims by cos/sin[pos[t], i], pairs (2i, 2i+1)
 // (normal) or (i, i + half) (neox), as elementwise.cu's rope; store_X is the cache type's
@@ -28,7 +30,8 @@ __device__ __forceinline__ void rope_kv(
         const int* __restrict__ positions, const int* __restrict__ slots,
         const int* __restrict__ kv_positions, const float* __restrict__ cos_t,
         const float* __restrict__ sin_t, int half, int neox,
-        int n_ctx, u8* kc, u16* ks, u8* vc, u16* vs) {
+        const int* __restrict__ table, int max_blocks, int lb, u8* kc, u16* ks, u8* vc,
+        u16* vs) {
     __shared__ float row[ROPE_KV_MAX_D];
     const int t = blockIdx.x, j = blockIdx.y;
     const int pos = positions[t], slot = slots[t];
@@ -37,7 +40,7 @@ __device__ __forceinline__ void rope_kv(
         const int h = j - H - Hkv;
         if (slot >= 0)
             VP::put(v + (size_t)t * v0 + (size_t)h * v1, Dv,
-                    ((size_t)slot * n_ctx + kvp) * Hkv + h, vc, vs);
+                    kv_page_row(table, max_blocks, lb, slot, kvp) * Hkv + h, vc, vs);
         return;
     }
     const bool is_q = j < H;
@@ -68,7 +71,7 @@ __device__ __forceinline__ void rope_kv(
         float* dst = q + (size_t)t * q0 + (size_t)h * q1;
         for (int i = threadIdx.x; i < D; i += blockDim.x) dst[i] = row[i];
     } else {
-        KP::put(row, D, ((size_t)slot * n_ctx + kvp) * Hkv + h, kc, ks);
+        KP::put(row, D, kv_page_row(table, max_blocks, lb, slot, kvp) * Hkv + h, kc, ks);
     }
 }
 
@@ -77,12 +80,12 @@ __device__ __forceinline__ void rope_kv(
             float* q, int q0, int q1, const float* k, int k0, int k1, const float* v, int v0, \
             int v1, int H, int Hkv, int D, int Dv, const float* qn, const float* kn, float eps, \
             const int* positions, const int* slots, const int* kv_positions,                 \
-            const float* cos_t, const float* sin_t, int half, int neox, int n_ctx, u8* kc,   \
-            u16* ks, u8* vc, u16* vs) {                                                      \
+            const float* cos_t, const float* sin_t, int half, int neox, const int* table,    \
+            int max_blocks, int lb, u8* kc, u16* ks, u8* vc, u16* vs) {                      \
         PDL_ENTRY();                                                                         \
         rope_kv<KP, VP>(q, q0, q1, k, k0, k1, v, v0, v1, H, Hkv, D, Dv, qn, kn, eps,          \
-                        positions, slots, kv_positions, cos_t, sin_t, half, neox, n_ctx, kc,  \
-                        ks, vc, vs);                                                          \
+                        positions, slots, kv_positions, cos_t, sin_t, half, neox, table,      \
+                        max_blocks, lb, kc, ks, vc, vs);                                      \
     }
 #define ROPE_KV_V(kn_, KP) ROPE_KV_KERNEL(kn_, KP, f16, KvPutF16)                           \
     ROPE_KV_KERNEL(kn_, KP, q8_0, KvPutQ8_0) ROPE_KV_KERNEL(kn_, KP, q4_0, KvPutQ4_0)

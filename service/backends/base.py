@@ -17,6 +17,14 @@ Design rules (they are what lets the CUDA backend capture one step as one CUDA g
   layers judge the rows below attn_lo by the query's RoPE position (row c kept when
   c > position - window); rows picked by the mask are always kept. `kv_move` copies KV rows
   inside a slot (tree compaction). An ordinary row gives the same bits with or without them.
+- The KV cache is paged: each layer stores n_blocks * block_size rows (a pool of blocks of
+  block_size positions, x Hkv x D in the cache type's planes), and `block_table` (n_slots,
+  max_blocks) int32 on the backend maps a slot's logical block to a pool block. Ops keep the
+  logical interface, (slot, position) per row; the physical row of (slot, pos) is
+  block_table[slot, pos // block_size] * block_size + pos % block_size, for the KV rows
+  written (kv_write, rope_kv), read (attention: keys and values) and moved (kv_move).
+  `set_block_table` replaces the table between steps; the buffer itself never moves, so a
+  captured step reads the table of the step it replays. Any valid table gives the same bits.
 - Token choice happens on the backend (`sample`), so only int32 ids (and log-probabilities when
   asked) come back, with one copy (`download_step`).
 - Arrays are the backend's own (numpy for CPU, CuPy for CUDA); the model layer only slices,
@@ -31,6 +39,8 @@ import abc
 import os
 from typing import Any
 
+import numpy as np
+
 from service.gguf.reader import TensorInfo
 
 Array = Any   # numpy.ndarray or cupy.ndarray, by backend
@@ -43,12 +53,52 @@ def capture_sizes(max_tokens: int) -> tuple[int, ...]:
 
 
 class KVCache(abc.ABC):
-    """Per-layer K and V rows for `n_slots` sequences of up to `n_ctx` positions."""
+    """Per-layer K and V rows for `n_slots` sequences of up to `n_ctx` positions, in a pool of
+    `n_blocks` blocks of `block_size` rows addressed through `block_table` (n_slots,
+    max_blocks) int32 (the module docstring's paging rule)."""
 
     type_k: str
     type_v: str
     n_slots: int
     n_ctx: int
+    block_size: int
+    n_blocks: int
+    max_blocks: int
+    block_table: Array
+
+
+def kv_pool_geometry(n_slots: int, n_ctx: int, n_blocks: int, block_size: int) -> tuple[int, int]:
+    """(max_blocks, n_blocks) of a paged cache: max_blocks = ceil(n_ctx / block_size) blocks per
+    slot; n_blocks 0 means n_slots * max_blocks (every slot can hold a full context).
+    block_size is a power of two in 8..256."""
+    if block_size < 8 or block_size > 256 or block_size & (block_size - 1):
+        raise ValueError(f"KV block size {block_size}: a power of two in 8..256 wanted")
+    if n_blocks < 0:
+        raise ValueError(f"KV pool of {n_blocks} blocks")
+    max_blocks = -(-n_ctx // block_size)
+    return max_blocks, n_blocks or n_slots * max_blocks
+
+
+def initial_block_table(n_slots: int, max_blocks: int, n_blocks: int) -> np.ndarray:
+    """(n_slots, max_blocks) int32: the identity (slot s, block b -> s * max_blocks + b) when the
+    pool holds every slot's full context, else all 0 (a valid id; real ones are set before
+    use)."""
+    if n_blocks >= n_slots * max_blocks:
+        return np.arange(n_slots * max_blocks, dtype=np.int32).reshape(n_slots, max_blocks)
+    return np.zeros((n_slots, max_blocks), np.int32)
+
+
+def checked_block_table(cache: KVCache, host: Any) -> np.ndarray:
+    """`host` as a contiguous (n_slots, max_blocks) int32 array after checking its shape, dtype
+    and that every entry is a block id in [0, n_blocks)."""
+    a = np.asarray(host)
+    if a.shape != (cache.n_slots, cache.max_blocks) or a.dtype != np.int32:
+        raise ValueError(f"block table {a.shape} {a.dtype}: ({cache.n_slots}, "
+                         f"{cache.max_blocks}) int32 wanted")
+    if a.size and (int(a.min()) < 0 or int(a.max()) >= cache.n_blocks):
+        raise ValueError(f"block table entries {int(a.min())}..{int(a.max())}: block ids in "
+                         f"[0, {cache.n_blocks}) wanted")
+    return np.ascontiguousarray(a)
 
 
 class Backend(abc.ABC):
@@ -137,7 +187,17 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def new_kv_cache(self, n_layer: int, n_slots: int, n_ctx: int, n_head_kv: int,
-                     head_dim: int, head_dim_v: int, type_k: str, type_v: str) -> KVCache: ...
+                     head_dim: int, head_dim_v: int, type_k: str, type_v: str,
+                     n_blocks: int = 0, block_size: int = 16) -> KVCache:
+        """A paged cache (module docstring): per layer n_blocks * block_size rows of K (Hkv, D)
+        and V (Hkv, Dv); block_size a power of two in 8..256 (ValueError otherwise); n_blocks 0
+        = n_slots * ceil(n_ctx / block_size). Its block_table starts as initial_block_table."""
+
+    @abc.abstractmethod
+    def set_block_table(self, cache: KVCache, host: Any) -> None:
+        """Copy host (n_slots, max_blocks) int32 into cache.block_table, ordered before the next
+        step; `host` may change as soon as this returns. ValueError on a wrong shape or dtype
+        or an entry outside [0, n_blocks)."""
 
     # ---------------------------------------------------------------- ops (write into out)
     @abc.abstractmethod
@@ -174,7 +234,7 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def kv_write(self, cache: KVCache, layer: int, k: Array, v: Array, slots: Array,
                  positions: Array) -> None:
-        """Store k (T, Hkv, D), v (T, Hkv, Dv) at rows positions[t] of sequence slots[t]."""
+        """Store k (T, Hkv, D), v (T, Hkv, Dv) at logical rows positions[t] of slots[t]."""
 
     @abc.abstractmethod
     def attention(self, q: Array, cache: KVCache, layer: int, slots: Array, positions: Array,
@@ -190,8 +250,9 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def kv_move(self, cache: KVCache, slots: Array, src: Array, dst: Array) -> None:
-        """For m = 0, 1, .. in order: the K and V rows (every layer, every head) at row src[m]
-        of slot slots[m] are copied to row dst[m] of the same slot. slots, src, dst (n,) int32
+        """For m = 0, 1, .. in order: the K and V rows (every layer, every head) at logical row
+        src[m] of slot slots[m] are copied to logical row dst[m] of the same slot (both through
+        the block table). slots, src, dst (n,) int32
         on the backend. Used after a tree verify step (tree.compaction_plan)."""
 
     @abc.abstractmethod

@@ -27,7 +27,7 @@ import numpy as np
 # Calls a step may not make: allocation, host <-> device copies, host waits, load-time work.
 FORBIDDEN = ("zeros", "upload_vector", "upload_ints", "to_host", "synchronize", "new_kv_cache",
              "load_matrix", "load_experts", "load_vector", "load_embedding", "rope_table",
-             "prepare")
+             "prepare", "set_block_table")
 # Ops: their array arguments are checked and their shapes recorded.
 OPS = ("embed", "rms_norm", "matmul", "add", "rope", "glu", "kv_write", "attention", "moe",
        "argmax", "chosen_ids")

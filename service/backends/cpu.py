@@ -28,7 +28,13 @@ import numpy as np  # noqa: E402
 
 from service.backends import cpu_kernels as K  # noqa: E402
 from service.backends import cpu_sampling  # noqa: E402
-from service.backends.base import Backend, KVCache  # noqa: E402
+from service.backends.base import (  # noqa: E402
+    Backend,
+    KVCache,
+    checked_block_table,
+    initial_block_table,
+    kv_pool_geometry,
+)
 from service.backends.cuda_layout import round_activations  # noqa: E402
 from service.errors import ModelFormatError  # noqa: E402
 from service.gguf import quants  # noqa: E402
@@ -120,13 +126,29 @@ class CpuEmbedding:
 
 @dataclass
 class CpuKVCache(KVCache):
-    k: list[np.ndarray]              # per layer (n_slots, n_ctx, Hkv, D) f32
-    v: list[np.ndarray]              # per layer (n_slots, n_ctx, Hkv, Dv) f32
+    k: list[np.ndarray]              # per layer (n_blocks * block_size, Hkv, D) f32
+    v: list[np.ndarray]              # per layer (n_blocks * block_size, Hkv, Dv) f32
     type_k: str
     type_v: str
     n_slots: int
     n_ctx: int
     n_head_kv: int
+    block_size: int
+    n_blocks: int
+    max_blocks: int
+    block_table: np.ndarray          # (n_slots, max_blocks) i32
+
+    def rows(self, slot: int, positions) -> np.ndarray:
+        """Physical pool rows of the logical positions (an int array) of `slot`."""
+        p = np.asarray(positions, np.int64)
+        return self.block_table[slot, p // self.block_size].astype(np.int64) * self.block_size \
+            + p % self.block_size
+
+    def rows_of(self, slots, positions) -> np.ndarray:
+        """Physical rows of (slots[t], positions[t]) pairs (slots >= 0)."""
+        p = np.asarray(positions, np.int64)
+        return self.block_table[slots, p // self.block_size].astype(np.int64) \
+            * self.block_size + p % self.block_size
 
 
 def _format_of(t: TensorInfo) -> tuple[str, int]:
@@ -259,15 +281,20 @@ class CpuBackend(Backend):
         return CpuEmbedding(tensor.raw.reshape(vocab, -1), tensor.qtype, e)
 
     def new_kv_cache(self, n_layer, n_slots, n_ctx, n_head_kv, head_dim, head_dim_v,
-                     type_k, type_v) -> CpuKVCache:
+                     type_k, type_v, n_blocks=0, block_size=16) -> CpuKVCache:
         for t in (type_k, type_v):
             if t not in _KV_QTYPES:
                 raise ValueError(f"KV cache type {t!r} not supported by the CPU backend")
-        # np.zeros maps untouched pages lazily: memory grows with the positions written.
-        k = [np.zeros((n_slots, n_ctx, n_head_kv, head_dim), np.float32) for _ in range(n_layer)]
-        v = [np.zeros((n_slots, n_ctx, n_head_kv, head_dim_v), np.float32)
-             for _ in range(n_layer)]
-        return CpuKVCache(k, v, type_k, type_v, n_slots, n_ctx, n_head_kv)
+        max_blocks, n_blocks = kv_pool_geometry(n_slots, n_ctx, n_blocks, block_size)
+        rows = n_blocks * block_size
+        # np.zeros maps untouched pages lazily: memory grows with the blocks written.
+        k = [np.zeros((rows, n_head_kv, head_dim), np.float32) for _ in range(n_layer)]
+        v = [np.zeros((rows, n_head_kv, head_dim_v), np.float32) for _ in range(n_layer)]
+        return CpuKVCache(k, v, type_k, type_v, n_slots, n_ctx, n_head_kv, block_size, n_blocks,
+                          max_blocks, initial_block_table(n_slots, max_blocks, n_blocks))
+
+    def set_block_table(self, cache: CpuKVCache, host) -> None:
+        cache.block_table[...] = checked_block_table(cache, host)
 
     # ---------------------------------------------------------------- ops
     def embed(self, table: CpuEmbedding, ids, scale, out):
@@ -362,8 +389,9 @@ class CpuBackend(Backend):
         real = slots >= 0                                   # padding rows (slot -1) store nothing
         if not real.all():
             kq, vq, slots, positions = kq[real], vq[real], slots[real], positions[real]
-        cache.k[layer][slots, positions] = kq
-        cache.v[layer][slots, positions] = vq
+        rows = cache.rows_of(slots, positions)                          # (T,) pool rows
+        cache.k[layer][rows] = kq
+        cache.v[layer][rows] = vq
 
     def attention(self, q, cache: CpuKVCache, layer, slots, positions, kv_len, window, scale,
                   out, attn_lo=None, attn_mask=None):
@@ -395,16 +423,16 @@ class CpuBackend(Backend):
             bits = int(attn_mask[t]) & 0xFFFFFFFF if attn_lo is not None else 0
             if bits == 0:
                 hi = pos + 1 if attn_lo is None else int(attn_lo[t])
-                kc = cache.k[layer][slot, lo:hi]                             # (n, Hkv, D)
-                vc = cache.v[layer][slot, lo:hi]                             # (n, Hkv, Dv)
+                keys = np.arange(lo, hi)                                     # (n,) positions
             else:
                 base = int(attn_lo[t])
-                rows = np.concatenate([np.arange(lo, base),
+                keys = np.concatenate([np.arange(lo, base),
                                        base + np.flatnonzero([(bits >> j) & 1
                                                               for j in range(32)])])
-                rows = rows[rows >= lo]          # the window applies to every key
-                kc = cache.k[layer][slot, rows]                              # (n, Hkv, D)
-                vc = cache.v[layer][slot, rows]                              # (n, Hkv, Dv)
+                keys = keys[keys >= lo]          # the window applies to every key
+            rows = cache.rows(slot, keys)                                    # (n,) pool rows
+            kc = cache.k[layer][rows]                                        # (n, Hkv, D)
+            vc = cache.v[layer][rows]                                        # (n, Hkv, Dv)
             qh = q[t].reshape(hkv, g, D)                                     # (Hkv, G, D)
             s = np.matmul(qh, kc.transpose(1, 2, 0))                         # (Hkv, G, n)
             s *= sc
@@ -425,8 +453,9 @@ class CpuBackend(Backend):
             pos = positions[idx]                                             # (Tq,)
             lo = max(0, int(pos.min()) - window + 1) if window else 0
             hi = int(pos.max()) + 1
-            kc = cache.k[layer][slot, lo:hi]                                 # (n, Hkv, D)
-            vc = cache.v[layer][slot, lo:hi]                                 # (n, Hkv, Dv)
+            rows = cache.rows(slot, np.arange(lo, hi))                       # (n,) pool rows
+            kc = cache.k[layer][rows]                                        # (n, Hkv, D)
+            vc = cache.v[layer][rows]                                        # (n, Hkv, Dv)
             tq = len(idx)
             qh = q[idx].reshape(tq, hkv, g, D).transpose(1, 2, 0, 3).reshape(hkv, g * tq, D)
             s = np.matmul(qh, kc.transpose(1, 2, 0))                         # (Hkv, G*Tq, n)
@@ -444,11 +473,12 @@ class CpuBackend(Backend):
             out[idx] = o.reshape(hkv, g, tq, -1).transpose(2, 0, 1, 3).reshape(tq, H, -1)
 
     def kv_move(self, cache: CpuKVCache, slots, src, dst):
-        for m in range(len(src)):        # in order: a later move may read an earlier source
-            slot, a, b = int(slots[m]), int(src[m]), int(dst[m])
-            for planes in (cache.k, cache.v):
+        a_rows = cache.rows_of(slots, src)                            # (n,) pool rows
+        b_rows = cache.rows_of(slots, dst)                            # (n,) pool rows
+        for a, b in zip(a_rows, b_rows, strict=True):   # in order: a later move may read an
+            for planes in (cache.k, cache.v):           # earlier one's destination
                 for layer in planes:
-                    layer[slot, b] = layer[slot, a]
+                    layer[b] = layer[a]
 
     def moe(self, x, router: CpuMatrix, gate, up, down, n_used, normalize, activation, out):
         T = x.shape[0]

@@ -1,4 +1,5 @@
-"""The attention family of the CUDA backend: the KV cache, RoPE, KV stores, RoPE + KV store
+"""The attention family of the CUDA backend: the paged KV cache (base.py: a pool of blocks and a
+device block table every KV kernel reads through), RoPE, KV stores, RoPE + KV store
 in one launch (rope_kv.cu), split-KV attention with its combine (attention.cu), and KV row
 moves for tree compaction (kv_move in quantize.cu). Tree verify rows (base.py) reach the
 kernels as optional int32 arrays (kv_positions, attn_lo, attn_mask); null pointers when absent.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import cupy as cp
 import numpy as np
 
+from service.backends.base import checked_block_table, initial_block_table, kv_pool_geometry
 from service.backends.cuda_types import (
     ATT_CHUNK,
     ATT_MAX_D,
@@ -33,7 +35,7 @@ class AttentionOps:
     """KV cache, RoPE and attention launchers of CudaBackend (one launcher per kernel)."""
 
     def new_kv_cache(self, n_layer, n_slots, n_ctx, n_head_kv, head_dim, head_dim_v,
-                     type_k, type_v) -> CudaKVCache:
+                     type_k, type_v, n_blocks=0, block_size=16) -> CudaKVCache:
         for t, d in ((type_k, head_dim), (type_v, head_dim_v)):
             if t not in KV_TYPES:
                 raise ValueError(f"KV cache type {t!r} not supported by the CUDA backend")
@@ -43,7 +45,8 @@ class AttentionOps:
         if head_dim > ATT_MAX_D or head_dim_v > ATT_MAX_DV:
             raise ValueError(f"head sizes {head_dim}/{head_dim_v} exceed the attention "
                              f"kernel's {ATT_MAX_D}/{ATT_MAX_DV}")
-        rows = n_slots * n_ctx * n_head_kv
+        max_blocks, n_blocks = kv_pool_geometry(n_slots, n_ctx, n_blocks, block_size)
+        rows = n_blocks * block_size * n_head_kv
 
         def planes(t, d):
             with self.stream:
@@ -67,8 +70,18 @@ class AttentionOps:
         with self.stream:
             move_planes = cp.asarray(np.array(ptrs, np.uint64))               # (P,) u64
             move_bytes = cp.asarray(np.array(sizes, np.int32))                # (P,) i32
+            table = cp.asarray(initial_block_table(n_slots, max_blocks, n_blocks))
+        self.stream.synchronize()            # the host sources above are temporaries
         return CudaKVCache(k, v, type_k, type_v, n_slots, n_ctx, n_head_kv, head_dim,
-                           head_dim_v, move_planes, move_bytes)
+                           head_dim_v, block_size, n_blocks, max_blocks, table, move_planes,
+                           move_bytes)
+
+    def set_block_table(self, cache: CudaKVCache, host) -> None:
+        # (n_slots, max_blocks) i32 into the table in place (captured graphs hold its pointer),
+        # on the step stream: ordered after the steps queued before and before the next one.
+        # A pageable source is staged by the copy before it returns, so `host` may change then.
+        src = checked_block_table(cache, host)
+        cache.block_table.set(src, stream=self.stream)
 
     def rope_table(self, n_ctx, n_dims, base):
         inv = base ** (-np.arange(0, n_dims, 2, dtype=np.float64) / n_dims)    # (n_dims/2,)
@@ -89,7 +102,7 @@ class AttentionOps:
             T, H, st, sh, D = view_rows(src)
             self._launch(f"kv_store_{t}", (T, H), (32, ceil_div(D, 32)),
                          [src, I32(st), I32(sh), I32(D), slots, positions,
-                          I32(cache.n_ctx), I32(H), codes,
+                          *cache.table_args(), I32(H), codes,
                           scales if scales is not None else NULL])
 
     def rope_kv(self, q, k, v, q_norm, k_norm, eps, positions, slots, table, neox,
@@ -122,7 +135,7 @@ class AttentionOps:
                       I32(H), I32(Hkv), I32(D), I32(Dv), opt[0], opt[1], F32(eps),
                       positions, slots, _opt(kv_positions), table[0], table[1], I32(half),
                       I32(1 if neox else 0),
-                      I32(cache.n_ctx), kc, opt[2], vc, opt[3]])
+                      *cache.table_args(), kc, opt[2], vc, opt[3]])
 
     def attention(self, q, cache: CudaKVCache, layer, slots, positions, kv_len, window, scale,
                   out, attn_lo=None, attn_mask=None):
@@ -161,7 +174,7 @@ class AttentionOps:
         self._launch(f"attn_{cache.type_k}_{cache.type_v}", (n_split, H, T), (32, 4),
                      [q, I32(q0), I32(q1), I32(H), I32(Hkv), I32(D), I32(Dv), kq,
                       kd if kd is not None else kq, vq, vd if vd is not None else vq, slots,
-                      positions, _opt(attn_lo), _opt(attn_mask), I32(cache.n_ctx), I32(window),
+                      positions, _opt(attn_lo), _opt(attn_mask), *cache.table_args(), I32(window),
                       F32(scale), I32(ATT_CHUNK),
                       ml, acc, s.counters, out, I32(o0), I32(o1), *blocks])
         if quant:
@@ -174,8 +187,8 @@ class AttentionOps:
             return
         P = cache.move_planes.size
         self._launch("kv_move", (P,), (256,),
-                     [cache.move_planes, cache.move_bytes, I32(cache.n_ctx), slots, src, dst,
-                      I32(n)])
+                     [cache.move_planes, cache.move_bytes, *cache.table_args(), slots, src,
+                      dst, I32(n)])
 
 
 def _opt(a):

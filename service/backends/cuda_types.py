@@ -52,8 +52,17 @@ class CudaKVCache(KVCache):
     n_head_kv: int
     head_dim: int
     head_dim_v: int
+    block_size: int
+    n_blocks: int
+    max_blocks: int
+    block_table: Any                 # (n_slots, max_blocks) i32 on the device, never moved
     move_planes: Any = None          # (P,) u64 device pointers of every plane (kv_move)
     move_bytes: Any = None           # (P,) i32 bytes of one position in each plane
+
+    def table_args(self) -> list[Any]:
+        """The kernels' paging arguments: table pointer, max_blocks, log2(block_size)."""
+        return [self.block_table, np.int32(self.max_blocks),
+                np.int32(self.block_size.bit_length() - 1)]
 
 
 @dataclass

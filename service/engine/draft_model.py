@@ -42,6 +42,10 @@ records). `one_step_chain=False` runs the chain as k - 1 steps of their own, eac
 The draft model gets its own backend instance of the target's kind and options: a backend sizes
 its step scratch (`prepare`) for one model and keys its captured steps by shape, so a second
 model on the same instance would resize the first one's scratch under its captured steps.
+
+Its paged KV cache has the target's pool geometry (blocks, block size; loader.py), so the
+engine gives both models the same block table (`set_block_table`): a sequence's draft rows live
+in the same block ids of the draft model's own pool as its target rows in the target's.
 """
 
 from __future__ import annotations
@@ -86,6 +90,10 @@ class ModelDrafter(Drafter):
         be.prepare_sampling(1, model.spec.vocab_size)
         self._slots: dict[int, _SlotState] = {}
         self.steps = 0                                      # draft forwards run (profiling)
+
+    def set_block_table(self, host) -> None:
+        """The draft model's KV block table (n_slots, max_blocks) int32: the target's."""
+        self.model.set_block_table(host)
 
     # ---------------------------------------------------------------- sequence lifecycle
     @property

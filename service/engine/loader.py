@@ -126,7 +126,8 @@ def load_model(model_path: str | Path, config: EngineConfig,
              kv_type_k=config.kv_cache_type_k, kv_type_v=config.kv_cache_type_v,
              n_ctx=n_ctx, n_slots=config.n_slots, verify_width=config.verify_width,
              seconds=round(t - t0, 2))
-    drafter = (_load_drafter(draft, config, backend_name, spec.vocab_size, model.cache.n_blocks)
+    pool = (model.cache.n_blocks, model.cache.block_size)
+    drafter = (_load_drafter(draft, config, backend_name, spec.vocab_size, pool)
                if draft is not None else None)
     return LoadedModel(path, gguf, spec, tokenizer, model, config, backend_name, template,
                        drafter)
@@ -217,10 +218,11 @@ def check_draft_vocabulary(target: GGUFFile, spec: ModelSpec, tok: Tokenizer,
 
 
 def _load_drafter(draft: tuple[GGUFFile, ModelSpec, Tokenizer], config: EngineConfig,
-                  backend_name: str, target_vocab: int, kv_blocks: int) -> ModelDrafter:
+                  backend_name: str, target_vocab: int, pool: tuple[int, int]) -> ModelDrafter:
     """The draft Transformer on its own backend instance of the target's kind and options
-    (service/engine/draft_model.py says why), same n_slots, n_ctx and KV types; with the file's
-    DSpark Markov head when it has one of the target's vocabulary size, loaded first (the
+    (service/engine/draft_model.py says why), same n_slots, n_ctx, KV types and KV pool
+    geometry `pool` = (blocks, block size) as the target (one block table serves both); with
+    the file's DSpark Markov head when it has one of the target's vocabulary size, loaded first (the
     Transformer's `prepare` ends the backend's loading)."""
     f, dspec, _ = draft
     t = time.perf_counter()
@@ -230,8 +232,8 @@ def _load_drafter(draft: tuple[GGUFFile, ModelSpec, Tokenizer], config: EngineCo
     head = load_markov_head(f, target_vocab, backend)
     model = Transformer(dspec, f, backend, n_ctx=config.n_ctx, n_slots=config.n_slots,
                         max_tokens=max_tokens(config), type_k=config.kv_cache_type_k,
-                        type_v=config.kv_cache_type_v, max_logits=1, kv_blocks=kv_blocks,
-                        block_size=config.kv_block_size)
+                        type_v=config.kv_cache_type_v, max_logits=1, kv_blocks=pool[0],
+                        block_size=pool[1])
     phase("draft_model", t, path=str(f.path), model=dspec.name, n_layer=dspec.n_layer,
           file_type=dspec.file_type, markov_rank=head.rank if head else 0)
     name = f"{dspec.name} ({f.path.name}" + (f", Markov head rank {head.rank})" if head else ")")

@@ -180,6 +180,10 @@ class ModelRunner:
         n = len(tokens)
         self.model.backend.upload_ints(np.asarray(tokens, np.int32), self.hist[slot, :n])
 
+    def set_block_table(self, host) -> None:
+        """The model's KV block table (n_slots, max_blocks) int32, for the next steps."""
+        self.model.set_block_table(host)
+
     def move_kv(self, slots: Sequence[int], src: Sequence[int], dst: Sequence[int]) -> None:
         """KV rows src[m] -> dst[m] of slot slots[m], for every layer, in order (one upload,
         one kv_move op). At most max_tokens moves."""

@@ -8,6 +8,7 @@ serves every step with the same (T, kv_len).
 Per layer (architecture differences come from ModelSpec.traits as data):
     h = rms_norm(x) ; q|k|v = h @ Wqkv (+ bias) ; q,k = rms_norm_per_head(q,k) if qk_norm
     q,k = rope(q,k) ; cache[slot, pos] = k,v ; a = attention(q, cache) ; o = a @ Wo
+      (cache[slot, pos]: the pool row the paged cache's block table gives, base.py)
     x += post_norm(o) if post_norms else o
     h = rms_norm(x) ; o = down(act(gate(h)) * up(h))  or  mixture of experts
     x += post_norm(o) if post_norms else o
@@ -18,6 +19,8 @@ into the output and down projections (post-norm + add as one op where there are 
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -30,13 +33,19 @@ from service.model.weights import load_weights
 class Transformer:
     def __init__(self, spec: ModelSpec, f: GGUFFile, backend: Backend, *, n_ctx: int,
                  n_slots: int, max_tokens: int, type_k: str = "f16", type_v: str = "f16",
-                 max_logits: int | None = None):
+                 max_logits: int | None = None, kv_blocks: int | Callable[[], int] = 0,
+                 block_size: int = 16):
         self.spec, self.backend = spec, backend
         self.n_ctx, self.n_slots, self.max_tokens = n_ctx, n_slots, max_tokens
         self.max_logits = max_tokens if max_logits is None else min(max_logits, max_tokens)
         self.weights = load_weights(spec, f, backend)
+        # paged: kv_blocks blocks of block_size positions (0: every slot a full context); a
+        # callable is asked once the weights are loaded (a pool sized by the memory left)
+        if callable(kv_blocks):
+            kv_blocks = kv_blocks()
         self.cache = backend.new_kv_cache(spec.n_layer, n_slots, n_ctx, spec.n_head_kv,
-                                          spec.head_dim, spec.head_dim_v, type_k, type_v)
+                                          spec.head_dim, spec.head_dim_v, type_k, type_v,
+                                          kv_blocks, block_size)
         tables = {}
         for layer in spec.layers:
             key = (spec.rope_dims, layer.rope_base)
@@ -59,6 +68,11 @@ class Transformer:
         backend.prepare(max_tokens=m, n_head=s.n_head, head_dim_v=s.head_dim_v, n_ctx=n_ctx,
                         n_embd=s.n_embd, moe_experts=moe.n_expert if moe else 0,
                         moe_used=moe.n_expert_used if moe else 0, moe_ff=ff if moe else 0)
+
+    def set_block_table(self, host) -> None:
+        """The KV cache's block table (n_slots, max_blocks) int32 (base.py's paging rule), for
+        the steps after this call."""
+        self.backend.set_block_table(self.cache, host)
 
     def _matmuls(self, x, parts, out) -> None:
         for w, c0, c1 in parts:

@@ -38,6 +38,8 @@ def _f32_tensor(rows: int, k: int) -> TensorInfo:
     return TensorInfo("w", QuantType.F32, (rows, k), w.view(np.uint8).reshape(-1))
 
 
+_PAGED = CpuBackend(threads=1).new_kv_cache(1, 2, 32, 1, 32, 32, "f16", "f16")
+
 FORBIDDEN_CALLS = {
     "zeros": lambda b, x: b.zeros((4,)),
     "upload_vector": lambda b, x: b.upload_vector(np.ones(4, np.float32)),
@@ -48,6 +50,7 @@ FORBIDDEN_CALLS = {
     "load_matrix": lambda b, x: b.load_matrix([_f32_tensor(4, 8)]),
     "load_vector": lambda b, x: b.load_vector(_f32_tensor(1, 8)),
     "rope_table": lambda b, x: b.rope_table(8, 4, 10000.0),
+    "set_block_table": lambda b, x: b.set_block_table(_PAGED, _PAGED.block_table[::-1].copy()),
 }
 
 

@@ -109,8 +109,8 @@ def test_kv_cache_holds_what_the_type_represents(kv_type, qt):
     k = RNG.standard_normal((3, 2, 32)).astype(np.float32)
     be.kv_write(cache, 0, k, k, np.zeros(3, np.int32), np.array([4, 5, 6], np.int32))
     expect = quants.dequantize(quants.quantize(k, qt), qt, k.shape)
-    np.testing.assert_array_equal(cache.k[0][0, 4:7], expect)
-    assert not cache.k[0][0, :4].any()
+    np.testing.assert_array_equal(cache.k[0][cache.rows(0, [4, 5, 6])], expect)
+    assert not cache.k[0][cache.rows(0, np.arange(4))].any()
 
 
 @pytest.mark.parametrize("neox", [False, True])
@@ -192,7 +192,8 @@ def test_padding_rows_store_nothing_and_attend_to_nothing(T):
     pos = np.arange(T, dtype=np.int32) - n_pad
     slots[:n_pad], pos[:n_pad] = -1, 0
     be.kv_write(cache, 0, k, v, slots, pos)
-    assert not cache.k[0][1].any() and not cache.v[0][1].any()   # slot -1 is not slot 1
+    slot1 = cache.rows(1, np.arange(64))                          # slot -1 is not slot 1
+    assert not cache.k[0][slot1].any() and not cache.v[0][slot1].any()
     out = np.full((T, 4, 16), np.nan, np.float32)
     be.attention(q, cache, 0, slots, pos, T - n_pad, 0, 0.25, out)
     assert not out[:n_pad].any()

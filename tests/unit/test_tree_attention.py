@@ -129,22 +129,26 @@ def test_rope_kv_rotates_by_position_and_stores_at_the_kv_row():
     be.kv_write(c2, 0, k2, v, slots, kv_rows)
     assert q1.tobytes() == q2.tobytes()
     assert c1.k[0].tobytes() == c2.k[0].tobytes() and c1.v[0].tobytes() == c2.v[0].tobytes()
-    assert c1.k[0][0, 6].any() and not c1.k[0][0, 7].any()
+    r6, r7 = c1.rows(0, [6, 7])
+    assert c1.k[0][r6].any() and not c1.k[0][r7].any()
 
 
 def test_kv_move_applies_the_moves_in_order():
     """Accepted nodes [0, 2, 3] at committed 10: rows 12 -> 11, then 13 -> 12 (row 12 is read
-    by the first move before the second overwrites it)."""
+    by the first move before the second overwrites it). The cache is paged with a permuted
+    block table: the moves are of logical rows."""
     be = CpuBackend()
-    cache = be.new_kv_cache(2, 2, 16, 1, 4, 4, "f16", "f16")
+    cache = be.new_kv_cache(2, 2, 16, 1, 4, 4, "f16", "f16", block_size=8)
+    be.set_block_table(cache, np.array([[3, 0], [1, 2]], np.int32))
+    rows = np.stack([cache.rows(s, np.arange(16)) for s in (0, 1)])     # (2, 16) pool rows
     for layer in range(2):
         for planes, off in ((cache.k, 0.0), (cache.v, 100.0)):
-            planes[layer][:] = (np.arange(32, dtype=np.float32).reshape(2, 16, 1, 1)
-                                + off + 1000 * layer)
-    before = [a.copy() for a in (*cache.k, *cache.v)]
+            planes[layer][rows] = (np.arange(32, dtype=np.float32).reshape(2, 16, 1, 1)
+                                   + off + 1000 * layer)
+    before = [a[rows] for a in (*cache.k, *cache.v)]                   # (2, 16, 1, 4) each
     be.kv_move(cache, np.array([1, 1], np.int32), np.array([12, 13], np.int32),
                np.array([11, 12], np.int32))
-    for a, b in zip((*cache.k, *cache.v), before, strict=True):
+    for a, b in zip((c[rows] for c in (*cache.k, *cache.v)), before, strict=True):
         assert (a[1, 11] == b[1, 12]).all() and (a[1, 12] == b[1, 13]).all()
         assert (a[0] == b[0]).all() and (a[1, :11] == b[1, :11]).all()
         assert (a[1, 13:] == b[1, 13:]).all()
