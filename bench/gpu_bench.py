@@ -46,12 +46,15 @@ def bench_gemv(cp, G, a, copy_bw: float) -> list[dict]:
     for name in a.types:
         for n, k in a.shapes:
             t0 = time.perf_counter()
-            rows.append(_gemv_row(cp, G, be, ro, rng, name, n, k, a.columns))
+            new = _gemv_row(cp, G, be, ro, rng, name, n, k, a.columns)
+            rows += new
             cp.get_default_memory_pool().free_all_blocks()     # this row's weight copies
-            r = rows[-1]
+            r = new[0]
             print(f"  gemv {name} {n}x{k}: c1 {r['cols']['1'] * 1e6:.1f} us, read-only "
-                  f"{r['read_only_s'] * 1e6:.1f} us ({time.perf_counter() - t0:.1f} s)",
-                  flush=True)
+                  f"{r['read_only_s'] * 1e6:.1f} us"
+                  + "".join(f", {v['type']} c{c} {v['cols'][c] * 1e6:.1f} us"
+                            for v in new[1:] for c in v["cols"] if c != "1")
+                  + f" ({time.perf_counter() - t0:.1f} s)", flush=True)
     return rows
 
 
@@ -65,8 +68,12 @@ def _random_raw(name: str, n: int, k: int, rng) -> np.ndarray:
     return np.resize(small, n * (small.size // m))                     # (n * row_bytes,) u8
 
 
-def _gemv_row(cp, G, be, ro, rng, name: str, n: int, k: int, columns) -> dict:
+def _gemv_row(cp, G, be, ro, rng, name: str, n: int, k: int, columns) -> list[dict]:
+    """The row of the default (dp4a) GEMV; for types with a tensor-core GEMV (CudaBackend's
+    gemv_mma) a second row "<type> mma" at its columns >= 2 and the dp4a kernel's 1 column
+    (the same launch: one column stays on dp4a) as the baseline of its ratios."""
     from service.backends.cuda import CudaMatrix
+    from service.backends.cuda_types import GEMV_MMA_TYPES
     from service.gguf.reader import TensorInfo
     from tests.blocks import qtype
 
@@ -87,14 +94,26 @@ def _gemv_row(cp, G, be, ro, rng, name: str, n: int, k: int, columns) -> dict:
         x[...] = cp.asarray(rng.normal(0, 1, (c_max, k)).astype(np.float32))
     out = be.zeros((c_max, n))                                         # (C, N) f32
     be.synchronize()
+    def timed(cs) -> dict[str, float]:
+        return {str(c): G.graph_time(
+            be.stream, lambda i, c=c: be.matmul(x[:c], ws[i % copies], out[:c]), GEMV_REPS)
+            for c in cs}
+
     with be.stream:
         t_ro = G.graph_time(be.stream, lambda i: ro(
             (264,), (512,), (flat[i % copies], np.int64(nbytes // 16), sink)), GEMV_REPS)
-        cols = {str(c): G.graph_time(
-            be.stream, lambda i, c=c: be.matmul(x[:c], ws[i % copies], out[:c]), GEMV_REPS)
-            for c in columns}
-    return {"type": name, "n": n, "k": k, "bytes": nbytes, "copies": copies,
-            "read_only_s": t_ro, "cols": cols}
+        cols = timed(columns)
+        row = {"type": name, "n": n, "k": k, "bytes": nbytes, "copies": copies,
+               "read_only_s": t_ro, "cols": cols}
+        if w0.layout.kernel not in GEMV_MMA_TYPES:
+            return [row]
+        be.gemv_mma = True
+        try:
+            mma = timed(c for c in columns if c > 1)
+        finally:
+            be.gemv_mma = False
+    return [row, {**row, "type": f"{name} mma", "variant": "mma",
+                  "cols": {"1": cols["1"], **mma}}]
 
 
 def bench_torch(a) -> list[dict] | dict:

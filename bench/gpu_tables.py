@@ -5,6 +5,9 @@ the goals and every table it prints. Pure Python (no CuPy), so the CPU CI tests 
 Results are one JSON-ready dict (`--json` writes it):
     copy_bw      bytes read + written per second of a device-to-device copy
     gemv         [{type, n, k, bytes, read_only_s, cols: {"1": s, ...}}]   (N x K = rows x width)
+                 (variant "mma", type "<type> mma": the tensor-core GEMV, CudaBackend(gemv_mma=
+                 True), its "1" the dp4a kernel's; not counted in the goals, which judge the
+                 default kernels)
     torch_bf16   [{n, k, bytes, cols}]  or {"error": why}
     decode       [{model, source, weight_bytes, n_layer, eager_tok_s, graph_tok_s, graph_nodes,
                    launches: {embed, layers, head} (of one eager step), load_s, synth_s}]
@@ -140,7 +143,8 @@ GOALS = {
 def measured_for_goals(results: dict) -> dict[str, tuple[float, str] | None]:
     """Each goal's figure from this run's results, with where it was measured (None: not run)."""
     out: dict[str, tuple[float, str] | None] = dict.fromkeys(GOALS)
-    quant = [r for r in results.get("gemv", []) if r["type"] not in ("F16", "BF16", "F32")]
+    quant = [r for r in results.get("gemv", [])
+             if r["type"] not in ("F16", "BF16", "F32") and not r.get("variant")]
 
     def worst(values, pick):
         values = [(v, w) for v, w in values if v is not None]
@@ -209,7 +213,7 @@ def gemv_table(rows: list[dict], columns, copy_bw: float, torch_rows=None) -> st
     """One line per (type, shape): microseconds per GEMV at each column count, the read-only
     kernel and the copy floor over the same bytes, and ratios measured in this run."""
     torch = {(r["n"], r["k"]): r for r in torch_rows or []}
-    head = (f"{'type':5} {'N x K':>13} {'MB':>7} {'copy':>7} {'read':>7} "
+    head = (f"{'type':8} {'N x K':>13} {'MB':>7} {'copy':>7} {'read':>7} "
             + " ".join(f"{'c=' + str(c):>8}" for c in columns)
             + f" {'c1 GB/s':>8} {'read/c1':>7} {'copy/c1':>7} {'c8/c1':>7} {'c16/c1':>7}"
             f" {'vs bf16':>7} {'llama c1':>8} {'llama c8/c1':>11}")
@@ -226,7 +230,7 @@ def gemv_table(rows: list[dict], columns, copy_bw: float, torch_rows=None) -> st
         copy_s = r["bytes"] / copy_bw
         rec = LLAMACPP_GEMV_US.get((r["type"], r["n"], r["k"]))
         lines.append(
-            f"{r['type']:5} {r['n']:>6}x{r['k']:<6} {r['bytes'] / 1e6:7.1f} {_us(copy_s, 7)} "
+            f"{r['type']:8} {r['n']:>6}x{r['k']:<6} {r['bytes'] / 1e6:7.1f} {_us(copy_s, 7)} "
             f"{_us(r['read_only_s'], 7)} " + " ".join(_us(_col(r, c)) for c in columns)
             + f" {'-' if bw1 is None else f'{bw1 / 1e9:.0f}':>8}"
             f" {_x(_ratio(r['read_only_s'], t1), pct=True)} {_x(_ratio(copy_s, t1), pct=True)}"

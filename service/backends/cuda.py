@@ -33,6 +33,9 @@ from service.backends.cuda_sampling import SamplingOps
 from service.backends.cuda_types import (
     ATT_CHUNK,
     F32,
+    GEMV_MMA_ROWS,
+    GEMV_MMA_TYPES,
+    GEMV_MMA_WARPS,
     GEMV_WARPS,
     GRAPH_MAX_TOKENS,
     I32,
@@ -45,6 +48,7 @@ from service.backends.cuda_types import (
     ceil_div,
     check_dtype,
     gemv_choice,
+    gemv_mma_nc,
     matrix_key,
     norm_block,
     overlaps,
@@ -65,7 +69,8 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
                  invariant_tokens: int = 16, gemv_rows: int = 2, upload: str = "pinned",
                  prefill_gemm_min_tokens: int | None = PREFILL_GEMM_MIN_TOKENS,
                  staging_buffers: int = 3, staging_mib: int = 64,
-                 prefill_scratch_mib: int = 128, pdl: bool = True, gemv_early: bool = False):
+                 prefill_scratch_mib: int = 128, pdl: bool = True, gemv_early: bool = False,
+                 gemv_mma: bool = False):
         """gemv_rows: 2 (the default) picks the GEMV variant by the step's width
         (cuda_types.gemv_choice); 1 runs the one-column one-row kernel at every width (the
         earlier kernel, kept for benchmarks). Both give the same bits.
@@ -80,7 +85,11 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
         them through CuPy with full serialization (the earlier behaviour, for benchmarks).
         Without cuda-bindings it is off. Both give the same bits.
         gemv_early: one-column quantized GEMVs use the c1r1e kernel, which reads each lane's
-        first weight group before the programmatic-launch wait (same bits, more registers)."""
+        first weight group before the programmatic-launch wait (same bits, more registers).
+        gemv_mma: steps of 2 or more columns over Q4_K / Q6_K weights use the int8 tensor-core
+        GEMV (cuda/gemv_mma.cu). Off by default: its sums are rounded in another order, so
+        its results differ from the dp4a kernels' in the last bits and a column's result
+        depends on the step's width (batching and verify rely on the dp4a kernels' equality)."""
         # CPU threads do not apply; every GEMV column and attention query is computed the same
         # way at any step size, so steps up to invariant_tokens are invariant here.
         del threads
@@ -105,6 +114,7 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
         self._capturing = False           # kernels launched now are recorded into a graph
         self.gemv_rows = gemv_rows
         self.gemv_early = gemv_early
+        self.gemv_mma = gemv_mma
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._modules: dict[str, Any] = {}
         self._kernels: dict[str, Any] = {}
@@ -411,11 +421,28 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
                 I32(1 if accumulate else 0)]
         if w.layout.quantized:
             qa, ads = self._quantize(x)
+            if (self.gemv_mma and ids is None and T >= 2
+                    and w.layout.kernel in GEMV_MMA_TYPES):
+                self._gemv_mma(w, qa, ads, T, out, ldo, accumulate)
+                return
             args = [*w.args(), I32(K), I32(N), qa, ads, *tail]
         else:
             args = [w.planes[0], I32(K), I32(N), x, I32(ldx), *tail]
         early = "e" if self.gemv_early and w.layout.quantized and (nc, R) == (1, 1) else ""
         self._launch(f"gemv_{w.layout.kernel}_c{nc}r{R}{early}", grid, (32, GEMV_WARPS), args)
+        if self._blocks is not None and overlaps(out, self._blocks):
+            self._blocks = None
+
+    def _gemv_mma(self, w: CudaMatrix, qa, ads, C: int, out, ldo: int, accumulate: bool):
+        """out[:C] (+)= the product of W with the 8-bit blocks (qa, ads) of C >= 2 columns on
+        tensor cores (cuda/gemv_mma.cu); shapes were checked by _gemv."""
+        if qa.size < C * w.k or ads.shape[0] < C * w.k // 32 or w.k % 256:
+            raise ValueError(f"gemv_mma: blocks {qa.size} / {ads.shape} for {C} x {w.k}")
+        nc = gemv_mma_nc(C)
+        grid = (ceil_div(w.n, GEMV_MMA_ROWS), ceil_div(C, nc))
+        self._launch(f"gemv_mma_{w.layout.kernel}_c{nc}", grid, (32, GEMV_MMA_WARPS),
+                     [*w.args(), I32(w.k), I32(w.n), qa, ads, I32(C), out, I32(ldo),
+                      I32(1 if accumulate else 0)])
         if self._blocks is not None and overlaps(out, self._blocks):
             self._blocks = None
 
@@ -493,8 +520,10 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
         self._launch("argmax_rows", (T,), (1024,), [logits, I32(ld), I32(V), out])
 
 
-# Kernel name prefix -> source file, the first match wins (rope_kv_* before rope).
-_KERNEL_SOURCE = (("gemv_", "gemv.cu"), ("quantize_", "quantize.cu"), ("kv_", "quantize.cu"),
+# Kernel name prefix -> source file, the first match wins (gemv_mma_* before gemv_, rope_kv_*
+# before rope).
+_KERNEL_SOURCE = (("gemv_mma_", "gemv_mma.cu"), ("gemv_", "gemv.cu"),
+                  ("quantize_", "quantize.cu"), ("kv_", "quantize.cu"),
                   ("embed_", "elementwise.cu"), ("rms_", "elementwise.cu"),
                   ("add_", "elementwise.cu"), ("glu", "elementwise.cu"),
                   ("rope_kv_", "rope_kv.cu"), ("rope", "elementwise.cu"),

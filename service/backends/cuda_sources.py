@@ -16,8 +16,8 @@ CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
 ARCH = "sm_90"   # the H200; the compile check targets it, the backend asks the device
 
 # One translation unit per op family (STYLE.md); each .cu includes the headers it needs.
-SOURCES = ("gemv.cu", "quantize.cu", "elementwise.cu", "rope_kv.cu", "attention.cu",
-           "sampling.cu", "dequant.cu")
+SOURCES = ("gemv.cu", "gemv_mma.cu", "quantize.cu", "elementwise.cu", "rope_kv.cu",
+           "attention.cu", "sampling.cu", "dequant.cu")
 
 # -std=c++17 for constexpr/if constexpr in the per-type traits; no fast-math: the kernels must
 # round like the CPU reference (fused multiply-add contraction stays on, as nvcc's default).

@@ -13,6 +13,8 @@ from service.backends.cuda_layout import PlaneLayout
 
 GEMV_WARPS = 4            # warps per GEMV block (cuda/gemv.cu GEMV_WARPS)
 GEMV_NC = (1, 2, 4, 8, 16)   # column variants of cuda/gemv.cu; wider steps: chunks of 16
+GEMV_MMA_WARPS, GEMV_MMA_ROWS = 8, 32   # cuda/gemv_mma.cu MMA_WARPS, MMA_ROWS (block's rows)
+GEMV_MMA_TYPES = ("q4_k", "q6_k")        # layouts with gemv_mma_<type>_c8 / _c16 kernels
 GRAPH_MAX_TOKENS = 64     # steps up to this many tokens are captured (decode and verify)
 ATT_CHUNK = 128           # KV positions per attention split: one 32-key tile per warp
 ATT_MAX_D, ATT_MAX_DV = 512, 256
@@ -121,6 +123,12 @@ def gemv_choice(n_cols: int, mode: int) -> tuple[int, int]:
         return 1, 1
     nc = next((nc for nc in GEMV_NC if nc >= n_cols), GEMV_NC[-1])
     return nc, GEMV_WIDE_ROWS[nc]
+
+
+def gemv_mma_nc(n_cols: int) -> int:
+    """Columns per block row of the tensor-core GEMV (cuda/gemv_mma.cu) for a step of n_cols
+    >= 2 columns: 8 up to 8, else 16 (wider steps: chunks of 16 over grid.y)."""
+    return 8 if n_cols <= 8 else 16
 
 
 # (pointer, rows, row width, row stride) of a matrix view: what the 8-bit activation blocks in

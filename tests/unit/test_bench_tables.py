@@ -209,3 +209,21 @@ def test_gpu_bench_report_and_no_cupy(gt):
     assert [r["goal"] for r in results["goals"]] == list(gt.GOALS)
     if importlib.util.find_spec("cupy") is None:
         assert bench.main(["--quick"]) == 2          # says why instead of failing on import
+
+
+def test_mma_rows_print_their_ratios_and_stay_out_of_the_goals(gt):
+    """A tensor-core row ("Q4_K mma", variant "mma") shows its own c8/c1 and c16/c1 against
+    the dp4a kernel's 1 column; the goals judge the default kernels only."""
+    base = _gemv_rows()
+    mma = {**base[1], "type": "Q8_0 mma", "variant": "mma",
+           "cols": {"1": 200e-6, "2": 210e-6, "8": 900e-6, "16": 1000e-6}}
+    table = gt.gemv_table([*base, mma], gt.COLUMNS, BW).splitlines()
+    f = _fields(table[-1])
+    assert f[:3] == ["Q8_0", "mma", "128256x4096"]
+    assert f[8] == "-"                                           # c=4 not timed
+    assert f[14:16] == [f"{900 / 200:.2f}x", f"{1000 / 200:.2f}x"]
+    results = _results(gt, 600.0)
+    results["gemv"].append(mma)
+    measured = gt.measured_for_goals(results)
+    assert measured["gemv_c8_c1"] == (pytest.approx(2.0), "Q8_0 128256x4096")
+    assert measured["gemv_c16_c1"] == (pytest.approx(2.5), "Q8_0 128256x4096")
