@@ -11,7 +11,8 @@
 //   K, V rows of kv head h / (H / Hkv), stored as f16, q8_0 or q4_0 (quantize.cu's layout).
 //   The cache is paged: cache row r of slot s is pool row table[s, r >> lb] * 2^lb + (r & (2^lb
 //   - 1)) (common.cuh kv_page_row; table (n_slots, max_blocks) int32, 2^lb = block size), for
-//   keys and values alike; the order of additions does not depend on the table.
+//   keys and values alike (a pool of fewer than 2^31 rows); the order of additions does not
+//   depend on the table.
 //
 // attn_<K>_<V>: one kernel, grid (S, H, T), block (32, 4). Split s covers the ABSOLUTE positions
 //   [s * chunk, (s + 1) * chunk): its boundaries never depend on the step or on how long the
@@ -159,13 +160,21 @@ __device__ __forceinline__ void attn_split(
     // Tiles of 32 keys, one key per lane: each lane dots q with its key, the warp takes the
     // tile's max and sum at once, then accumulates V over the tile's keys in order (lane d
     // holds dims d, d + 32, ...). Warp w takes the tiles starting at j0 + 32 (w + 4 i).
-    for (int base = j0 + 32 * warp; base < j1; base += 32 * ATT_WARPS) {
+    // Each lane's key row in the pool (the block table read) is fetched one tile ahead, so
+    // the table read overlaps the previous tile's work instead of preceding the key's loads;
+    // the V pass takes each key's row from the lane that holds it (no table read).
+    const int step = 32 * ATT_WARPS;
+    int jn = j0 + 32 * warp + lane;
+    int prow = jn < j1 ? (int)kv_page_row(table, max_blocks, lb, slot, key_row(jn, b, bits)) : 0;
+    for (int base = j0 + 32 * warp; base < j1; base += step) {
         const int j = base + lane;
         bool ok = j < j1;
+        const int my_row = prow;
+        jn = j + step;
+        prow = jn < j1 ? (int)kv_page_row(table, max_blocks, lb, slot, key_row(jn, b, bits)) : 0;
         float sc = NEG_INF;
         if (ok) {
-            const size_t row = kv_page_row(table, max_blocks, lb, slot, key_row(j, b, bits))
-                               * Hkv + hk;
+            const size_t row = (size_t)my_row * Hkv + hk;
             float dot = 0.0f;                 // the products in order of i, 8 per load
 #pragma unroll 4
             for (int i0 = 0; i0 < D; i0 += 8) {
@@ -190,8 +199,7 @@ __device__ __forceinline__ void attn_split(
             float vv[VT::PASS][ATT_MAX_DV / 32];
 #pragma unroll
             for (int du = 0; du < VT::PASS; du++) {
-                const size_t row = kv_page_row(table, max_blocks, lb, slot,
-                                               key_row(base + min(u0 + du, n - 1), b, bits))
+                const size_t row = (size_t)__shfl_sync(FULL_MASK, my_row, min(u0 + du, n - 1))
                                    * Hkv + hk;
                 VT::vrow(vq, vd, row, Dv, lane, vv[du]);
             }

@@ -76,7 +76,11 @@ def kv_pool_geometry(n_slots: int, n_ctx: int, n_blocks: int, block_size: int) -
     if n_blocks < 0:
         raise ValueError(f"KV pool of {n_blocks} blocks")
     max_blocks = -(-n_ctx // block_size)
-    return max_blocks, n_blocks or n_slots * max_blocks
+    n_blocks = n_blocks or n_slots * max_blocks
+    if n_blocks * block_size >= 1 << 31:
+        raise ValueError(f"KV pool of {n_blocks} blocks of {block_size}: at most 2^31 - 1 "
+                         "positions (row indices are int32)")
+    return max_blocks, n_blocks
 
 
 def initial_block_table(n_slots: int, max_blocks: int, n_blocks: int) -> np.ndarray:
