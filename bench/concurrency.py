@@ -22,13 +22,13 @@ requests' Usage.cached_prompt_tokens; median of 3 rounds, each with a fresh pref
 
 Engine settings: --n-ctx (default: long enough for the streams and the prefix requests),
 --n-slots (default: the highest level); --kv-cache-memory, --max-step-tokens and
---no-prefix-cache reach EngineConfig only when given.
+--no-prefix-cache, --gemv-mma reach EngineConfig only when given.
 
     python bench/concurrency.py [--model smollm2-135m|PATH|synth-8b|synth-1b|synth-tiny]
         [--backend cpu|cuda|auto] [--levels 1,4,16,64] [--tokens 256] [--sampled]
         [--prompts text|ids] [--prompt-tokens 32] [--prefix-tokens 2000] [--rounds 1]
         [--n-ctx N] [--n-slots N] [--kv-cache-memory 8GiB] [--max-step-tokens N]
-        [--no-prefix-cache] [--speculative] [--threads 0] [--synth-dir DIR] [--seed 0]
+        [--no-prefix-cache] [--gemv-mma] [--speculative] [--threads 0] [--synth-dir DIR] [--seed 0]
         [--json PATH] [--plot PNG]
     python bench/plot_concurrency.py RESULT.json [MORE.json ...] OUT.png   (redraw from JSON)
 """
@@ -222,6 +222,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--kv-cache-memory", help="EngineConfig.kv_cache_memory (e.g. 8GiB, 0.5)")
     g.add_argument("--max-step-tokens", type=int, help="EngineConfig.max_step_tokens")
     g.add_argument("--no-prefix-cache", action="store_true", help="EngineConfig.prefix_cache=False")
+    g.add_argument("--gemv-mma", action="store_true",
+                   help="EngineConfig.gemv_mma=True (CUDA: Q4_K/Q6_K GEMVs on tensor cores)")
     g.add_argument("--threads", type=int, default=0, help="CPU backend threads (0 = all)")
     g = p.add_argument_group("synthetic models")
     g.add_argument("--synth-dir", default=DEFAULT_DIR)
@@ -249,6 +251,8 @@ def engine_fields(a, backend: str, levels: list[int]) -> dict:
         fields["max_step_tokens"] = a.max_step_tokens
     if a.no_prefix_cache:
         fields["prefix_cache"] = False
+    if a.gemv_mma:
+        fields["gemv_mma"] = True
     return fields
 
 

@@ -70,8 +70,8 @@ def _random_raw(name: str, n: int, k: int, rng) -> np.ndarray:
 
 def _gemv_row(cp, G, be, ro, rng, name: str, n: int, k: int, columns) -> list[dict]:
     """The row of the default (dp4a) GEMV; for types with a tensor-core GEMV (CudaBackend's
-    gemv_mma) a second row "<type> mma" at its columns >= 2 and the dp4a kernel's 1 column
-    (the same launch: one column stays on dp4a) as the baseline of its ratios."""
+    gemv_mma, which runs every width on it, one column included) a second row "<type> mma"
+    (its ratios against its own one column; the dp4a row above has the default's)."""
     from service.backends.cuda import CudaMatrix
     from service.backends.cuda_types import GEMV_MMA_TYPES
     from service.gguf.reader import TensorInfo
@@ -109,11 +109,10 @@ def _gemv_row(cp, G, be, ro, rng, name: str, n: int, k: int, columns) -> list[di
             return [row]
         be.gemv_mma = True
         try:
-            mma = timed(c for c in columns if c > 1)
+            mma = timed(columns)
         finally:
             be.gemv_mma = False
-    return [row, {**row, "type": f"{name} mma", "variant": "mma",
-                  "cols": {"1": cols["1"], **mma}}]
+    return [row, {**row, "type": f"{name} mma", "variant": "mma", "cols": mma}]
 
 
 def bench_torch(a) -> list[dict] | dict:

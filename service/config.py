@@ -57,6 +57,7 @@ class EngineConfig:
     threads: int = 0                 # CPU backend threads; 0 = all cores
     cuda_graphs: bool = True         # CUDA backend: capture each step shape once and replay it
     step_profile: bool = False       # time each decode step's parts (log + Finished timings)
+    gemv_mma: bool = False           # CUDA: Q4_K/Q6_K GEMVs on int8 tensor cores at every width
 
     def problems(self) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
@@ -279,6 +280,10 @@ _HELP = {
     "tree_budget": f"tree verify (DDTree) nodes per step, 2..{MAX_TREE_BUDGET}; 0 = chain verify",
     "backend": "compute backend: " + ", ".join(BACKENDS),
     "n_ctx": "context tokens per sequence (capped at the model's trained length)",
+    "gemv_mma": "CUDA backend: every GEMV over Q4_K / Q6_K weights on int8 tensor cores "
+                "(throughput mode: batched and verify steps cost much less, one stream a little "
+                "more; results differ from the default kernels' in the last bits, and stay "
+                "batch-invariant and exact for speculation within the mode)",
     "n_slots": "sequences running at once (each holds KV blocks; more wait in the queue)",
     "prefill_chunk": "prompt tokens per prefill step",
     "max_step_tokens": "tokens one engine iteration computes: a decode step of up to "

@@ -127,7 +127,7 @@ def gemv_choice(n_cols: int, mode: int) -> tuple[int, int]:
 
 def gemv_mma_nc(n_cols: int) -> int:
     """Columns per block row of the tensor-core GEMV (cuda/gemv_mma.cu) for a step of n_cols
-    >= 2 columns: 8 up to 8, else 16 (wider steps: chunks of 16 over grid.y)."""
+    columns: 8 up to 8, else 16 (wider steps: chunks of 16 over grid.y)."""
     return 8 if n_cols <= 8 else 16
 
 

@@ -90,7 +90,8 @@ def load_model(model_path: str | Path, config: EngineConfig,
         check_draft_vocabulary(gguf, spec, tokenizer, *draft,
                                n_ctx=min(config.n_ctx, spec.n_ctx_train))
     backend_name = resolve_backend_name(config.backend)
-    extra = {"graphs": config.cuda_graphs} if backend_name == "cuda" else {}
+    extra = ({"graphs": config.cuda_graphs, "gemv_mma": config.gemv_mma}
+             if backend_name == "cuda" else {})
     backend = create_backend(backend_name, threads=config.threads,
                              invariant_tokens=MAX_STEP_ROWS, **extra)
     pair = (config.kv_cache_type_k, config.kv_cache_type_v)
@@ -160,7 +161,7 @@ def pool_blocks(config: EngineConfig, backend, specs: list[ModelSpec]) -> int:
     if kind == "default":
         return min(config.n_slots, 8) * full
     budget = value if kind == "bytes" else value * backend.memory_free()
-    n = int(budget // per_block)
+    n = min(int(budget // per_block), ((1 << 31) - 1) // bs)     # int32 row indices
     if n < full:
         raise ConfigError([("kv_cache_memory", f"{config.kv_cache_memory!r} gives "
                             f"{budget / 2**20:.1f} MiB, room for {n * bs} positions at "
@@ -226,7 +227,8 @@ def _load_drafter(draft: tuple[GGUFFile, ModelSpec, Tokenizer], config: EngineCo
     Transformer's `prepare` ends the backend's loading)."""
     f, dspec, _ = draft
     t = time.perf_counter()
-    extra = {"graphs": config.cuda_graphs} if backend_name == "cuda" else {}
+    extra = ({"graphs": config.cuda_graphs, "gemv_mma": config.gemv_mma}
+             if backend_name == "cuda" else {})
     backend = create_backend(backend_name, threads=config.threads,
                              invariant_tokens=MAX_STEP_ROWS, **extra)
     head = load_markov_head(f, target_vocab, backend)

@@ -11,7 +11,7 @@ import pytest
 from service.config import EngineConfig
 from service.engine.scheduler import Engine
 from tests.batching import MODES, alone, requests, same_output, smollm2_prompts, together
-from tests.conftest import TINY, real_model_path
+from tests.conftest import TINY, load_json, real_model_path
 
 pytestmark = pytest.mark.gpu
 
@@ -83,3 +83,33 @@ def test_prefix_cache_and_preemption_keep_solo_tokens_on_cuda(smol_cuda):
             eng.pool.check()
     finally:
         eng.stop(10)
+
+
+@pytest.fixture(scope="module")
+def gemma_mma():
+    """Gemma-3 (Q4_K_M) with every Q4_K / Q6_K GEMV on tensor cores (EngineConfig.gemv_mma)."""
+    eng = Engine.load(real_model_path("gemma3-270m"),
+                      EngineConfig(backend="cuda", n_ctx=256, n_slots=16, gemv_mma=True))
+    eng.start()
+    eng.verify_alpha = 0.0
+    yield eng
+    eng.stop(10)
+
+
+@pytest.mark.parametrize("n", [1, 4, 16])
+@pytest.mark.parametrize("mode", ["greedy-spec", "mixed-spec"])
+def test_mma_mode_keeps_batching_and_speculation_exact(gemma_mma, mode, n):
+    """In the tensor-core mode a column's bits do not depend on the step's width either:
+    batched requests equal their solo runs, and speculating greedy requests equal plain
+    greedy decoding (verify rows and single steps agree)."""
+    prompts = [c["prompt_ids"] for c in load_json("llamacpp_gemma3_greedy.json")["cases"]]
+    assert gemma_mma.model.backend.gemv_mma
+    reqs = requests(mode, n, prompts, base_tokens=24)
+    ref = [alone(gemma_mma, r) for r in reqs]
+    got, _ = together(gemma_mma, reqs)
+    bad = [i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if not same_output(a, b)]
+    assert not bad, [(got[i].token_ids, ref[i].token_ids) for i in bad]
+    plain = [alone(gemma_mma, r) for r in requests("greedy", n, prompts, base_tokens=24)]
+    for i, (a, b) in enumerate(zip(got, plain, strict=True)):
+        if reqs[i].sampling.temperature == 0.0:
+            assert a.token_ids == b.token_ids, i

@@ -30,7 +30,7 @@ SHAPES = ((37, 768), (70, 2304))      # N not a multiple of the 32 rows of a blo
 
 @pytest.fixture(scope="module")
 def mma():
-    """A backend whose GEMVs of 2+ columns over Q4_K / Q6_K run on tensor cores."""
+    """A backend whose GEMVs over Q4_K / Q6_K run on tensor cores at every width."""
     from service.backends.cuda import CudaBackend
 
     return CudaBackend(graphs=False, prefill_gemm_min_tokens=None, gemv_mma=True)
@@ -116,14 +116,20 @@ def test_mma_gemv_accumulates(cuda, mma, name):
 
 
 @pytest.mark.parametrize("name", TYPES)
-def test_mma_gemv_one_column_stays_on_dp4a(cuda, mma, name):
-    """A single column is not an MMA launch: the same bits as the default backend."""
-    n, k = 33, 512
-    t = tensor(name, n, k, seed=9)
-    wm, wd = mma.load_matrix([t]), cuda.load_matrix([t])
-    for be in (mma, cuda):
-        be.prepare(max_tokens=64, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
-    x = np.random.default_rng(10).normal(0, 1, (1, k)).astype(np.float32)
-    got = on(mma, lambda: gpu_matmul(mma, wm, x, n))
-    want = on(cuda, lambda: gpu_matmul(cuda, wd, x, n))
-    assert np.array_equal(got, want)
+def test_a_column_gets_the_same_bits_at_every_width(mma, name):
+    """The MMA mode's batch invariance: column c of a step of T columns (NC = 8 or 16, any
+    neighbours) equals the same column computed alone, bit for bit."""
+    n, k = 70, 2304
+    t = tensor(name, n, k, seed=11)
+    wm = mma.load_matrix([t])
+    mma.prepare(max_tokens=64, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
+    rng = np.random.default_rng(12)
+    x = rng.normal(0, 1, (40, k)).astype(np.float32)
+    alone = np.concatenate([on(mma, lambda i=i: gpu_matmul(mma, wm, x[i:i + 1], n))
+                            for i in range(40)])
+    for T in (2, 8, 9, 16, 40):
+        got = on(mma, lambda T=T: gpu_matmul(mma, wm, x[:T], n))
+        assert np.array_equal(got, alone[:T]), (name, T)
+    other = x.copy()
+    other[1:] = rng.normal(0, 1, (39, k))                 # other neighbours, same column 0
+    assert np.array_equal(on(mma, lambda: gpu_matmul(mma, wm, other[:16], n))[0], alone[0])
