@@ -24,6 +24,8 @@ def plot(results: list[dict], png: str) -> None:
     for res in results:
         c, rows = res["config"], res["rows"]
         label = f"{Path(c['model']).stem} {c['backend']}"
+        if c.get("engine", {}).get("gemv_mma"):
+            label += " gemv_mma"
         n = [r["streams"] for r in rows]
         tp.plot(n, [r["agg_tok_s"] for r in rows], marker="o", label=label)
         line, = lat.plot(n, [r["itl_p50_ms"] for r in rows], marker="o",
