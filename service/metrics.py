@@ -59,13 +59,30 @@ class Metrics:
         self.queue_depth = Gauge("specstream_queue_depth", "Requests waiting for a slot",
                                  registry=r)
         self.active = Gauge("specstream_active_requests", "Requests holding a slot", registry=r)
+        self.cached_prompt_tokens = Counter("specstream_prefix_cache_tokens",
+                                            "Prompt tokens served from the prefix cache",
+                                            registry=r)
+        self.kv_blocks = Gauge("specstream_kv_cache_blocks",
+                               "KV cache pool blocks by state (used: held by running "
+                               "sequences, cached: reusable prefix blocks, free)", ["state"],
+                               registry=r)
+        self.preemptions = Gauge("specstream_preemptions",
+                                 "Sequences preempted for KV blocks since the engine started",
+                                 registry=r)
         self._http: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
-    def bind_engine(self, queue_depth: Callable[[], float], active: Callable[[], float]) -> None:
-        """Gauges read the engine's counters when scraped."""
+    def bind_engine(self, queue_depth: Callable[[], float], active: Callable[[], float],
+                    pool=None, preemptions: Callable[[], float] | None = None) -> None:
+        """Gauges read the engine's counters when scraped (`pool`: its KV BlockPool)."""
         self.queue_depth.set_function(queue_depth)
         self.active.set_function(active)
+        if pool is not None:
+            self.kv_blocks.labels("used").set_function(lambda: pool.used_blocks)
+            self.kv_blocks.labels("cached").set_function(lambda: pool.cached_blocks)
+            self.kv_blocks.labels("free").set_function(lambda: pool.free_blocks)
+        if preemptions is not None:
+            self.preemptions.set_function(preemptions)
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         self.rpcs.labels(method, code).inc()
@@ -77,6 +94,7 @@ class Metrics:
         self.prompt_tokens.inc(u.prompt_tokens)
         self.completion_tokens.inc(u.completion_tokens)
         self.merged_deltas.inc(merged)
+        self.cached_prompt_tokens.inc(u.cached_prompt_tokens)
         if u.draft_tokens:
             self.draft_tokens.inc(u.draft_tokens)
             self.accepted_draft_tokens.inc(u.accepted_draft_tokens)

@@ -89,7 +89,10 @@ class Service:
     async def attach(self, engine: Any) -> None:
         """Serves `engine` (loaded, warmed up, started): health goes SERVING."""
         self.state.engine = engine
-        self.state.metrics.bind_engine(lambda: engine.queue_depth, lambda: engine.active)
+        stats = getattr(engine, "stats", None)
+        self.state.metrics.bind_engine(
+            lambda: engine.queue_depth, lambda: engine.active, getattr(engine, "pool", None),
+            (lambda: engine.stats.preemptions) if hasattr(stats, "preemptions") else None)
         await self.state.set_serving(True)
         self._watch = asyncio.ensure_future(self._watch_engine(engine))
         info = engine.info

@@ -44,6 +44,25 @@ def test_metrics_count_requests_tokens_latency_and_speculation(server, client):
         assert value(after, "specstream_speculative_acceptance_ratio_count") >= 1
 
 
+def test_metrics_show_the_prefix_cache_and_the_kv_pool(server, client):
+    """The second request with the same 40-token prefix reuses its whole blocks: its Usage and
+    the prefix-cache counter say how many tokens; the pool gauges add up to the pool."""
+    before = value(scrape(server), "specstream_prefix_cache_tokens_total")
+    prefix = " ".join(f"w{i}" for i in range(40))
+    first = client.complete(prefix + " tail one", max_new_tokens=2, temperature=0.0)
+    second = client.complete(prefix + " tail two", max_new_tokens=2, temperature=0.0)
+    assert first.usage.cached_prompt_tokens == 0 or before > 0   # an earlier test may have it
+    assert second.usage.cached_prompt_tokens >= 16
+    text = scrape(server)
+    got = value(text, "specstream_prefix_cache_tokens_total") - before
+    assert got == first.usage.cached_prompt_tokens + second.usage.cached_prompt_tokens
+    blocks = {s: value(text, "specstream_kv_cache_blocks", f'state="{s}"')
+              for s in ("used", "cached", "free")}
+    assert blocks["cached"] >= second.usage.cached_prompt_tokens / 16
+    assert sum(blocks.values()) == server.engine.pool.n_blocks
+    assert value(text, "specstream_preemptions") == 0
+
+
 def test_client_cli_generate_streams_text(server, client, capsys):
     rc = client_main(["--target", server.target, "generate", "The capital of France is",
                       "-n", "6", "--temperature", "0", "--ignore-eos"])
