@@ -62,6 +62,9 @@ def test_deadline_frees_the_slot(client, engine):
         list(client.generate("Count: 1, 2, 3,", timeout=1.5, **LONG))
     assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_idle(engine)
+    with engine._lock:                  # every KV block is back: free or cached, none held
+        engine.pool.check()
+        assert engine.pool.used_blocks == 0 and not engine.pool.owned
     _next_request_served(client, engine)
 
 
