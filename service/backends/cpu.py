@@ -72,7 +72,7 @@ class _ThreadBudget:
     """The backend's `threads` given to one pool at a time, so the two never oversubscribe.
 
     Steps of up to `invariant_tokens` tokens run numba kernels on `threads` threads while BLAS
-    (attention's small products) runs on the calling thread alone; longer steps (prefill) run
+    (float32 weights' row products) runs on the calling thread alone; longer steps (prefill) run
     sgemm on `threads` BLAS threads while numba (tile dequantization) runs on the calling thread
     alone. Either way at most `threads` threads compute at once: pools sized to all cores each
     compete with each other and with any other busy process for the cores, and sgemm waits for
@@ -225,6 +225,7 @@ class CpuBackend(Backend):
         self.invariant_tokens = invariant_tokens
         self.threads = _ThreadBudget(threads, invariant_tokens)
         self._tile: np.ndarray | None = None      # scratch of _matmul_tiles, grown once
+        self._keys: tuple = ((), None)           # (step key, key rows) of _query_rows
         if capture_rules:
             from service.backends.capture_rules import install
 
@@ -286,6 +287,7 @@ class CpuBackend(Backend):
             if t not in _KV_QTYPES:
                 raise ValueError(f"KV cache type {t!r} not supported by the CPU backend")
         max_blocks, n_blocks = kv_pool_geometry(n_slots, n_ctx, n_blocks, block_size)
+        self._keys = ((), None)
         rows = n_blocks * block_size
         # np.zeros maps untouched pages lazily: memory grows with the blocks written.
         k = [np.zeros((rows, n_head_kv, head_dim), np.float32) for _ in range(n_layer)]
@@ -295,6 +297,7 @@ class CpuBackend(Backend):
 
     def set_block_table(self, cache: CpuKVCache, host) -> None:
         cache.block_table[...] = checked_block_table(cache, host)
+        self._keys = ((), None)
 
     # ---------------------------------------------------------------- ops
     def embed(self, table: CpuEmbedding, ids, scale, out):
@@ -405,41 +408,54 @@ class CpuBackend(Backend):
 
     def _attention_per_query(self, q, cache, layer, slots, positions, window, scale, out,
                              attn_lo=None, attn_mask=None):
-        # One query at a time over exactly the keys it may see (j <= pos, inside the window):
-        # the same shapes and order of operations whatever else is in the step, so a token's
-        # output never depends on how the step was batched. A tree row sees the rows below
-        # attn_lo and then its mask's rows, in row order (for an ancestor mask, the order plain
-        # decoding of its path sees them), those inside the window by its RoPE position.
-        T, H, D = q.shape
-        hkv = cache.n_head_kv
-        g = H // hkv
-        sc = np.float32(scale)
-        for t in range(T):
+        # Each query over exactly the keys it may see (j <= pos, inside the window), in one
+        # numba kernel computing every query alone in a fixed order (cpu_kernels.attention_rows):
+        # a token's output never depends on how the step was batched. A tree row sees the rows
+        # below attn_lo and then its mask's rows, in row order (for an ancestor mask, the order
+        # plain decoding of its path sees them), those inside the window by its RoPE position.
+        if attn_lo is None:
+            rows, starts = self._query_rows(cache, slots, positions, window)
+        else:
+            rows, starts = self._tree_rows(cache, slots, positions, window, attn_lo, attn_mask)
+        K.attention_rows(np.ascontiguousarray(q, np.float32), cache.k[layer], cache.v[layer],
+                         rows, starts, np.float32(scale), out)
+
+    def _query_rows(self, cache, slots, positions, window):
+        """(rows (sum n,) i64, starts (T+1,) i64): the pool rows each decode row sees, keys
+        max(0, pos - window + 1) .. pos (none for padding rows). The same for every layer of
+        one window in a step, so kept until the step's rows, the window or the block table
+        change."""
+        key = (id(cache), window, slots.tobytes(), positions.tobytes())
+        if self._keys[0] == key:
+            return self._keys[1]
+        pos = np.asarray(positions, np.int64)                                # (T,)
+        lo = np.maximum(0, pos - window + 1) if window else np.zeros_like(pos)
+        n = np.where(slots >= 0, pos + 1 - lo, 0)                            # (T,) keys each
+        starts = np.zeros(len(pos) + 1, np.int64)                            # (T+1,)
+        np.cumsum(n, out=starts[1:])
+        keys = np.arange(starts[-1]) - np.repeat(starts[:-1] - lo, n)        # (sum n,) positions
+        rows = cache.rows_of(np.repeat(slots, n), keys)                      # (sum n,) pool rows
+        self._keys = (key, (rows, starts))
+        return rows, starts
+
+    @staticmethod
+    def _tree_rows(cache, slots, positions, window, attn_lo, attn_mask):
+        """(rows (sum n,) i64, starts (T+1,) i64): the pool rows each tree-verify row sees."""
+        per = []
+        for t in range(len(slots)):
             slot, pos = int(slots[t]), int(positions[t])
             if slot < 0:                  # a padding row: attends to nothing, outputs 0
-                out[t] = 0.0
+                per.append(np.zeros(0, np.int64))
                 continue
             lo = max(0, pos - window + 1) if window else 0
-            bits = int(attn_mask[t]) & 0xFFFFFFFF if attn_lo is not None else 0
-            if bits == 0:
-                hi = pos + 1 if attn_lo is None else int(attn_lo[t])
-                keys = np.arange(lo, hi)                                     # (n,) positions
-            else:
-                base = int(attn_lo[t])
-                keys = np.concatenate([np.arange(lo, base),
-                                       base + np.flatnonzero([(bits >> j) & 1
-                                                              for j in range(32)])])
-                keys = keys[keys >= lo]          # the window applies to every key
-            rows = cache.rows(slot, keys)                                    # (n,) pool rows
-            kc = cache.k[layer][rows]                                        # (n, Hkv, D)
-            vc = cache.v[layer][rows]                                        # (n, Hkv, Dv)
-            qh = q[t].reshape(hkv, g, D)                                     # (Hkv, G, D)
-            s = np.matmul(qh, kc.transpose(1, 2, 0))                         # (Hkv, G, n)
-            s *= sc
-            s -= s.max(axis=-1, keepdims=True)
-            np.exp(s, out=s)
-            s /= s.sum(axis=-1, keepdims=True)
-            out[t] = np.matmul(s, vc.transpose(1, 0, 2)).reshape(H, -1)     # (H, Dv)
+            bits = int(attn_mask[t]) & 0xFFFFFFFF
+            base = int(attn_lo[t])
+            keys = np.concatenate([np.arange(lo, base),
+                                   base + np.flatnonzero([(bits >> j) & 1 for j in range(32)])])
+            per.append(cache.rows(slot, keys[keys >= lo]))   # the window applies to every key
+        starts = np.zeros(len(per) + 1, np.int64)
+        np.cumsum([len(r) for r in per], out=starts[1:])
+        return np.concatenate(per).astype(np.int64), starts
 
     def _attention_masked(self, q, cache, layer, slots, positions, window, scale, out):
         # Prefill chunks: all queries of a slot at once against its keys, with a causal (and

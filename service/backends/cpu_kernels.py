@@ -9,8 +9,9 @@ a plain int8 -> float32 convert and multiply, with no nibble shift/mask per code
     out[t, n] = sum_g scale[n,g] * (sum_{k in g} code[n,k] * x[t,k]) + offset[n,g] * xsum[t,g]
 
 where xsum[t, g] is the sum of x[t] over group g, computed once per call. Rows are split over
-threads (prange). Steps of more than 16 tokens (prompt prefill chunks) instead dequantize tiles
-of rows with `dequantize_rows` and multiply with BLAS sgemm. Activations stay float32: this
+threads (prange). Steps of more than `invariant_tokens` tokens (prefill chunks) dequantize tiles
+of rows with `dequantize_rows` and multiply with BLAS sgemm. `attention_rows` is the decode
+attention, one (query, head) pair per parallel iteration. Activations stay float32: this
 backend is the numerical reference.
 """
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
+
+ROW_CHUNKS = 64     # matmul_q8's units of parallel work: rows split into this many chunks
 
 
 @njit(cache=True, fastmath=True)
@@ -58,6 +61,56 @@ def matmul_q8(x, xsum, codes, scale, offset, group, out):
                 if has_offset:
                     acc += offset[n, g] * xsum[t, g]
             out[t, n] = acc
+
+
+@njit(parallel=True, cache=True, fastmath=True)
+def attention_rows(q, kc, vc, rows, starts, scale, out):
+    """Softmax attention of each query over its own key rows of the pool.
+
+    q (T, H, D) f32, kc (P, Hkv, D) f32, vc (P, Hkv, Dv) f32, out (T, H, Dv) f32, all
+    C-contiguous; query t sees pool rows rows[starts[t]:starts[t+1]] (i64), in that order
+    (none: out[t] = 0). Head h reads KV head h // (H // Hkv).
+
+        out[t, h] = sum_j p_j v[r_j] / sum_j p_j,  p_j = exp(s_j - max s),  s_j = scale q.k[r_j]
+
+    One (query, head) pair per parallel iteration, each computed in a fixed order over its keys
+    whatever else is in the step: a token's output never depends on how the step was batched.
+    """
+    T, H, D = q.shape
+    hkv = kc.shape[1]
+    dv = vc.shape[2]
+    grp = H // hkv
+    for i in prange(T * H):
+        t = i // H
+        h = i % H
+        hk = h // grp
+        a = starts[t]
+        n = starts[t + 1] - a
+        if n == 0:
+            for e in range(dv):
+                out[t, h, e] = np.float32(0.0)
+            continue
+        s = np.empty(n, np.float32)                                  # (n,) f32 scores
+        mx = np.float32(-np.inf)
+        for j in range(n):
+            r = rows[a + j]
+            acc = np.float32(0.0)
+            for e in range(D):
+                acc += q[t, h, e] * kc[r, hk, e]
+            acc *= scale
+            s[j] = acc
+            mx = max(mx, acc)
+        o = np.zeros(dv, np.float32)                                 # (Dv,) f32
+        tot = np.float32(0.0)
+        for j in range(n):
+            p = np.float32(np.exp(s[j] - mx))
+            tot += p
+            r = rows[a + j]
+            for e in range(dv):
+                o[e] += p * vc[r, hk, e]
+        inv = np.float32(1.0) / tot
+        for e in range(dv):
+            out[t, h, e] = o[e] * inv
 
 
 @njit(parallel=True, cache=True, fastmath=True)
