@@ -50,7 +50,7 @@ class EngineConfig:
     n_slots: int = 64                # sequences running at once (each holds KV blocks)
     prefill_chunk: int = 256         # prompt tokens per prefill step
     max_step_tokens: int = 0         # tokens one engine iteration computes; 0 = chunk + 64
-    kv_cache_memory: str = ""        # KV pool: bytes ("8GiB"), a fraction ("0.5"), "" = 8 contexts
+    kv_cache_memory: str = ""        # KV pool: bytes ("8GiB"), a fraction ("0.5"); see pool_blocks
     kv_block_size: int = 16          # positions per KV block (a power of two, 8..256)
     prefix_cache: bool = True        # reuse the KV blocks of identical prompt prefixes
     max_queue: int = 64              # requests waiting for a slot before RESOURCE_EXHAUSTED
@@ -290,8 +290,8 @@ _HELP = {
                        "min(64, N - 16) rows, then a prefill chunk of min(prefill_chunk, N - "
                        "rows) (0 = prefill_chunk + 64)",
     "kv_cache_memory": "KV cache pool size: bytes (8GiB, 512MiB, 2000000000) or a fraction "
-                       "(0.5) of the memory free after loading the model; '' = room for 8 "
-                       "full contexts (n_ctx each)",
+                       "(0.5) of the memory free after loading the model; '' = room for "
+                       "min(n_slots, 8) full contexts (n_ctx each)",
     "kv_block_size": "positions per KV cache block (a power of two, 8..256)",
     "prefix_cache": "reuse the KV blocks of identical prompt prefixes (false: compute every "
                     "prompt in full)",

@@ -36,18 +36,22 @@ import numpy as np
 ROOT_HASH = b"specstream-kv-root"
 
 
+def block_hash(prev: bytes, tokens: Sequence[int], block_size: int, i: int) -> bytes:
+    """The hash of full block i of `tokens`, chained with `prev` (the hash of block i - 1, or
+    ROOT_HASH for block 0)."""
+    ids = np.asarray(tokens[i * block_size:(i + 1) * block_size], np.int64)      # (bs,)
+    if len(ids) != block_size:
+        raise ValueError(f"block {i}: {len(ids)} tokens, not {block_size}")
+    return hashlib.blake2b(prev + ids.tobytes(), digest_size=16).digest()
+
+
 def block_hashes(tokens: Sequence[int], block_size: int, n_blocks: int,
                  start: list[bytes] | None = None) -> list[bytes]:
     """The chained hashes of the first n_blocks full blocks of `tokens` (`start`: hashes of
     a leading run already known, extended rather than recomputed)."""
     out = list(start or [])
-    prev = out[-1] if out else ROOT_HASH
     for i in range(len(out), n_blocks):
-        ids = np.asarray(tokens[i * block_size:(i + 1) * block_size], np.int64)  # (bs,)
-        if len(ids) != block_size:
-            raise ValueError(f"block {i}: {len(ids)} tokens, not {block_size}")
-        prev = hashlib.blake2b(prev + ids.tobytes(), digest_size=16).digest()
-        out.append(prev)
+        out.append(block_hash(out[-1] if out else ROOT_HASH, tokens, block_size, i))
     return out
 
 
@@ -108,8 +112,7 @@ class BlockPool:
         out: list[int] = []
         prev = ROOT_HASH
         for i in range(limit // self.block_size):
-            ids = np.asarray(tokens[i * self.block_size:(i + 1) * self.block_size], np.int64)
-            prev = hashlib.blake2b(prev + ids.tobytes(), digest_size=16).digest()
+            prev = block_hash(prev, tokens, self.block_size, i)
             b = self._by_hash.get(prev)
             if b is None:
                 break
