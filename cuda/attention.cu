@@ -34,91 +34,10 @@
 //   rows of width H * Dv (Dv % 32 == 0) for the output projection's GEMV.
 #include "pdl.cuh"
 #include "act_quant.cuh"
+#include "kv_read.cuh"
 
 #define ATT_WARPS 4
 #define ATT_MAX_D 512
-#define ATT_MAX_DV 256
-
-// at(i): element i of a cache row; load8(i0, v): elements i0..i0+7 (i0 % 8 == 0) with one
-// vector load, each equal to at(i0 + u).
-struct KvF16 {
-    static constexpr int PASS = 4;        // V rows loaded together in the accumulation
-    __device__ static void vrow(const u8* qs, const u8* dd, size_t row, int D, int lane,
-                                float v[ATT_MAX_DV / 32]) {
-#pragma unroll
-        for (int i = 0; i < ATT_MAX_DV / 32; i++)
-            v[i] = lane + 32 * i < D ? at(qs, dd, row, D, lane + 32 * i) : 0.0f;
-    }
-    __device__ static float at(const u8* qs, const u8*, size_t row, int D, int i) {
-        return h2f(reinterpret_cast<const u16*>(qs)[row * D + i]);
-    }
-    __device__ static void load8(const u8* qs, const u8*, size_t row, int D, int i0,
-                                 float v[8]) {
-        const uint4 w = *reinterpret_cast<const uint4*>(qs + 2 * (row * D + i0));
-        v[0] = h2f((u16)(w.x & 0xFFFFu)); v[1] = h2f((u16)(w.x >> 16));
-        v[2] = h2f((u16)(w.y & 0xFFFFu)); v[3] = h2f((u16)(w.y >> 16));
-        v[4] = h2f((u16)(w.z & 0xFFFFu)); v[5] = h2f((u16)(w.z >> 16));
-        v[6] = h2f((u16)(w.w & 0xFFFFu)); v[7] = h2f((u16)(w.w >> 16));
-    }
-};
-struct KvQ8_0 {
-    static constexpr int PASS = 4;
-    __device__ static void vrow(const u8* qs, const u8* dd, size_t row, int D, int lane,
-                                float v[ATT_MAX_DV / 32]) {
-#pragma unroll
-        for (int i = 0; i < ATT_MAX_DV / 32; i++)
-            v[i] = lane + 32 * i < D ? at(qs, dd, row, D, lane + 32 * i) : 0.0f;
-    }
-    __device__ static float at(const u8* qs, const u8* dd, size_t row, int D, int i) {
-        const float d = h2f(reinterpret_cast<const u16*>(dd)[row * (D / 32) + i / 32]);
-        return __fmul_rn((float)reinterpret_cast<const signed char*>(qs)[row * D + i], d);
-    }
-    __device__ static void load8(const u8* qs, const u8* dd, size_t row, int D, int i0,
-                                 float v[8]) {
-        const float d = h2f(reinterpret_cast<const u16*>(dd)[row * (D / 32) + i0 / 32]);
-        const uint2 w = *reinterpret_cast<const uint2*>(qs + row * D + i0);
-#pragma unroll
-        for (int u = 0; u < 8; u++) {
-            const int c = (signed char)(((u < 4 ? w.x : w.y) >> (8 * (u & 3))) & 0xFF);
-            v[u] = __fmul_rn((float)c, d);
-        }
-    }
-};
-struct KvQ4_0 {
-    static constexpr int PASS = 4;
-    // elements d = lane + 32 i (i < D / 32) of a row, as at() gives them
-    __device__ static void vrow(const u8* qs, const u8* dd, size_t row, int D, int lane,
-                                float v[ATT_MAX_DV / 32]) {
-        const int shift = lane < 16 ? 0 : 4;
-#pragma unroll
-        for (int i = 0; i < ATT_MAX_DV / 32; i++) {
-            v[i] = 0.0f;
-            if (32 * i < D) {
-                const float d = h2f(reinterpret_cast<const u16*>(dd)[row * (D / 32) + i]);
-                const int b = qs[row * (D / 2) + 16 * i + (lane & 15)];
-                v[i] = __fmul_rn((float)(((b >> shift) & 15) - 8), d);
-            }
-        }
-    }
-    __device__ static float at(const u8* qs, const u8* dd, size_t row, int D, int i) {
-        const float d = h2f(reinterpret_cast<const u16*>(dd)[row * (D / 32) + i / 32]);
-        const u8 b = qs[row * (D / 2) + 16 * (i / 32) + (i & 15)];
-        const int c = ((i & 31) < 16 ? (b & 15) : (b >> 4)) - 8;
-        return __fmul_rn((float)c, d);
-    }
-    __device__ static void load8(const u8* qs, const u8* dd, size_t row, int D, int i0,
-                                 float v[8]) {
-        const float d = h2f(reinterpret_cast<const u16*>(dd)[row * (D / 32) + i0 / 32]);
-        const uint2 w = *reinterpret_cast<const uint2*>(qs + row * (D / 2) + 16 * (i0 / 32)
-                                                        + (i0 & 15));
-        const int shift = (i0 & 31) < 16 ? 0 : 4;
-#pragma unroll
-        for (int u = 0; u < 8; u++) {
-            const int b = ((u < 4 ? w.x : w.y) >> (8 * (u & 3))) & 0xFF;
-            v[u] = __fmul_rn((float)(((b >> shift) & 15) - 8), d);
-        }
-    }
-};
 
 // The cache row of logical key j of a row (b = attn_lo, bits = attn_mask): j itself below b,
 // else the row of the (j - b)-th set bit of bits (a tree node's ancestors, by depth).

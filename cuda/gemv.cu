@@ -26,7 +26,10 @@
 // count rounded up to 1, 2, 4, 8, 16 (chosen per launch; columns past n_cols are skipped).
 // Programmatic launch (pdl.cuh): every read and write comes after the kernel's wait, except in
 // gemv_<type>_c1r1e (quantized types), the 1-column 1-row kernel that loads each lane's first
-// weight group before it (more registers; CudaBackend(gemv_early=True) picks it at 1 column).
+// weight group before it (more registers; CudaBackend(gemv_early=True) picks it at 1 column),
+// and gemv_<type>_c1r1p, the same loop with the next group's loads issued before each dot
+// (two groups in flight per lane; CudaBackend picks it at 1 column for matrices of at most
+// gemv_prefetch_rows rows, where one warp per row leaves the SMs few warps).
 #include "pdl.cuh"
 #include "quant_types.cuh"
 
@@ -70,7 +73,7 @@ __device__ __forceinline__ void gemv_store(float (&acc)[NC][R], const GemvCols& 
     }
 }
 
-template <class Q, int NC, int R, bool EARLY = false>
+template <class Q, int NC, int R, bool EARLY = false, bool PF = false>
 __device__ __forceinline__ void gemv_quant(Planes P, int K, int N, const signed char* __restrict__ qa,
                                            const float2* __restrict__ ads, int n_cols,
                                            const int* __restrict__ ids, int rows_per_expert,
@@ -104,6 +107,36 @@ __device__ __forceinline__ void gemv_quant(Planes P, int K, int N, const signed 
         // no unrolling: fewer registers and more warps in flight (measured faster on the H200
         // than the unrolled pass below at 1 column). The same additions in the same order.
         const int ar = cols.c0 / cols.act_div;
+        if constexpr (PF) {
+            // c1r1p: the next group's weights and activations are loaded before this group's
+            // dot (two groups in flight per lane, for matrices of few rows); same additions.
+            typename Q::G w, wn;
+            int a[8], an[8];
+            float2 ds, dsn;
+            const u8* ap = reinterpret_cast<const u8*>(qa + (size_t)ar * K);
+            if (lane < G) {
+                ld16(ap + 32 * lane, a);
+                ld16(ap + 32 * lane + 16, a + 4);
+                ds = ads[(size_t)ar * G + lane];
+                Q::load(P, rbase[0] + lane / SUB, lane % SUB, w);
+            }
+            for (int g = lane; g < G; g += WARP) {
+                const int gn = g + WARP;
+                if (gn < G) {
+                    ld16(ap + 32 * gn, an);
+                    ld16(ap + 32 * gn + 16, an + 4);
+                    dsn = ads[(size_t)ar * G + gn];
+                    Q::load(P, rbase[0] + gn / SUB, gn % SUB, wn);
+                }
+                acc[0][0] += Q::dot(w, a, ds.x, ds.y);
+                w = wn;
+                ds = dsn;
+#pragma unroll
+                for (int i = 0; i < 8; i++) a[i] = an[i];
+            }
+            gemv_store<NC, R>(acc, cols, n0, N, out, ldo, accumulate);
+            return;
+        }
         for (int g = lane; g < G; g += WARP) {
             const u8* ap = reinterpret_cast<const u8*>(qa + (size_t)ar * K + 32 * g);
             int a[8];
@@ -183,17 +216,17 @@ __device__ __forceinline__ void gemv_float(const u8* __restrict__ W, int K, int 
     gemv_store<NC, R>(acc, cols, n0, N, out, ldo, accumulate);
 }
 
-#define GEMV_QUANT_KERNEL(name, Q, NC, R, SUFFIX, EARLY)                                    \
+#define GEMV_QUANT_KERNEL(name, Q, NC, R, SUFFIX, EARLY, PF)                                \
     extern "C" __global__ void __launch_bounds__(128)                                       \
     gemv_##name##_c##NC##r##R##SUFFIX(const u8* p0, const u8* p1, const u8* p2,             \
                                       const u8* p3, int K, int N, const signed char* qa,    \
                                       const float2* ads, int n_cols, const int* ids,        \
                                       int rows_per_expert, int act_div, float* out,         \
                                       int ldo, int accumulate) {                            \
-        gemv_quant<Q, NC, R, EARLY>(Planes{p0, p1, p2, p3}, K, N, qa, ads, n_cols, ids,      \
-                                    rows_per_expert, act_div, out, ldo, accumulate);        \
+        gemv_quant<Q, NC, R, EARLY, PF>(Planes{p0, p1, p2, p3}, K, N, qa, ads, n_cols, ids,  \
+                                        rows_per_expert, act_div, out, ldo, accumulate);    \
     }
-#define GEMV_QUANT_ONE(name, Q, NC, R) GEMV_QUANT_KERNEL(name, Q, NC, R, , false)
+#define GEMV_QUANT_ONE(name, Q, NC, R) GEMV_QUANT_KERNEL(name, Q, NC, R, , false, false)
 #define GEMV_FLOAT_ONE(name, F, NC, R)                                                      \
     extern "C" __global__ void __launch_bounds__(128)                                       \
     gemv_##name##_c##NC##r##R(const u8* W, int K, int N, const float* x, int ldx, int n_cols, \
@@ -210,7 +243,8 @@ __device__ __forceinline__ void gemv_float(const u8* __restrict__ W, int K, int 
     ONE(name, T, 8, 2) ONE(name, T, 16, 2) ONE(name, T, 2, 4) ONE(name, T, 4, 4) \
     ONE(name, T, 8, 4) ONE(name, T, 16, 4)
 #define GEMV_QUANT_KERNELS(name, Q) GEMV_VARIANTS(GEMV_QUANT_ONE, name, Q) \
-    GEMV_QUANT_KERNEL(name, Q, 1, 1, e, true)
+    GEMV_QUANT_KERNEL(name, Q, 1, 1, e, true, false) \
+    GEMV_QUANT_KERNEL(name, Q, 1, 1, p, false, true)
 #define GEMV_FLOAT_KERNELS(name, F) GEMV_VARIANTS(GEMV_FLOAT_ONE, name, F)
 FOR_QUANT_TYPES(GEMV_QUANT_KERNELS)
 FOR_FLOAT_TYPES(GEMV_FLOAT_KERNELS)

@@ -36,11 +36,13 @@ from service.backends.cuda_types import (
     GEMV_MMA_ROWS,
     GEMV_MMA_TYPES,
     GEMV_MMA_WARPS,
+    GEMV_PREFETCH_ROWS,
     GEMV_WARPS,
     GRAPH_MAX_TOKENS,
     I32,
     KV_TYPES,
     NULL,
+    PREFILL_ATTENTION_MIN_TOKENS,
     CudaKVCache,
     CudaMatrix,
     Scratch,
@@ -70,7 +72,8 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
                  prefill_gemm_min_tokens: int | None = PREFILL_GEMM_MIN_TOKENS,
                  staging_buffers: int = 3, staging_mib: int = 64,
                  prefill_scratch_mib: int = 128, pdl: bool = True, gemv_early: bool = False,
-                 gemv_mma: bool = False):
+                 gemv_mma: bool = False, gemv_prefetch_rows: int = GEMV_PREFETCH_ROWS,
+                 prefill_attention_min_tokens: int | None = PREFILL_ATTENTION_MIN_TOKENS):
         """gemv_rows: 2 (the default) picks the GEMV variant by the step's width
         (cuda_types.gemv_choice); 1 runs the one-column one-row kernel at every width (the
         earlier kernel, kept for benchmarks). Both give the same bits.
@@ -86,12 +89,20 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
         Without cuda-bindings it is off. Both give the same bits.
         gemv_early: one-column quantized GEMVs use the c1r1e kernel, which reads each lane's
         first weight group before the programmatic-launch wait (same bits, more registers).
+        gemv_prefetch_rows: one-column quantized GEMVs of matrices with at most this many rows
+        use the c1r1p kernel (the next weight group loaded before each dot; same bits), where
+        one warp per row leaves too few loads in flight; 0 never.
         gemv_mma: every GEMV over Q4_K / Q6_K weights (plain mode, any width, one column
         included) runs on the int8 tensor cores (cuda/gemv_mma.cu, 8 columns per block up to 8,
         16 above): a column's result depends on neither the step's width nor its neighbours, so
         batching and verify stay exact within the mode. Off by default: its sums are rounded in
         another order than the dp4a kernels' (other last bits), and one column costs ~1.2-1.4x
-        the dp4a kernel's time while 8 / 16 cost ~1.3-1.5x / 1.5-2.6x of it (H200)."""
+        the dp4a kernel's time while 8 / 16 cost ~1.3-1.5x / 1.5-2.6x of it (H200).
+        prefill_attention_min_tokens: steps with at least this many tokens, and more than
+        `invariant_tokens`, run attention on the query-tiled kernel (attention_tiled.cu: keys
+        read once per 32 query rows instead of once per query); None keeps every step on the
+        split kernel (attention.cu). A row's result does not depend on its step's other rows
+        on either kernel; the two differ in the last bits."""
         # CPU threads do not apply; every GEMV column and attention query is computed the same
         # way at any step size, so steps up to invariant_tokens are invariant here.
         del threads
@@ -106,6 +117,9 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
                           if upload == "pinned" else None)
         self.prefill_gemm_min_tokens = (None if prefill_gemm_min_tokens is None
                                         else max(prefill_gemm_min_tokens, invariant_tokens + 1))
+        self.prefill_attention_min_tokens = (
+            None if prefill_attention_min_tokens is None
+            else max(prefill_attention_min_tokens, invariant_tokens + 1))
         self._gs = GemmScratch(limit=prefill_scratch_mib << 20)
         self.tensor_bytes = 0             # file bytes of the tensors loaded
         self.load_seconds = 0.0
@@ -116,10 +130,12 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
         self._capturing = False           # kernels launched now are recorded into a graph
         self.gemv_rows = gemv_rows
         self.gemv_early = gemv_early
+        self.gemv_prefetch_rows = gemv_prefetch_rows
         self.gemv_mma = gemv_mma
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._modules: dict[str, Any] = {}
         self._kernels: dict[str, Any] = {}
+        self._smem_opt_in: dict[str, int] = {}        # dynamic shared memory allowed per kernel
         self._staging: dict[int, np.ndarray] = {}     # pinned upload buffers per destination
         self._shared: dict[str, CudaMatrix] = {}      # tensors loaded once (tied embeddings)
         self._graphs: dict[tuple, tuple[Any, Any]] = {}
@@ -148,15 +164,19 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
             fn = self._kernels[name] = mod.get_function(name)
         return fn
 
-    def _launch(self, name: str, grid, block, args) -> None:
+    def _launch(self, name: str, grid, block, args, shared_mem: int = 0) -> None:
         if not name.startswith("gemv_"):
             self._blocks = None
         fn = self._fn(name)
+        if shared_mem > self._smem_opt_in.get(name, 48 << 10):   # past 48 KiB: opt in
+            fn.max_dynamic_shared_size_bytes = shared_mem
+            self._smem_opt_in[name] = shared_mem
         if self._capturing and self.pdl and self._pdl is not None:
-            self._pdl.launch(fn.kernel.ptr, grid, block, tuple(args), self.stream.ptr)
+            self._pdl.launch(fn.kernel.ptr, grid, block, tuple(args), self.stream.ptr,
+                             shared_mem)
             return
         with self.stream:
-            fn(grid, block, tuple(args))
+            fn(grid, block, tuple(args), shared_mem=shared_mem)
 
     # ---------------------------------------------------------------- memory
     def zeros(self, shape, dtype="float32"):
@@ -429,8 +449,11 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
             args = [*w.args(), I32(K), I32(N), qa, ads, *tail]
         else:
             args = [w.planes[0], I32(K), I32(N), x, I32(ldx), *tail]
-        early = "e" if self.gemv_early and w.layout.quantized and (nc, R) == (1, 1) else ""
-        self._launch(f"gemv_{w.layout.kernel}_c{nc}r{R}{early}", grid, (32, GEMV_WARPS), args)
+        variant = ""
+        if w.layout.quantized and (nc, R) == (1, 1):
+            variant = ("e" if self.gemv_early else
+                       "p" if N <= self.gemv_prefetch_rows and ids is None else "")
+        self._launch(f"gemv_{w.layout.kernel}_c{nc}r{R}{variant}", grid, (32, GEMV_WARPS), args)
         if self._blocks is not None and overlaps(out, self._blocks):
             self._blocks = None
 
@@ -529,6 +552,7 @@ _KERNEL_SOURCE = (("gemv_mma_", "gemv_mma.cu"), ("gemv_", "gemv.cu"),
                   ("add_", "elementwise.cu"), ("glu", "elementwise.cu"),
                   ("rope_kv_", "rope_kv.cu"), ("rope", "elementwise.cu"),
                   ("moe_", "elementwise.cu"), ("attn_", "attention.cu"),
+                  ("attnt_", "attention_tiled.cu"),
                   ("argmax_", "sampling.cu"), ("dequant_", "dequant.cu"),
                   ("round_f16", "dequant.cu"), ("record_tokens", "sampling.cu"),
                   ("chosen_ids", "sampling.cu"), ("sample_", "sampling.cu"))

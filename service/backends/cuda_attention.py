@@ -18,6 +18,9 @@ from service.backends.cuda_types import (
     ATT_CHUNK,
     ATT_MAX_D,
     ATT_MAX_DV,
+    ATT_TILED_KEYS,
+    ATT_TILED_MAX_D,
+    ATT_TILED_ROWS,
     F32,
     I32,
     KV_TYPES,
@@ -162,6 +165,9 @@ class AttentionOps:
         if (attn_lo is None) != (attn_mask is None):
             raise ValueError("attention: attn_lo and attn_mask come together")
         _check_rows(T, slots=slots, positions=positions, attn_lo=attn_lo, attn_mask=attn_mask)
+        if attn_lo is None and self._tiled_attention(T, H, Hkv, D, Dv):
+            self._attention_tiled(q, cache, layer, slots, positions, window, scale, out)
+            return
         n_split = ceil_div(cache.n_ctx, ATT_CHUNK)
         s = self._s
         if s.part_ml is None or T * H * n_split > s.part_ml.shape[0] or T * H > s.counters.size:
@@ -179,6 +185,31 @@ class AttentionOps:
                       ml, acc, s.counters, out, I32(o0), I32(o1), *blocks])
         if quant:
             self._blocks = (out.data.ptr, T, H * Dv, o0)
+
+    def _tiled_attention(self, T: int, H: int, Hkv: int, D: int, Dv: int) -> bool:
+        """Whether a step of T query rows runs on the query-tiled kernel: long steps (prefill
+        chunks) past the step-size-invariant widths, head sizes the kernel holds."""
+        m = self.prefill_attention_min_tokens
+        return (m is not None and T >= m and H // Hkv <= ATT_TILED_ROWS
+                and D % 8 == 0 and D <= ATT_TILED_MAX_D and Dv % 32 == 0
+                and Dv <= ATT_TILED_MAX_D)
+
+    def _attention_tiled(self, q, cache: CudaKVCache, layer, slots, positions, window, scale,
+                         out) -> None:
+        # (attention_tiled.cu) checked by _attention: shapes, dtypes, row arrays
+        T, H, q0, q1, D = view_rows(q)
+        _, _, o0, o1, Dv = view_rows(out)
+        Hkv = cache.n_head_kv
+        qt = ATT_TILED_ROWS // (H // Hkv)                 # tokens per block
+        size = 128 if Dv <= 128 else 256
+        name = f"attnt_{cache.type_k}_{cache.type_v}_d{size}"
+        smem = 4 * (ATT_TILED_ROWS * D + D * ATT_TILED_KEYS + ATT_TILED_KEYS * (Dv + 1))
+        (kq, kd), (vq, vd) = cache.k[layer], cache.v[layer]
+        self._launch(name, (ceil_div(T, qt), Hkv), (32, 4),
+                     [q, I32(q0), I32(q1), I32(T), I32(H), I32(Hkv), I32(D), I32(Dv), I32(qt),
+                      kq, kd if kd is not None else kq, vq, vd if vd is not None else vq,
+                      slots, positions, *cache.table_args(), I32(window), F32(scale), out,
+                      I32(o0), I32(o1)], shared_mem=smem)
 
     def kv_move(self, cache: CudaKVCache, slots, src, dst):
         n = len(src)

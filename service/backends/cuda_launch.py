@@ -57,13 +57,13 @@ class PdlLauncher:
         self._attrs = [attr]
 
     def launch(self, fn_ptr: int, grid: tuple[int, ...], block: tuple[int, ...],
-               args: tuple, stream_ptr: int) -> None:
+               args: tuple, stream_ptr: int, shared_mem: int = 0) -> None:
         g = (*grid, 1, 1)[:3]
         b = (*block, 1, 1)[:3]
         cfg = _cu.CUlaunchConfig()
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (int(v) for v in g)
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = (int(v) for v in b)
-        cfg.sharedMemBytes = 0
+        cfg.sharedMemBytes = int(shared_mem)
         cfg.hStream = _cu.CUstream(stream_ptr)
         cfg.attrs = self._attrs
         cfg.numAttrs = 1

@@ -107,8 +107,8 @@ def cuda_rows1():
 @pytest.mark.parametrize("name", ALL_TYPES)
 def test_gemv_columns_are_independent_of_the_step_size(cuda, cuda_rows1, name):
     """Column t of a launch of any width (each NC variant: 1, 2, 4, 8, 16 columns per block
-    row, and chunks of 16 for 40) equals a 1-column launch of x[t], bit for bit, and so does
-    the one-row-per-warp kernel's."""
+    row, and chunks of 16 for 40) equals a 1-column launch of x[t] (c1r1p, c1r1e and c1r1),
+    bit for bit, and so does the one-row-per-warp kernel's."""
     k = widths(name)[1]
     t = tensor(name, N_ROWS, k, seed=7)
     w = cuda.load_matrix([t])
@@ -121,13 +121,17 @@ def test_gemv_columns_are_independent_of_the_step_size(cuda, cuda_rows1, name):
     for i in (0, 5, 15, 16, 39):
         single = gpu_matmul(cuda, w, x[i:i + 1], N_ROWS)
         assert np.array_equal(single[0], wide[i]), i
-    cuda.gemv_early = True                       # c1r1e: first weight group read early
-    try:
-        for i in (0, 39):
-            single = gpu_matmul(cuda, w, x[i:i + 1], N_ROWS)
-            assert np.array_equal(single[0], wide[i]), i
-    finally:
-        cuda.gemv_early = False
+    assert N_ROWS <= cuda.gemv_prefetch_rows     # the singles above ran on c1r1p
+    prefetch = cuda.gemv_prefetch_rows
+    # c1r1e: first weight group read early; c1r1: the plain loop
+    for early, rows in ((True, prefetch), (False, 0)):
+        cuda.gemv_early, cuda.gemv_prefetch_rows = early, rows
+        try:
+            for i in (0, 39):
+                single = gpu_matmul(cuda, w, x[i:i + 1], N_ROWS)
+                assert np.array_equal(single[0], wide[i]), (early, rows, i)
+        finally:
+            cuda.gemv_early, cuda.gemv_prefetch_rows = False, prefetch
     cp.cuda.Device().synchronize()               # the other backend runs on its own stream
     r1 = cuda_rows1
     w1 = r1.load_matrix([t])
