@@ -217,7 +217,7 @@ def _decode_model(cp, G, a, model, source, path, synth_s, results: dict) -> None
     graphs = G._decode_rate(be, tr, a.tokens)
     step_graphs = [g for key, (g, _) in be._graphs.items() if key[0] == 1]
     nodes = G._graph_nodes(step_graphs[0]) if step_graphs else None
-    results["graph_breakdown"].append(B.graph_breakdown(cp, G, be, tr, model, results["copy_bw"]))
+    results["graph_breakdown"].append(B.graph_breakdown(G, be, tr, model, results["copy_bw"]))
     serial = None
     if be.pdl:                            # the same graphs captured without PDL, side by side
         be._graphs.clear()

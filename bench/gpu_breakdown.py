@@ -12,15 +12,14 @@
   garbage; only the times mean anything. Attention reads positions from device arrays, so no
   kernel can read out of bounds whatever runs before it.
 
-CuPy comes in as the `cp` argument (nothing is imported at load time); cuda-bindings is
-imported where the graph is read. Results are JSON-ready dicts, printed by bench/gpu_tables.py.
+CuPy comes in as the `cp` argument and bench/gpu_decode.py as `G` (nothing is imported at load
+time); cuda-bindings is imported where the graph is read. Results are JSON-ready dicts, printed
+by bench/gpu_tables.py.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-
-import numpy as np
 
 REPLAYS, ROUNDS = 20, 5       # graph replays between two events; median over rounds
 GEMV_PREFIX = "gemv_"
@@ -68,6 +67,8 @@ def prefill_kernels(cp, be, step, model: str, tokens: int) -> dict:
 
     def spanned(fn):
         def call(*args, **kwargs):
+            if inside[0]:                  # a matmul inside a matmul: its span has it
+                return fn(*args, **kwargs)
             e0, e1 = cp.cuda.Event(), cp.cuda.Event()
             e0.record(be.stream)
             inside[0] = True
@@ -160,19 +161,14 @@ def _by_name(cu, be, func) -> str:
     return name if name in be._kernels else OTHER
 
 
-def _replay_s(cp, graph, stream) -> float:
+def _replay_s(G, graph, stream) -> float:
     """Seconds per replay of `graph` (median of ROUNDS rounds of REPLAYS replays)."""
-    graph.launch(stream=stream)            # the first launch after a change uploads it
-    times = []
-    for _ in range(ROUNDS):
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record(stream)
+    def replays():
         for _ in range(REPLAYS):
             graph.launch(stream=stream)
-        e1.record(stream)
-        e1.synchronize()
-        times.append(seconds(cp, e0, e1) / REPLAYS)
-    return float(np.median(times))
+
+    graph.launch(stream=stream)            # the first launch after a change uploads it
+    return G.event_time(stream, replays, REPLAYS, ROUNDS)
 
 
 def _set_enabled(cu, graph, nodes, on: int) -> None:
@@ -182,7 +178,7 @@ def _set_enabled(cu, graph, nodes, on: int) -> None:
             raise _Refused(f"cuGraphNodeSetEnabled({on}): {getattr(err, 'name', err)}")
 
 
-def _ablate(cp, be, graph) -> dict:
+def _ablate(G, be, graph) -> dict:
     """T_all and, per ablation group, T with its nodes disabled; every node enabled again on
     the way out (also after a failure)."""
     from cuda.bindings import driver as cu
@@ -193,12 +189,12 @@ def _ablate(cp, be, graph) -> dict:
     if not nodes:
         raise RuntimeError("the step graph has no kernel nodes")
     be.synchronize()
-    out = {"nodes": n_all, "kernel_nodes": len(nodes), "t_all_s": _replay_s(cp, graph, be.stream),
+    out = {"nodes": n_all, "kernel_nodes": len(nodes), "t_all_s": _replay_s(G, graph, be.stream),
            "rows": []}
     try:
         for label, idx in ablation_groups(names):
             _set_enabled(cu, graph, [nodes[i] for i in idx], 0)
-            t = _replay_s(cp, graph, be.stream)
+            t = _replay_s(G, graph, be.stream)
             _set_enabled(cu, graph, [nodes[i] for i in idx], 1)
             out["rows"].append({"name": label, "nodes": len(idx), "t_without_s": t,
                                 "group": label in (GROUP_GEMV, GROUP_REST, GROUP_ALL)})
@@ -216,7 +212,7 @@ def _step_graph(be):
     return graphs[0]
 
 
-def graph_breakdown(cp, G, be, tr, model: str, copy_bw: float) -> dict:
+def graph_breakdown(G, be, tr, model: str, copy_bw: float) -> dict:
     """Node ablation of the single-token step graph `be` captured last ({model, pdl, ...} or
     {model, error}). When the driver refuses to disable nodes of the PDL graph, the step is
     captured again without PDL (`pdl_refused` says why) and that graph is ablated; be.pdl and
@@ -224,7 +220,7 @@ def graph_breakdown(cp, G, be, tr, model: str, copy_bw: float) -> dict:
     entry = {"model": model, "weight_bytes": be.weight_bytes, "copy_bw": copy_bw,
              "pdl": be.pdl}
     try:
-        return {**entry, **_ablate(cp, be, _step_graph(be))}
+        return {**entry, **_ablate(G, be, _step_graph(be))}
     except _Refused as exc:
         if not be.pdl:
             return {**entry, "error": str(exc)}
@@ -237,7 +233,7 @@ def graph_breakdown(cp, G, be, tr, model: str, copy_bw: float) -> dict:
         be._seen.clear()
         be.pdl = False
         G._decode_rate(be, tr, 8)          # captures the single-token step again
-        return {**entry, **_ablate(cp, be, _step_graph(be))}
+        return {**entry, **_ablate(G, be, _step_graph(be))}
     except Exception as exc:
         return {**entry, "error": f"{type(exc).__name__}: {exc}"}
     finally:

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from gpu_breakdown import prefill_kernels  # noqa: E402
+from gpu_decode import event_time  # noqa: E402
 from gpu_tables import prefill_kernel_table  # noqa: E402
 
 from bench.gpu_load import synthetic_file  # noqa: E402
@@ -48,16 +49,12 @@ def eager_time(stream, call, copies: int, reps: int = 10) -> float:
     """Seconds per call of `call(i)`, reps calls back to back between two events."""
     for i in range(3):
         call(i % copies)
-    runs = []
-    for _ in range(5):
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record(stream)
+
+    def calls():
         for i in range(reps):
             call(i % copies)
-        e1.record(stream)
-        e1.synchronize()
-        runs.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3 / reps)
-    return float(np.median(runs))
+
+    return event_time(stream, calls, reps)
 
 
 def crossover(name: str = "Q4_K") -> None:

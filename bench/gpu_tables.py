@@ -357,8 +357,9 @@ def graph_breakdown_table(entry: dict) -> str:
                     f"floor (weight bytes / copy bandwidth) {floor * 1e6:.1f} us: floor / GEMVs "
                     f"{_ratio(floor, gemv):.0%}" if gemv > 0 else
                     f"GEMVs alone {gemv * 1e6:.1f} us; weight floor {floor * 1e6:.1f} us")
-    tail.append("names overlap in time (with PDL a kernel's launch hides behind its "
-                "predecessor), so the removed times need not add up to T_all")
+    tail.append("kernels overlap in time (with PDL each launch hides behind its predecessor) "
+                "and a disabled node still passes through the graph, so the removed times need "
+                "not add up to T_all")
     return "\n".join(lines + tail)
 
 
