@@ -10,8 +10,9 @@ measured in the same run, and issue 10's goals met or missed.
 - Decode tok/s of synthetic llama3-8b and llama3.2-1b Q4_K_M (generated seeded into
   --synth-dir, reused when present) and of the real models in $SPECSTREAM_MODELS_DIR, eager and
   with graphs, against the roofline (weight bytes / copy bandwidth); graph nodes per step; a
-  per-kernel breakdown of one eager step (CUDA events around each `CudaBackend._launch`); prefill
-  tok/s of the 8B shape at 512 tokens.
+  per-kernel breakdown of one eager step (CUDA events around each `CudaBackend._launch`); where
+  the graph-replayed step's time goes, by disabling its kernel nodes name by name
+  (bench/gpu_breakdown.py); prefill tok/s of the 8B shape at 512 tokens and its per-kernel time.
 Tables and goals are in bench/gpu_tables.py (pure Python, tested on the CPU). Helpers shared
 with bench/gpu_decode.py are imported from it.
 """
@@ -29,6 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
+import gpu_breakdown as B  # noqa: E402
 import gpu_tables as T  # noqa: E402
 from synth_model import synth_model  # noqa: E402
 
@@ -215,6 +217,7 @@ def _decode_model(cp, G, a, model, source, path, synth_s, results: dict) -> None
     graphs = G._decode_rate(be, tr, a.tokens)
     step_graphs = [g for key, (g, _) in be._graphs.items() if key[0] == 1]
     nodes = G._graph_nodes(step_graphs[0]) if step_graphs else None
+    results["graph_breakdown"].append(B.graph_breakdown(G, be, tr, model, results["copy_bw"]))
     serial = None
     if be.pdl:                            # the same graphs captured without PDL, side by side
         be._graphs.clear()
@@ -242,12 +245,20 @@ def _decode_model(cp, G, a, model, source, path, synth_s, results: dict) -> None
           flush=True)
     if prefill:
         be.graphs = False
-        row = {"model": model, "tokens": T.PREFILL_TOKENS}
+        n = T.PREFILL_TOKENS
+        row, kern = {"model": model, "tokens": n}, {"model": model, "tokens": n}
         try:
-            row["tok_s"] = _prefill_rate(be, tr, T.PREFILL_TOKENS)
+            step = _prefill_step(be, tr, n)
+            row["tok_s"] = _prefill_rate(be, step, n)
         except Exception as exc:   # the decode figures above stand without it
-            row["error"] = f"{type(exc).__name__}: {exc}"
+            row["error"] = kern["error"] = f"{type(exc).__name__}: {exc}"
+        if "error" not in kern:
+            try:                   # one more step, with events around its launches
+                kern = B.prefill_kernels(cp, be, step, model, n)
+            except Exception as exc:
+                kern["error"] = f"{type(exc).__name__}: {exc}"
         results["prefill"].append(row)
+        results["prefill_kernels"].append(kern)
 
 
 def _step_inputs(be, tokens: list[int], start: int):
@@ -266,16 +277,9 @@ def _eager_breakdown(cp, be, tr, pos: int) -> tuple[list[tuple[str, float]], dic
     (from the output norm on: norm, logits)."""
     ids, p, slots = _step_inputs(be, [1], pos)
     tr.forward(ids, p, slots, pos + 1, 1)              # warm: every kernel loaded
-    records, part = [], ["embed"]
-    launch, rms_norm, rms_norm_mm = be._launch, be.rms_norm, be.rms_norm_for_matmul
+    part = ["embed"]
+    rms_norm, rms_norm_mm = be.rms_norm, be.rms_norm_for_matmul
     output_norm = tr.weights.output_norm
-
-    def timed(name, grid, block, args):
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record(be.stream)
-        launch(name, grid, block, args)
-        e1.record(be.stream)
-        records.append((name, part[0], e0, e1))
 
     def mark(w):
         part[0] = "head" if w is output_norm else "layers" if part[0] == "embed" else part[0]
@@ -288,24 +292,30 @@ def _eager_breakdown(cp, be, tr, pos: int) -> tuple[list[tuple[str, float]], dic
         mark(w)
         rms_norm_mm(x, w, eps, out)
 
-    be._launch, be.rms_norm, be.rms_norm_for_matmul = timed, norm, norm_mm
+    be.rms_norm, be.rms_norm_for_matmul = norm, norm_mm
     try:
-        tr.forward(ids, p, slots, pos + 1, 1)
-        be.synchronize()
+        with B.launch_events(cp, be, tag=lambda: part[0]) as records:
+            tr.forward(ids, p, slots, pos + 1, 1)
+            be.synchronize()
     finally:
-        del be._launch, be.rms_norm, be.rms_norm_for_matmul   # the class's methods again
+        del be.rms_norm, be.rms_norm_for_matmul         # the class's methods again
     counts = {k: sum(r[1] == k for r in records) for k in ("embed", "layers", "head")}
-    return [(name, cp.cuda.get_elapsed_time(e0, e1) / 1e3) for name, _, e0, e1 in records], counts
+    return [(name, B.seconds(cp, e0, e1)) for name, _, e0, e1 in records], counts
 
 
-def _prefill_rate(be, tr, n: int) -> float:
-    """Tokens per second of one n-token prefill step (best of 3, after a warm-up)."""
+def _prefill_step(be, tr, n: int):
+    """One n-token prefill step (tokens 1..1000 repeated, positions from 0) as a callable."""
     ids, pos, slots = _step_inputs(be, [1 + i % 1000 for i in range(n)], 0)
+    return lambda: tr.forward(ids, pos, slots, n, 1)
+
+
+def _prefill_rate(be, step, n: int) -> float:
+    """Tokens per second of one n-token prefill `step()` (best of 3, after a warm-up)."""
     best = float("inf")
     for i in range(4):
         be.synchronize()
         t0 = time.perf_counter()
-        tr.forward(ids, pos, slots, n, 1)
+        step()
         be.synchronize()
         if i:
             best = min(best, time.perf_counter() - t0)
@@ -335,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
                               "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                               "cupy": cp.__version__},
                      "copy_bw": copy_bw, "gemv": [], "torch_bf16": [], "decode": [],
-                     "prefill": [], "kernels": []}
+                     "prefill": [], "kernels": [], "graph_breakdown": [],
+                     "prefill_kernels": []}
     print(f"{results['meta']['device']}: device-to-device copy {copy_bw / 1e12:.2f} TB/s "
           "(bytes read + written)", flush=True)
     if a.gemv:
@@ -362,10 +373,12 @@ def report(results: dict, a) -> str:
         parts.append(T.decode_table(results["decode"], results["copy_bw"], a.tokens))
         for k in results["kernels"]:
             parts.append(T.kernel_table(k, k["step_s"]))
+        parts += [T.graph_breakdown_table(g) for g in results.get("graph_breakdown", [])]
     if results["prefill"]:
         parts.append("\n".join(f"Prefill {r['model']}, {r['tokens']} tokens in one step: "
                                + (f"{r['tok_s']:,.0f} tok/s" if "tok_s" in r else r["error"])
                                for r in results["prefill"]))
+        parts += [T.prefill_kernel_table(k) for k in results.get("prefill_kernels", [])]
     table, results["goals"] = T.goals_table(results)
     parts.append(table)
     parts.append(f"(whole run {results['seconds']:.0f} s)")

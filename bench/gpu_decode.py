@@ -65,15 +65,20 @@ def graph_time(stream, launch, reps: int = 20) -> float:
     g = stream.end_capture()
     g.launch(stream)
     stream.synchronize()
-    best = []
-    for _ in range(5):
+    return event_time(stream, lambda: g.launch(stream), reps)
+
+
+def event_time(stream, run, per: int, rounds: int = 5) -> float:
+    """Seconds of `run()` between two events on `stream`, over `per` (median of `rounds`)."""
+    times = []
+    for _ in range(rounds):
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
         e0.record(stream)
-        g.launch(stream)
+        run()
         e1.record(stream)
         e1.synchronize()
-        best.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3 / reps)
-    return float(np.median(best))
+        times.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3 / per)
+    return float(np.median(times))
 
 
 def bench_gemv(types, shapes, columns) -> None:

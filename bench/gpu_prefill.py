@@ -25,7 +25,12 @@ from pathlib import Path
 import cupy as cp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from gpu_breakdown import prefill_kernels  # noqa: E402
+from gpu_decode import event_time  # noqa: E402
+from gpu_tables import prefill_kernel_table  # noqa: E402
 
 from bench.gpu_load import synthetic_file  # noqa: E402
 from service.backends.cuda import CudaBackend  # noqa: E402
@@ -44,16 +49,12 @@ def eager_time(stream, call, copies: int, reps: int = 10) -> float:
     """Seconds per call of `call(i)`, reps calls back to back between two events."""
     for i in range(3):
         call(i % copies)
-    runs = []
-    for _ in range(5):
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record(stream)
+
+    def calls():
         for i in range(reps):
             call(i % copies)
-        e1.record(stream)
-        e1.synchronize()
-        runs.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3 / reps)
-    return float(np.median(runs))
+
+    return event_time(stream, calls, reps)
 
 
 def crossover(name: str = "Q4_K") -> None:
@@ -125,41 +126,15 @@ def prefill(tokens: int, layers: int | None) -> None:
         print(f"{label:22} {s * 1e3:8.1f} {tokens / s:9.0f} {base / s:7.2f}x")
     print(f"llama.cpp pp512 on this GPU (ANCHORS.md, not this run): {LLAMA_CPP_PP512} tok/s")
     be.prefill_gemm_min_tokens = 17
-    _breakdown(be, lambda: tr.forward(ids, pos, slots, tokens, 1))
+    _breakdown(be, lambda: tr.forward(ids, pos, slots, tokens, 1), tokens)
 
 
-def _breakdown(be: CudaBackend, step) -> None:
-    """Where a GEMM-path prefill step's time goes: events around every matmul and every weight
-    dequantization of one more step (the events add a little time of their own)."""
-    spans: dict[str, list] = {"matmul": [], "dequant": []}
-
-    def timed(label: str, fn):
-        def call(*args, **kwargs):
-            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-            e0.record(be.stream)
-            fn(*args, **kwargs)
-            e1.record(be.stream)
-            spans[label].append((e0, e1))
-        return call
-
-    be.matmul = timed("matmul", be.matmul)               # instance attributes shadow the
-    be.dequant_rows = timed("dequant", be.dequant_rows)  # methods for this one step
-    try:
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record(be.stream)
-        step()
-        e1.record(be.stream)
-        e1.synchronize()
-    finally:
-        del be.matmul, be.dequant_rows
-    total = cp.cuda.get_elapsed_time(e0, e1)
-    ms = {k: sum(cp.cuda.get_elapsed_time(a, b) for a, b in v) for k, v in spans.items()}
-    parts = {"weight dequantization": ms["dequant"],
-             "x to f16 + cuBLAS GEMM (+ the 1-row logits GEMV)": ms["matmul"] - ms["dequant"],
-             "everything else (attention, norms, RoPE, KV, GLU, adds)": total - ms["matmul"]}
-    print(f"GEMM-path step, {len(spans['matmul'])} matmuls, {total:.1f} ms with events:")
-    for label, v in parts.items():
-        print(f"  {label:58} {v:7.1f} ms {v / total:6.1%}")
+def _breakdown(be: CudaBackend, step, tokens: int) -> None:
+    """Where a GEMM-path prefill step's time goes, per kernel name, with the cuBLAS GEMMs and
+    the rest apart: events around every launch and matmul of one more step (the events add a
+    little time of their own)."""
+    entry = prefill_kernels(cp, be, step, "synthetic llama3-8b", tokens)
+    print(prefill_kernel_table(entry))
 
 
 def main() -> None:

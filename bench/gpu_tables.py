@@ -14,6 +14,11 @@ Results are one JSON-ready dict (`--json` writes it):
                  (a row with "error" when a model failed)
     prefill      [{model, tokens, tok_s}]
     kernels      [{model, step_s, rows: [{name, calls, total_s}]}]
+    graph_breakdown  [{model, pdl, pdl_refused?, weight_bytes, copy_bw, nodes, kernel_nodes,
+                   t_all_s, rows: [{name, nodes, t_without_s, group}]}]  or [{model, error}]
+                 (node ablation of the single-token step graph, bench/gpu_breakdown.py)
+    prefill_kernels  [{model, tokens, step_s, matmuls, cublas_s, rows: [{name, calls,
+                   total_s}]}]  or [{model, tokens, error}]   (one eager prefill step)
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ SYNTH = (("llama3-8b", "Q4_K_M"), ("llama3.2-1b", "Q4_K_M"))
 REAL = ("smollm2-135m", "gemma3-270m")
 PREFILL_MODEL, PREFILL_TOKENS = "llama3-8b", 512
 RECORDED = "llama.cpp (recorded in ANCHORS.md, not measured here)"
+GROUP_GEMV, GROUP_ALL = "all GEMVs", "all kernel nodes"    # labels of bench/gpu_breakdown.py
+CUBLAS, UNLAUNCHED = "cuBLAS GEMM*", "outside launches and matmuls*"
 
 # llama.cpp on the project's H200 (ANCHORS.md, 2026-12-02): microseconds of one GEMV
 # (test-backend-ops perf) at 1, 2, 4, 8 columns, by (type, N, K).
@@ -309,4 +316,74 @@ def kernel_table(entry: dict, graph_step_s: float | None = None) -> str:
                  f"{graph_step_s * 1e6:.1f} us, kernels are {_ratio(total, graph_step_s):.0%} "
                  "of it")
     lines.append(tail)
+    return "\n".join(lines)
+
+
+def _cost_rows(entry: dict) -> tuple[list[tuple], dict[str, tuple]]:
+    """(name, nodes, cost_s) of each kernel name, largest first; and the groups by name."""
+    rows = [(r["name"], r["nodes"], entry["t_all_s"] - r["t_without_s"]) for r in entry["rows"]]
+    groups = {r["name"]: row for r, row in zip(entry["rows"], rows, strict=True) if r["group"]}
+    named = [row for r, row in zip(entry["rows"], rows, strict=True) if not r["group"]]
+    return sorted(named, key=lambda x: (-x[2], x[0])), groups
+
+
+def graph_breakdown_table(entry: dict) -> str:
+    """Where the graph-replayed decode step's time goes (bench/gpu_breakdown.py): per kernel
+    name, the time removed from one replay when its nodes are disabled, then the groups."""
+    head = f"Graph node ablation, {entry['model']}"
+    if entry.get("error"):
+        return f"{head}: {entry['error']}"
+    graph = ("PDL graph" if entry["pdl"] else "graph without PDL"
+             + (f" (the PDL graph's nodes could not be disabled: {entry['pdl_refused']})"
+                if entry.get("pdl_refused") else ""))
+    t_all = entry["t_all_s"]
+    lines = [f"{head}, {graph}: T_all {t_all * 1e6:.1f} us per replay of the single-token step "
+             f"({entry['nodes']} nodes, {entry['kernel_nodes']} kernel nodes); removed = T_all "
+             "- T with those nodes disabled (values computed are garbage, times are not)",
+             f"{'kernel nodes disabled':28} {'nodes':>6} {'us removed':>10} {'us/node':>8} "
+             f"{'share':>6}"]
+    named, groups = _cost_rows(entry)
+    for name, nodes, cost in [*named, *groups.values()]:
+        lines.append(f"{name:28} {nodes:>6} {cost * 1e6:10.1f} {cost / nodes * 1e6:8.2f} "
+                     f"{_x(_ratio(cost, t_all), 6, pct=True)}")
+    tail = []
+    if GROUP_ALL in groups:
+        tail.append(f"every kernel disabled: {(t_all - groups[GROUP_ALL][2]) * 1e6:.1f} us per "
+                    "replay (the empty graph's floor)")
+    floor = entry["weight_bytes"] / entry["copy_bw"]
+    if GROUP_GEMV in groups:
+        gemv = groups[GROUP_GEMV][2]
+        tail.append(f"GEMVs alone (T_all - T without GEMVs) {gemv * 1e6:.1f} us vs the weight "
+                    f"floor (weight bytes / copy bandwidth) {floor * 1e6:.1f} us: floor / GEMVs "
+                    f"{_ratio(floor, gemv):.0%}" if gemv > 0 else
+                    f"GEMVs alone {gemv * 1e6:.1f} us; weight floor {floor * 1e6:.1f} us")
+    tail.append("kernels overlap in time (with PDL each launch hides behind its predecessor) "
+                "and a disabled node still passes through the graph, so the removed times need "
+                "not add up to T_all")
+    return "\n".join(lines + tail)
+
+
+def prefill_kernel_table(entry: dict) -> str:
+    """Where one eager prefill step's time goes (bench/gpu_breakdown.prefill_kernels)."""
+    head = f"Prefill kernels, {entry['model']}, {entry['tokens']} tokens"
+    if entry.get("error"):
+        return f"{head}: {entry['error']}"
+    step, rows = entry["step_s"], entry["rows"]
+    launched = sum(r["total_s"] for r in rows)
+    items = sorted([(CUBLAS, entry["matmuls"], entry["cublas_s"])]
+                   + [(r["name"], r["calls"], r["total_s"]) for r in rows],
+                   key=lambda x: (-x[2], x[0]))
+    items.append((UNLAUNCHED, None, step - launched - entry["cublas_s"]))
+    lines = [f"{head}, one eager step with CUDA events around each launch and matmul: "
+             f"{step * 1e3:.2f} ms, {entry['matmuls']} matmuls",
+             f"{'kernel':34} {'calls':>6} {'total ms':>9} {'ms/call':>8} {'share':>6}"]
+    for name, calls, sec in items:
+        per = "-" if not calls else f"{sec / calls * 1e3:.3f}"
+        lines.append(f"{name:34} {'-' if calls is None else calls:>6} {sec * 1e3:9.2f} "
+                     f"{per:>8} {_x(_ratio(sec, step), 6, pct=True)}")
+    deq = sum(r["total_s"] for r in rows if r["name"].startswith("dequant_"))
+    lines.append(f"{CUBLAS} = matmul spans less the launches inside them (x to f16, weight "
+                 f"dequantization, the 1-row logits GEMV); weight dequantization (dequant_*) "
+                 f"{deq * 1e3:.2f} ms ({deq / step:.0%}); "
+                 f"{UNLAUNCHED} = the step less both (host gaps, CuPy copies)")
     return "\n".join(lines)

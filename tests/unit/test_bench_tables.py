@@ -227,3 +227,89 @@ def test_mma_rows_print_their_ratios_and_stay_out_of_the_goals(gt):
     measured = gt.measured_for_goals(results)
     assert measured["gemv_c8_c1"] == (pytest.approx(2.0), "Q8_0 128256x4096")
     assert measured["gemv_c16_c1"] == (pytest.approx(2.5), "Q8_0 128256x4096")
+
+
+# ---------------------------------------------------------------- step breakdowns
+def _ablation(gt) -> dict:
+    """Made-up ablation of a 4 ms step: 2.4 ms go when the Q4_K GEMVs are disabled, 3.0 ms
+    with every GEMV, 3.95 ms with every kernel (a 50 us empty graph)."""
+    def row(name, nodes, t, group=False):
+        return {"name": name, "nodes": nodes, "t_without_s": t, "group": group}
+    return {"model": "llama3-8b", "weight_bytes": 4.8e9, "copy_bw": BW, "pdl": True,
+            "nodes": 330, "kernel_nodes": 323, "t_all_s": 4e-3,
+            "rows": [row("attn_f16_f16", 32, 3.6e-3), row("gemv_q4_k_c1r1", 128, 1.6e-3),
+                     row(gt.GROUP_GEMV, 161, 1.0e-3, True),
+                     row("everything else", 162, 3.2e-3, True),
+                     row(gt.GROUP_ALL, 323, 0.05e-3, True)]}
+
+
+def test_ablation_groups_each_name_then_gemvs_rest_all():
+    gb = _load("gpu_breakdown")
+    names = ["embed_q4_k", "rms_norm_quant", "gemv_q4_k_c1r1", "gemv_q6_k_c1r1",
+             "rms_norm_quant", "gemv_q4_k_c1r1", "other"]
+    groups = gb.ablation_groups(names)
+    assert groups == [("embed_q4_k", [0]), ("rms_norm_quant", [1, 4]),
+                      ("gemv_q4_k_c1r1", [2, 5]), ("gemv_q6_k_c1r1", [3]), ("other", [6]),
+                      (gb.GROUP_GEMV, [2, 3, 5]), (gb.GROUP_REST, [0, 1, 4, 6]),
+                      (gb.GROUP_ALL, list(range(7)))]
+    only = gb.ablation_groups(["gemv_q8_0_c1r1"] * 2)    # no empty or repeated group
+    assert [label for label, _ in only] == ["gemv_q8_0_c1r1", gb.GROUP_ALL]
+    assert gb.ablation_groups([]) == []
+
+
+def test_graph_breakdown_table_costs_shares_and_floors(gt):
+    gb = _load("gpu_breakdown")
+    assert (gt.GROUP_GEMV, gt.GROUP_ALL) == (gb.GROUP_GEMV, gb.GROUP_ALL)  # one set of labels
+    table = gt.graph_breakdown_table(_ablation(gt))
+    lines = table.splitlines()
+    assert "PDL graph" in lines[0] and "T_all 4000.0 us" in lines[0]
+    rows = {" ".join(f[:-4]): f[-4:] for f in map(_fields, lines[2:7])}
+    assert rows["gemv_q4_k_c1r1"] == ["128", "2400.0", f"{2400 / 128:.2f}", "60%"]
+    assert rows["attn_f16_f16"] == ["32", "400.0", f"{400 / 32:.2f}", "10%"]
+    assert rows["all GEMVs"] == ["161", "3000.0", f"{3000 / 161:.2f}", "75%"]
+    assert rows["everything else"][1:] == ["800.0", f"{800 / 162:.2f}", "20%"]
+    assert [_fields(x)[0] for x in lines[2:4]] == ["gemv_q4_k_c1r1", "attn_f16_f16"]  # by cost
+    assert "every kernel disabled: 50.0 us" in table
+    floor_us = 4.8e9 / BW * 1e6
+    assert (f"GEMVs alone (T_all - T without GEMVs) 3000.0 us vs the weight floor (weight bytes "
+            f"/ copy bandwidth) {floor_us:.1f} us: floor / GEMVs {floor_us / 3000:.0%}") in table
+
+
+def test_graph_breakdown_table_without_pdl_and_error(gt):
+    entry = {**_ablation(gt), "pdl": False, "pdl_refused": "cuGraphNodeSetEnabled(0): NO"}
+    head = gt.graph_breakdown_table(entry).splitlines()[0]
+    assert "graph without PDL" in head and "cuGraphNodeSetEnabled(0): NO" in head
+    assert "PDL graph," not in head
+    err = gt.graph_breakdown_table({"model": "gemma3-270m", "error": "RuntimeError: refused"})
+    assert err == "Graph node ablation, gemma3-270m: RuntimeError: refused"
+
+
+def test_prefill_kernel_table_cublas_and_rest(gt):
+    rows = gt.aggregate_kernels([("dequant_q4_k", 5e-3), ("attn_f16_f16", 9e-3),
+                                 ("dequant_q6_k", 2e-3), ("dequant_q4_k", 3e-3)])
+    entry = {"model": "llama3-8b", "tokens": 512, "step_s": 50e-3, "matmuls": 225,
+             "cublas_s": 20e-3, "rows": rows}
+    lines = gt.prefill_kernel_table(entry).splitlines()
+    assert "50.00 ms, 225 matmuls" in lines[0]
+    body = [_fields(x) for x in lines[2:7]]
+    assert [f[-4:] for f in body] == [["225", "20.00", f"{20 / 225:.3f}", "40%"],
+                                      ["1", "9.00", "9.000", "18%"],
+                                      ["2", "8.00", "4.000", "16%"],
+                                      ["1", "2.00", "2.000", "4%"],
+                                      ["-", "11.00", "-", "22%"]]         # 50 - 19 - 20 ms
+    assert [f[0] for f in body[:4]] == ["cuBLAS", "attn_f16_f16", "dequant_q4_k", "dequant_q6_k"]
+    assert "weight dequantization (dequant_*) 10.00 ms (20%)" in lines[-1]
+    err = gt.prefill_kernel_table({"model": "llama3-8b", "tokens": 512, "error": "OOM"})
+    assert err == "Prefill kernels, llama3-8b, 512 tokens: OOM"
+
+
+def test_gpu_bench_report_prints_the_breakdowns(gt):
+    bench = _load("gpu_bench")
+    results = _results(gt, 600.0)
+    results["prefill"] = [{"model": "llama3-8b", "tokens": 512, "tok_s": 9000.0}]
+    results["graph_breakdown"] = [_ablation(gt), {"model": "gemma3-270m", "error": "no graph"}]
+    results["prefill_kernels"] = [{"model": "llama3-8b", "tokens": 512, "error": "OOM"}]
+    text = bench.report(results, gt.parse_args([]))
+    assert "Graph node ablation, llama3-8b, PDL graph" in text
+    assert "Graph node ablation, gemma3-270m: no graph" in text
+    assert "Prefill kernels, llama3-8b, 512 tokens: OOM" in text
