@@ -36,10 +36,10 @@ def launch_events(cp, be, tag=lambda: None):
     records: list[tuple] = []
     launch = be._launch
 
-    def timed(name, grid, block, args):
+    def timed(name, grid, block, args, **kwargs):
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
         e0.record(be.stream)
-        launch(name, grid, block, args)
+        launch(name, grid, block, args, **kwargs)
         e1.record(be.stream)
         records.append((name, tag(), e0, e1))
 

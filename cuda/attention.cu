@@ -14,7 +14,8 @@
 //   keys and values alike (a pool of fewer than 2^31 rows); the order of additions does not
 //   depend on the table.
 //
-// attn_<K>_<V>: one kernel, grid (S, H, T), block (32, 4). Split s covers the ABSOLUTE positions
+// attn_<K>_<V>_d<128|256> (Dv <= 128 | 256: 4 | 8 accumulators per lane): one kernel, grid
+//   (S, H, T), block (32, 4). Split s covers the ABSOLUTE positions
 //   [s * chunk, (s + 1) * chunk): its boundaries never depend on the step or on how long the
 //   context is, and positions past pos[t] are skipped, so the same query gives the same bits in
 //   any step. Warp w takes tiles of 32 keys (one per lane) with an online softmax (running max
@@ -38,6 +39,7 @@
 
 #define ATT_WARPS 4
 #define ATT_MAX_D 512
+#define ATT_MAX_DV 256
 
 // The cache row of logical key j of a row (b = attn_lo, bits = attn_mask): j itself below b,
 // else the row of the (j - b)-th set bit of bits (a tree node's ancestors, by depth).
@@ -46,7 +48,8 @@ __device__ __forceinline__ int key_row(int j, int b, u32 bits) {
 }
 
 // One split's partials: (m, l) and the Dv accumulators of queries t, head h, keys of split s.
-template <class KT, class VT>
+// NV = ceil(Dv / 32) elements per lane (4: Dv <= 128, 8: Dv <= 256).
+template <class KT, class VT, int NV>
 __device__ __forceinline__ void attn_split(
         const float* __restrict__ q, int q0, int q1, int H, int Hkv, int D, int Dv,
         const u8* __restrict__ kq, const u8* __restrict__ kd, const u8* __restrict__ vq,
@@ -73,9 +76,9 @@ __device__ __forceinline__ void attn_split(
     for (int i = tid; i < D; i += 32 * ATT_WARPS) qsh[i] = qr[i];
     __syncthreads();
     const int hk = h / (H / Hkv);
-    float m = NEG_INF, l = 0.0f, acc[ATT_MAX_DV / 32];
+    float m = NEG_INF, l = 0.0f, acc[NV];
 #pragma unroll
-    for (int i = 0; i < ATT_MAX_DV / 32; i++) acc[i] = 0.0f;
+    for (int i = 0; i < NV; i++) acc[i] = 0.0f;
     // Tiles of 32 keys, one key per lane: each lane dots q with its key, the warp takes the
     // tile's max and sum at once, then accumulates V over the tile's keys in order (lane d
     // holds dims d, d + 32, ...). Warp w takes the tiles starting at j0 + 32 (w + 4 i).
@@ -95,7 +98,7 @@ __device__ __forceinline__ void attn_split(
         if (ok) {
             const size_t row = (size_t)my_row * Hkv + hk;
             float dot = 0.0f;                 // the products in order of i, 8 per load
-#pragma unroll 4
+#pragma unroll 16
             for (int i0 = 0; i0 < D; i0 += 8) {
                 float kv[8];
                 KT::load8(kq, kd, row, D, i0, kv);
@@ -109,25 +112,26 @@ __device__ __forceinline__ void attn_split(
         const float p = ok ? expf(sc - mn) : 0.0f;
         l = l * corr + warp_sum(p);
 #pragma unroll
-        for (int i = 0; i < ATT_MAX_DV / 32; i++) acc[i] *= corr;
+        for (int i = 0; i < NV; i++) acc[i] *= corr;
         const int n = min(32, j1 - base);
-        // VT::PASS keys per pass: their V elements are loaded before any is accumulated (the
+        // PASS keys per pass: their V elements are loaded before any is accumulated (the
         // loads in flight together), then added in key order, as one key at a time would.
+        constexpr int PASS = NV <= 4 ? VT::PASS128 : 4;
 #pragma unroll 1
-        for (int u0 = 0; u0 < n; u0 += VT::PASS) {
-            float vv[VT::PASS][ATT_MAX_DV / 32];
+        for (int u0 = 0; u0 < n; u0 += PASS) {
+            float vv[PASS][NV];
 #pragma unroll
-            for (int du = 0; du < VT::PASS; du++) {
+            for (int du = 0; du < PASS; du++) {
                 const size_t row = (size_t)__shfl_sync(FULL_MASK, my_row, min(u0 + du, n - 1))
                                    * Hkv + hk;
                 VT::vrow(vq, vd, row, Dv, lane, vv[du]);
             }
 #pragma unroll
-            for (int du = 0; du < VT::PASS; du++) {
+            for (int du = 0; du < PASS; du++) {
                 const float pu = __shfl_sync(FULL_MASK, p, (u0 + du) & 31);
                 if (u0 + du < n) {
 #pragma unroll
-                    for (int i = 0; i < ATT_MAX_DV / 32; i++) acc[i] += pu * vv[du][i];
+                    for (int i = 0; i < NV; i++) acc[i] += pu * vv[du][i];
                 }
             }
         }
@@ -135,7 +139,7 @@ __device__ __forceinline__ void attn_split(
     }
     if (lane == 0) { wm[warp] = m; wl[warp] = l; }
 #pragma unroll
-    for (int i = 0; i < ATT_MAX_DV / 32; i++) {
+    for (int i = 0; i < NV; i++) {
         const int d = lane + 32 * i;
         if (d < Dv) wacc[warp][d] = acc[i];
     }
@@ -163,25 +167,51 @@ __device__ __forceinline__ void attn_merge(const float2* __restrict__ ml,
                                            signed char* __restrict__ qa,
                                            float2* __restrict__ ads) {
     __shared__ float res[ATT_MAX_DV];
-    const int tid = threadIdx.y * 32 + threadIdx.x;
+    __shared__ float sl[32 * ATT_WARPS], se[32 * ATT_WARPS], wmax[ATT_WARPS];
+    const int tid = threadIdx.y * 32 + threadIdx.x, nt = 32 * ATT_WARPS;
+    // M = max m_s over splits with l_s > 0 (a max: any order), one load per thread in flight
     float M = NEG_INF;
-    for (int s = 0; s < S; s++) {
+    for (int s = tid; s < S; s += nt) {
         const float2 p = __ldcg(ml + s);
         if (p.y > 0.0f) M = fmaxf(M, p.x);
     }
-    for (int d = tid; d < Dv; d += 32 * ATT_WARPS) {
-        float L = 0.0f, a = 0.0f;
-        if (valid) {
-            for (int s = 0; s < S; s++) {
-                const float2 p = __ldcg(ml + s);
-                if (p.y > 0.0f) {
-                    const float e = expf(p.x - M);
-                    L += p.y * e;
-                    a += __ldcg(acc + (size_t)s * Dv + d) * e;
-                }
+    M = warp_max(M);
+    if (threadIdx.x == 0) wmax[threadIdx.y] = M;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, wmax[w]);
+    // L = sum_s l_s e_s and a_d = sum_s acc_s[d] e_s in split order (splits with l_s = 0
+    // skipped), e_s = exp(m_s - M): the splits' (l_s, e_s) staged in shared memory nt at a
+    // time, each thread's acc loads of a chunk issued together (loaded, then used or not).
+    float L = 0.0f, a[ATT_MAX_DV / (32 * ATT_WARPS)] = {};
+    for (int c0 = 0; valid && c0 < S; c0 += nt) {
+        const int n = min(nt, S - c0);
+        if (tid < n) {
+            const float2 p = __ldcg(ml + c0 + tid);
+            sl[tid] = p.y;
+            se[tid] = p.y > 0.0f ? expf(p.x - M) : 0.0f;
+        }
+        __syncthreads();
+        for (int u = 0; u < n; u++)
+            if (sl[u] > 0.0f) L += sl[u] * se[u];
+#pragma unroll
+        for (int i = 0; i < ATT_MAX_DV / (32 * ATT_WARPS); i++) {
+            const int d = tid + nt * i;
+            if (d >= Dv) break;
+            const float* ad = acc + (size_t)c0 * Dv + d;
+#pragma unroll 8
+            for (int u = 0; u < n; u++) {
+                const float v = __ldcg(ad + (size_t)u * Dv);
+                if (sl[u] > 0.0f) a[i] += v * se[u];
             }
         }
-        const float o = valid ? a / L : 0.0f;
+        __syncthreads();                      // sl, se are rewritten by the next chunk
+    }
+#pragma unroll
+    for (int i = 0; i < ATT_MAX_DV / (32 * ATT_WARPS); i++) {
+        const int d = tid + nt * i;
+        if (d >= Dv) break;
+        const float o = valid ? a[i] / L : 0.0f;
         orow[d] = o;
         res[d] = o;
     }
@@ -191,7 +221,7 @@ __device__ __forceinline__ void attn_merge(const float2* __restrict__ ml,
         quant_group(res[32 * g + threadIdx.x], qa + 32 * g, ads + g);
 }
 
-template <class KT, class VT>
+template <class KT, class VT, int NV>
 __device__ __forceinline__ void attn_fused(
         const float* __restrict__ q, int q0, int q1, int H, int Hkv, int D, int Dv,
         const u8* __restrict__ kq, const u8* __restrict__ kd, const u8* __restrict__ vq,
@@ -203,9 +233,9 @@ __device__ __forceinline__ void attn_fused(
         int o0, int o1, signed char* __restrict__ qa, float2* __restrict__ ads) {
     const int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z, S = gridDim.x;
     const size_t part = ((size_t)t * H + h) * S + s;
-    attn_split<KT, VT>(q, q0, q1, H, Hkv, D, Dv, kq, kd, vq, vd, slots, positions, attn_lo,
-                       attn_mask, table, max_blocks, lb, window, scale, chunk, part_ml + part,
-                       part_acc + part * Dv);
+    attn_split<KT, VT, NV>(q, q0, q1, H, Hkv, D, Dv, kq, kd, vq, vd, slots, positions,
+                           attn_lo, attn_mask, table, max_blocks, lb, window, scale, chunk,
+                           part_ml + part, part_acc + part * Dv);
     // Last block of (t, h) in: merge. The fences order the partials before the count.
     __shared__ int last;
     __threadfence();
@@ -224,20 +254,22 @@ __device__ __forceinline__ void attn_fused(
 
 // (128, 4): with the minimum block count stated ptxas keeps every variant in <= 128 registers
 // without spills; left to its own heuristics it spilled a few bytes in some K/V type pairs.
-#define ATTN_KERNEL(kn, KT, vn, VT)                                                          \
-    extern "C" __global__ void __launch_bounds__(128, 4) attn_##kn##_##vn(                  \
+#define ATTN_KERNEL(kn, KT, vn, VT, nv, dmax)                                                \
+    extern "C" __global__ void __launch_bounds__(128, 4) attn_##kn##_##vn##_d##dmax(        \
             const float* q, int q0, int q1, int H, int Hkv, int D, int Dv, const u8* kq,     \
             const u8* kd, const u8* vq, const u8* vd, const int* slots, const int* positions, \
             const int* attn_lo, const int* attn_mask, const int* table, int max_blocks,      \
             int lb, int window, float scale, int chunk, float2* part_ml, float* part_acc,    \
             int* counters, float* out, int o0, int o1, signed char* qa, float2* ads) {       \
         PDL_ENTRY();                                                                         \
-        attn_fused<KT, VT>(q, q0, q1, H, Hkv, D, Dv, kq, kd, vq, vd, slots, positions,        \
-                           attn_lo, attn_mask, table, max_blocks, lb, window, scale, chunk,  \
-                           part_ml, part_acc, counters, out, o0, o1, qa, ads);               \
+        attn_fused<KT, VT, nv>(q, q0, q1, H, Hkv, D, Dv, kq, kd, vq, vd, slots, positions,    \
+                               attn_lo, attn_mask, table, max_blocks, lb, window, scale,     \
+                               chunk, part_ml, part_acc, counters, out, o0, o1, qa, ads);    \
     }
-#define ATTN_V(kn, KT) ATTN_KERNEL(kn, KT, f16, KvF16) ATTN_KERNEL(kn, KT, q8_0, KvQ8_0) \
-    ATTN_KERNEL(kn, KT, q4_0, KvQ4_0)
+#define ATTN_SIZES(kn, KT, vn, VT) ATTN_KERNEL(kn, KT, vn, VT, 4, 128) \
+    ATTN_KERNEL(kn, KT, vn, VT, 8, 256)
+#define ATTN_V(kn, KT) ATTN_SIZES(kn, KT, f16, KvF16) ATTN_SIZES(kn, KT, q8_0, KvQ8_0) \
+    ATTN_SIZES(kn, KT, q4_0, KvQ4_0)
 ATTN_V(f16, KvF16)
 ATTN_V(q8_0, KvQ8_0)
 ATTN_V(q4_0, KvQ4_0)

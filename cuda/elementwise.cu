@@ -59,6 +59,16 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, int n1, int s0,
     const int i = blockIdx.x / n1, j = blockIdx.x % n1;
     const float* xr = x + (size_t)i * s0 + (size_t)j * s1;
     float* orow = out + (size_t)i * o0 + (size_t)j * o1;
+    if (D <= NORM_REGS * (int)blockDim.x) {        // the row in registers: loads in flight
+        float xv[NORM_REGS];
+        const float r = block_inv_rms_regs(xr, D, eps, xv);
+#pragma unroll
+        for (int i = 0; i < NORM_REGS; i++) {
+            const int k = threadIdx.x + blockDim.x * i;
+            if (k < D) orow[k] = __fmul_rn(__fmul_rn(xv[i], r), w[k]);
+        }
+        return;
+    }
     const float r = block_inv_rms(xr, D, eps);
     for (int k = threadIdx.x; k < D; k += blockDim.x) orow[k] = __fmul_rn(__fmul_rn(xr[k], r), w[k]);
 }
@@ -72,8 +82,27 @@ extern "C" __global__ void rms_norm_quant(const float* __restrict__ x, int ldx, 
     const int t = blockIdx.x;
     const float* xr = x + (size_t)t * ldx;
     float* orow = out + (size_t)t * ldo;
-    const float r = block_inv_rms(xr, D, eps);
     // warp-uniform: at each step a warp holds one whole 32-group (D % 32 == 0)
+    if (D <= NORM_REGS * (int)blockDim.x) {        // the row in registers: loads in flight
+        float xv[NORM_REGS], wv[NORM_REGS];
+#pragma unroll
+        for (int i = 0; i < NORM_REGS; i++) {
+            const int k = threadIdx.x + blockDim.x * i;
+            wv[i] = k < D ? w[k] : 0.0f;
+        }
+        const float r = block_inv_rms_regs(xr, D, eps, xv);
+#pragma unroll
+        for (int i = 0; i < NORM_REGS; i++) {
+            const int k = threadIdx.x + blockDim.x * i, k0 = k - (threadIdx.x & 31);
+            if (k0 < D) {
+                const float v = __fmul_rn(__fmul_rn(xv[i], r), wv[i]);
+                orow[k] = v;
+                quant_group(v, qa + (size_t)t * D + k0, ads + (size_t)t * (D / 32) + k0 / 32);
+            }
+        }
+        return;
+    }
+    const float r = block_inv_rms(xr, D, eps);
     for (int k0 = (threadIdx.x / 32) * 32; k0 < D; k0 += blockDim.x) {
         const int k = k0 + (threadIdx.x & 31);
         const float v = __fmul_rn(__fmul_rn(xr[k], r), w[k]);
@@ -90,6 +119,16 @@ extern "C" __global__ void rms_norm_add(const float* __restrict__ o, int ldo, in
     const int t = blockIdx.x;
     const float* orow = o + (size_t)t * ldo;
     float* xr = x + (size_t)t * ldx;
+    if (D <= NORM_REGS * (int)blockDim.x) {        // the row in registers: loads in flight
+        float ov[NORM_REGS];
+        const float r = block_inv_rms_regs(orow, D, eps, ov);
+#pragma unroll
+        for (int i = 0; i < NORM_REGS; i++) {
+            const int k = threadIdx.x + blockDim.x * i;
+            if (k < D) xr[k] = __fadd_rn(xr[k], __fmul_rn(__fmul_rn(ov[i], r), w[k]));
+        }
+        return;
+    }
     const float r = block_inv_rms(orow, D, eps);
     for (int k = threadIdx.x; k < D; k += blockDim.x)
         xr[k] = __fadd_rn(xr[k], __fmul_rn(__fmul_rn(orow[k], r), w[k]));

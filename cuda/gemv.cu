@@ -28,8 +28,8 @@
 // gemv_<type>_c1r1e (quantized types), the 1-column 1-row kernel that loads each lane's first
 // weight group before it (more registers; CudaBackend(gemv_early=True) picks it at 1 column),
 // and gemv_<type>_c1r1p, the same loop with the next group's loads issued before each dot
-// (two groups in flight per lane; CudaBackend picks it at 1 column for matrices of at most
-// gemv_prefetch_rows rows, where one warp per row leaves the SMs few warps).
+// (two groups in flight per lane; CudaBackend picks it at 1 column for Q4_K / Q6_K matrices
+// of at most gemv_prefetch_rows rows, where one warp per row leaves the SMs few warps).
 #include "pdl.cuh"
 #include "quant_types.cuh"
 

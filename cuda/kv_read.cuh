@@ -4,22 +4,21 @@
 //   f16   the half value (exact)
 //   q8_0  code * d                (one rounding, __fmul_rn)
 //   q4_0  (nibble - 8) * d        (one rounding, __fmul_rn)
+// vrow<NV>(row, lane, v): elements d = lane + 32 i (i < NV) of a row, 0 past D; load8(i0, v):
+// elements i0..i0+7 (i0 % 8 == 0) with one vector load; at(i): element i.
 // Device functions only (no launch geometry): used by attention.cu and attention_tiled.cu.
 #ifndef SPECSTREAM_KV_READ_CUH
 #define SPECSTREAM_KV_READ_CUH
 
 #include "common.cuh"
 
-#define ATT_MAX_DV 256
-
-// at(i): element i of a cache row; load8(i0, v): elements i0..i0+7 (i0 % 8 == 0) with one
-// vector load, each equal to at(i0 + u).
 struct KvF16 {
-    static constexpr int PASS = 4;        // V rows loaded together in the accumulation
+    static constexpr int PASS128 = 8;    // V rows in flight per pass (attention.cu, Dv <= 128)
+    template <int NV>
     __device__ static void vrow(const u8* qs, const u8* dd, size_t row, int D, int lane,
-                                float v[ATT_MAX_DV / 32]) {
+                                float (&v)[NV]) {
 #pragma unroll
-        for (int i = 0; i < ATT_MAX_DV / 32; i++)
+        for (int i = 0; i < NV; i++)
             v[i] = lane + 32 * i < D ? at(qs, dd, row, D, lane + 32 * i) : 0.0f;
     }
     __device__ static float at(const u8* qs, const u8*, size_t row, int D, int i) {
@@ -35,11 +34,12 @@ struct KvF16 {
     }
 };
 struct KvQ8_0 {
-    static constexpr int PASS = 4;
+    static constexpr int PASS128 = 4;    // (8 spills within 128 registers)
+    template <int NV>
     __device__ static void vrow(const u8* qs, const u8* dd, size_t row, int D, int lane,
-                                float v[ATT_MAX_DV / 32]) {
+                                float (&v)[NV]) {
 #pragma unroll
-        for (int i = 0; i < ATT_MAX_DV / 32; i++)
+        for (int i = 0; i < NV; i++)
             v[i] = lane + 32 * i < D ? at(qs, dd, row, D, lane + 32 * i) : 0.0f;
     }
     __device__ static float at(const u8* qs, const u8* dd, size_t row, int D, int i) {
@@ -58,13 +58,14 @@ struct KvQ8_0 {
     }
 };
 struct KvQ4_0 {
-    static constexpr int PASS = 4;
+    static constexpr int PASS128 = 8;
     // elements d = lane + 32 i (i < D / 32) of a row, as at() gives them
+    template <int NV>
     __device__ static void vrow(const u8* qs, const u8* dd, size_t row, int D, int lane,
-                                float v[ATT_MAX_DV / 32]) {
+                                float (&v)[NV]) {
         const int shift = lane < 16 ? 0 : 4;
 #pragma unroll
-        for (int i = 0; i < ATT_MAX_DV / 32; i++) {
+        for (int i = 0; i < NV; i++) {
             v[i] = 0.0f;
             if (32 * i < D) {
                 const float d = h2f(reinterpret_cast<const u16*>(dd)[row * (D / 32) + i]);

@@ -177,7 +177,8 @@ class AttentionOps:
         blocks = self._block_args(T, H * Dv) if quant else [NULL, NULL]
         (kq, kd), (vq, vd) = cache.k[layer], cache.v[layer]
         ml, acc = s.part_ml[: T * H * n_split], s.part_acc[: T * H * n_split * Dv]
-        self._launch(f"attn_{cache.type_k}_{cache.type_v}", (n_split, H, T), (32, 4),
+        size = 128 if Dv <= 128 else 256             # the kernel's accumulators per lane
+        self._launch(f"attn_{cache.type_k}_{cache.type_v}_d{size}", (n_split, H, T), (32, 4),
                      [q, I32(q0), I32(q1), I32(H), I32(Hkv), I32(D), I32(Dv), kq,
                       kd if kd is not None else kq, vq, vd if vd is not None else vq, slots,
                       positions, _opt(attn_lo), _opt(attn_mask), *cache.table_args(), I32(window),
