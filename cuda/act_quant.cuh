@@ -7,7 +7,9 @@
 // block_inv_rms: 1 / sqrt(sum(x^2) / D + eps) over a row of D floats, every thread of the block
 //   taking k = tid, tid + blockDim.x, ... then a butterfly per warp and the warps in order: the
 //   bits depend on D and blockDim.x only (callers use blockDim.x = norm_block(D));
-//   block_inv_rms_regs: the same sum over the row loaded into registers first (same bits).
+//   block_inv_rms_regs: the same sum over the row loaded into registers first (same bits);
+//   norm_quant_row_128: rms_norm_quant's row by a 128-thread block, same bits (the epilogue of
+//   gemv.cu's fused residual GEMV).
 #ifndef SPECSTREAM_ACT_QUANT_CUH
 #define SPECSTREAM_ACT_QUANT_CUH
 
@@ -61,6 +63,63 @@ __device__ __forceinline__ float block_inv_rms_regs(const float* xr, int D, floa
     for (int i = 0; i < NORM_REGS; i++)
         if (threadIdx.x + blockDim.x * i < D) s = __fadd_rn(s, __fmul_rn(xv[i], xv[i]));
     return block_inv_rms_of(s, D, eps);
+}
+
+// rms_norm_quant's row (elementwise.cu, blockDim.x = B = norm_block(D)) computed by a block of
+// 128 threads (blockDim (32, 4)) with the bits of B threads: real thread tid plays the virtual
+// threads v = tid + 128 j (j = 0, 1; v < B), real warp w the virtual warps w and w + 4, so the
+// partial sums, butterflies, warp order and 32-groups are those of the B-thread kernel.
+// x is read through L2 (__ldcg: other blocks of the grid wrote it), 8 loads in flight per
+// thread and pass, few registers (the epilogue of a GEMV must not cost the GEMV occupancy).
+// D % 32 == 0, B = norm_block(D) <= 256.
+__device__ __forceinline__ void norm_quant_row_128(const float* x, int D, int B,
+                                                   const float* __restrict__ w, float eps,
+                                                   float* __restrict__ orow,
+                                                   signed char* __restrict__ qa,
+                                                   float2* __restrict__ ads) {
+    __shared__ float part[8];
+    const int lane = threadIdx.x, warp = threadIdx.y, tid = warp * 32 + lane;
+#pragma unroll 1
+    for (int j = 0; j < 2; j++) {
+        const int v = tid + 128 * j;             // warp-uniform: v < B (B % 32 == 0)
+        if (v >= B) break;
+        float s = 0.0f;
+#pragma unroll 1
+        for (int k0 = v; k0 < D; k0 += 8 * B) {
+            float xv[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) xv[u] = k0 + B * u < D ? __ldcg(x + k0 + B * u) : 0.0f;
+#pragma unroll
+            for (int u = 0; u < 8; u++)
+                if (k0 + B * u < D) s = __fadd_rn(s, __fmul_rn(xv[u], xv[u]));
+        }
+        s = warp_sum(s);
+        if (lane == 0) part[warp + 4 * j] = s;
+    }
+    __syncthreads();
+    float tot = 0.0f;
+    for (int k = 0; k < B / 32; k++) tot += part[k];
+    const float r = 1.0f / sqrtf(__fadd_rn(tot / (float)D, eps));
+#pragma unroll 1
+    for (int j = 0; j < 2; j++) {
+        const int v = tid + 128 * j;
+        if (v >= B) break;
+#pragma unroll 1
+        for (int k0 = v; k0 < D; k0 += 8 * B) {
+            float xv[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) xv[u] = k0 + B * u < D ? __ldcg(x + k0 + B * u) : 0.0f;
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                const int k = k0 + B * u;
+                if (k - lane < D) {               // warp-uniform: a whole 32-group
+                    const float y = __fmul_rn(__fmul_rn(xv[u], r), w[k]);
+                    orow[k] = y;
+                    quant_group(y, qa + (k - lane), ads + (k - lane) / 32);
+                }
+            }
+        }
+    }
 }
 
 #endif  // SPECSTREAM_ACT_QUANT_CUH

@@ -32,6 +32,7 @@
 // of at most gemv_prefetch_rows rows, where one warp per row leaves the SMs few warps).
 #include "pdl.cuh"
 #include "quant_types.cuh"
+#include "act_quant.cuh"
 
 #define GEMV_WARPS 4
 #define GEMV_UNROLL 4
@@ -134,19 +135,18 @@ __device__ __forceinline__ void gemv_quant(Planes P, int K, int N, const signed 
 #pragma unroll
                 for (int i = 0; i < 8; i++) a[i] = an[i];
             }
-            gemv_store<NC, R>(acc, cols, n0, N, out, ldo, accumulate);
-            return;
-        }
-        for (int g = lane; g < G; g += WARP) {
-            const u8* ap = reinterpret_cast<const u8*>(qa + (size_t)ar * K + 32 * g);
-            int a[8];
-            ld16(ap, a);
-            ld16(ap + 16, a + 4);
-            const float2 ds = ads[(size_t)ar * G + g];
-            typename Q::G w;
-            if (early && g == lane) w = w_first;
-            else Q::load(P, rbase[0] + g / SUB, g % SUB, w);
-            acc[0][0] += Q::dot(w, a, ds.x, ds.y);
+        } else {
+            for (int g = lane; g < G; g += WARP) {
+                const u8* ap = reinterpret_cast<const u8*>(qa + (size_t)ar * K + 32 * g);
+                int a[8];
+                ld16(ap, a);
+                ld16(ap + 16, a + 4);
+                const float2 ds = ads[(size_t)ar * G + g];
+                typename Q::G w;
+                if (early && g == lane) w = w_first;
+                else Q::load(P, rbase[0] + g / SUB, g % SUB, w);
+                acc[0][0] += Q::dot(w, a, ds.x, ds.y);
+            }
         }
         gemv_store<NC, R>(acc, cols, n0, N, out, ldo, accumulate);
         return;
@@ -227,6 +227,36 @@ __device__ __forceinline__ void gemv_float(const u8* __restrict__ W, int K, int 
                                         rows_per_expert, act_div, out, ldo, accumulate);    \
     }
 #define GEMV_QUANT_ONE(name, Q, NC, R) GEMV_QUANT_KERNEL(name, Q, NC, R, , false, false)
+// gemv_<type>_c1r1[p]n: one column, residual add (out += W x), then the next RMSNorm: the
+// last block of the grid to finish (a counter, reset by that block) normalizes the whole
+// output row into h with its 8-bit blocks (hqa, hads), exactly as rms_norm_quant with B
+// threads (act_quant.cuh norm_quant_row_128): one launch instead of two.
+template <class Q, bool PF>
+__device__ __forceinline__ void gemv_norm(Planes P, int K, int N, const signed char* qa,
+                                          const float2* ads, float* out, int* done,
+                                          const float* nw, float eps, int B, float* h,
+                                          signed char* hqa, float2* hads) {
+    gemv_quant<Q, 1, 1, false, PF>(P, K, N, qa, ads, 1, nullptr, 0, 1, out, N, 1);
+    __shared__ int last;
+    __threadfence();                           // this block's outputs before its count
+    __syncthreads();
+    if (threadIdx.x == 0 && threadIdx.y == 0)
+        last = atomicAdd(done, 1) == (int)(gridDim.x * gridDim.y) - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    norm_quant_row_128(out, N, B, nw, eps, h, hqa, hads);
+    if (threadIdx.x == 0 && threadIdx.y == 0) *done = 0;
+}
+#define GEMV_NORM_KERNEL(name, Q, SUFFIX, PF)                                               \
+    extern "C" __global__ void __launch_bounds__(128, 6)                                    \
+    gemv_##name##_c1r1##SUFFIX##n(const u8* p0, const u8* p1, const u8* p2, const u8* p3,   \
+                                  int K, int N, const signed char* qa, const float2* ads,   \
+                                  float* out, int* done, const float* nw, float eps, int B, \
+                                  float* h, signed char* hqa, float2* hads) {               \
+        gemv_norm<Q, PF>(Planes{p0, p1, p2, p3}, K, N, qa, ads, out, done, nw, eps, B, h,   \
+                         hqa, hads);                                                        \
+    }
 #define GEMV_FLOAT_ONE(name, F, NC, R)                                                      \
     extern "C" __global__ void __launch_bounds__(128)                                       \
     gemv_##name##_c##NC##r##R(const u8* W, int K, int N, const float* x, int ldx, int n_cols, \
@@ -244,7 +274,11 @@ __device__ __forceinline__ void gemv_float(const u8* __restrict__ W, int K, int 
     ONE(name, T, 8, 4) ONE(name, T, 16, 4)
 #define GEMV_QUANT_KERNELS(name, Q) GEMV_VARIANTS(GEMV_QUANT_ONE, name, Q) \
     GEMV_QUANT_KERNEL(name, Q, 1, 1, e, true, false) \
-    GEMV_QUANT_KERNEL(name, Q, 1, 1, p, false, true)
+    GEMV_QUANT_KERNEL(name, Q, 1, 1, p, false, true) GEMV_NORM_KERNEL(name, Q, , false)
 #define GEMV_FLOAT_KERNELS(name, F) GEMV_VARIANTS(GEMV_FLOAT_ONE, name, F)
 FOR_QUANT_TYPES(GEMV_QUANT_KERNELS)
+// the fused residual + norm GEMV on the prefetching loop: the types CudaBackend uses it for
+// (cuda_types.GEMV_PREFETCH_TYPES)
+GEMV_NORM_KERNEL(q4_k, Q4_K, p, true)
+GEMV_NORM_KERNEL(q6_k, Q6_K, p, true)
 FOR_FLOAT_TYPES(GEMV_FLOAT_KERNELS)

@@ -313,6 +313,14 @@ class Backend(abc.ABC):
         self.matmul(x, w, tmp)
         self.add(out, tmp, out)
 
+    def matmul_add_norm(self, x: Array, w: Any, out: Array, tmp: Array, norm_w: Array,
+                        eps: float, h: Array) -> None:
+        """matmul_add(x, w, out, tmp), then rms_norm_for_matmul(out, norm_w, eps, h): a residual
+        add and the next layer's input norm, rounded as the two ops (a backend may run them as
+        one launch)."""
+        self.matmul_add(x, w, out, tmp)
+        self.rms_norm_for_matmul(out, norm_w, eps, h)
+
     def rms_norm_add(self, o: Array, w: Array, eps: float, x: Array) -> None:
         """x (T, E) += rms_norm(o, w, eps), rounded as rms_norm in place then add(x, o, x) (a
         post-norm and the residual add). o's contents are unspecified afterwards."""

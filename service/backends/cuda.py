@@ -74,7 +74,8 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
                  staging_buffers: int = 3, staging_mib: int = 64,
                  prefill_scratch_mib: int = 128, pdl: bool = True, gemv_early: bool = False,
                  gemv_mma: bool = False, gemv_prefetch_rows: int = GEMV_PREFETCH_ROWS,
-                 prefill_attention_min_tokens: int | None = PREFILL_ATTENTION_MIN_TOKENS):
+                 prefill_attention_min_tokens: int | None = PREFILL_ATTENTION_MIN_TOKENS,
+                 fuse_norm: bool = True):
         """gemv_rows: 2 (the default) picks the GEMV variant by the step's width
         (cuda_types.gemv_choice); 1 runs the one-column one-row kernel at every width (the
         earlier kernel, kept for benchmarks). Both give the same bits.
@@ -104,7 +105,10 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
         `invariant_tokens`, run attention on the query-tiled kernel (attention_tiled.cu: keys
         read once per 32 query rows instead of once per query); None keeps every step on the
         split kernel (attention.cu). A row's result does not depend on its step's other rows
-        on either kernel; the two differ in the last bits."""
+        on either kernel; the two differ in the last bits.
+        fuse_norm: a one-column residual GEMV followed by an RMSNorm (matmul_add_norm) runs as
+        one launch whose last block normalizes the row; False launches the two kernels. Both
+        give the same bits."""
         # CPU threads do not apply; every GEMV column and attention query is computed the same
         # way at any step size, so steps up to invariant_tokens are invariant here.
         del threads
@@ -133,6 +137,7 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
         self.gemv_rows = gemv_rows
         self.gemv_early = gemv_early
         self.gemv_prefetch_rows = gemv_prefetch_rows
+        self.fuse_norm = fuse_norm
         self.gemv_mma = gemv_mma
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._modules: dict[str, Any] = {}
@@ -300,6 +305,7 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
         s.part_ml = z((max_tokens * n_head * n_split, 2), "float32")
         s.part_acc = z((max_tokens * n_head * n_split * head_dim_v,), "float32")
         s.counters = z((max_tokens * n_head,), "int32")       # the kernel leaves them at 0
+        s.gemv_done = z((1,), "int32")                         # the kernel leaves it at 0
         if moe_used:
             f = moe_ff
             s.moe = {"logits": z((max_tokens, moe_experts)), "ids": z((rows,), "int32"),
@@ -485,6 +491,31 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
             self._gemm_matmul(x, w, out, accumulate=True)
         else:
             self._gemv(x, w, out, accumulate=True)
+
+    def matmul_add_norm(self, x, w: CudaMatrix, out, tmp, norm_w, eps, h):
+        """One column: the GEMV with its residual add and, in its last block, the next RMSNorm
+        and its 8-bit blocks (gemv.cu gemv_<type>_c1r1[p]n; the bits of the two launches).
+        Other shapes, float or tensor-core weights, or fuse_norm off: the two ops."""
+        T, _, _, _, K = view_rows(x)
+        C, _, ldo, _, N = view_rows(out)
+        fused = (self.fuse_norm and T == 1 and C == 1 and x.ndim == 2 and out.ndim == 2
+                 and h.shape == out.shape and norm_w.shape == (N,) and w.layout.quantized
+                 and K == w.k and N == w.n and not self._gemm_wanted(x) and not self.gemv_early
+                 and not (self.gemv_mma and w.layout.kernel in GEMV_MMA_TYPES)
+                 and self._block_room(1, N) and self._block_room(1, K)
+                 and self._s.gemv_done is not None)
+        if not fused:
+            super().matmul_add_norm(x, w, out, tmp, norm_w, eps, h)
+            return
+        for a, what in ((x, "x"), (out, "out"), (norm_w, "norm_w"), (h, "h")):
+            check_dtype(a, np.float32, f"matmul_add_norm {what}")
+        qa, ads = self._quantize(x)          # read by every block before the last one writes
+        prefetch = N <= self.gemv_prefetch_rows and w.layout.kernel in GEMV_PREFETCH_TYPES
+        self._launch(f"gemv_{w.layout.kernel}_c1r1{'p' if prefetch else ''}n",
+                     (ceil_div(N, GEMV_WARPS), 1), (32, GEMV_WARPS),
+                     [*w.args(), I32(K), I32(N), qa, ads, out, self._s.gemv_done, norm_w,
+                      F32(eps), I32(norm_block(N)), h, *self._block_args(1, N)])
+        self._blocks = matrix_key(h)
 
     def add(self, a, b, out):
         T, _, lda, _, N = view_rows(a)

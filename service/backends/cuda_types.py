@@ -82,6 +82,7 @@ class Scratch:
     part_ml: Any = None               # (T, H, S, 2) f32 attention split (max, sum)
     part_acc: Any = None              # (T, H, S, Dv) f32 attention split accumulators
     counters: Any = None              # (T * H) int32 attention splits done, 0 between launches
+    gemv_done: Any = None             # (1,) int32 blocks of a fused-norm GEMV done, 0 between
     moe: dict[str, Any] = field(default_factory=dict)
 
 

@@ -144,9 +144,12 @@ class Transformer:
         qkv, attn = self.ws_qkv[:T], self.ws_attn[:T]
         Q, K = self.q_dim, self.k_dim
         be.embed(W.embedding, ids, s.embed_scale, x)                    # (T, E)
+        normed = False                    # h holds the norm the next matmul wants
+        n = len(W.layers)
         for i, L in enumerate(W.layers):
             lay = s.layers[i]
-            be.rms_norm_for_matmul(x, L.attn_norm, eps, h)              # (T, E)
+            if not normed:
+                be.rms_norm_for_matmul(x, L.attn_norm, eps, h)          # (T, E)
             self._matmuls(h, L.qkv, qkv)                                # (T, Q+K+V)
             if L.qkv_bias is not None:
                 be.add(qkv, L.qkv_bias, qkv)
@@ -158,33 +161,45 @@ class Transformer:
             a = attn.reshape(T, s.n_head, s.head_dim_v)                 # (T, H, hv)
             be.attention_for_matmul(q, self.cache, i, slots, positions, kv_len, lay.window,
                                     s.attn_scale, a, attn_lo, attn_mask)
-            self._residual(attn, L.wo, L.post_attn_norm, o, x)
-            be.rms_norm_for_matmul(x, L.ffn_norm, eps, h)               # (T, E)
+            if not self._residual(attn, L.wo, L.post_attn_norm, o, x, L.ffn_norm, h):
+                be.rms_norm_for_matmul(x, L.ffn_norm, eps, h)           # (T, E)
             if s.moe:
                 be.moe(h, L.router, L.gate_exps, L.up_exps, L.down_exps, s.moe.n_expert_used,
                        s.moe.normalize_top_k, s.traits.activation.value, o)
                 self._post(o, L.post_ffw_norm, x)
+                normed = False
             else:
                 gu, act = self.ws_gu[:T], self.ws_act[:T]
                 self._matmuls(h, L.gate_up, gu)                         # (T, 2F)
                 ff = act.shape[1]
                 be.glu_for_matmul(gu[:, :ff], gu[:, ff:], s.traits.activation.value, act)
-                self._residual(act, L.down, L.post_ffw_norm, o, x)
+                # the next layer's input norm, or the output norm when every row has logits
+                nxt = (W.layers[i + 1].attn_norm if i + 1 < n
+                       else W.output_norm if n_logits == T else None)
+                normed = self._residual(act, L.down, L.post_ffw_norm, o, x, nxt, h)
         if n_logits == 0:
             return self.ws_logits[:0]
         xs, hs = x[T - n_logits:], h[:n_logits]
-        be.rms_norm_for_matmul(xs, W.output_norm, eps, hs)
+        if not (normed and n_logits == T):
+            be.rms_norm_for_matmul(xs, W.output_norm, eps, hs)
         logits = self.ws_logits[:n_logits]
         be.matmul(hs, W.output, logits)                                 # (n, V)
         return logits
 
-    def _residual(self, a, w, post_norm, o, x) -> None:
-        """x += post_norm(a @ W^T) (Gemma-3's post-norms) or x += a @ W^T; o (T, E) scratch."""
+    def _residual(self, a, w, post_norm, o, x, norm=None, h=None) -> bool:
+        """x += post_norm(a @ W^T) (Gemma-3's post-norms) or x += a @ W^T; o (T, E) scratch.
+        With `norm` (and no post-norm) also h = rms_norm(x) * norm, prepared for a matmul, in
+        the same backend op; returns whether h was written."""
+        eps = self.spec.rms_eps
+        if post_norm is None and norm is not None:
+            self.backend.matmul_add_norm(a, w, x, o, norm, eps, h)     # (T, E), (T, E)
+            return True
         if post_norm is None:
             self.backend.matmul_add(a, w, x, o)                         # (T, E)
         else:
             self.backend.matmul(a, w, o)                                # (T, E)
-            self.backend.rms_norm_add(o, post_norm, self.spec.rms_eps, x)
+            self.backend.rms_norm_add(o, post_norm, eps, x)
+        return False
 
     def _post(self, o, post_norm, x) -> None:
         """x += post_norm(o) or x += o."""

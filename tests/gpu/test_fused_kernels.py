@@ -129,6 +129,49 @@ def test_matmul_add_equals_matmul_then_add(cuda, name):
         assert (np.abs(cuda.to_host(got) - ref) <= bound).all(), (name, T)
 
 
+@pytest.mark.parametrize("name,n,k", [("Q4_K", 576, 768), ("Q6_K", 4096, 1024),
+                                      ("Q8_0", 640, 512), ("Q4_1", 2048, 256),
+                                      ("Q4_K", 8192, 256)])
+def test_matmul_add_norm_equals_the_two_ops(cuda, name, n, k):
+    """The one-column residual GEMV whose last block normalizes the row (c1r1n, c1r1pn at
+    <= gemv_prefetch_rows rows) gives the bits of matmul_add then rms_norm_for_matmul, and
+    leaves the norm's 8-bit blocks for the next GEMV; the counter is back at 0 each time."""
+    w = cuda.load_matrix([tensor(name, n, k, seed=n + k)])
+    nxt = cuda.load_matrix([tensor("Q8_0", 40, n, seed=3)])        # reads the norm's blocks
+    cuda.prepare(max_tokens=16, n_head=1, head_dim_v=32, n_ctx=256, n_embd=max(n, k))
+    nw = cp.asarray(normal(n, scale=0.1) + 1)
+    for rep in range(3):                                           # counter reset each time
+        a, x = cp.asarray(normal(1, k)), normal(1, n, scale=2.0)
+        want_x, tmp, want_h = cp.asarray(x), poisoned(cuda, (1, n)), poisoned(cuda, (1, n))
+        cuda.fuse_norm = False
+        try:
+            cuda.matmul_add_norm(a, w, want_x, tmp, nw, 1e-5, want_h)
+        finally:
+            cuda.fuse_norm = True
+        y_want = matmul_of(cuda, want_h, nxt)
+        got_x, got_h, y = cp.asarray(x), poisoned(cuda, (1, n)), poisoned(cuda, (1, nxt.n))
+        poison_blocks(cuda)
+        names, launch = [], cuda._launch
+
+        def recorded(kernel, *args, names=names, launch=launch, **kwargs):
+            names.append(kernel)
+            launch(kernel, *args, **kwargs)
+
+        cuda._launch = recorded                    # an instance attribute shadows the method
+        try:
+            cuda.matmul_add_norm(a, w, got_x, tmp, nw, 1e-5, got_h)
+        finally:
+            del cuda._launch
+        pf = "p" if n <= 4096 and name in ("Q4_K", "Q6_K") else ""
+        assert [k for k in names if k.startswith("gemv_")] == [f"gemv_{w.layout.kernel}_c1r1{pf}n"]
+        assert np.array_equal(cuda.to_host(got_x), cuda.to_host(want_x)), (name, rep)
+        got = cuda.to_host(got_h)
+        assert np.array_equal(got, cuda.to_host(want_h)), (name, rep)
+        assert_blocks_of(cuda, got)
+        assert np.array_equal(matmul_of(cuda, got_h, nxt, y), y_want), (name, rep)
+        assert int(cuda.to_host(cuda._s.gemv_done)[0]) == 0
+
+
 def _dense(t) -> np.ndarray:
     from gguf.quants import dequantize
 
