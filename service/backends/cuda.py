@@ -75,7 +75,7 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
                  prefill_scratch_mib: int = 128, pdl: bool = True, gemv_early: bool = False,
                  gemv_mma: bool = False, gemv_prefetch_rows: int = GEMV_PREFETCH_ROWS,
                  prefill_attention_min_tokens: int | None = PREFILL_ATTENTION_MIN_TOKENS,
-                 fuse_norm: bool = True):
+                 fuse_norm: bool = False):
         """gemv_rows: 2 (the default) picks the GEMV variant by the step's width
         (cuda_types.gemv_choice); 1 runs the one-column one-row kernel at every width (the
         earlier kernel, kept for benchmarks). Both give the same bits.
@@ -107,8 +107,9 @@ class CudaBackend(AttentionOps, GemmOps, SamplingOps, Backend):
         split kernel (attention.cu). A row's result does not depend on its step's other rows
         on either kernel; the two differ in the last bits.
         fuse_norm: a one-column residual GEMV followed by an RMSNorm (matmul_add_norm) runs as
-        one launch whose last block normalizes the row; False launches the two kernels. Both
-        give the same bits."""
+        one launch whose last block normalizes the row; False (the default) launches the two
+        kernels. Both give the same bits. Off by default: measured slower on the H200 (8B
+        decode 328 -> 249 tok/s; docs/PERFORMANCE.md section 10)."""
         # CPU threads do not apply; every GEMV column and attention query is computed the same
         # way at any step size, so steps up to invariant_tokens are invariant here.
         del threads

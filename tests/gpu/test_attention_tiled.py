@@ -56,12 +56,12 @@ def _caches(type_k, type_v, hkv, d, seed):
 
 def _run(be, cache, q, slots, pos, window, scale):
     """attention of the rows (q, slots, pos) on backend `be`; host (T, H, Dv) f32."""
-    T, H, _ = q.shape
+    T, H, D = q.shape                                  # these tests use Dv = D
     if isinstance(be, CpuBackend):
-        out = np.empty((T, H, cache.head_dim_v), np.float32)
+        out = np.empty((T, H, D), np.float32)
         be.attention(q, cache, 0, slots, pos, N_CTX, window, scale, out)
         return out
-    out = be.zeros((T, H, cache.head_dim_v))
+    out = be.zeros((T, H, D))
     out.fill(np.nan)                                   # every row must be written
     be.attention(cp.asarray(q), cache, 0, cp.asarray(slots), cp.asarray(pos), N_CTX, window,
                  scale, out)

@@ -136,6 +136,7 @@ def test_matmul_add_norm_equals_the_two_ops(cuda, name, n, k):
     """The one-column residual GEMV whose last block normalizes the row (c1r1n, c1r1pn at
     <= gemv_prefetch_rows rows) gives the bits of matmul_add then rms_norm_for_matmul, and
     leaves the norm's 8-bit blocks for the next GEMV; the counter is back at 0 each time."""
+    assert not cuda.fuse_norm                                      # the default
     w = cuda.load_matrix([tensor(name, n, k, seed=n + k)])
     nxt = cuda.load_matrix([tensor("Q8_0", 40, n, seed=3)])        # reads the norm's blocks
     cuda.prepare(max_tokens=16, n_head=1, head_dim_v=32, n_ctx=256, n_embd=max(n, k))
@@ -143,11 +144,7 @@ def test_matmul_add_norm_equals_the_two_ops(cuda, name, n, k):
     for rep in range(3):                                           # counter reset each time
         a, x = cp.asarray(normal(1, k)), normal(1, n, scale=2.0)
         want_x, tmp, want_h = cp.asarray(x), poisoned(cuda, (1, n)), poisoned(cuda, (1, n))
-        cuda.fuse_norm = False
-        try:
-            cuda.matmul_add_norm(a, w, want_x, tmp, nw, 1e-5, want_h)
-        finally:
-            cuda.fuse_norm = True
+        cuda.matmul_add_norm(a, w, want_x, tmp, nw, 1e-5, want_h)   # fuse_norm off: 2 ops
         y_want = matmul_of(cuda, want_h, nxt)
         got_x, got_h, y = cp.asarray(x), poisoned(cuda, (1, n)), poisoned(cuda, (1, nxt.n))
         poison_blocks(cuda)
@@ -158,10 +155,12 @@ def test_matmul_add_norm_equals_the_two_ops(cuda, name, n, k):
             launch(kernel, *args, **kwargs)
 
         cuda._launch = recorded                    # an instance attribute shadows the method
+        cuda.fuse_norm = True
         try:
             cuda.matmul_add_norm(a, w, got_x, tmp, nw, 1e-5, got_h)
         finally:
             del cuda._launch
+            cuda.fuse_norm = False
         pf = "p" if n <= 4096 and name in ("Q4_K", "Q6_K") else ""
         assert [k for k in names if k.startswith("gemv_")] == [f"gemv_{w.layout.kernel}_c1r1{pf}n"]
         assert np.array_equal(cuda.to_host(got_x), cuda.to_host(want_x)), (name, rep)
