@@ -218,22 +218,15 @@ def _decode_model(cp, G, a, model, source, path, synth_s, results: dict) -> None
     step_graphs = [g for key, (g, _) in be._graphs.items() if key[0] == 1]
     nodes = G._graph_nodes(step_graphs[0]) if step_graphs else None
     results["graph_breakdown"].append(B.graph_breakdown(G, be, tr, model, results["copy_bw"]))
-    serial = None
-    if be.pdl:                            # the same graphs captured without PDL, side by side
-        be._graphs.clear()
-        be._seen.clear()
-        be.pdl = False
-        serial = G._decode_rate(be, tr, a.tokens)
-        be.pdl = True
-    be._graphs.clear()                    # PDL with the first weight group read before the wait
-    be._seen.clear()
-    be.gemv_early = True
-    early = G._decode_rate(be, tr, a.tokens)
-    be.gemv_early = False
+    # the versions that mattered, each with its graphs captured again, same weights
+    variants = {name: _variant_rate(G, be, tr, a.tokens, **attrs)
+                for name, attrs in DECODE_VARIANTS.items()
+                if name != "no PDL" or be.pdl}
+    serial, early = variants.get("no PDL"), variants["early weight read"]
     results["decode"].append({
         "model": model, "source": source, "weight_bytes": be.weight_bytes,
         "n_layer": spec.n_layer, "eager_tok_s": eager, "graph_tok_s": graphs,
-        "graph_serial_tok_s": serial, "graph_early_tok_s": early,
+        "graph_serial_tok_s": serial, "graph_early_tok_s": early, "variants": variants,
         "graph_nodes": nodes if isinstance(nodes, int) else None, "launches": launches,
         "load_s": load_s,
         "synth_s": synth_s})
@@ -250,6 +243,11 @@ def _decode_model(cp, G, a, model, source, path, synth_s, results: dict) -> None
         try:
             step = _prefill_step(be, tr, n)
             row["tok_s"] = _prefill_rate(be, step, n)
+            tiled, be.prefill_attention_min_tokens = be.prefill_attention_min_tokens, None
+            try:                   # the split attention kernel of decode, for comparison
+                row["split_attention_tok_s"] = _prefill_rate(be, step, n)
+            finally:
+                be.prefill_attention_min_tokens = tiled
         except Exception as exc:   # the decode figures above stand without it
             row["error"] = kern["error"] = f"{type(exc).__name__}: {exc}"
         if "error" not in kern:
@@ -259,6 +257,32 @@ def _decode_model(cp, G, a, model, source, path, synth_s, results: dict) -> None
                 kern["error"] = f"{type(exc).__name__}: {exc}"
         results["prefill"].append(row)
         results["prefill_kernels"].append(kern)
+
+
+# CudaBackend settings of the decode versions measured beside the default (docs/PERFORMANCE.md)
+DECODE_VARIANTS = {
+    "no PDL": {"pdl": False},                         # every kernel fully serialized
+    "early weight read": {"gemv_early": True},        # c1r1e
+    "fused norm": {"fuse_norm": True},                # residual GEMV + RMSNorm in one launch
+    "no c1r1p": {"gemv_prefetch_rows": 0},            # the plain one-column loop everywhere
+}
+
+
+def _variant_rate(G, be, tr, tokens: int, **attrs) -> float:
+    """Decode tok/s with the backend attributes `attrs` set (graphs captured afresh), then the
+    attributes and an empty graph cache restored."""
+    old = {k: getattr(be, k) for k in attrs}
+    be._graphs.clear()
+    be._seen.clear()
+    for k, v in attrs.items():
+        setattr(be, k, v)
+    try:
+        return G._decode_rate(be, tr, tokens)
+    finally:
+        for k, v in old.items():
+            setattr(be, k, v)
+        be._graphs.clear()
+        be._seen.clear()
 
 
 def _step_inputs(be, tokens: list[int], start: int):
@@ -371,12 +395,17 @@ def report(results: dict, a) -> str:
                      f"torch bf16 GEMV: {results['torch_bf16'].get('error')}")
     if results["decode"]:
         parts.append(T.decode_table(results["decode"], results["copy_bw"], a.tokens))
+        if T.variants_table(results["decode"]):
+            parts.append(T.variants_table(results["decode"]))
         for k in results["kernels"]:
             parts.append(T.kernel_table(k, k["step_s"]))
         parts += [T.graph_breakdown_table(g) for g in results.get("graph_breakdown", [])]
     if results["prefill"]:
         parts.append("\n".join(f"Prefill {r['model']}, {r['tokens']} tokens in one step: "
                                + (f"{r['tok_s']:,.0f} tok/s" if "tok_s" in r else r["error"])
+                               + (f" (with the split attention kernel instead of the tiled "
+                                  f"one: {r['split_attention_tok_s']:,.0f} tok/s)"
+                                  if r.get("split_attention_tok_s") else "")
                                for r in results["prefill"]))
         parts += [T.prefill_kernel_table(k) for k in results.get("prefill_kernels", [])]
     table, results["goals"] = T.goals_table(results)

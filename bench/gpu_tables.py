@@ -299,6 +299,25 @@ def decode_table(rows: list[dict], copy_bw: float, tokens: int) -> str:
     return "\n".join(lines)
 
 
+def variants_table(rows: list[dict]) -> str:
+    """Decode tok/s of each selectable version against the default graphs, same run."""
+    rows = [r for r in rows if r.get("variants")]
+    if not rows:
+        return ""
+    names = list(dict.fromkeys(n for r in rows for n in r["variants"]))
+    lines = ["Decode versions side by side (CUDA graphs; tok/s and ratio to the default)",
+             f"{'model':14} {'default':>9} " + " ".join(f"{n:>22}" for n in names)]
+    for r in rows:
+        base = r["graph_tok_s"]
+        cells = []
+        for n in names:
+            v = r["variants"].get(n)
+            cells.append(f"{'-':>22}" if v is None else
+                         f"{f'{v:.0f}/s ({v / base:.2f}x)':>22}")
+        lines.append(f"{r['model']:14} {base:7.0f}/s " + " ".join(cells))
+    return "\n".join(lines)
+
+
 def kernel_table(entry: dict, graph_step_s: float | None = None) -> str:
     """Per-kernel time of one eager decode step (CUDA events around each launch)."""
     rows, total = entry["rows"], sum(r["total_s"] for r in entry["rows"])

@@ -313,3 +313,16 @@ def test_gpu_bench_report_prints_the_breakdowns(gt):
     assert "Graph node ablation, llama3-8b, PDL graph" in text
     assert "Graph node ablation, gemma3-270m: no graph" in text
     assert "Prefill kernels, llama3-8b, 512 tokens: OOM" in text
+
+
+def test_variants_table_shows_each_version_against_the_default(gt):
+    rows = [{"model": "llama3-8b", "graph_tok_s": 300.0,
+             "variants": {"no PDL": 240.0, "fused norm": 330.0}},
+            {"model": "gemma3-270m", "graph_tok_s": 1000.0, "variants": {"no PDL": 900.0}},
+            {"model": "smollm2-135m", "error": "not in /tmp"}]
+    out = gt.variants_table(rows).splitlines()
+    assert "no PDL" in out[1] and "fused norm" in out[1]
+    assert "240/s (0.80x)" in out[2] and "330/s (1.10x)" in out[2]
+    assert "900/s (0.90x)" in out[3] and out[3].rstrip().endswith("-")
+    assert len(out) == 4                                  # the error row has no versions
+    assert gt.variants_table([{"model": "x", "graph_tok_s": 1.0}]) == ""
