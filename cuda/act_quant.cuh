@@ -106,14 +106,20 @@ __device__ __forceinline__ void norm_quant_row_128(const float* x, int D, int B,
         if (v >= B) break;
 #pragma unroll 1
         for (int k0 = v; k0 < D; k0 += 8 * B) {
-            float xv[8];
+            // x and w of the chunk loaded before the first group is quantized (a load after
+            // a group's shuffles and stores would wait for them: one latency per element)
+            float xv[8], wv[8];
 #pragma unroll
-            for (int u = 0; u < 8; u++) xv[u] = k0 + B * u < D ? __ldcg(x + k0 + B * u) : 0.0f;
+            for (int u = 0; u < 8; u++) {
+                const bool in = k0 + B * u < D;
+                xv[u] = in ? __ldcg(x + k0 + B * u) : 0.0f;
+                wv[u] = in ? w[k0 + B * u] : 0.0f;
+            }
 #pragma unroll
             for (int u = 0; u < 8; u++) {
                 const int k = k0 + B * u;
                 if (k - lane < D) {               // warp-uniform: a whole 32-group
-                    const float y = __fmul_rn(__fmul_rn(xv[u], r), w[k]);
+                    const float y = __fmul_rn(__fmul_rn(xv[u], r), wv[u]);
                     orow[k] = y;
                     quant_group(y, qa + (k - lane), ads + (k - lane) / 32);
                 }

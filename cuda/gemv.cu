@@ -238,8 +238,8 @@ __device__ __forceinline__ void gemv_norm(Planes P, int K, int N, const signed c
                                           signed char* hqa, float2* hads) {
     gemv_quant<Q, 1, 1, false, PF>(P, K, N, qa, ads, 1, nullptr, 0, 1, out, N, 1);
     __shared__ int last;
-    __threadfence();                           // this block's outputs before its count
-    __syncthreads();
+    if (threadIdx.x == 0) __threadfence();     // the writers (lane 0 of each warp): outputs
+    __syncthreads();                           // before the block's count
     if (threadIdx.x == 0 && threadIdx.y == 0)
         last = atomicAdd(done, 1) == (int)(gridDim.x * gridDim.y) - 1;
     __syncthreads();
