@@ -57,10 +57,20 @@ def test_decode_path_on_a_tiny_model(bench):
     T = bench.T
     a = T.parse_args(["--tokens", "4"])
     path = TINY / load_json("tiny/llamacpp_tiny_logits.json")["models"]["tiny-llama-mixq"]["file"]
-    results = {"decode": [], "kernels": [], "prefill": []}
+    results = {"decode": [], "kernels": [], "prefill": [], "prefill_kernels": [],
+               "graph_breakdown": [], "copy_bw": G.copy_bandwidth()}
     bench._decode_model(cp, G, a, T.PREFILL_MODEL, "file", path, None, results)
     (row,), (kern,), (pre,) = results["decode"], results["kernels"], results["prefill"]
+    (ablation,), (pre_kern,) = results["graph_breakdown"], results["prefill_kernels"]
     assert _positive(row["eager_tok_s"]) and _positive(row["graph_tok_s"])
+    assert set(row["variants"]) == set(bench.DECODE_VARIANTS) - ({"no PDL"} if not
+                                                                  row["graph_serial_tok_s"]
+                                                                  else set())
+    assert all(_positive(v) for v in row["variants"].values())
+    if row["graph_nodes"] is not None:        # cuda-bindings present: the ablation ran
+        assert "error" not in ablation, ablation
+    assert "error" not in pre_kern, pre_kern
+    assert _positive(pre["split_attention_tok_s"])
     n = row["launches"]
     assert n["embed"] >= 1 and n["head"] >= 2 and n["layers"] >= 5 * row["n_layer"]
     assert sum(r["calls"] for r in kern["rows"]) == sum(n.values())

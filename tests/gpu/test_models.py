@@ -358,7 +358,7 @@ def test_serve_streams_generate_through_the_client():
 
 # ---------------------------------------------------------------- launches per layer
 LLAMA_LAYER = [("rms_norm_quant", None), ("gemv_q4_0_c1r1", 0), ("rope_kv_f16_f16", None),
-               ("attn_f16_f16", None), ("gemv_q4_0_c1r1", 1), ("rms_norm_quant", None),
+               ("attn_f16_f16_d128", None), ("gemv_q4_0_c1r1", 1), ("rms_norm_quant", None),
                ("gemv_q4_0_c1r1", 0), ("glu_quant", None), ("gemv_q4_0_c1r1", 1)]
 
 
