@@ -268,8 +268,4 @@ __device__ __forceinline__ void attn_fused(
     }
 #define ATTN_SIZES(kn, KT, vn, VT) ATTN_KERNEL(kn, KT, vn, VT, 4, 128) \
     ATTN_KERNEL(kn, KT, vn, VT, 8, 256)
-#define ATTN_V(kn, KT) ATTN_SIZES(kn, KT, f16, KvF16) ATTN_SIZES(kn, KT, q8_0, KvQ8_0) \
-    ATTN_SIZES(kn, KT, q4_0, KvQ4_0)
-ATTN_V(f16, KvF16)
-ATTN_V(q8_0, KvQ8_0)
-ATTN_V(q4_0, KvQ4_0)
+FOR_KV_TYPE_PAIRS(ATTN_SIZES)

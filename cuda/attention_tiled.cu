@@ -204,8 +204,4 @@ __device__ __forceinline__ void attn_tiled(
     }
 #define ATTNT_SIZES(kn, KT, vn, VT) ATTNT_KERNEL(kn, KT, vn, VT, 4, 128) \
     ATTNT_KERNEL(kn, KT, vn, VT, 8, 256)
-#define ATTNT_V(kn, KT) ATTNT_SIZES(kn, KT, f16, KvF16) ATTNT_SIZES(kn, KT, q8_0, KvQ8_0) \
-    ATTNT_SIZES(kn, KT, q4_0, KvQ4_0)
-ATTNT_V(f16, KvF16)
-ATTNT_V(q8_0, KvQ8_0)
-ATTNT_V(q4_0, KvQ4_0)
+FOR_KV_TYPE_PAIRS(ATTNT_SIZES)

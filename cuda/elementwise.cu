@@ -63,9 +63,9 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, int n1, int s0,
         float xv[NORM_REGS];
         const float r = block_inv_rms_regs(xr, D, eps, xv);
 #pragma unroll
-        for (int i = 0; i < NORM_REGS; i++) {
-            const int k = threadIdx.x + blockDim.x * i;
-            if (k < D) orow[k] = __fmul_rn(__fmul_rn(xv[i], r), w[k]);
+        for (int u = 0; u < NORM_REGS; u++) {
+            const int k = threadIdx.x + blockDim.x * u;
+            if (k < D) orow[k] = __fmul_rn(__fmul_rn(xv[u], r), w[k]);
         }
         return;
     }

@@ -12,14 +12,21 @@
 
 #include "common.cuh"
 
+// vrow through at(): element d = lane + 32 i of the row, 0 past D.
+template <class KT, int NV>
+__device__ __forceinline__ void vrow_by_element(const u8* qs, const u8* dd, size_t row, int D,
+                                                int lane, float (&v)[NV]) {
+#pragma unroll
+    for (int i = 0; i < NV; i++)
+        v[i] = lane + 32 * i < D ? KT::at(qs, dd, row, D, lane + 32 * i) : 0.0f;
+}
+
 struct KvF16 {
     static constexpr int PASS128 = 8;    // V rows in flight per pass (attention.cu, Dv <= 128)
     template <int NV>
     __device__ static void vrow(const u8* qs, const u8* dd, size_t row, int D, int lane,
                                 float (&v)[NV]) {
-#pragma unroll
-        for (int i = 0; i < NV; i++)
-            v[i] = lane + 32 * i < D ? at(qs, dd, row, D, lane + 32 * i) : 0.0f;
+        vrow_by_element<KvF16, NV>(qs, dd, row, D, lane, v);
     }
     __device__ static float at(const u8* qs, const u8*, size_t row, int D, int i) {
         return h2f(reinterpret_cast<const u16*>(qs)[row * D + i]);
@@ -38,9 +45,7 @@ struct KvQ8_0 {
     template <int NV>
     __device__ static void vrow(const u8* qs, const u8* dd, size_t row, int D, int lane,
                                 float (&v)[NV]) {
-#pragma unroll
-        for (int i = 0; i < NV; i++)
-            v[i] = lane + 32 * i < D ? at(qs, dd, row, D, lane + 32 * i) : 0.0f;
+        vrow_by_element<KvQ8_0, NV>(qs, dd, row, D, lane, v);
     }
     __device__ static float at(const u8* qs, const u8* dd, size_t row, int D, int i) {
         const float d = h2f(reinterpret_cast<const u16*>(dd)[row * (D / 32) + i / 32]);
@@ -93,5 +98,11 @@ struct KvQ4_0 {
         }
     }
 };
+
+// X(kn, KT, vn, VT) for every (K type, V type) pair: the attention kernels' instantiations.
+#define FOR_KV_TYPE_PAIRS_V(X, kn, KT) X(kn, KT, f16, KvF16) X(kn, KT, q8_0, KvQ8_0) \
+    X(kn, KT, q4_0, KvQ4_0)
+#define FOR_KV_TYPE_PAIRS(X) FOR_KV_TYPE_PAIRS_V(X, f16, KvF16) \
+    FOR_KV_TYPE_PAIRS_V(X, q8_0, KvQ8_0) FOR_KV_TYPE_PAIRS_V(X, q4_0, KvQ4_0)
 
 #endif  // SPECSTREAM_KV_READ_CUH
