@@ -86,8 +86,8 @@ class CudaBackend(AttentionOps, GemvOps, GemmOps, SamplingOps, Backend):
         first weight group before the programmatic-launch wait (same bits, more registers).
         gemv_prefetch_rows: one-column Q4_K / Q6_K GEMVs of matrices with at most this many
         rows use the c1r1p kernel (the next weight group loaded before each dot; same bits),
-        where one warp per row leaves too few loads in flight; 0 never. H200: 1.12-1.20x
-        faster at 4096 rows, 0.92-1.0x at 6144 and 14336, and no gain on Q8_0 / Q4_0.
+        where one warp per row leaves too few loads in flight; 0 never (docs/PERFORMANCE.md
+        section 11: faster at 4096 rows on the H200, not at 6144 and more, nor on Q8_0 / Q4_0).
         gemv_mma: every GEMV over Q4_K / Q6_K weights (plain mode, any width, one column
         included) runs on the int8 tensor cores (cuda/gemv_mma.cu, 8 columns per block up to 8,
         16 above): a column's result depends on neither the step's width nor its neighbours, so
@@ -101,8 +101,9 @@ class CudaBackend(AttentionOps, GemvOps, GemmOps, SamplingOps, Backend):
         on either kernel; the two differ in the last bits.
         fuse_norm: a one-column residual GEMV followed by an RMSNorm (matmul_add_norm) runs as
         one launch whose last block normalizes the row; False (the default) launches the two
-        kernels. Both give the same bits. Off by default: measured slower on the H200 (8B
-        decode 328 -> 249 tok/s; docs/PERFORMANCE.md section 10)."""
+        kernels. Both give the same bits. Off by default: measured slower on the H200 (0.89x /
+        0.94x of the default decode on the 8B / 1B shapes, `make bench-gpu`'s versions table;
+        docs/PERFORMANCE.md section 13)."""
         # CPU threads do not apply; every GEMV column and attention query is computed the same
         # way at any step size, so steps up to invariant_tokens are invariant here.
         del threads

@@ -180,7 +180,7 @@ class Transformer:
         if n_logits == 0:
             return self.ws_logits[:0]
         xs, hs = x[T - n_logits:], h[:n_logits]
-        if not (normed and n_logits == T):
+        if not normed:                    # (normed here: the output norm, every row has logits)
             be.rms_norm_for_matmul(xs, W.output_norm, eps, hs)
         logits = self.ws_logits[:n_logits]
         be.matmul(hs, W.output, logits)                                 # (n, V)
