@@ -26,7 +26,7 @@
 //           running q sum exceeds u * sum q (the last survivor if rounding leaves none)
 //     log-probs (n_top >= 0): log_softmax of the raw logits in f64, stored as f32: the chosen
 //           token's and the n_top largest (logit desc, id asc)
-//   logits (L, V) f32 row stride ld; params (L, N_PARAMS) int32 (cpu_sampling.Param); hist as
+//   logits (L, V) f32 row stride ld; params (L, N_PARAMS) int32 (step_format.Param); hist as
 //   above; work (L, V) f32 per-row scratch (penalised logits, sized once by prepare_sampling);
 //   out (L, OUT_WORDS) int32: [id, logprob bits, TOP_MAX ids, TOP_MAX logprob bits].
 //   Launch: grid L, block SAMPLE_THREADS (512). No sorting, no scratch but the penalised row:
@@ -102,23 +102,12 @@ extern "C" __global__ void chosen_ids(const int* __restrict__ records, int ld, i
 // ---------------------------------------------------------------- sampling
 #define SAMPLE_THREADS 512
 #define SAMPLE_WARPS (SAMPLE_THREADS / 32)
-#define TOP_MAX 20
-#define OUT_WORDS (2 + 2 * TOP_MAX)
 #define CAND_MAX 1024    // survivors compacted into shared memory (sample_rows)
-// cpu_sampling.Param
-#define P_TEMPERATURE 0
-#define P_TOP_K 1
-#define P_TOP_P 2
-#define P_MIN_P 3
-#define P_PENALTY 4
-#define P_REPEAT_LAST_N 5
-#define P_SEED_LO 6
-#define P_SEED_HI 7
-#define P_TOKEN_INDEX 8
-#define P_N_TOP 9
-#define P_SLOT 10
-#define P_POSITION 11
-#define N_PARAMS 12
+// The step format (service/backends/step_format.py) arrives as -D defines: TOP_MAX, OUT_WORDS,
+// N_PARAMS and the record's word indices P_<FIELD>.
+#if !defined(TOP_MAX) || !defined(OUT_WORDS) || !defined(N_PARAMS) || !defined(P_POSITION)
+#error "compile with the step format's -D defines (service/backends/cuda_sources.py OPTIONS)"
+#endif
 
 typedef unsigned long long u64;
 

@@ -15,12 +15,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from service.backends import supported_kv_pairs
 from service.errors import ConfigError
+from service.formats import KV_TYPES, supported_kv_pairs
 
-# Every KV cache element type a GGUF engine may name; SUPPORTED_KV_PAIRS is what the backends'
-# kernels do (declared by the backends; 'auto' may pick either, so the pairs both support).
-KV_TYPES = ("f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+# SUPPORTED_KV_PAIRS is what the backends' kernels do (service.formats.BACKEND_KV_TYPES; 'auto'
+# may pick either backend, so the pairs both support).
 SUPPORTED_KV_PAIRS: tuple[tuple[str, str], ...] = supported_kv_pairs("auto")
 MIN_VERIFY_WIDTH = 1
 MAX_VERIFY_WIDTH = 16            # one step processes 1..16 tokens (decode, verify, batching)

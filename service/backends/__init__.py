@@ -12,22 +12,6 @@ _REGISTRY = {
     "cpu": ("service.backends.cpu", "CpuBackend"),
     "cuda": ("service.backends.cuda", "CudaBackend"),
 }
-# The KV-cache element types each backend's kernels implement, for K and V independently (each
-# backend class's `kv_types` equals its entry; tests check it). Startup validation and the
-# ValidateConfig RPC take the supported pairs from here, without importing a backend.
-KV_TYPES = {
-    "cpu": ("f16", "q8_0", "q4_0"),
-    "cuda": ("f16", "q8_0", "q4_0"),
-}
-
-
-def supported_kv_pairs(name: str = "auto") -> tuple[tuple[str, str], ...]:
-    """(K, V) pairs the named backend supports; 'auto' (or an unknown name): the pairs every
-    backend supports, since either may be picked."""
-    kinds = [KV_TYPES[name]] if name in KV_TYPES else list(KV_TYPES.values())
-    common = [t for t in kinds[0] if all(t in k for k in kinds)]
-    return tuple((k, v) for k in common for v in common)
-
 _OPTIONS: dict[str, dict] = {}   # extra constructor arguments per backend name (backend_options)
 
 

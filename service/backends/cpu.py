@@ -29,9 +29,10 @@ import numpy as np  # noqa: E402
 from service.backends import cpu_kernels as K  # noqa: E402
 from service.backends import cpu_sampling  # noqa: E402
 from service.backends.base import Backend  # noqa: E402
-from service.backends.cpu_attention import _KV_QTYPES, CpuAttentionOps  # noqa: E402
+from service.backends.cpu_attention import CpuAttentionOps  # noqa: E402
 from service.backends.cuda_layout import round_activations  # noqa: E402
 from service.errors import ModelFormatError  # noqa: E402
+from service.formats import BACKEND_KV_TYPES  # noqa: E402
 from service.gguf import quants  # noqa: E402
 from service.gguf.quants import QuantType  # noqa: E402
 from service.gguf.reader import TensorInfo  # noqa: E402
@@ -160,7 +161,7 @@ def _act_round_trip(x: np.ndarray, src: QuantType) -> np.ndarray:
 
 class CpuBackend(CpuAttentionOps, Backend):
     name = "cpu"
-    kv_types = tuple(_KV_QTYPES)
+    kv_types = BACKEND_KV_TYPES["cpu"]
 
     def __init__(self, threads: int = 0, act_quant: bool | str = False, invariant_tokens: int = 16,
                  capture_rules: bool = False):

@@ -18,10 +18,12 @@ from service.backends.base import (
     initial_block_table,
     kv_pool_geometry,
 )
+from service.formats import KVType
 from service.gguf import quants
 from service.gguf.quants import QuantType
 
-_KV_QTYPES = {"f16": QuantType.F16, "q8_0": QuantType.Q8_0, "q4_0": QuantType.Q4_0}
+# The GGUF block format each KV type is stored in (the CPU keeps K/V dequantized after rounding).
+_KV_QTYPES = {KVType.F16: QuantType.F16, KVType.Q8_0: QuantType.Q8_0, KVType.Q4_0: QuantType.Q4_0}
 
 
 @dataclass

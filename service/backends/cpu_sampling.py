@@ -1,8 +1,8 @@
 """Token choice from logits rows, the reference of the `sample` op (cuda/sampling.cu computes the
 same choices on the GPU). Pure numpy.
 
-Each logits row comes with one int32 parameter record (`Param` gives the word of each field;
-floats travel as their float32 bits, so both backends see the same values) and reads the
+Each logits row comes with one int32 parameter record (`step_format.Param` gives the word of
+each field; floats travel as their float32 bits, so both backends see the same values) and reads the
 request's recent tokens from the token history hist (n_slots, n_ctx) int32, where every step
 stores its input ids at [slot, position] (`record_tokens`). The chain, llama.cpp's default order:
 
@@ -32,62 +32,13 @@ top logprob bits (TOP_MAX)]; unused top entries are id -1, logprob 0.
 
 from __future__ import annotations
 
-import enum
-
 import numpy as np
 
 from service.backends.counter_rng import counter_uniform
+from service.backends.step_format import TOP_MAX, Param
 
-TOP_MAX = 20                   # the most top log-probabilities a row may ask for
-OUT_WORDS = 2 + 2 * TOP_MAX    # int32 words per row of the sample op's output
 _NUCLEUS_FIRST = 256           # top-p looks at the heaviest 256, 2048, ... tokens first
 _NUCLEUS_GROWTH = 8
-
-
-class Param(enum.IntEnum):
-    """Word index of each field of a row's int32 parameter record."""
-
-    TEMPERATURE = 0     # f32 bits; 0 = greedy
-    TOP_K = 1           # 0 = off
-    TOP_P = 2           # f32 bits; 1 = off
-    MIN_P = 3           # f32 bits; 0 = off
-    PENALTY = 4         # f32 bits; 1 = off
-    REPEAT_LAST_N = 5   # window of the penalty; 0 = off
-    SEED_LO = 6         # seed bits 0..31
-    SEED_HI = 7         # seed bits 32..63
-    TOKEN_INDEX = 8     # the counter of the draw (generated tokens so far)
-    N_TOP = 9           # -1: no log-probabilities; 0..TOP_MAX: chosen + n_top alternatives
-    SLOT = 10           # the row's KV slot (history row)
-    POSITION = 11       # the row's position (its token is the newest in the window)
-
-
-N_PARAMS = len(Param)
-
-
-def f32_bits(x: float) -> int:
-    """The float32 bits of x as a signed int32 value."""
-    return int(np.array([x], np.float32).view(np.int32)[0])
-
-
-def param_record(*, temperature: float, top_k: int, top_p: float, min_p: float,
-                 penalty: float, repeat_last_n: int, seed: int, token_index: int, n_top: int,
-                 slot: int, position: int) -> list[int]:
-    """One row's parameter record (N_PARAMS int32 values)."""
-    seed &= (1 << 64) - 1
-    rec = [0] * N_PARAMS
-    rec[Param.TEMPERATURE] = f32_bits(temperature)
-    rec[Param.TOP_K] = top_k
-    rec[Param.TOP_P] = f32_bits(top_p)
-    rec[Param.MIN_P] = f32_bits(min_p)
-    rec[Param.PENALTY] = f32_bits(penalty)
-    rec[Param.REPEAT_LAST_N] = repeat_last_n
-    rec[Param.SEED_LO] = int(np.uint32(seed & 0xFFFFFFFF).view(np.int32))
-    rec[Param.SEED_HI] = int(np.uint32(seed >> 32).view(np.int32))
-    rec[Param.TOKEN_INDEX] = token_index
-    rec[Param.N_TOP] = n_top
-    rec[Param.SLOT] = slot
-    rec[Param.POSITION] = position
-    return rec
 
 
 def _f32(word) -> np.float32:

@@ -10,6 +10,7 @@ import numpy as np
 
 from service.backends.base import KVCache
 from service.backends.cuda_layout import PlaneLayout
+from service.formats import BACKEND_KV_TYPES
 
 GEMV_WARPS = 4            # warps per GEMV block (cuda/gemv.cu GEMV_WARPS)
 GEMV_NC = (1, 2, 4, 8, 16)   # column variants of cuda/gemv.cu; wider steps: chunks of 16
@@ -25,7 +26,7 @@ ATT_TILED_KEYS = 32       # keys per tile (AT_KEYS)
 ATT_TILED_MAX_D = 256     # head sizes of the tiled kernel (K and V)
 PREFILL_ATTENTION_MIN_TOKENS = 32   # steps this long (and past the invariant widths) use it
 ROPE_KV_MAX_D = 512       # cuda/rope_kv.cu ROPE_KV_MAX_D
-KV_TYPES = ("f16", "q8_0", "q4_0")
+KV_TYPES = BACKEND_KV_TYPES["cuda"]
 I32, F32 = np.int32, np.float32
 NULL = np.uint64(0)
 

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.backends.cpu_sampling import N_PARAMS, OUT_WORDS, TOP_MAX, param_record
+from service.backends.step_format import N_PARAMS, OUT_WORDS, TOP_MAX, param_record
 from service.engine.drafters import Drafter, DraftState
 from service.engine.markov_head import MarkovHead
 from service.model.transformer import Transformer

@@ -18,7 +18,7 @@ Layout of the packed step buffer (int32 words; M = max tokens, L = max logits ro
     [0, M) ids | [M, 2M) positions | [2M, 3M) slots | [3M, 4M) KV rows written | [4M, 5M)
     attn_lo | [5M, 6M) attn_mask (tree verify rows, backends/base.py; an ordinary row has KV row
     = position, attn_lo = position + 1, mask 0) | [6M, 6M + L) logits rows (indices into the
-    padded step) | [6M + L, 6M + L + L * N_PARAMS) per-row sampling records (cpu_sampling.Param)
+    padded step) | [6M + L, 6M + L + L * N_PARAMS) per-row sampling records (step_format.Param)
 
 KV row moves (tree compaction, `move_kv`) go through a second small host buffer of 3M words
 (slots | sources | destinations), also uploaded with one copy, then one kv_move op.
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.backends.cpu_sampling import N_PARAMS, OUT_WORDS, TOP_MAX, param_record
+from service.backends.step_format import N_PARAMS, OUT_WORDS, TOP_MAX, param_record
 from service.engine.types import SamplingParams, TokenLogprob
 from service.model.transformer import Transformer
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from service.backends import cpu_sampling as ref
 from service.backends.cpu_sampling import log_softmax
+from service.backends.step_format import OUT_WORDS, param_record
 from service.engine.types import SamplingParams, TokenLogprob
 
 __all__ = ["Sampler", "log_softmax", "resolve_seed", "top_logprobs"]
@@ -58,7 +59,7 @@ class Sampler:
         hist = np.zeros((1, max(1, recent.size)), np.int32)
         hist[0, :recent.size] = recent
         p = self.params
-        rec = np.array(ref.param_record(
+        rec = np.array(param_record(
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
             penalty=p.repetition_penalty, repeat_last_n=p.repeat_last_n, seed=self.seed,
             token_index=index, n_top=-1, slot=0, position=recent.size - 1), np.int32)
@@ -72,7 +73,7 @@ class Sampler:
         if index is None:
             index, self.index = self.index, self.index + 1
         rec, hist = self._record(recent_ids, index)
-        out = np.zeros(ref.OUT_WORDS, np.int32)
+        out = np.zeros(OUT_WORDS, np.int32)
         ref.sample_row(self._row(logits), rec, hist, out)
         return int(out[0])
 

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from service.backends.cpu_sampling import TOP_MAX
+from service.backends.step_format import TOP_MAX
 from service.engine.drafters import Drafter
 from service.engine.runner import ModelRunner, StepOutput
 from service.engine.sequence import Sequence

@@ -9,8 +9,9 @@ pytestmark = pytest.mark.gpu
 
 
 def test_cuda_kv_types_are_the_declared_ones():
-    from service.backends import KV_TYPES, resolve_backend_name
+    from service.backends import resolve_backend_name
     from service.backends.cuda import CudaBackend
+    from service.formats import BACKEND_KV_TYPES as KV_TYPES
 
     assert tuple(CudaBackend.kv_types) == KV_TYPES["cuda"]
     assert resolve_backend_name("auto") == "cuda"     # a GPU host serves from the GPU by default

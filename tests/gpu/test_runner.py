@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from service.backends import cpu_sampling as ref
+from service.backends.step_format import OUT_WORDS, param_record
 from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput
 from service.gguf.reader import GGUFFile
 from service.model.spec import ModelSpec
@@ -44,10 +45,10 @@ def session(tr: Transformer, runner: ModelRunner) -> list:
         logits = tr.backend.to_host(tr.ws_logits[:L])                   # (L, V) f32
         for r, s in enumerate(rows):
             if s.temperature:
-                got = np.zeros(ref.OUT_WORDS, np.int32)
+                got = np.zeros(OUT_WORDS, np.int32)
                 h = np.zeros((1, N_CTX), np.int32)
                 h[0, :start + n] = hist[:start + n]
-                rec = np.array(ref.param_record(
+                rec = np.array(param_record(
                     temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
                     penalty=s.repetition_penalty, repeat_last_n=s.repeat_last_n, seed=s.seed,
                     token_index=s.token_index, n_top=-1, slot=0,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from service.backends import cpu_sampling as ref
-from service.backends.cpu_sampling import OUT_WORDS, TOP_MAX, param_record
+from service.backends.step_format import OUT_WORDS, TOP_MAX, Param, param_record
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -41,7 +41,7 @@ def run_both(cuda, logits: np.ndarray, records: list[list[int]], hist: np.ndarra
 def assert_same(got: np.ndarray, want: np.ndarray, records) -> None:
     for r, rec in enumerate(records):
         assert got[r, 0] == want[r, 0], (r, rec)
-        n_top = rec[ref.Param.N_TOP]
+        n_top = rec[Param.N_TOP]
         if n_top < 0:
             continue
         g, w = got[r].view(np.float32), want[r].view(np.float32)

@@ -1,0 +1,75 @@
+"""The step format both backends and the model runner share: the sample op's per-row int32
+parameter record and its per-row output record.
+
+These are the only definitions. The CUDA kernels receive them as NVRTC `-D` defines
+(`CUDA_DEFINES` below, passed by service/backends/cuda_sources.py), so the Python and CUDA sides
+cannot drift; tests/unit/test_step_format.py checks that no kernel file defines them itself.
+
+Parameter record (N_PARAMS int32 words per logits row): the fields of `Param`; floats travel as
+their float32 bits so both backends read the same values.
+Output record (OUT_WORDS int32 words per row): [id, logprob bits, top ids (TOP_MAX),
+top logprob bits (TOP_MAX)]; unused top entries are id -1, logprob 0.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+TOP_MAX = 20                   # the most top log-probabilities a row may ask for
+OUT_WORDS = 2 + 2 * TOP_MAX    # int32 words per row of the sample op's output
+
+
+class Param(enum.IntEnum):
+    """Word index of each field of a row's int32 parameter record."""
+
+    TEMPERATURE = 0     # f32 bits; 0 = greedy
+    TOP_K = 1           # 0 = off
+    TOP_P = 2           # f32 bits; 1 = off
+    MIN_P = 3           # f32 bits; 0 = off
+    PENALTY = 4         # f32 bits; 1 = off
+    REPEAT_LAST_N = 5   # window of the penalty; 0 = off
+    SEED_LO = 6         # seed bits 0..31
+    SEED_HI = 7         # seed bits 32..63
+    TOKEN_INDEX = 8     # the counter of the draw (generated tokens so far)
+    N_TOP = 9           # -1: no log-probabilities; 0..TOP_MAX: chosen + n_top alternatives
+    SLOT = 10           # the row's KV slot (history row)
+    POSITION = 11       # the row's position (its token is the newest in the window)
+
+
+N_PARAMS = len(Param)
+
+
+def f32_bits(x: float) -> int:
+    """The float32 bits of x as a signed int32 value."""
+    return int(np.array([x], np.float32).view(np.int32)[0])
+
+
+def param_record(*, temperature: float, top_k: int, top_p: float, min_p: float,
+                 penalty: float, repeat_last_n: int, seed: int, token_index: int, n_top: int,
+                 slot: int, position: int) -> list[int]:
+    """One row's parameter record (N_PARAMS int32 values)."""
+    seed &= (1 << 64) - 1
+    rec = [0] * N_PARAMS
+    rec[Param.TEMPERATURE] = f32_bits(temperature)
+    rec[Param.TOP_K] = top_k
+    rec[Param.TOP_P] = f32_bits(top_p)
+    rec[Param.MIN_P] = f32_bits(min_p)
+    rec[Param.PENALTY] = f32_bits(penalty)
+    rec[Param.REPEAT_LAST_N] = repeat_last_n
+    rec[Param.SEED_LO] = int(np.uint32(seed & 0xFFFFFFFF).view(np.int32))
+    rec[Param.SEED_HI] = int(np.uint32(seed >> 32).view(np.int32))
+    rec[Param.TOKEN_INDEX] = token_index
+    rec[Param.N_TOP] = n_top
+    rec[Param.SLOT] = slot
+    rec[Param.POSITION] = position
+    return rec
+
+
+def cuda_defines() -> dict[str, int]:
+    """The record layout as preprocessor names for cuda/sampling.cu: P_<FIELD>, N_PARAMS,
+    TOP_MAX, OUT_WORDS."""
+    out = {f"P_{p.name}": int(p) for p in Param}
+    out.update(N_PARAMS=N_PARAMS, TOP_MAX=TOP_MAX, OUT_WORDS=OUT_WORDS)
+    return out
