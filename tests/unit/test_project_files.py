@@ -1,4 +1,5 @@
-"""What a newcomer runs first: pyproject.toml, the Makefile and the README's commands."""
+"""What a newcomer runs first: pyproject.toml, the Makefile, and the commands of the README and
+the manuals in docs/."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 README = (ROOT / "README.md").read_text()
+DOCS = {p.name: p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))}
 VENV_COMMANDS = ("specstream", "specstream-client", "grpcurl", "python", "pytest", "ruff")
 
 
@@ -66,9 +68,9 @@ def test_make_serve_passes_port_metrics_port_and_host():
     assert pairs["--metrics-host"] == "127.0.0.1"
 
 
-# ------------------------------------------------------------------ README
+# ------------------------------------------------------------------ README and docs/
 def _shell_commands(text: str) -> list[str]:
-    """Every command line of the README's ```sh blocks (comments and continuations dropped)."""
+    """Every command line of a page's ```sh blocks (comments and continuations dropped)."""
     out = []
     for block in re.findall(r"```sh\n(.*?)```", text, re.S):
         joined = re.sub(r"\\\n", " ", block)
@@ -79,8 +81,8 @@ def _shell_commands(text: str) -> list[str]:
     return out
 
 
-def test_readme_runs_installed_commands_from_the_venv():
-    commands = _shell_commands(README)
+def test_documented_commands_run_installed_commands_from_the_venv():
+    commands = [c for text in (README, *DOCS.values()) for c in _shell_commands(text)]
     assert len(commands) > 20
     bare = []
     for line in commands:
@@ -88,8 +90,18 @@ def test_readme_runs_installed_commands_from_the_venv():
         if words and words[0] in VENV_COMMANDS:
             bare.append(line)
     assert bare == []
-    assert any(c.startswith(".venv/bin/grpcurl ") for c in commands)
     assert any(c.startswith(".venv/bin/specstream serve") for c in commands)
+
+
+def test_readme_is_the_front_door():
+    """The two commands, a first request, and links into docs/ that resolve; manuals live there."""
+    commands = _shell_commands(README)
+    assert commands[:2] == ["make serve", "make test"]
+    assert any(c.startswith(".venv/bin/grpcurl ") for c in commands)
+    assert len(README.splitlines()) <= 200
+    links = re.findall(r"\]\(((?:docs/)?[\w.-]+\.md)(?:#[\w-]*)?\)", README)
+    assert {"docs/serving.md", "docs/api.md", "docs/BENCHMARKS.md"} <= set(links)
+    assert [link for link in links if not (ROOT / link).is_file()] == []
 
 
 def test_readme_documents_the_make_serve_variables():
