@@ -1,0 +1,457 @@
+"""The CUDA backend's Python on the CPU: every launcher, through real model steps, on a fake CuPy
+device whose launches are checked against the kernels NVRTC compiles (tests/support/).
+
+Scenarios (tests/support/cuda_steps.py) load every model family, weight type and KV (K, V)
+pair on `create_backend("cuda", ...)` and run prefill, decode, batch, verify and tree steps,
+draft chains and graph capture / replay; a mismatch with a compiled kernel, or anything a
+captured graph cannot hold, raises inside the step. Kernels do not run: nothing here looks at
+numbers. Each scenario runs once per module (`results`) and several tests read its log.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from service.backends import create_backend
+from service.config import EngineConfig
+from service.engine.scheduler import Engine
+from service.engine.types import Finished, GenerationRequest, SamplingParams, StoppingCriteria
+from service.gguf import synth
+from tests.conftest import TINY
+from tests.support import cuda_steps
+from tests.support.cuda_steps import KV_TYPES, Result, Scenario
+from tests.support.fake_cupy import CUDADriverError, install
+from tests.support.fake_gpu import (
+    FITS,
+    CaptureError,
+    Gemm,
+    KernelCheckError,
+    Launch,
+    MemoryCheckError,
+)
+from tests.support.kernel_signatures import CompiledKernels, NvrtcUnavailable, compile_kernels
+
+# model -> the KV (K, V) pair its full scenario runs with (captured steps on quantized caches
+# too; the option scenarios vary qwen3 on f16/f16)
+FAMILIES = {"llama-mixq": ("q8_0", "q4_0"), "qwen3": ("f16", "f16"),
+            "qwen3moe": ("q4_0", "q8_0"), "qwen2": ("q8_0", "f16"), "gemma3": ("f16", "q4_0")}
+OPTIONS = {                                  # name -> (CudaBackend options, cuda-bindings there)
+    "graphs-off": ((("graphs", False),), True),
+    "pdl-off": ((("pdl", False),), True),
+    "no-cuda-bindings": ((), False),
+    "gemv-mma": ((("gemv_mma", True),), True),
+    "gemv-early": ((("gemv_early", True),), True),
+    "fuse-norm": ((("fuse_norm", True),), True),
+    "fuse-norm-no-prefetch": ((("fuse_norm", True), ("gemv_prefetch_rows", 0)), True),
+    "no-prefetch": ((("gemv_prefetch_rows", 0),), True),
+    "gemv-rows-1": ((("gemv_rows", 1),), True),
+    "pageable-upload": ((("upload", "pageable"),), True),
+    "no-prefill-gemm": ((("prefill_gemm_min_tokens", None),), True),
+    "split-prefill-attention": ((("prefill_attention_min_tokens", None),), True),
+}
+MIXES = tuple(synth.MIXES)
+KV_PAIRS = tuple((k, v) for k in KV_TYPES for v in KV_TYPES)
+
+# Compiled kernels nothing in the backend launches, each pattern with the reason.
+NEVER_LAUNCHED = {
+    r"gemv_\w+_c(1r2|2r4|4r2|8r2|16r2)":
+        "gemv_choice takes R = GEMV_WIDE_ROWS[nc] rows per warp (r1 at one column); the other "
+        "rows-per-warp variants are compiled (GEMV_VARIANTS in cuda/gemv.cu) but no launcher "
+        "or test picks them (measured alternatives, docs/PERFORMANCE.md sections 2-3)",
+    r"gemv_(q4_0|q4_1|q5_0|q5_1|q5_k|q8_0)_c1r1p":
+        "the prefetching one-column GEMV runs for GEMV_PREFETCH_TYPES (q4_k, q6_k) only; not "
+        "faster on the other types (docs/PERFORMANCE.md section 11)",
+    r"dequant_f16":
+        "the prefill GEMM hands F16 weights to cuBLAS as stored; tests/gpu/"
+        "test_prefill_gemm.py launches it through dequant_rows",
+}
+
+
+def all_scenarios() -> list[Scenario]:
+    out = [Scenario(m, kv=kv) for m, kv in FAMILIES.items()]
+    out += [Scenario("qwen3", options=o, driver=d) for o, d in OPTIONS.values()]
+    for mix in MIXES:
+        out += [Scenario(f"synth-{mix}", script="widths"),
+                Scenario(f"synth-{mix}", script="decode", options=(("gemv_early", True),)),
+                Scenario(f"synth-{mix}", script="decode", options=(("fuse_norm", True),))]
+    out += [Scenario(m, kv=p, script="kv") for p in KV_PAIRS for m in ("qwen3", "gemma3")]
+    return [*out, Scenario("qwen3", script="ops")]
+
+
+# ---------------------------------------------------------------- fixtures
+@pytest.fixture(scope="session")
+def compiled(request) -> CompiledKernels:
+    try:
+        return compile_kernels(getattr(request.config, "cache", None))
+    except NvrtcUnavailable as e:
+        pytest.skip(f"NVRTC is not available, so the kernels' signatures are unknown: {e}")
+
+
+@pytest.fixture(scope="module")
+def results(compiled, tmp_path_factory):
+    """scenario -> Result, each scenario run on first use."""
+    files = cuda_steps.model_files(tmp_path_factory.mktemp("models"))
+    done: dict[Scenario, Result] = {}
+
+    def get(s: Scenario) -> Result:
+        if s not in done:
+            try:
+                done[s] = cuda_steps.run(s, compiled, files)
+            except Exception as e:
+                e.add_note(f"in scenario {s.name}")
+                raise
+        return done[s]
+
+    return get
+
+
+@pytest.fixture
+def gpu(compiled):
+    with install(compiled) as dev:
+        yield dev
+
+
+def names(r: Result, prefix: str = "") -> set[str]:
+    return {k for k in r.kernels if k.startswith(prefix)}
+
+
+# ---------------------------------------------------------------- model steps
+@pytest.mark.parametrize("model", list(FAMILIES))
+def test_model_family_steps_launch_only_compiled_kernels_with_matching_arguments(
+        results, compiled, model):
+    r = results(Scenario(model, kv=FAMILIES[model]))
+    assert len(r.dev.launches) > 300
+    sigs = compiled.kernels
+    for x in r.dev.launches:             # checked at launch; restated from the log
+        params = sigs[x.kernel].params
+        assert len(x.args) == len(params), x.kernel
+        assert all(p in FITS[a.kind] for a, p in zip(x.args, params, strict=True)), x.kernel
+    for prefix in ("embed_", "gemv_", "rope_kv_", "attn_", "attnt_", "round_f16",
+                   "sample_rows", "record_tokens", "kv_move", "chosen_ids"):
+        assert names(r, prefix), prefix
+
+
+@pytest.mark.parametrize("model", list(FAMILIES))
+def test_captured_steps_hold_their_eager_launches_and_replay(results, model):
+    r = results(Scenario(model, kv=FAMILIES[model]))
+    by_label: dict[str, list] = {}
+    for m in r.marks:
+        by_label.setdefault(m.label, []).append(m)
+    compared = set()
+    for label, reps in by_label.items():
+        if len(reps) < 3 or reps[1].graphs[1] - reps[1].graphs[0] != 1:
+            continue
+        eager = r.dev.launches[slice(*reps[0].launches)]
+        graph = r.dev.graphs[reps[1].graphs[0]]
+        captured = [n for n in graph.nodes if isinstance(n, Launch)]
+        assert [x.work() for x in captured] == [x.work() for x in eager], label
+        eager_gemms = r.dev.gemms[slice(*reps[0].gemms)]
+        assert [(g.m, g.n, g.k) for g in eager_gemms] == [
+            (g.m, g.n, g.k) for g in graph.nodes if isinstance(g, Gemm)], label
+        assert reps[2].launches[0] == reps[2].launches[1], f"{label}: replay launched kernels"
+        assert graph.replays >= 2, label     # at capture, at the third step (tree steps too)
+        compared.add(label)
+    assert compared == {"prefill-40", "decode", "batch-2", "verify-4", "verify-5", "verify-12",
+                        "chain-3"}
+    # tree verify rows read their tree arrays from the step buffer: the verify graph serves
+    tree = by_label["tree-4"]
+    assert all(m.launches[0] == m.launches[1] and m.graphs[0] == m.graphs[1] for m in tree)
+
+
+@pytest.mark.parametrize("model", list(FAMILIES))
+def test_captured_launches_use_pdl_and_eager_ones_cupy(results, model):
+    r = results(Scenario(model, kv=FAMILIES[model]))
+    assert {(x.graph is not None, x.via, x.pdl) for x in r.dev.launches} == {
+        (False, "cupy", False), (True, "driver", True)}
+
+
+@pytest.mark.parametrize("model", list(FAMILIES))
+def test_every_launch_goes_to_one_non_default_stream(results, model):
+    r = results(Scenario(model, kv=FAMILIES[model]))
+    assert {x.stream for x in r.dev.launches} == {r.dev.launches[0].stream} != {0}
+    assert {g.stream for g in r.dev.gemms} == {r.dev.launches[0].stream}
+
+
+def test_a_runner_step_is_one_pinned_upload_one_pinned_readback_and_one_wait(results):
+    r = results(Scenario("qwen3"))
+    steps = [m for m in r.marks if m.logits]
+    assert len(steps) > 20
+    for m in steps:
+        copies = r.dev.copies[slice(*m.copies)]
+        assert [(c.direction, c.pinned) for c in copies] == [("h2d", True), ("d2h", True)]
+        assert r.dev.syncs[slice(*m.syncs)] == ["event"], m.label
+
+
+def test_sampling_launches_one_block_per_logits_row(results):
+    r = results(Scenario("qwen3"))
+    for m in (m for m in r.marks if m.logits and m.launches[0] != m.launches[1]):
+        grids = [x.grid for x in r.dev.launches[slice(*m.launches)] if x.kernel == "sample_rows"]
+        assert grids == [(m.logits, 1, 1)], m.label
+
+
+def test_engine_generates_on_the_fake_device(compiled):
+    with install(compiled) as dev:
+        eng = Engine.load(TINY / "tiny-qwen3.gguf",
+                          EngineConfig(backend="cuda", n_ctx=256, n_slots=2, prefill_chunk=64))
+        eng.start()
+        try:
+            req = GenerationRequest("t", tuple(range(1, 50)), SamplingParams(temperature=0.0),
+                                    StoppingCriteria(max_new_tokens=6, ignore_eos=True))
+            events = list(eng.generate(req, timeout=120))
+        finally:
+            eng.stop(10)
+    assert isinstance(events[-1], Finished)
+    assert sum(len(getattr(e, "token_ids", ())) for e in events[1:-1]) == 6
+    assert dev.graphs and all(g.replays for g in dev.graphs)
+    assert {"attn_f16_f16_d128", "sample_rows", "gemv_q4_k_c1r1p"} <= {
+        x.kernel for x in dev.launches}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "service/engine/runner.py passes kv_positions / attn_lo / attn_mask on every step "
+    "(ordinary rows too), and CudaBackend._attention takes the query-tiled kernel only when "
+    "attn_lo is None: engine prefill always runs the split kernel"))
+def test_runner_prefill_steps_use_the_query_tiled_attention(results):
+    r = results(Scenario("qwen3"))
+    m = next(m for m in r.marks if m.label == "prefill-40")
+    assert any(x.kernel.startswith("attnt_") for x in r.dev.launches[slice(*m.launches)])
+
+
+# ---------------------------------------------------------------- weight types, KV pairs
+@pytest.mark.parametrize("mix", MIXES)
+def test_every_weight_type_runs_embed_each_gemv_variant_and_the_gemm(results, mix):
+    t = synth.MIXES[mix].base.name.lower()                  # the layout's kernel suffix
+    quantized = synth.MIXES[mix].quantized
+    r = results(Scenario(f"synth-{mix}", script="widths"))
+    one = "c1r1p" if t in ("q4_k", "q6_k") else "c1r1"
+    want = {f"embed_{t}", *(f"gemv_{t}_{v}" for v in (one, "c2r2", "c4r4", "c8r4", "c16r4"))}
+    if t != "f16":
+        want.add(f"dequant_{t}")
+    assert want <= r.kernels
+    early = results(Scenario(f"synth-{mix}", script="decode", options=(("gemv_early", True),)))
+    fused = results(Scenario(f"synth-{mix}", script="decode", options=(("fuse_norm", True),)))
+    if quantized:
+        assert f"gemv_{t}_c1r1e" in early.kernels
+        assert f"gemv_{t}_c1r1{'p' if one == 'c1r1p' else ''}n" in fused.kernels
+    else:
+        assert not names(early, f"gemv_{t}_c1r1e") and not names(fused, f"gemv_{t}_c1r1n")
+
+
+@pytest.mark.parametrize("pair", KV_PAIRS, ids="/".join)
+def test_every_kv_pair_runs_rope_kv_and_both_attentions_at_both_head_sizes(results, pair):
+    k, v = pair
+    d128 = results(Scenario("qwen3", kv=pair, script="kv")).kernels
+    d256 = results(Scenario("gemma3", kv=pair, script="kv")).kernels
+    assert {f"rope_kv_{k}_{v}", f"attn_{k}_{v}_d128", f"attnt_{k}_{v}_d128"} <= d128
+    assert {f"rope_kv_{k}_{v}", f"attn_{k}_{v}_d256", f"attnt_{k}_{v}_d256"} <= d256
+
+
+# ---------------------------------------------------------------- backend options
+def _expect(option: str, r: Result, base: Result) -> None:
+    launches, kernels = r.dev.launches, r.kernels
+    if option in ("graphs-off",):
+        assert not r.dev.graphs and {x.via for x in launches} == {"cupy"}
+    elif option in ("pdl-off", "no-cuda-bindings"):
+        assert r.dev.graphs and {x.via for x in launches} == {"cupy"}
+    elif option == "gemv-mma":
+        assert names(r, "gemv_mma_") == {f"gemv_mma_{t}_c{n}" for t in ("q4_k", "q6_k")
+                                          for n in (8, 16)}
+        assert not names(r, "gemv_q4_k_") and not names(r, "gemv_q6_k_")
+    elif option == "gemv-early":
+        assert {"gemv_q4_k_c1r1e", "gemv_q6_k_c1r1e"} <= kernels
+        assert not {"gemv_q4_k_c1r1p", "gemv_q6_k_c1r1p"} & kernels
+    elif option == "fuse-norm":
+        assert "gemv_q4_k_c1r1pn" in kernels
+    elif option == "fuse-norm-no-prefetch":
+        assert {"gemv_q4_k_c1r1n", "gemv_q6_k_c1r1n"} & kernels
+        assert not names(r, "gemv_q4_k_c1r1p")
+    elif option == "no-prefetch":
+        assert {"gemv_q4_k_c1r1", "gemv_q6_k_c1r1"} <= kernels and not {
+            "gemv_q4_k_c1r1p", "gemv_q6_k_c1r1p"} & kernels
+    elif option == "gemv-rows-1":
+        assert all(re.fullmatch(r"gemv_\w+_c1r1p?", k) for k in names(r, "gemv_"))
+    elif option == "pageable-upload":
+        loading = r.dev.copies[:r.marks[0].copies[0]]
+        assert loading and not any(c.pinned for c in loading)
+        base_loading = base.dev.copies[:base.marks[0].copies[0]]
+        assert sum(c.nbytes for c in base_loading if c.pinned) > 1_000_000
+    elif option == "no-prefill-gemm":
+        assert not r.dev.gemms and not names(r, "round_f16") and not names(r, "dequant_")
+        assert base.dev.gemms
+    elif option == "split-prefill-attention":
+        assert not names(r, "attnt_") and names(base, "attnt_")
+    else:
+        raise AssertionError(option)
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_each_backend_option_launches_its_own_kernels(results, option):
+    opts, driver = OPTIONS[option]
+    _expect(option, results(Scenario("qwen3", options=opts, driver=driver)),
+            results(Scenario("qwen3")))
+
+
+# ---------------------------------------------------------------- coverage
+def family(name: str) -> str:
+    """A kernel's name with its weight / KV type parts replaced: gemv_<t>_c1r1."""
+    return re.sub(r"(?<=_)(f32|f16|bf16|q\d_[01k])(?=_|$)", "<t>", name)
+
+
+def test_every_compiled_kernel_is_launched_or_listed_as_never_launched(results, compiled):
+    launched: set[str] = set()
+    for s in all_scenarios():
+        launched |= results(s).kernels
+    listed = {k for k in compiled.kernels if any(re.fullmatch(p, k) for p in NEVER_LAUNCHED)}
+    assert not launched - set(compiled.kernels)
+    assert not launched & listed, sorted(launched & listed)
+    assert sorted(set(compiled.kernels) - launched - listed) == []
+    assert all(any(re.fullmatch(p, k) for k in compiled.kernels) for p in NEVER_LAUNCHED)
+    fams = Counter(family(k) for k in compiled.kernels)
+    hit = Counter(family(k) for k in launched)
+    assert {f for f in fams if not hit[f]} == {family(k) for k in listed} - set(hit)
+    print(f"\nCUDA kernels launched on the fake device: {len(launched)} of "
+          f"{len(compiled.kernels)} compiled, {len(listed)} listed as never launched")
+    for f in sorted(fams):
+        print(f"  {f:28s} {hit[f]:3d} / {fams[f]:3d}")
+
+
+# ---------------------------------------------------------------- negative controls
+def _table(be, kernel: str, planes: int):
+    """A stand-in embedding table: what CudaBackend.embed reads of one."""
+    plane = be.zeros((1024,), "uint8")
+    return SimpleNamespace(layout=SimpleNamespace(kernel=kernel), k=256,
+                           args=lambda: [plane] * planes)
+
+
+def test_a_misspelled_kernel_name_fails_naming_the_kernel(gpu):
+    be = create_backend("cuda", graphs=False)
+    out, ids = be.zeros((1, 256)), be.zeros((1,), "int32")
+    with pytest.raises(CUDADriverError, match=r"no kernel 'embed_q4_O' in cuda/elementwise\.cu"):
+        be.embed(_table(be, "q4_O", 4), ids, 1.0, out)
+
+
+def test_an_extra_argument_fails_naming_the_kernel_and_its_signature(gpu, compiled):
+    be = create_backend("cuda", graphs=False)
+    out, ids = be.zeros((1, 256)), be.zeros((1,), "int32")
+    be.embed(_table(be, "q4_0", 4), ids, 1.0, out)                  # the right count passes
+    with pytest.raises(KernelCheckError) as e:
+        be.embed(_table(be, "q4_0", 5), ids, 1.0, out)
+    msg = str(e.value)
+    assert "kernel embed_q4_0 (cuda/elementwise.cu): 9 arguments for 8 parameters" in msg
+    assert compiled.kernels["embed_q4_0"].describe() in msg
+
+
+def _module(gpu, name: str):
+    """The fake RawModule of one kernel source, as the backend loads it."""
+    import cupy
+
+    return cupy.RawModule(code=gpu.kernels.sources[name], options=gpu.kernels.options)
+
+
+def _rms_norm(gpu):
+    """The fake cupy, its rms_norm kernel, an array and a valid argument list for it."""
+    import cupy
+
+    x = cupy.zeros((2, 64), cupy.float32)
+    i32, f32 = np.int32, np.float32
+    args = [x, i32(1), i32(64), i32(0), i32(64), x[0], f32(1e-6), x, i32(64), i32(0)]
+    return cupy, _module(gpu, "elementwise.cu").get_function("rms_norm"), x, args
+
+
+def test_a_wrong_scalar_type_and_an_oversized_block_fail(gpu):
+    cupy, fn, x, args = _rms_norm(gpu)
+    fn((2,), (64,), tuple(args))
+    with pytest.raises(KernelCheckError, match=r"argument 6 \(float64 1e-06\) on a \.f32"):
+        fn((2,), (64,), tuple(args[:6] + [np.float64(1e-6)] + args[7:]))
+    gemv = _module(gpu, "gemv.cu").get_function("gemv_f32_c1r1")
+    i32 = np.int32
+    gemv_args = (x, i32(64), i32(2), x, i32(64), i32(1), np.uint64(0), i32(0), i32(1), x,
+                 i32(2), i32(0))
+    gemv((1, 1), (32, 4), gemv_args)
+    with pytest.raises(KernelCheckError, match=r"256 threads exceeds __launch_bounds__ 128"):
+        gemv((1, 1), (32, 8), gemv_args)
+
+
+def test_raw_module_options_or_sources_other_than_the_compile_checks_fail(gpu, compiled):
+    import cupy
+
+    code = compiled.sources["sampling.cu"]
+    with pytest.raises(KernelCheckError, match="differ from the compile check's"):
+        cupy.RawModule(code=code, options=(*compiled.options, "--use_fast_math"))
+    with pytest.raises(KernelCheckError, match="none of the compile check's sources"):
+        cupy.RawModule(code=code + "\n// edited", options=compiled.options)
+
+
+def test_allocation_inside_a_captured_step_raises(gpu):
+    be = create_backend("cuda")
+    ids = be.zeros((1,), "int32")
+    be.run_step((1, 1), (ids,), lambda: be.zeros((4,)))           # first use: eager
+    with pytest.raises(CaptureError, match="allocating 16 bytes"):
+        be.run_step((1, 1), (ids,), lambda: be.zeros((4,)))       # second: captured
+    assert gpu.allocations[-1].during_capture and not gpu.capturing
+
+
+def test_a_host_read_inside_a_captured_step_raises(gpu):
+    be = create_backend("cuda")
+    ids = be.zeros((1,), "int32")
+    be.run_step((1, 1), (ids,), lambda: be.to_host(ids))
+    with pytest.raises(CaptureError, match="ndarray.get"):
+        be.run_step((1, 1), (ids,), lambda: be.to_host(ids))
+
+
+def test_a_launch_on_another_stream_during_a_capture_raises(gpu):
+    cupy, fn, _, args = _rms_norm(gpu)
+    s = cupy.cuda.Stream(non_blocking=True)
+    s.begin_capture()
+    try:
+        with pytest.raises(CaptureError, match="missing from the graph"):
+            fn((2,), (64,), tuple(args))                     # on the null stream
+    finally:
+        s.end_capture()
+
+
+def test_replaying_a_graph_whose_buffer_was_freed_raises(gpu):
+    cupy, fn, x, args = _rms_norm(gpu)
+    s = cupy.cuda.Stream(non_blocking=True)
+    y = cupy.zeros((2, 64), cupy.float32)
+    s.begin_capture()
+    with s:
+        fn((2,), (64,), tuple(args[:7] + [y] + args[8:]))
+    graph = s.end_capture()
+    graph.launch(stream=s)
+    del y
+    with pytest.raises(MemoryCheckError, match="freed since the capture"):
+        graph.launch(stream=s)
+
+
+def test_the_driver_path_reads_parameters_by_their_compiled_types(gpu):
+    import ctypes
+
+    from cuda.bindings import driver
+
+    cupy, fn, x, args = _rms_norm(gpu)
+    values = [ctypes.c_void_p(x.data.ptr), *(ctypes.c_int32(int(a)) for a in args[1:5]),
+              ctypes.c_void_p(x.data.ptr), ctypes.c_float(1e-6), ctypes.c_void_p(x.data.ptr),
+              ctypes.c_int32(64), ctypes.c_int32(0)]
+    params = (ctypes.c_void_p * 10)(*(ctypes.addressof(v) for v in values))
+    cfg = driver.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = 2, 1, 1
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = 64, 1, 1
+    s = cupy.cuda.Stream(non_blocking=True)
+    cfg.hStream = driver.CUstream(s.ptr)
+    (err,) = driver.cuLaunchKernelEx(cfg, driver.CUfunction(fn.kernel.ptr),
+                                     ctypes.addressof(params), 0)
+    assert err == driver.CUresult.CUDA_SUCCESS
+    assert [str(a) for a in gpu.launches[-1].args][5:8] == [
+        f"ptr {x.data.ptr:#x}", "float32 9.999999974752427e-07", f"ptr {x.data.ptr:#x}"]
+    host = np.zeros(128, np.float32)
+    values[7] = ctypes.c_void_p(host.ctypes.data)                   # a host pointer
+    params[7] = ctypes.addressof(values[7])
+    with pytest.raises(MemoryCheckError, match=r"parameter 7 \(.u64\).*no live device"):
+        driver.cuLaunchKernelEx(cfg, driver.CUfunction(fn.kernel.ptr),
+                                ctypes.addressof(params), 0)
