@@ -22,7 +22,7 @@ import gguf
 import numpy as np
 
 from service.backends import create_backend
-from service.backends.cpu_sampling import N_PARAMS, OUT_WORDS, param_record
+from service.backends.step_format import N_PARAMS, OUT_WORDS, param_record
 from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput
 from service.gguf import synth
 from service.gguf.reader import GGUFFile
