@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from service.backends.counter_rng import counter_uniform
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.config import EngineConfig
 from service.engine.rejection import ACCEPT_STREAM
 from service.engine.runner import ModelRunner, RowSampling, StepInput

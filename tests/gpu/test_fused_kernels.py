@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.backends.cuda_layout import round_activations
 from tests.gpu.test_kernels import _gpu_cache_values, poisoned, tensor
 

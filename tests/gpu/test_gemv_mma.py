@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize
 
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.backends.cuda_layout import round_activations
 from tests.gpu.test_kernels import gpu_matmul, poisoned, tensor
 

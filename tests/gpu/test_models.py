@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.config import EngineConfig, models_dir_from_env
 from service.gguf.reader import GGUFFile
 from service.model.spec import ModelSpec, RopeMode

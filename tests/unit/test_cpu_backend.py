@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.gguf import quants
 from service.gguf.quants import QuantType
 from service.gguf.reader import TensorInfo

@@ -30,8 +30,8 @@ def test_backends_and_gguf_do_not_import_config():
 def test_backend_kv_types_are_the_declared_ones():
     """Startup validation reads the supported pairs from service.formats.BACKEND_KV_TYPES; the CPU
     backend's class must implement exactly those (the CUDA one is checked in tests/gpu)."""
-    from service.backends.cpu import CpuBackend
-    from service.backends.cpu_attention import _KV_QTYPES
+    from service.backends.cpu.attention import _KV_QTYPES
+    from service.backends.cpu.backend import CpuBackend
     from service.config import SUPPORTED_KV_PAIRS
     from service.formats import BACKEND_KV_TYPES as KV_TYPES
     from service.formats import supported_kv_pairs

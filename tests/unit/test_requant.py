@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import pytest
 
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.cli import main
 from service.gguf.prescan import ValueType
 from service.gguf.quants import QuantType, dequantize, quantize

@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.cli import build_parser, main
 from service.config import EngineConfig
 from service.engine.scheduler import Engine

@@ -26,10 +26,10 @@ from collections.abc import Callable  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from service.backends import cpu_kernels as K  # noqa: E402
-from service.backends import cpu_sampling  # noqa: E402
 from service.backends.base import Backend  # noqa: E402
-from service.backends.cpu_attention import CpuAttentionOps  # noqa: E402
+from service.backends.cpu import kernels as K  # noqa: E402
+from service.backends.cpu import sampling as cpu_sampling  # noqa: E402
+from service.backends.cpu.attention import CpuAttentionOps  # noqa: E402
 from service.backends.cuda_layout import round_activations  # noqa: E402
 from service.errors import ModelFormatError  # noqa: E402
 from service.formats import BACKEND_KV_TYPES  # noqa: E402

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.backends import cpu_kernels as K
 from service.backends.base import (
     KVCache,
     checked_block_table,
     initial_block_table,
     kv_pool_geometry,
 )
+from service.backends.cpu import kernels as K
 from service.formats import KVType
 from service.gguf import quants
 from service.gguf.quants import QuantType
