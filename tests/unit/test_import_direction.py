@@ -26,17 +26,3 @@ def test_backends_and_gguf_do_not_import_config():
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False", f"service.config imported by one of {modules}"
 
-
-def test_backend_kv_types_are_the_declared_ones():
-    """Startup validation reads the supported pairs from service.formats.BACKEND_KV_TYPES; the CPU
-    backend's class must implement exactly those (the CUDA one is checked in tests/gpu)."""
-    from service.backends.cpu.attention import _KV_QTYPES
-    from service.backends.cpu.backend import CpuBackend
-    from service.config import SUPPORTED_KV_PAIRS
-    from service.formats import BACKEND_KV_TYPES as KV_TYPES
-    from service.formats import supported_kv_pairs
-
-    assert tuple(CpuBackend.kv_types) == KV_TYPES["cpu"]
-    assert set(_KV_QTYPES) == set(KV_TYPES["cpu"])       # each declared type has a storage format
-    assert SUPPORTED_KV_PAIRS == supported_kv_pairs("auto")
-    assert len(supported_kv_pairs("cpu")) == len(KV_TYPES["cpu"]) ** 2
