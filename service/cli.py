@@ -169,7 +169,7 @@ def cmd_models(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from service.gguf.inspect import describe
+    from service.tools.inspect import describe
 
     print(describe(_resolve(args.model)))
     return 0
