@@ -262,7 +262,7 @@ def cmd_synth(args) -> int:
 
 
 def cmd_quantize(args) -> int:
-    from service.gguf.requant import requantize
+    from service.tools.quantize import requantize
 
     r = requantize(_resolve(args.model), args.out, args.type, args.layers)
     types = ", ".join(f"{n} {t}" for t, n in sorted(r.types.items()))

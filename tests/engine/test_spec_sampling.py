@@ -20,9 +20,9 @@ from service.engine.scheduler import Engine
 from service.engine.speculative import accept_chain
 from service.engine.types import FinishReason, SamplingParams
 from service.gguf.reader import GGUFFile
-from service.gguf.requant import requantize
 from service.model.spec import ModelSpec
 from service.model.transformer import Transformer, positions_for
+from service.tools.quantize import requantize
 from tests.conftest import REAL_MODELS, TINY, load_json, real_model_path
 from tests.engine.test_engine import run
 from tests.unit.test_rejection import P_FAIL, P_PASS, chi2_pvalue

@@ -22,7 +22,7 @@ from service.engine.types import (
     SamplingParams,
     StoppingCriteria,
 )
-from service.gguf.requant import requantize
+from service.tools.quantize import requantize
 from tests.conftest import load_json
 from tests.gpu.test_kernels import PAIRS, _gpu_cache_values, _kv_pair_caches, poisoned
 from tests.gpu.test_models import cuda_engine, real_path
