@@ -252,7 +252,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_synth(args) -> int:
-    from service.gguf.synth import synthesize
+    from service.tools.synth import synthesize
 
     r = synthesize(args.out, args.preset, args.quant, seed=args.seed, n_layer=args.layers,
                    threads=args.threads)
