@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.gguf.quants import QuantType, block_spec
-from service.model.tokenizer import TokenType, byte_level_chars
+from service.model.vocab import TokenType, byte_level_chars
 
 
 # ---------------------------------------------------------------- presets
