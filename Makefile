@@ -69,7 +69,7 @@ test-gpu:
 	  exit $$s; }
 
 check-cuda: $(BIN)/specstream
-	$(PY) -m service.backends.cuda_check
+	$(PY) -m service.tools.cuda_check
 
 bench: setup models
 	$(PY) bench/cpu_decode.py

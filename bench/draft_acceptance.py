@@ -1,6 +1,6 @@
 """Acceptance of model drafters for SmolLM2-135M: full and layer-truncated q8_0 copies.
 
-Each drafter file is made with service.gguf.requant (`--layers N` keeps blocks 0..N-1) in a
+Each drafter file is made with service.tools.quantize (`--layers N` keeps blocks 0..N-1) in a
 temporary directory. For each drafter and verify width, every fixture prompt
 (tests/data/llamacpp_smollm2_greedy.json) is decoded greedily with drafting in full (the
 engine's adaptive draft length is told verification is free), and the table gives:
@@ -34,8 +34,8 @@ from cpu_decode import decode  # noqa: E402
 from service.config import EngineConfig, models_dir_from_env  # noqa: E402
 from service.engine.scheduler import Engine  # noqa: E402
 from service.gguf.fetch import fetch_model  # noqa: E402
-from service.gguf.requant import requantize  # noqa: E402
 from service.logging import configure_logging  # noqa: E402
+from service.tools.quantize import requantize  # noqa: E402
 
 CASES = json.loads((ROOT / "tests/data/llamacpp_smollm2_greedy.json").read_text())["cases"]
 

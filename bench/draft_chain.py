@@ -6,7 +6,7 @@ with its own upload, readback and host wait), in the same run on the same draft 
                                 [--lengths 2,4,8,16] [--reps 40] [--candidates 0]
 
 The draft model is a q8_0 copy of --model keeping its first --layers blocks (0 = all), made on
-the fly with service.gguf.requant. Each mode drafts in its own KV slot from the same prompt; after
+the fly with service.tools.quantize. Each mode drafts in its own KV slot from the same prompt; after
 every propose the whole draft is taken as accepted (history += the k drafts), so each propose
 catches up one token and then runs the chain, as in a step where the target accepted every draft.
 Both modes must propose the same tokens (checked every time). Per k: the median milliseconds per
@@ -32,9 +32,9 @@ from service.config import models_dir_from_env  # noqa: E402
 from service.engine.draft_model import ModelDrafter  # noqa: E402
 from service.gguf.fetch import fetch_model  # noqa: E402
 from service.gguf.reader import GGUFFile  # noqa: E402
-from service.gguf.requant import requantize  # noqa: E402
 from service.model.spec import ModelSpec  # noqa: E402
 from service.model.transformer import Transformer  # noqa: E402
+from service.tools.quantize import requantize  # noqa: E402
 
 WARM = 3                         # untimed proposes per k and mode
 PROMPT = list(range(100, 164))   # 64 ids: any ids of the vocabulary will do for timing

@@ -63,10 +63,12 @@ def bench_gemv(cp, G, a, copy_bw: float) -> list[dict]:
 def _random_raw(name: str, n: int, k: int, rng) -> np.ndarray:
     """(n rows of K) raw blocks of type `name`: at most 4096 random rows, repeated (the bytes'
     values do not change a GEMV's speed; generating 500 MB of them would)."""
-    from tests.blocks import random_tensor
+    from service.gguf.quants import QuantType
+    from service.tools.synth import random_tensor
 
     m = min(n, 4096)
-    small = random_tensor(name, m, k, rng)                             # (m * row_bytes,) u8
+    seed = int(rng.integers(1 << 31))
+    small = random_tensor(QuantType[name], (m, k), seed)              # (m * row_bytes,) u8
     return np.resize(small, n * (small.size // m))                     # (n * row_bytes,) u8
 
 
@@ -76,10 +78,11 @@ def _gemv_row(cp, G, be, ro, rng, name: str, n: int, k: int, columns) -> list[di
     (its ratios against its own one column; the dp4a row above has the default's)."""
     from service.backends.cuda import CudaMatrix
     from service.backends.cuda_types import GEMV_MMA_TYPES
+    from service.gguf.quants import QuantType
     from service.gguf.reader import TensorInfo
-    from tests.blocks import qtype
 
-    t = TensorInfo(f"bench.{name}.{n}x{k}", qtype(name), (n, k), _random_raw(name, n, k, rng))
+    t = TensorInfo(f"bench.{name}.{n}x{k}", QuantType[name], (n, k),
+                   _random_raw(name, n, k, rng))
     w0 = be.load_matrix([t])
     be._shared.pop(t.name, None)          # the backend keeps named tensors for tied weights
     nbytes = sum(int(p.size) for p in w0.planes)

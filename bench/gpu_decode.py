@@ -23,10 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.backends.cuda import CudaBackend  # noqa: E402
 from service.config import models_dir_from_env  # noqa: E402
+from service.gguf.quants import QuantType  # noqa: E402
 from service.gguf.reader import GGUFFile, TensorInfo  # noqa: E402
 from service.model.spec import ModelSpec  # noqa: E402
 from service.model.transformer import Transformer  # noqa: E402
-from tests.blocks import qtype, random_tensor  # noqa: E402
+from service.tools.synth import random_tensor  # noqa: E402
 
 READ_ONLY = r"""
 extern "C" __global__ void read_only(const int4* __restrict__ p, long long n, int* sink) {
@@ -94,7 +95,8 @@ def bench_gemv(types, shapes, columns) -> None:
 
 
 def _gemv_row(be, ro, rng, name: str, n: int, k: int, columns) -> None:
-    t = TensorInfo("w", qtype(name), (n, k), random_tensor(name, n, k, rng))
+    qt = QuantType[name]
+    t = TensorInfo("w", qt, (n, k), random_tensor(qt, (n, k), int(rng.integers(1 << 31))))
     copies = max(2, -(-L2_BYTES * 2 // t.raw.size))
     ws = [be.load_matrix([TensorInfo(f"{name}{n}x{k}.{i}", t.qtype, t.shape, t.raw)])
           for i in range(copies)]

@@ -34,10 +34,11 @@ from gpu_tables import prefill_kernel_table  # noqa: E402
 
 from bench.gpu_load import synthetic_file  # noqa: E402
 from service.backends.cuda import CudaBackend  # noqa: E402
+from service.gguf.quants import QuantType  # noqa: E402
 from service.gguf.reader import GGUFFile, TensorInfo  # noqa: E402
 from service.model.spec import ModelSpec  # noqa: E402
 from service.model.transformer import Transformer  # noqa: E402
-from tests.blocks import qtype, random_tensor  # noqa: E402
+from service.tools.synth import random_tensor  # noqa: E402
 
 L2_BYTES = 50 * 2**20
 COLUMNS = (16, 32, 64, 128, 256)
@@ -70,7 +71,8 @@ def crossover(name: str = "Q4_K") -> None:
 
 def _crossover_rows(name: str, n: int, k: int, rng: np.random.Generator) -> None:
     be = CudaBackend(graphs=False, prefill_gemm_min_tokens=17)
-    t = TensorInfo("w", qtype(name), (n, k), random_tensor(name, n, k, rng))
+    qt = QuantType[name]
+    t = TensorInfo("w", qt, (n, k), random_tensor(qt, (n, k), int(rng.integers(1 << 31))))
     copies = max(2, -(-L2_BYTES * 2 // t.raw.size))
     ws = [be.load_matrix([TensorInfo(f"w{n}x{k}.{i}", t.qtype, t.shape, t.raw)])
           for i in range(copies)]

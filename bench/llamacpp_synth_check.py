@@ -79,7 +79,7 @@ def run_probe(llama_python: str, path: Path, n_eval: int, logits_out: Path | Non
 
 def compare(path: Path, ids: list[int], ref: np.ndarray) -> np.ndarray:
     """Relative difference per token between the CPU engine's logits and llama.cpp's `ref`."""
-    from service.backends.cpu import CpuBackend
+    from service.backends.cpu.backend import CpuBackend
     from service.gguf.reader import GGUFFile
     from service.model.spec import ModelSpec
     from service.model.transformer import Transformer, positions_for

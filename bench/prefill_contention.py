@@ -1,7 +1,7 @@
 """Prefill time of one prompt through the engine, alone and beside a busy numpy process.
 
-Prompts longer than 16 tokens go through BLAS sgemm (service/backends/cpu.py), so prefill speed
-depends on how many threads the BLAS pool runs next to another process that wants the cores.
+Prompts longer than 16 tokens go through BLAS sgemm (service/backends/cpu/matmul.py), so prefill
+speed depends on how many threads the BLAS pool runs next to another process that wants the cores.
 For each thread count the script times a prefill of `--tokens` prompt tokens on an idle
 machine, then again while a neighbour process multiplies matrices with numpy (its own BLAS pool
 at its default size), and prints the medians and the ratio busy / idle.

@@ -5,7 +5,7 @@ and an oracle drafter on synthetic shapes; every ratio against plain decoding in
 
 (a) `--part real`: SmolLM2 and Gemma-3 (--models), on code, prose and repetitive prompts
     (bench/spec_tables.py), greedy, plain decoding against: the n-gram drafter (chain), a
-    layer-truncated q8_0 self-drafter made on the fly with service.gguf.requant (`--layers`:
+    layer-truncated q8_0 self-drafter made on the fly with service.tools.quantize (`--layers`:
     N keeps blocks 0..N-1, -N drops the last N), the same with tree verify (`--tree-budget`),
     and `--draft PATH` (e.g. a draft GGUF with a fitted Markov head), chain and tree. Per row:
     acceptance (accepted / drafted), mean tokens per target step, decode tok/s, speedup against
@@ -110,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------- part (a): real models
 def real_configs(a, n_layer: int, tmp: Path, target: Path) -> list[tuple[str, str, dict]]:
     """(drafter label, verify label, EngineConfig fields) per row after plain and ngram."""
-    from service.gguf.requant import requantize
+    from service.tools.quantize import requantize
 
     drafts = []
     for n in a.layer_list:

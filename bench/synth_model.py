@@ -1,4 +1,4 @@
-"""Seeded synthetic GGUF models for the benchmarks (service.gguf.synth), generated once into a
+"""Seeded synthetic GGUF models for the benchmarks (service.tools.synth), generated once into a
 folder and reused: `<preset>-<quant>-seed<seed>.gguf` (bench/gpu_bench.py, bench/speculative.py
 and bench/concurrency.py name them alike, so each reuses the others' files)."""
 
@@ -13,7 +13,7 @@ def synth_model(folder: str | Path, preset: str, quant: str = "Q4_K_M", seed: in
                 ) -> tuple[Path, float | None]:
     """The seeded synthetic model's path, generated unless present; seconds it took (None when
     the file was there)."""
-    from service.gguf.synth import synthesize
+    from service.tools.synth import synthesize
 
     path = Path(folder) / f"{preset}-{quant}-seed{seed}.gguf"
     if path.is_file():

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
 from clients.client import (
@@ -27,7 +28,7 @@ from clients.client import (
     default_target,
     error_details,
 )
-from service.config import settings
+from service.proto_build import stubs
 
 
 def _dict(msg: Any) -> dict:
@@ -112,7 +113,7 @@ def cmd_detokenize(c: SpecstreamClient, a: argparse.Namespace) -> int:
 
 
 def cmd_validate(c: SpecstreamClient, a: argparse.Namespace) -> int:
-    given = {s.name: getattr(a, s.name) for s in _engine_settings()}
+    given = {name: getattr(a, name) for name, _, _ in _engine_flags()}
     r = c.validate_config(**given)
     if a.json:
         _print_json(r)
@@ -137,8 +138,25 @@ def cmd_health(c: SpecstreamClient, a: argparse.Namespace) -> int:
 
 
 # ------------------------------------------------------------------------- parser
-def _engine_settings():
-    return [s for s in settings() if s.section == "engine"]
+# The server's flag of an engine setting is its field name with dashes, except these
+# (service/config/loader.py; tests/service/test_client_flags.py checks both sides agree).
+_FLAG_NAMES = {"kv_cache_type_k": "--cache-type-k", "kv_cache_type_v": "--cache-type-v"}
+
+
+def _bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+    return t in ("1", "true", "yes", "on")
+
+
+def _engine_flags() -> list[tuple[str, str, Any]]:
+    """(field, flag, argparse type) of every field of the API's EngineConfig message."""
+    kinds = {FieldDescriptor.TYPE_STRING: str, FieldDescriptor.TYPE_BOOL: _bool,
+             FieldDescriptor.TYPE_FLOAT: float, FieldDescriptor.TYPE_DOUBLE: float}
+    return [(f.name, _FLAG_NAMES.get(f.name, "--" + f.name.replace("_", "-")),
+             kinds.get(f.type, int))
+            for f in stubs().config_pb2.EngineConfig.DESCRIPTOR.fields]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,8 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("validate-config", help="dry-run engine settings (ValidateConfig); "
                        "unset settings take the server's current values")
-    for s in _engine_settings():
-        v.add_argument(s.flag, dest=s.name, type=s.kind, metavar=s.kind.__name__.upper())
+    for name, flag, kind in _engine_flags():
+        v.add_argument(flag, dest=name, type=kind,
+                       metavar="BOOL" if kind is _bool else kind.__name__.upper())
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_validate)
 

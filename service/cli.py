@@ -169,7 +169,7 @@ def cmd_models(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from service.gguf.inspect import describe
+    from service.tools.inspect import describe
 
     print(describe(_resolve(args.model)))
     return 0
@@ -252,7 +252,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_synth(args) -> int:
-    from service.gguf.synth import synthesize
+    from service.tools.synth import synthesize
 
     r = synthesize(args.out, args.preset, args.quant, seed=args.seed, n_layer=args.layers,
                    threads=args.threads)
@@ -262,7 +262,7 @@ def cmd_synth(args) -> int:
 
 
 def cmd_quantize(args) -> int:
-    from service.gguf.requant import requantize
+    from service.tools.quantize import requantize
 
     r = requantize(_resolve(args.model), args.out, args.type, args.layers)
     types = ", ".join(f"{n} {t}" for t, n in sorted(r.types.items()))

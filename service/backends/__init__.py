@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from service.backends.base import Backend
 
 _REGISTRY = {
-    "cpu": ("service.backends.cpu", "CpuBackend"),
+    "cpu": ("service.backends.cpu.backend", "CpuBackend"),
     "cuda": ("service.backends.cuda", "CudaBackend"),
 }
 _OPTIONS: dict[str, dict] = {}   # extra constructor arguments per backend name (backend_options)

@@ -136,11 +136,15 @@ class Backend(abc.ABC):
 
     def kv_position_bytes(self, n_layer: int, n_head_kv: int, head_dim: int, head_dim_v: int,
                           type_k: str, type_v: str) -> int:
-        """Bytes one position of the KV cache takes over all layers (K and V), as stored:
-        f16 2 bytes an element; q8_0 1 byte + a 2-byte scale per 32; q4_0 half a byte + a
-        2-byte scale per 32."""
+        """Bytes one position of the KV cache takes over all layers (K and V), as stored: each
+        row of d values in the blocks of the type's GGML format (`quants.kv_qtype`): f16 2 bytes
+        an element; q8_0 1 byte + a 2-byte scale per 32; q4_0 half a byte + a 2-byte scale
+        per 32."""
+        from service.gguf.quants import block_spec, kv_qtype
+
         def row(t: str, d: int) -> int:
-            return {"f16": 2 * d, "q8_0": d + d // 16, "q4_0": d // 2 + d // 16}[t]
+            spec = block_spec(kv_qtype(t))
+            return d // spec.block_size * spec.type_size
         return n_layer * n_head_kv * (row(type_k, head_dim) + row(type_v, head_dim_v))
 
     # ---------------------------------------------------------------- weights (load time)
@@ -358,7 +362,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def sample(self, logits: Array, params: Array, hist: Array, out: Array) -> None:
-        """Choose one token per logits row (service/backends/cpu_sampling.py defines the
+        """Choose one token per logits row (service/backends/cpu/sampling.py defines the
         parameter record, the chain of filters, the draw and the output record).
         logits (L, V) f32, params (L, N_PARAMS) int32, hist (n_slots, n_ctx) int32,
         out (L, OUT_WORDS) int32."""

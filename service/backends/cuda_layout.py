@@ -110,15 +110,3 @@ def join_planes(planes: list[np.ndarray], layout: PlaneLayout) -> np.ndarray:
         out[:, a:a + n] = p.reshape(n_blocks, n)
     return out.reshape(-1)
 
-
-def round_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The 8-bit activation blocks of cuda/quantize.cu, computed the same way in numpy:
-    per 32 values d = amax / 127, q = rint(x / d) (0 where amax = 0).
-    x (T, K) f32 -> codes (T, K) int8, d (T, K/32) f32; x ~ d * q within d / 2 per element."""
-    t, k = x.shape
-    b = np.ascontiguousarray(x, np.float32).reshape(t, k // 32, 32)
-    amax = np.abs(b).max(axis=-1)                                        # (T, G) f32
-    d = (amax / np.float32(127)).astype(np.float32)
-    safe = np.where(amax == 0, np.float32(1), d)
-    q = np.where(amax[..., None] == 0, 0, np.rint(b / safe[..., None]))
-    return q.astype(np.int8).reshape(t, k), d

@@ -174,7 +174,7 @@ def write_head(draft: GGUFFile, out: Path, w1: np.ndarray, w2: np.ndarray, dtype
     and its metadata replaced)."""
     import gguf
 
-    from service.gguf.requant import copy_metadata, write_tensor_data
+    from service.gguf.writer import copy_metadata, write_tensor_data
 
     arch = draft.require("general.architecture", str)
     np_type, qtype = DTYPES[dtype]

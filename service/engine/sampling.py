@@ -1,7 +1,7 @@
 """Token selection for one request, through the same function the backends' `sample` op runs.
 
 The chain (penalty -> top-k -> top-p -> min-p -> temperature -> draw), its tie rules and the
-draw are defined once, in service/backends/cpu_sampling.py, the reference of the CPU backend's
+draw are defined once, in service/backends/cpu/sampling.py, the reference of the CPU backend's
 op and of cuda/sampling.cu. The draw reads the counter-based uniform of
 service/backends/counter_rng.py keyed by (seed, token index): a seeded request replays exactly,
 alone or batched, on either backend.
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from service.backends import cpu_sampling as ref
-from service.backends.cpu_sampling import log_softmax
+from service.backends.cpu import sampling as ref
+from service.backends.cpu.sampling import log_softmax
 from service.backends.step_format import OUT_WORDS, param_record
 from service.engine.types import SamplingParams, TokenLogprob
 

@@ -12,6 +12,11 @@ integer codes plus one f32 scale and offset per group of `group` consecutive ele
 computed in f32, bit-exact with `gguf.quants.dequantize` (tests/unit/test_quants.py checks it).
 Each quantized type registers one decoder of its block layout below (`_affine`); `affine_rows`
 applies it to a whole row-major tensor.
+
+`BlockSpec` is the one record of per-type facts (layout, code width, decoder, the activation
+type llama.cpp's CPU dot product pairs it with); backends key by `QuantType`, never by a type
+name or id. A KV-cache element type stores its rows in the block type of the same name
+(`kv_qtype`).
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ from gguf import GGMLQuantizationType as QuantType
 from gguf import quants as gguf_quants
 
 from service.errors import ModelFormatError
+from service.formats import KVType
 
 QK_K = 256            # elements per super-block of the K-quants
 _CHUNK_BLOCKS = 1 << 16  # blocks decoded per step, so temporaries stay a few MiB on huge tensors
 FLOAT_TYPES = (QuantType.F32, QuantType.F16, QuantType.BF16)
 
 __all__ = ["Affine", "BlockSpec", "QuantType", "affine_rows", "block_spec", "dequantize",
-           "quantizable_types", "quantize", "supported_types"]
+           "kv_qtype", "quantizable_types", "quantize", "supported_types"]
 
 
 class Affine(NamedTuple):
@@ -92,6 +98,7 @@ class BlockSpec:
     block_size: int   # elements per block
     type_size: int    # bytes per block
     bits: int         # storage width of the affine codes (4 or 8); 32 for float types
+    vec_dot_type: QuantType | None   # llama.cpp's CPU activation type (None: f32, unrounded)
     decoder: AffineDecoder | None = None
 
     def affine(self, raw: np.ndarray) -> Affine | None:
@@ -110,15 +117,22 @@ class BlockSpec:
 
 
 _SPECS: dict[QuantType, BlockSpec] = {
-    q: BlockSpec(q, *GGML_QUANT_SIZES[q], bits=32) for q in FLOAT_TYPES}
+    q: BlockSpec(q, *GGML_QUANT_SIZES[q], bits=32, vec_dot_type=v)
+    for q, v in ((QuantType.F32, None), (QuantType.F16, QuantType.F16),
+                 (QuantType.BF16, QuantType.BF16))}
 # gguf.quants.quantize implements these (the K-quants it only decodes)
 _QUANTIZABLE = frozenset((*FLOAT_TYPES, QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0,
                           QuantType.Q5_1, QuantType.Q8_0))
 
 
 def _affine(qtype: QuantType, bits: int) -> Callable[[AffineDecoder], AffineDecoder]:
+    """Register `qtype`'s decoder; its vec_dot_type is Q8_K for the 256-element K-quants and
+    Q8_0 for the 32-element types (ggml's type traits)."""
+    via = QuantType.Q8_K if GGML_QUANT_SIZES[qtype][0] == QK_K else QuantType.Q8_0
+
     def deco(fn: AffineDecoder) -> AffineDecoder:
-        _SPECS[qtype] = BlockSpec(qtype, *GGML_QUANT_SIZES[qtype], bits=bits, decoder=fn)
+        _SPECS[qtype] = BlockSpec(qtype, *GGML_QUANT_SIZES[qtype], bits=bits, vec_dot_type=via,
+                                  decoder=fn)
         return fn
     return deco
 
@@ -214,6 +228,11 @@ def block_spec(qtype: QuantType | int) -> BlockSpec | None:
         return _SPECS.get(QuantType(int(qtype)))
     except ValueError:
         return None
+
+
+def kv_qtype(kv: KVType | str) -> QuantType:
+    """The block type a KV-cache element type's rows are stored as (q8_0 -> Q8_0)."""
+    return QuantType[KVType(kv).name]
 
 
 def supported_types() -> list[QuantType]:

@@ -1,10 +1,8 @@
 """Chat messages -> prompt text through the model's Jinja chat template, sandboxed.
 
-The environment is set up as HuggingFace's `apply_chat_template` sets it: trim_blocks and
-lstrip_blocks, the loop-controls extension, `raise_exception`, `strftime_now` and a `tojson` filter
-that keeps non-ASCII text. Templates come from model files, so they run in an immutable sandbox and
-any attribute the sandbox deems unsafe (dunders, mutating methods) fails the render instead of
-rendering as empty. Every failure becomes `InvalidRequestError("input.chat", ...)`.
+Templates compile in service/chat_templates.py's sandbox (HuggingFace's `apply_chat_template`
+environment), which also holds the built-ins and `load_template`. Every failure of a render
+becomes `InvalidRequestError("input.chat", ...)`.
 
 The template is the one configured (`--chat-template NAME|FILE`: a `BUILTIN_TEMPLATES` name or a
 Jinja file), else the model's own `tokenizer.chat_template`. A model with neither (a base model
@@ -16,72 +14,20 @@ the metadata asks. `chat_prompt_ids` turns a render into llama.cpp's ids for the
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
-from datetime import datetime
-from functools import lru_cache
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jinja2 import TemplateError
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
-
-from service.errors import ChatTemplateMissingError, ConfigError, InvalidRequestError
+from service.chat_templates import BUILTIN_TEMPLATES, compile_template
+from service.chat_templates import CHATML as CHATML
+from service.chat_templates import GEMMA_TURNS as GEMMA_TURNS
+from service.chat_templates import load_template as load_template
+from service.errors import ChatTemplateMissingError, InvalidRequestError
 
 if TYPE_CHECKING:
     from service.model.tokenizer import Tokenizer
 
 FIELD = "input.chat"
 KEY_TEMPLATE = "tokenizer.chat_template"
-
-CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-# Gemma turns: roles user/model, system text folded into the next turn, content trimmed.
-GEMMA_TURNS = (
-    "{% set state = namespace(prefix='') %}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}"
-    "{% set state.prefix = state.prefix + (message['content'] | trim) + '\\n\\n' %}"
-    "{% else %}"
-    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "{{ '<start_of_turn>' + role + '\\n' + state.prefix + (message['content'] | trim)"
-    " + '<end_of_turn>\\n' }}"
-    "{% set state.prefix = '' %}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
-)
-
-# --chat-template NAME -> template text
-BUILTIN_TEMPLATES: dict[str, str] = {"chatml": CHATML, "gemma": GEMMA_TURNS}
-SETTING = "chat_template"
-
-
-def load_template(choice: str) -> str:
-    """The template `choice` names: a built-in's name, else a Jinja file's path. The text is
-    compiled here, so a bad choice is a ConfigError at startup, not a failed request."""
-    if choice in BUILTIN_TEMPLATES:
-        return BUILTIN_TEMPLATES[choice]
-    names = ", ".join(BUILTIN_TEMPLATES)
-    path = Path(choice).expanduser()
-    if not path.is_file():
-        raise ConfigError([(SETTING, f"{choice!r} is neither a built-in template ({names}) "
-                                     "nor a Jinja template file")])
-    try:
-        text = path.read_text("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError([(SETTING, f"cannot read template file {choice!r}: {exc}")]) from exc
-    try:
-        _compile(text)
-    except TemplateError as exc:
-        raise ConfigError([(SETTING, f"{choice!r} is not a valid Jinja template: {exc}")]) from exc
-    return text
 
 
 def template_for(metadata: Mapping[str, Any], configured: str | None = None) -> str | None:
@@ -100,34 +46,6 @@ def missing_template(field: str = FIELD) -> ChatTemplateMissingError:
         + ", ".join(BUILTIN_TEMPLATES) + "; or a Jinja file), or send text or token ids"))
 
 
-class _Sandbox(ImmutableSandboxedEnvironment):
-    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
-        raise SecurityError(f"access to attribute {attribute!r} of "
-                            f"{type(obj).__name__!r} object is unsafe")
-
-
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
-
-
-def _tojson(value: Any, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=16)
-def _compile(template: str) -> Any:
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
-    return env.from_string(template)
-
-
 def render_chat(template: str, messages: Sequence[Mapping[str, str]], bos_token: str,
                 eos_token: str, add_generation_prompt: bool = True) -> str:
     """Render `messages` ([{'role': ..., 'content': ...}, ...]) into one prompt string."""
@@ -140,7 +58,7 @@ def render_chat(template: str, messages: Sequence[Mapping[str, str]], bos_token:
     if not checked:
         raise InvalidRequestError(FIELD, "no messages")
     try:
-        return _compile(template).render(
+        return compile_template(template).render(
             messages=checked, bos_token=bos_token, eos_token=eos_token,
             add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # syntax, sandbox, raise_exception, type errors inside the template

@@ -15,6 +15,9 @@ Special tokens are cut out of the text first, longest first (llama.cpp's partiti
 tokens always, control and unknown tokens only when `parse_special` is true. As in llama.cpp,
 tokens whose text marks a role (end of turn, FIM, ...) gain the CONTROL attribute, and the
 end-of-generation set is eos plus those roles and texts (`ROLES`, `EOG_TEXTS`).
+
+The metadata keys, token types and their checked readers are in vocab.py, the HuggingFace models
+of both kinds in bpe.py, llama.cpp's rules as data in vocab_rules.py.
 """
 
 from __future__ import annotations
@@ -22,14 +25,32 @@ from __future__ import annotations
 import codecs
 import functools
 from collections.abc import Iterable, Mapping
-from enum import Enum, IntEnum, IntFlag
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Any
 
-from tokenizers import Regex, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from service.errors import InvalidRequestError, ModelFormatError
+from service.model.bpe import build_bpe, build_spm
+from service.model.vocab import (
+    DEFAULT_IDS,
+    KEY_ADD_BOS,
+    KEY_ADD_EOS,
+    KEY_ADD_SPACE_PREFIX,
+    KEY_MODEL,
+    KEY_PRE,
+    KEY_TOKENS,
+    KEY_TYPES,
+    SPACE_MARK,
+    VOCAB_KINDS,
+    TokenAttr,
+    TokenType,
+    VocabKind,
+    byte_level_chars,
+    read_flag,
+    read_list,
+    read_token_id,
+)
 from service.model.vocab_rules import (
     ALWAYS_SHOWN,
     EOG_EXCEPTIONS,
@@ -37,111 +58,14 @@ from service.model.vocab_rules import (
     EOG_TEXTS,
     PRE_TOKENIZERS,
     ROLES,
-    PreTokenizer,
 )
 
-KEY_MODEL = "tokenizer.ggml.model"
-KEY_PRE = "tokenizer.ggml.pre"
-KEY_TOKENS = "tokenizer.ggml.tokens"
-KEY_TYPES = "tokenizer.ggml.token_type"
-KEY_SCORES = "tokenizer.ggml.scores"
-KEY_MERGES = "tokenizer.ggml.merges"
-KEY_ADD_BOS = "tokenizer.ggml.add_bos_token"
-KEY_ADD_EOS = "tokenizer.ggml.add_eos_token"
-KEY_ADD_SPACE_PREFIX = "tokenizer.ggml.add_space_prefix"
-SPACE_MARK = "\u2581"  # SentencePiece's visible space
-
-
-class TokenType(IntEnum):
-    """Values of `tokenizer.ggml.token_type`."""
-
-    UNDEFINED = 0
-    NORMAL = 1
-    UNKNOWN = 2
-    CONTROL = 3
-    USER_DEFINED = 4
-    UNUSED = 5
-    BYTE = 6
-
-
-class TokenAttr(IntFlag):
-    """llama.cpp's token attributes: the GGUF type, plus CONTROL where a role is found by text."""
-
-    UNDEFINED = 0
-    UNKNOWN = 1 << 0
-    UNUSED = 1 << 1
-    NORMAL = 1 << 2
-    CONTROL = 1 << 3
-    USER_DEFINED = 1 << 4
-    BYTE = 1 << 5
-
-
-# Per-token attributes are kept as plain ints (262k IntFlag objects would slow loading).
 _ATTR_OF_TYPE = {int(t): int(TokenAttr[t.name]) for t in TokenType}
 _NORMAL, _CONTROL, _USER, _BYTE = (int(TokenAttr[n]) for n in
                                    ("NORMAL", "CONTROL", "USER_DEFINED", "BYTE"))
 _SPECIAL = int(TokenAttr.CONTROL | TokenAttr.UNKNOWN)  # hidden by skip_special, parsed on request
 _LITERAL = _SPECIAL | _USER                            # decoded as their stored text
-
-
-class VocabKind(Enum):
-    BPE = "gpt2"
-    SPM = "llama"
-    NONE = "none"
-
-
-_VOCAB_KINDS = {"gpt2": VocabKind.BPE, "llama": VocabKind.SPM,
-                "none": VocabKind.NONE, "no_vocab": VocabKind.NONE}
-
-
-# llama.cpp's ids when the metadata names none: (bos, eos, unk)
-_DEFAULT_IDS = {VocabKind.SPM: (1, 2, 0), VocabKind.BPE: (11, 11, None)}
-
-
-def byte_level_chars() -> list[str]:
-    """GPT-2's reversible byte -> printable char table used by byte-level BPE vocabularies."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in kept:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return [table[b] for b in range(256)]
-
-
 _CHAR_TO_BYTE = {c: b for b, c in enumerate(byte_level_chars())}
-
-
-# ---------------------------------------------------------------- metadata checks
-
-def _list(md: Mapping[str, Any], key: str, item: type, n: int | None) -> list:
-    value = md.get(key)
-    # one check per distinct element type, not per element (a vocabulary has 262k entries)
-    if not isinstance(value, list) or not all(issubclass(t, item) for t in set(map(type, value))):
-        raise ModelFormatError(f"{key}: expected a list of {item.__name__}")
-    if n is not None and len(value) != n:
-        raise ModelFormatError(f"{key}: has {len(value)} entries, {KEY_TOKENS} has {n}")
-    return value
-
-
-def _flag(md: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = md.get(key, default)
-    if not isinstance(value, bool):
-        raise ModelFormatError(f"{key}: expected a bool, got {value!r}")
-    return value
-
-
-def _token_id(md: Mapping[str, Any], keys: tuple[str, ...], default: int | None,
-              n: int) -> int | None:
-    for key in keys:
-        if key in md:
-            value = md[key]
-            if isinstance(value, bool) or not isinstance(value, Integral) or not 0 <= value < n:
-                raise ModelFormatError(f"{key}: {value!r} is not a token id below {n}")
-            return int(value)
-    return default if default is not None and default < n else None
 
 
 def _frozen(value: Any) -> Any:
@@ -195,13 +119,13 @@ class Tokenizer:
     def from_metadata(cls, md: Mapping[str, Any]) -> Tokenizer:
         """Build from GGUF metadata (plain python values). Same metadata -> cached instance."""
         name = md.get(KEY_MODEL, "none")
-        kind = _VOCAB_KINDS.get(name) if isinstance(name, str) else None
+        kind = VOCAB_KINDS.get(name) if isinstance(name, str) else None
         if kind is None:
             raise ModelFormatError(f"{KEY_MODEL}: unsupported tokenizer {name!r}; supported: "
-                                   + ", ".join(sorted(_VOCAB_KINDS)))
+                                   + ", ".join(sorted(VOCAB_KINDS)))
         if kind is VocabKind.NONE:
             if KEY_TOKENS in md:
-                return cls.ids_only(len(_list(md, KEY_TOKENS, str, None)))
+                return cls.ids_only(len(read_list(md, KEY_TOKENS, str, None)))
             size_key = f"{md.get('general.architecture')}.vocab_size"
             size = md.get(size_key)
             if isinstance(size, bool) or not isinstance(size, Integral):
@@ -210,7 +134,7 @@ class Tokenizer:
         return _cached(kind, _cache_key(md))
 
     def _load(self, md: Mapping[str, Any]) -> None:
-        texts = _list(md, KEY_TOKENS, str, None)
+        texts = read_list(md, KEY_TOKENS, str, None)
         n = len(texts)
         if n == 0:
             raise ModelFormatError(f"{KEY_TOKENS}: the vocabulary is empty")
@@ -218,7 +142,7 @@ class Tokenizer:
         vocab = {t: i for i, t in enumerate(texts)}
         if len(vocab) != n:
             raise ModelFormatError(f"{KEY_TOKENS}: {n - len(vocab)} duplicate token texts")
-        raw_types = (_list(md, KEY_TYPES, Integral, n) if KEY_TYPES in md
+        raw_types = (read_list(md, KEY_TYPES, Integral, n) if KEY_TYPES in md
                      else [int(TokenType.NORMAL)] * n)
         # llama.cpp reads an unknown type as UNDEFINED (such tokens decode to nothing)
         attrs = [_ATTR_OF_TYPE.get(int(t), 0) for t in raw_types]
@@ -229,30 +153,30 @@ class Tokenizer:
             if spec is None:
                 raise ModelFormatError(f"{KEY_PRE}: unsupported pre-tokenizer {pre!r}; supported: "
                                        + ", ".join(sorted(PRE_TOKENIZERS)))
-        bos, eos, unk = _DEFAULT_IDS[self.kind]
+        bos, eos, unk = DEFAULT_IDS[self.kind]
         self.vocab_size = n
-        self.bos_id = _token_id(md, ("tokenizer.ggml.bos_token_id",), bos, n)
-        self.eos_id = _token_id(md, ("tokenizer.ggml.eos_token_id",), eos, n)
-        self.unk_id = _token_id(md, ("tokenizer.ggml.unknown_token_id",), unk, n)
+        self.bos_id = read_token_id(md, ("tokenizer.ggml.bos_token_id",), bos, n)
+        self.eos_id = read_token_id(md, ("tokenizer.ggml.eos_token_id",), eos, n)
+        self.unk_id = read_token_id(md, ("tokenizer.ggml.unknown_token_id",), unk, n)
         spm = self.kind is VocabKind.SPM
-        self.add_bos = _flag(md, KEY_ADD_BOS, spm or bool(spec and spec.add_bos))
-        self.add_eos = _flag(md, KEY_ADD_EOS, False)
-        self.add_space_prefix = _flag(md, KEY_ADD_SPACE_PREFIX, spm)
+        self.add_bos = read_flag(md, KEY_ADD_BOS, spm or bool(spec and spec.add_bos))
+        self.add_eos = read_flag(md, KEY_ADD_EOS, False)
+        self.add_space_prefix = read_flag(md, KEY_ADD_SPACE_PREFIX, spm)
         self._texts, self._attrs = texts, attrs
         self._find_roles(md, vocab)
         self._specials = tuple(sorted(
             ((texts[i], i, bool(a & _SPECIAL)) for i, a in enumerate(attrs) if a & _LITERAL),
             key=lambda s: (-len(s[0].encode("utf-8", "surrogatepass")), s[1])))
         if spm:
-            self._hf = _build_spm(md, texts, vocab, self.unk_id)
+            self._hf = build_spm(md, texts, vocab, self.unk_id)
         else:
-            self._hf = _build_bpe(md, vocab, spec)
+            self._hf = build_bpe(md, vocab, spec)
 
     def _find_roles(self, md: Mapping[str, Any], vocab: dict[str, int]) -> None:
         """EOG set and attribute changes, in llama.cpp's order (a found role becomes CONTROL)."""
         attrs, eog = self._attrs, set()
         for role, (keys, texts) in ROLES.items():
-            tid = _token_id(md, keys, None, self.vocab_size)
+            tid = read_token_id(md, keys, None, self.vocab_size)
             if tid is None:
                 tid = next((vocab[t] for t in texts if t in vocab), None)
                 if tid is not None:
@@ -422,40 +346,3 @@ class IncrementalDecoder:
     def flush(self) -> str:
         """End of stream: a dangling incomplete character becomes U+FFFD."""
         return self._utf8.decode(b"", final=True)
-
-
-# ---------------------------------------------------------------- HuggingFace models
-
-def _hf_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], **kw: Any) -> HFTokenizer:
-    return HFTokenizer(models.BPE(vocab=vocab, merges=merges, **kw))
-
-
-def _build_bpe(md: Mapping[str, Any], vocab: dict[str, int], spec: PreTokenizer) -> HFTokenizer:
-    merges: list[tuple[str, str]] = []
-    seen = set()
-    for i, line in enumerate(_list(md, KEY_MERGES, str, None)):
-        cut = line.find(" ", 1)
-        if cut < 0:
-            raise ModelFormatError(f"{KEY_MERGES}[{i}]: {line!r} is not 'left right'")
-        pair = (line[:cut], line[cut + 1:])
-        # llama.cpp keeps the first rank of a repeated pair; a pair whose parts or result are
-        # not tokens can never yield a token, so it is left out.
-        if pair not in seen and pair[0] in vocab and pair[1] in vocab and "".join(pair) in vocab:
-            seen.add(pair)
-            merges.append(pair)
-    hf = _hf_bpe(vocab, merges, ignore_merges=spec.ignore_merges)
-    hf.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in spec.regexes]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    return hf
-
-
-def _build_spm(md: Mapping[str, Any], texts: list[str], vocab: dict[str, int],
-               unk_id: int | None) -> HFTokenizer:
-    scores = [float(s) for s in _list(md, KEY_SCORES, Real, len(texts))]
-    # Every split of every piece into two pieces, best resulting score first (ties: lower id).
-    order = sorted(range(len(texts)), key=lambda i: (-scores[i], i))
-    merges = [(a, b) for i in order if len(p := texts[i]) > 1 for k in range(1, len(p))
-              if (a := p[:k]) in vocab and (b := p[k:]) in vocab]
-    unk = texts[unk_id] if unk_id is not None else None
-    return _hf_bpe(vocab, merges, byte_fallback=True, unk_token=unk)

@@ -1,6 +1,6 @@
 """Vocabulary rules read from llama.cpp's behaviour, as data: the BPE pre-tokenizer regexes
 selected by `tokenizer.ggml.pre`, and the special-token roles llama.cpp assigns by token text
-(end-of-generation tokens included). Used by service/model/tokenizer.py.
+(end-of-generation tokens included). Used by service/model/tokenizer.py and bpe.py.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ from service.engine.draft_model import ModelDrafter
 from service.engine.fit_markov import write_head
 from service.engine.markov_head import load_markov_head
 from service.gguf.reader import GGUFFile
-from service.gguf.requant import requantize
 from service.model.spec import ModelSpec
 from service.model.transformer import Transformer
+from service.tools.quantize import requantize
 from tests.conftest import REAL_MODELS, load_json, real_model_path
 from tests.engine.test_model_drafter import _State
 

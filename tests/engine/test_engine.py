@@ -277,7 +277,7 @@ KV_CASES = (0, 1)   # fixture cases whose prompt + llama.cpp greedy ids are teac
 
 @pytest.fixture(scope="module")
 def f16_cache_rows():
-    from service.backends.cpu import CpuBackend
+    from service.backends.cpu.backend import CpuBackend
     from service.gguf.reader import GGUFFile
     from service.model.spec import ModelSpec
     from service.model.transformer import Transformer

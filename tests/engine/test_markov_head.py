@@ -18,10 +18,10 @@ from service.engine.markov_head import W1_NAME, W2_NAME, MarkovHead, meta_key, r
 from service.errors import ModelFormatError
 from service.gguf.quants import dequantize
 from service.gguf.reader import GGUFFile
-from service.gguf.requant import requantize
 from service.model.spec import ModelSpec
 from service.model.tokenizer import Tokenizer
 from service.model.transformer import Transformer
+from service.tools.quantize import requantize
 from tests.conftest import REAL_MODELS, TINY, load_json, real_model_path
 from tests.engine.test_engine import run
 from tests.engine.test_model_drafter import captured_drafting_run, model_engine

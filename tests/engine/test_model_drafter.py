@@ -1,5 +1,5 @@
 """The `model` drafter on the CPU: layer-truncated and full q8_0 copies of SmolLM2 made with
-service.gguf.requant draft for it; greedy output stays identical to plain greedy output, a
+service.tools.quantize draft for it; greedy output stays identical to plain greedy output, a
 drafter of another vocabulary is refused at load, and a cancelled request frees its draft slot.
 """
 
@@ -25,7 +25,7 @@ from service.engine.types import (
 )
 from service.errors import ConfigError
 from service.gguf.reader import GGUFFile
-from service.gguf.requant import requantize
+from service.tools.quantize import requantize
 from tests.conftest import REAL_MODELS, TINY, load_json, real_model_path
 from tests.engine.test_engine import run
 

@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.engine.draft_model import ModelDrafter
 from service.engine.runner import GREEDY, ModelRunner, StepInput
 from service.gguf.reader import GGUFFile

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from service.backends.base import capture_sizes
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput
 from service.engine.sampling import Sampler
 from service.engine.types import SamplingParams

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from service.backends.counter_rng import counter_uniform
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.config import EngineConfig
 from service.engine.rejection import ACCEPT_STREAM
 from service.engine.runner import ModelRunner, RowSampling, StepInput
@@ -20,9 +20,9 @@ from service.engine.scheduler import Engine
 from service.engine.speculative import accept_chain
 from service.engine.types import FinishReason, SamplingParams
 from service.gguf.reader import GGUFFile
-from service.gguf.requant import requantize
 from service.model.spec import ModelSpec
 from service.model.transformer import Transformer, positions_for
+from service.tools.quantize import requantize
 from tests.conftest import REAL_MODELS, TINY, load_json, real_model_path
 from tests.engine.test_engine import run
 from tests.unit.test_rejection import P_FAIL, P_PASS, chi2_pvalue

@@ -20,7 +20,7 @@ import pytest
 from service.config import EngineConfig
 from service.engine.drafters import Drafter
 from service.engine.scheduler import Engine
-from service.gguf.requant import requantize
+from service.tools.quantize import requantize
 from tests.conftest import REAL_MODELS, load_json, real_model_path
 from tests.engine.test_engine import run
 

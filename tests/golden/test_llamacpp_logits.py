@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.model.spec import ModelSpec
 from service.model.transformer import Transformer, positions_for
 from tests.conftest import load_json

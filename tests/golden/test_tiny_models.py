@@ -25,7 +25,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.gguf.reader import GGUFFile
 from service.model.spec import ModelSpec, RopeMode
 from service.model.transformer import Transformer, positions_for

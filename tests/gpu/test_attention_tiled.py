@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu

@@ -5,7 +5,7 @@ bit (every fused kernel's header promises the separate kernels' rounding), and a
 reference's composition (bit for bit where the separate kernels are, e.g. RoPE and KV stores;
 else the separate kernels' bounds from test_kernels.py). The 8-bit activation blocks a fused op
 leaves for the next GEMV are read back from the backend's scratch and must equal
-cuda_layout.round_activations of the op's output (quantize_act's rounding) exactly. Outputs,
+act_quant.round_activations of the op's output (quantize_act's rounding) exactly. Outputs,
 caches and the block scratch are poisoned (NaN, 0xff bytes, code -128 which no rounding
 produces) before each launch.
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.backends.cpu import CpuBackend
-from service.backends.cuda_layout import round_activations
+from service.backends.act_quant import round_activations
+from service.backends.cpu.backend import CpuBackend
 from tests.gpu.test_kernels import _gpu_cache_values, poisoned, tensor
 
 cp = pytest.importorskip("cupy")

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize
 
-from service.backends.cpu import CpuBackend
-from service.backends.cuda_layout import round_activations
+from service.backends.act_quant import round_activations
+from service.backends.cpu.backend import CpuBackend
 from tests.gpu.test_kernels import gpu_matmul, poisoned, tensor
 
 cp = pytest.importorskip("cupy")

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize
 
-from service.backends.cpu import CpuBackend
-from service.backends.cuda_layout import round_activations
+from service.backends.act_quant import round_activations
+from service.backends.cpu.backend import CpuBackend
 from service.gguf.reader import TensorInfo
 from tests.blocks import ALL_TYPES, block_size, qtype, random_tensor
 

@@ -1,5 +1,5 @@
 """The `model` drafter on the CUDA backend: a full q8_0 copy and a 4-block truncation of
-SmolLM2 (made with service.gguf.requant) draft for it with their own backend instance, KV cache
+SmolLM2 (made with service.tools.quantize) draft for it with their own backend instance, KV cache
 and captured steps; greedy output equals plain greedy output at widths 2, 6 and 16. The draft
 chain is one captured graph per chain length, and the drafts, candidates and log-probabilities
 of the captured chain (eager on first use, captured on the second, replayed after) equal those
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from service.backends import create_backend
-from service.gguf.requant import requantize
+from service.tools.quantize import requantize
 from tests.conftest import load_json
 from tests.engine.test_draft_chain import (
     LENGTHS,

@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.config import EngineConfig, models_dir_from_env
 from service.gguf.reader import GGUFFile
 from service.model.spec import ModelSpec, RopeMode
@@ -369,7 +369,7 @@ def test_decode_layer_is_nine_launches(tmp_path):
     adding into the residual, RMSNorm + blocks, gate|up GEMV, GLU + blocks, down GEMV adding
     into the residual: 9 kernels, so 9 nodes per layer in the step's graph. The pairs are
     (kernel, the GEMV's accumulate flag)."""
-    from service.gguf.synth import synthesize
+    from service.tools.synth import synthesize
 
     path = tmp_path / "tiny-q4_0.gguf"
     synthesize(path, "tiny", "Q4_0", seed=1)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.gguf.quants import dequantize
 from service.gguf.reader import TensorInfo
 from tests.blocks import ALL_TYPES, block_size, qtype, random_tensor

@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from service.backends import cpu_sampling as ref
+from service.backends.cpu import sampling as ref
 from service.backends.step_format import OUT_WORDS, param_record
 from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput
 from service.gguf.reader import GGUFFile

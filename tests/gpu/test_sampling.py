@@ -1,4 +1,4 @@
-"""The CUDA sample op (cuda/sampling.cu) against the CPU reference (backends/cpu_sampling.py)
+"""The CUDA sample op (cuda/sampling.cu) against the CPU reference (backends/cpu/sampling.py)
 on identical logits: the same token ids for every row of a grid of parameters, log-probabilities
 within 1e-5 (both compute them in float64 and store float32; only the order of the sums
 differs, about 1e-16 relative), and the token history the penalty reads."""
@@ -10,7 +10,7 @@ import itertools
 import numpy as np
 import pytest
 
-from service.backends import cpu_sampling as ref
+from service.backends.cpu import sampling as ref
 from service.backends.step_format import OUT_WORDS, TOP_MAX, Param, param_record
 
 cp = pytest.importorskip("cupy")
@@ -122,7 +122,7 @@ def test_record_tokens_skips_padding_rows(cuda):
 def test_chosen_ids_copies_word_0_of_each_record(cuda):
     """chosen_ids on the CUDA backend equals the CPU op: word 0 of every output record (row
     views included, as a draft chain passes them), nothing else of out written."""
-    from service.backends.cpu import CpuBackend
+    from service.backends.cpu.backend import CpuBackend
 
     rng = np.random.default_rng(3)
     records = rng.integers(-5, 50000, (6, OUT_WORDS), dtype=np.int32)   # (6, OUT_WORDS) i32

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.gguf.requant import requantize
+from service.tools.quantize import requantize
 from tests.conftest import load_json
 from tests.engine.test_spec_sampling import SAMPLED, compare
 from tests.gpu.test_models import cuda_engine, real_path

@@ -22,7 +22,7 @@ from service.engine.types import (
     SamplingParams,
     StoppingCriteria,
 )
-from service.gguf.requant import requantize
+from service.tools.quantize import requantize
 from tests.conftest import load_json
 from tests.gpu.test_kernels import PAIRS, _gpu_cache_values, _kv_pair_caches, poisoned
 from tests.gpu.test_models import cuda_engine, real_path
@@ -74,7 +74,7 @@ def test_masked_attention_against_cpu(cuda, type_k, type_v):
 
 @pytest.mark.parametrize("type_k,type_v", [("f16", "f16"), ("q8_0", "q4_0")])
 def test_rope_kv_stores_at_the_kv_rows(cuda, type_k, type_v):
-    from service.backends.cpu import CpuBackend
+    from service.backends.cpu.backend import CpuBackend
 
     T, H, hkv, D, n_ctx = 4, 4, 2, 64, 64
     pos = np.array([10, 11, 11, 12], np.int32)           # RoPE positions (depths)

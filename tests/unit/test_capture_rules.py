@@ -14,7 +14,7 @@ import pytest
 
 from service.backends import backend_options, create_backend
 from service.backends.capture_rules import FORBIDDEN, CaptureRuleError
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.config import EngineConfig
 from service.engine.scheduler import Engine
 from service.engine.types import FinishReason, GenerationRequest, SamplingParams, StoppingCriteria

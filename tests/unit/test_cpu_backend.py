@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.gguf import quants
 from service.gguf.quants import QuantType
 from service.gguf.reader import TensorInfo
@@ -203,3 +203,20 @@ def test_padding_rows_store_nothing_and_attend_to_nothing(T):
         assert np.array_equal(out[n_pad:], ref)
     else:
         np.testing.assert_allclose(out[n_pad:], ref, rtol=1e-6, atol=1e-6)
+
+
+def test_backend_kv_types_are_the_declared_ones():
+    """Startup validation reads the supported pairs from service.formats.BACKEND_KV_TYPES; the CPU
+    backend's class must implement exactly those (the CUDA one is checked in tests/gpu)."""
+    from service.config import SUPPORTED_KV_PAIRS
+    from service.formats import BACKEND_KV_TYPES as KV_TYPES
+    from service.formats import supported_kv_pairs
+
+    assert tuple(CpuBackend.kv_types) == KV_TYPES["cpu"]
+    be = CpuBackend(threads=1)
+    for t in KV_TYPES["cpu"]:                 # each declared type has a storage format
+        cache = be.new_kv_cache(1, 1, 32, 1, 32, 32, t, t)
+        k = RNG.standard_normal((1, 1, 32)).astype(np.float32)
+        be.kv_write(cache, 0, k, k, np.zeros(1, np.int32), np.zeros(1, np.int32))
+    assert SUPPORTED_KV_PAIRS == supported_kv_pairs("auto")
+    assert len(supported_kv_pairs("cpu")) == len(KV_TYPES["cpu"]) ** 2

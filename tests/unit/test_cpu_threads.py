@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from service.backends import cpu, cpu_kernels
+from service.backends.cpu import backend as cpu
+from service.backends.cpu import kernels as cpu_kernels
 from service.gguf import quants
 from service.gguf.quants import QuantType
 from service.gguf.reader import TensorInfo

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from service.backends import cuda_check, cuda_sources
-from service.backends.cuda_check import FunctionUsage, line_origins, parse_ptxas_log
+from service.backends import cuda_sources
+from service.tools import cuda_check
+from service.tools.cuda_check import FunctionUsage, line_origins, parse_ptxas_log
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -105,7 +106,7 @@ def test_line_origins_follow_includes_and_the_blank_lines_around_them(cuda_dir):
 
 
 def test_import_loads_neither_nvrtc_nor_cupy():
-    code = ("import sys, service.backends.cuda_check; "
+    code = ("import sys, service.tools.cuda_check; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'cuda')))")
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True)

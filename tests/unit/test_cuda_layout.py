@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from service.backends.act_quant import round_activations
 from service.backends.cuda_layout import (
     LAYOUTS,
     join_planes,
     plane_offsets,
-    round_activations,
     split_planes,
     write_planes,
 )

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from service.backends.base import Backend
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.gguf import quants
 from service.gguf.quants import QuantType
 from service.gguf.reader import GGUFFile, TensorInfo

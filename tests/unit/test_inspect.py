@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from service.errors import ModelFormatError
-from service.gguf.inspect import describe, format_value
+from service.tools.inspect import describe, format_value
 
 MIXQ = Path("/work/shared/fixtures/tiny/tiny-llama-mixq.gguf")
 

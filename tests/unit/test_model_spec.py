@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.errors import ModelFormatError
 from service.gguf.reader import GGUFFile
 from service.model.spec import ModelSpec, RopeMode

@@ -222,3 +222,26 @@ def test_shape_errors(qtype):
 def test_unsupported_type_raises():
     with pytest.raises(ModelFormatError, match="unsupported"):
         quants.dequantize(np.zeros(84, np.uint8), 10, (256,))
+
+
+def test_kv_types_are_block_types():
+    """Every KV-cache element type names the GGML block type its rows are stored in, one that
+    can be encoded; the bytes one position takes follow from that type's layout."""
+    from service.backends.base import Backend
+    from service.formats import KVType
+
+    for kv in KVType:
+        spec = quants.block_spec(quants.kv_qtype(kv))
+        assert spec.qtype.name.lower() == kv.value and spec.can_quantize, kv
+    per_row = {"f16": 2 * 64, "q8_0": 64 + 64 // 16, "q4_0": 64 // 2 + 64 // 16}
+    for t, n in per_row.items():
+        assert Backend.kv_position_bytes(None, 1, 1, 64, 64, t, t) == 2 * n
+
+
+def test_vec_dot_types_are_llamacpp_activation_types():
+    """The activation type llama.cpp's CPU matmul pairs each weight type with."""
+    want = {QuantType.F32: None, QuantType.F16: QuantType.F16, QuantType.BF16: QuantType.BF16,
+            QuantType.Q4_K: QuantType.Q8_K, QuantType.Q5_K: QuantType.Q8_K,
+            QuantType.Q6_K: QuantType.Q8_K}
+    for q in quants.supported_types():
+        assert quants.block_spec(q).vec_dot_type == want.get(q, QuantType.Q8_0), q

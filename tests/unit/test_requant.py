@@ -7,15 +7,15 @@ import gguf
 import numpy as np
 import pytest
 
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.cli import main
 from service.gguf.prescan import ValueType
 from service.gguf.quants import QuantType, dequantize, quantize
 from service.gguf.reader import GGUFFile
-from service.gguf.requant import MODES, keeps_tensor, output_type, requantize
 from service.model.spec import ModelSpec
 from service.model.tokenizer import Tokenizer
 from service.model.transformer import Transformer, positions_for
+from service.tools.quantize import MODES, keeps_tensor, output_type, requantize
 from tests.conftest import TINY, real_model_path
 
 CHANGED_KEYS = {"general.file_type"}

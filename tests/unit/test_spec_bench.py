@@ -133,7 +133,7 @@ def test_oracle_through_the_engine_on_a_tiny_model(tmp_path):
     """The bench's engine path: plain greedy records, the oracle at p = 1 and width 4 makes
     every step commit 4 tokens and the output equal the recorded one."""
     from service.config import EngineConfig
-    from service.gguf import synth
+    from service.tools import synth
 
     B = _module("speculative")
     path = synth.synthesize(tmp_path / "m.gguf", "tiny", "Q8_0", seed=1).path

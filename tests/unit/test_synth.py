@@ -9,18 +9,18 @@ import gguf
 import numpy as np
 import pytest
 
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.cli import build_parser, main
 from service.config import EngineConfig
 from service.engine.scheduler import Engine
 from service.engine.types import Delta, GenerationRequest, SamplingParams, StoppingCriteria
 from service.errors import ConfigError
-from service.gguf import synth
 from service.gguf.quants import QuantType, block_spec, supported_types
 from service.gguf.reader import GGUFFile
 from service.model.spec import ModelSpec
 from service.model.tokenizer import Tokenizer, byte_level_chars
 from service.model.transformer import Transformer, positions_for
+from service.tools import synth
 
 # byte offsets of the f16 block scale d (and of the second f16: min or dmin) per type
 D_AT = {QuantType.Q4_0: 0, QuantType.Q5_0: 0, QuantType.Q8_0: 0, QuantType.Q4_1: 0,
@@ -245,3 +245,18 @@ def test_cli_help_names_every_preset_and_mix():
     helps = {a.dest: a.help for a in sub._actions}
     assert set(helps["preset"].split(" | ")) == set(synth.PRESETS)
     assert set(helps["quant"].split(" (")[0].split(" | ")) == set(synth.MIXES)
+
+
+@pytest.mark.parametrize("qtype", supported_types(), ids=lambda q: q.name)
+def test_random_tensor_is_a_seeded_valid_weight(qtype, monkeypatch):
+    """synth.random_tensor (the benchmarks' random weights): whole valid blocks of one tensor,
+    chunk after chunk, the same bytes for the same seed."""
+    monkeypatch.setattr(synth, "CHUNK_BYTES", 4096)     # many chunks
+    shape = (300, 512)
+    raw = synth.random_tensor(qtype, shape, seed=5)
+    spec = block_spec(qtype)
+    assert raw.dtype == np.uint8 and raw.size == 300 * 512 // spec.block_size * spec.type_size
+    x = gguf.quants.dequantize(raw.reshape(300, -1), qtype)
+    assert np.isfinite(x).all() and abs(x.std() / synth.WEIGHT_STD - 1) < 0.05
+    assert np.array_equal(raw, synth.random_tensor(qtype, shape, seed=5))
+    assert not np.array_equal(raw, synth.random_tensor(qtype, shape, seed=6))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.backends.cpu import CpuBackend
+from service.backends.cpu.backend import CpuBackend
 from service.engine.tree import Tree, build_tree, chain_tree
 from service.engine.tree_verify import rows, step_fields
 

@@ -1,8 +1,9 @@
-"""The attention family of the CPU backend (a mixin of CpuBackend): the paged KV cache (float32
-rows of a pool of blocks, each row rounded through the cache's element type when written),
-KV stores, attention (per query for decode and verify steps: one numba kernel over each
-query's own key rows in a fixed order, so a row's output never depends on the step; one masked
-product per slot for prefill chunks) and KV row moves for tree compaction.
+"""The attention part of the CPU backend: the paged KV cache (float32 rows of a pool of blocks,
+each row rounded through the cache's element type when written, so attention sees exactly what
+a q8_0/q4_0/f16 cache would return; the memory saving of a quantized cache is the GPU
+backend's business), KV stores, attention (per query for decode and verify steps: one numba
+kernel over each query's own key rows in a fixed order, so a row's output never depends on the
+step; one masked product per slot for prefill chunks) and KV row moves for tree compaction.
 """
 
 from __future__ import annotations
@@ -11,19 +12,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.backends import cpu_kernels as K
 from service.backends.base import (
     KVCache,
     checked_block_table,
     initial_block_table,
     kv_pool_geometry,
 )
-from service.formats import KVType
+from service.backends.cpu import kernels as K
+from service.backends.cpu.threads import ThreadBudget
+from service.formats import BACKEND_KV_TYPES, KVType
 from service.gguf import quants
-from service.gguf.quants import QuantType
 
-# The GGUF block format each KV type is stored in (the CPU keeps K/V dequantized after rounding).
-_KV_QTYPES = {KVType.F16: QuantType.F16, KVType.Q8_0: QuantType.Q8_0, KVType.Q4_0: QuantType.Q4_0}
+KV_TYPES: tuple[KVType, ...] = BACKEND_KV_TYPES["cpu"]
 
 
 @dataclass
@@ -55,21 +55,26 @@ class CpuKVCache(KVCache):
 
 def _round_trip(x: np.ndarray, kv_type: str) -> np.ndarray:
     """The values an element type stores for x (..., D) f32 (ggml's quantizers, bit-exact)."""
-    if kv_type == "f16":   # IEEE round-to-nearest-even, as ggml's f16 conversion; no byte trip
+    if kv_type == KVType.F16:   # IEEE round-to-nearest-even, as ggml's f16 conversion
         return x.astype(np.float16).astype(np.float32)
-    qt = _KV_QTYPES[kv_type]
+    qt = quants.kv_qtype(kv_type)
     raw = quants.quantize(np.ascontiguousarray(x, dtype=np.float32), qt)
     return quants.dequantize(raw, qt, x.shape)
 
 
-class CpuAttentionOps:
-    """KV cache and attention ops of CpuBackend (uses its `threads`, `invariant_tokens` and the
-    `_keys` cache of decode rows' key rows)."""
+class CpuAttention:
+    """KV caches and the attention ops; owns the key rows of the last decode step's queries
+    (the same for every layer of a step, so computed once per step)."""
+
+    def __init__(self, threads: ThreadBudget, invariant_tokens: int):
+        self.threads = threads
+        self.invariant_tokens = invariant_tokens
+        self._keys: tuple = ((), None)           # ((cache, step key...), (rows, starts))
 
     def new_kv_cache(self, n_layer, n_slots, n_ctx, n_head_kv, head_dim, head_dim_v,
                      type_k, type_v, n_blocks=0, block_size=16) -> CpuKVCache:
         for t in (type_k, type_v):
-            if t not in _KV_QTYPES:
+            if t not in KV_TYPES:
                 raise ValueError(f"KV cache type {t!r} not supported by the CPU backend")
         max_blocks, n_blocks = kv_pool_geometry(n_slots, n_ctx, n_blocks, block_size)
         self._keys = ((), None)
@@ -107,7 +112,7 @@ class CpuAttentionOps:
     def _attention_per_query(self, q, cache, layer, slots, positions, window, scale, out,
                              attn_lo=None, attn_mask=None):
         # Each query over exactly the keys it may see (j <= pos, inside the window), in one
-        # numba kernel computing every query alone in a fixed order (cpu_kernels.attention_rows):
+        # numba kernel computing every query alone in a fixed order (kernels.attention_rows):
         # a token's output never depends on how the step was batched. A tree row sees the rows
         # below attn_lo and then its mask's rows, in row order (for an ancestor mask, the order
         # plain decoding of its path sees them), those inside the window by its RoPE position.
@@ -195,7 +200,8 @@ class CpuAttentionOps:
                 for layer in planes:
                     layer[b] = layer[a]
 
-    def kv_position_bytes(self, n_layer, n_head_kv, head_dim, head_dim_v, type_k, type_v):
+    @staticmethod
+    def kv_position_bytes(n_layer, n_head_kv, head_dim, head_dim_v, type_k, type_v) -> int:
         """float32 rows whatever the type (each value rounded through the type when written)."""
         del type_k, type_v
         return 4 * n_layer * n_head_kv * (head_dim + head_dim_v)

@@ -1,6 +1,6 @@
 """Compile every CUDA kernel source with NVRTC for the H200, on a machine without a GPU.
 
-    python -m service.backends.cuda_check [--cuda-dir DIR] [--sources a.cu b.cu]
+    python -m service.tools.cuda_check [--cuda-dir DIR] [--sources a.cu b.cu]
 
 Each name in `cuda_sources.SOURCES` is expanded by `cuda_sources.source_text` and compiled to a
 CUBIN for `cuda_sources.ARCH` with `cuda_sources.OPTIONS` plus `--ptxas-options=-v`, so ptxas
@@ -261,7 +261,7 @@ def format_table(rows: Sequence[tuple[str, FunctionUsage]]) -> str:
 
 def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m service.backends.cuda_check",
+        prog="python -m service.tools.cuda_check",
         description=f"Compile the CUDA kernels with NVRTC for {cuda_sources.ARCH}; "
                     "fail on a compile error, a spill or a missing source.")
     ap.add_argument("--cuda-dir", type=Path, default=cuda_sources.CUDA_DIR,

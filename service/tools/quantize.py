@@ -14,10 +14,9 @@ router (`ffn_gate_inp`: expert selection flips on small errors, and llama.cpp's 
 routers alone too). Otherwise it is decoded with `service.gguf.quants.dequantize` and encoded
 with `gguf.quants` through `service.gguf.quants.quantize`, a chunk of rows at a time.
 
-Metadata is copied key by key with its GGUF value type (as `prescan` records it), the
-tokenizer included; `general.file_type` is set to the mode's file type, and with `--layers N`
-`<arch>.block_count` becomes N and every `<arch>.*` array of block_count entries (per-layer
-values) keeps its first N, except `<arch>.dflash.*` (a drafter's target-layer ids).
+Metadata is copied key by key (service/gguf/writer.py's `copy_metadata`), with
+`general.file_type` set to the mode's file type and, with `--layers N`, `<arch>.block_count` N
+and the per-layer arrays cut to their first N entries.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
@@ -34,9 +32,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from service.errors import ConfigError, ModelFormatError
+from service.errors import ConfigError
 from service.gguf.quants import QuantType, block_spec, dequantize, quantize
 from service.gguf.reader import GGUFFile, TensorInfo
+from service.gguf.writer import copy_metadata, write_tensor_data
 
 CHUNK_ELEMENTS = 1 << 22       # elements converted per step: temporaries stay ~16 MiB in f32
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -86,44 +85,6 @@ def keeps_tensor(name: str, n_layers: int | None) -> bool:
 def _nbytes(qtype: QuantType, shape: tuple[int, ...]) -> int:
     spec = block_spec(qtype)
     return prod(shape) // spec.block_size * spec.type_size
-
-
-# ---------------------------------------------------------------- metadata
-def copy_metadata(f: GGUFFile, writer, file_type: int | None, n_layers: int | None,
-                  drop: Callable[[str], bool] = lambda key: False) -> list[str]:
-    """Every key of `f` into `writer` with its value type, edited as the module says
-    (`file_type` None: kept as it is), except the keys `drop` selects. Returns the keys that
-    could not be copied (empty arrays, which GGUFWriter refuses)."""
-    from gguf import GGUFValueType
-
-    arch = f.metadata["general.architecture"]
-    old_blocks = f.metadata[f"{arch}.block_count"]
-    skipped = []
-    for key, value in f.metadata.items():
-        if key == "general.architecture" or drop(key):
-            continue                   # the writer adds the architecture first
-        types = [GGUFValueType(int(t)) for t in f.header.value_types[key]]
-        vtype, sub = types[0], (types[1] if len(types) > 1 else None)
-        if sub == GGUFValueType.ARRAY:
-            raise ModelFormatError(f"{f.path}: {key}: nested arrays are not supported")
-        if key == "general.alignment":
-            writer.add_custom_alignment(int(value))
-            continue
-        if key == "general.file_type" and file_type is not None:
-            value = file_type
-        if n_layers is not None and key.startswith(f"{arch}."):
-            if key == f"{arch}.block_count":
-                value = n_layers
-            elif (sub is not None and sub != GGUFValueType.STRING and len(value) == old_blocks
-                  and ".dflash." not in key):    # a drafter's ids of *target* layers stay
-                value = value[:n_layers]
-        if sub is not None and len(value) == 0:
-            skipped.append(key)
-            continue
-        writer.add_key_value(key, value, vtype, sub_type=sub)
-    if "general.file_type" not in f.metadata and file_type is not None:
-        writer.add_key_value("general.file_type", file_type, GGUFValueType.UINT32)
-    return skipped
 
 
 # ---------------------------------------------------------------- tensor data
@@ -179,29 +140,8 @@ def requantize(src: str | os.PathLike, dst: str | os.PathLike, mode: str,
     skipped = copy_metadata(f, w, m.file_type, n_layers)
     for t, qtype in plan:
         w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), _nbytes(qtype, t.shape),
-                          raw_dtype=gguf.GGMLQuantizationType(int(qtype)))
+                          raw_dtype=qtype)
     write_tensor_data(w, (convert_rows(t, qtype) for t, qtype in plan), part, dst)
     return RequantResult(dst, len(plan), dst.stat().st_size, time.perf_counter() - t0,
                          Counter(q.name for _, q in plan), skipped)
 
-
-def write_tensor_data(w, tensors, part: Path, dst: Path) -> None:
-    """Finish a GGUFWriter `w` whose metadata and tensor infos are added: header, key-values and
-    tensor infos, then each tensor's data (an iterable of array chunks, in the order of the
-    infos) at the file's alignment, into `part`, renamed to `dst` once complete. `part` is
-    removed if anything fails, so `dst` is never a partial file."""
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        fout, align = w.fout[0], w.data_alignment
-        for chunks in tensors:
-            fout.write(bytes(-fout.tell() % align))
-            for chunk in chunks:
-                fout.write(np.ascontiguousarray(chunk).data)
-        fout.write(bytes(-fout.tell() % align))
-        w.close()
-        os.replace(part, dst)
-    finally:
-        w.close()
-        part.unlink(missing_ok=True)

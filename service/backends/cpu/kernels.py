@@ -1,6 +1,6 @@
 """numba kernels of the CPU reference backend: matrix x activations on repacked quantized weights.
 
-Every quantized GGUF type is repacked at load time (exactly, see quants.affine) into one
+Every quantized GGUF type is repacked at load time (exactly, see quants.affine_rows) into one
 affine group format, value[n, k] = scale[n, g] * code[n, k] + offset[n, g] with g = k // group:
 int8 codes (4-, 5-, 6- and 8-bit types alike), group 16 or 32, offset absent for symmetric
 types (Q8_0, Q6_K). Widening 4-bit codes to a byte doubles their memory but keeps the inner loop
@@ -17,8 +17,18 @@ backend is the numerical reference.
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit, prange
+import os
+
+# numba's OpenMP workers spin up to 300,000 iterations waiting for the next parallel region.
+# Next to the gRPC threads, or on a busy machine, that spinning steals the cores the next matmul
+# needs (decoding several times slower on a loaded 2-core machine); not spinning at all
+# (passive) costs a futex wake-up per matmul (about 2x slower decoding when idle, in our runs of
+# bench/cpu_decode.py with OMP_WAIT_POLICY / GOMP_SPINCOUNT set by hand). A short spin keeps both
+# cases fast. Set before numba starts its OpenMP runtime.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+import numpy as np  # noqa: E402
+from numba import njit, prange  # noqa: E402
 
 ROW_CHUNKS = 64     # matmul_q8's units of parallel work: rows split into this many chunks
 

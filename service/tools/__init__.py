@@ -1,0 +1,1 @@
+"""Developer and operator commands behind the specstream CLI: file tools and build checks."""
