@@ -106,7 +106,7 @@ extern "C" __global__ void chosen_ids(const int* __restrict__ records, int ld, i
 // The step format (service/backends/step_format.py) arrives as -D defines: TOP_MAX, OUT_WORDS,
 // N_PARAMS and the record's word indices P_<FIELD>.
 #if !defined(TOP_MAX) || !defined(OUT_WORDS) || !defined(N_PARAMS) || !defined(P_POSITION)
-#error "compile with the step format's -D defines (service/backends/cuda_sources.py OPTIONS)"
+#error "compile with the step format's -D defines (service/backends/cuda/sources.py OPTIONS)"
 #endif
 
 typedef unsigned long long u64;

@@ -30,7 +30,7 @@ from service.backends import cpu_kernels as K  # noqa: E402
 from service.backends import cpu_sampling  # noqa: E402
 from service.backends.base import Backend  # noqa: E402
 from service.backends.cpu_attention import CpuAttentionOps  # noqa: E402
-from service.backends.cuda_layout import round_activations  # noqa: E402
+from service.backends.cuda.layout import round_activations  # noqa: E402
 from service.errors import ModelFormatError  # noqa: E402
 from service.formats import BACKEND_KV_TYPES  # noqa: E402
 from service.gguf import quants  # noqa: E402

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from service.backends import cuda_sources
+from service.backends.cuda import sources as cuda_sources
 
 PTXAS_VERBOSE = "--ptxas-options=-v"
 
@@ -270,7 +270,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
                     help="file names under --cuda-dir (default: SOURCES)")
     args = ap.parse_args(argv)
     names = args.sources or list(cuda_sources.SOURCES)
-    named_in = "--sources" if args.sources else "SOURCES in service/backends/cuda_sources.py"
+    named_in = "--sources" if args.sources else "SOURCES in service/backends/cuda/sources.py"
     nvrtc = load_nvrtc()
     major, minor = _checked(nvrtc, nvrtc.nvrtcVersion(), "nvrtcVersion")
     flags = " ".join((*cuda_sources.OPTIONS, PTXAS_VERBOSE))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from service.backends.cpu import CpuBackend
-from service.backends.cuda_layout import round_activations
+from service.backends.cuda.layout import round_activations
 from tests.gpu.test_kernels import _gpu_cache_values, poisoned, tensor
 
 cp = pytest.importorskip("cupy")

@@ -16,7 +16,7 @@ import pytest
 from gguf.quants import dequantize
 
 from service.backends.cpu import CpuBackend
-from service.backends.cuda_layout import round_activations
+from service.backends.cuda.layout import round_activations
 from tests.gpu.test_kernels import gpu_matmul, poisoned, tensor
 
 cp = pytest.importorskip("cupy")
@@ -31,7 +31,7 @@ SHAPES = ((37, 768), (70, 2304))      # N not a multiple of the 32 rows of a blo
 @pytest.fixture(scope="module")
 def mma():
     """A backend whose GEMVs over Q4_K / Q6_K run on tensor cores at every width."""
-    from service.backends.cuda import CudaBackend
+    from service.backends.cuda.backend import CudaBackend
 
     return CudaBackend(graphs=False, prefill_gemm_min_tokens=None, gemv_mma=True)
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from service.backends.cuda_layout import (
+from service.backends.cuda.layout import (
     LAYOUTS,
     join_planes,
     plane_offsets,

@@ -1,7 +1,7 @@
 """The GEMV family of the CUDA backend: activation 8-bit blocks (quantize_act, or the blocks a
 fused producer left), the dp4a GEMVs of cuda/gemv.cu (the variant by the step's width, the
 one-column prefetching and fused-norm kernels), the tensor-core GEMVs of cuda/gemv_mma.cu, and
-the matmul entry points that choose between them and the prefill GEMM (cuda_gemm.py).
+the matmul entry points that choose between them and the prefill GEMM (gemm.py).
 
 A mixin of CudaBackend: it uses the backend's `_launch`, scratch `_s`, its 8-bit block
 bookkeeping (`_block_room`, `_block_args`, `_blocks`) and its GEMV settings.
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from service.backends.cuda_types import (
+from service.backends.cuda.types import (
     F32,
     GEMV_MMA_ROWS,
     GEMV_MMA_TYPES,

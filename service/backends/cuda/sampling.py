@@ -13,7 +13,7 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
-from service.backends.cuda_types import I32, ceil_div, check_dtype, view_rows
+from service.backends.cuda.types import I32, ceil_div, check_dtype, view_rows
 from service.backends.step_format import N_PARAMS, OUT_WORDS
 
 SAMPLE_THREADS = 512      # block of sample_rows (cuda/sampling.cu SAMPLE_THREADS)

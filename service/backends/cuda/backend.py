@@ -1,10 +1,10 @@
 """CUDA backend: CuPy launchers for the raw kernels in cuda/, weights quantized on the GPU,
 and one captured CUDA graph per step shape.
 
-With its mixins cuda_attention.py (the attention family), cuda_gemv.py (the GEMVs; no CuPy
-import of its own), cuda_gemm.py (the prefill GEMM and the end of loading) and
-cuda_sampling.py (step I/O and token choice), and cuda_upload.py (the pinned staging ring the
-weights go through), the only modules that import CuPy; cuda_types.py holds the shapes and
+With its mixins attention.py (the attention family), gemv.py (the GEMVs; no CuPy
+import of its own), gemm.py (the prefill GEMM and the end of loading) and
+sampling.py (step I/O and token choice), and upload.py (the pinned staging ring the
+weights go through), the only modules that import CuPy; types.py holds the shapes and
 helpers they share. Every op is a raw kernel (no CuPy elementwise temporaries),
 launched on the backend's own stream into buffers allocated at load time, so a step can be
 captured into a CUDA graph and replayed: the first step of a shape runs eagerly (it loads the
@@ -24,15 +24,15 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
-from service.backends import cuda_sources
 from service.backends.base import Backend
-from service.backends.cuda_attention import AttentionOps
-from service.backends.cuda_gemm import PREFILL_GEMM_MIN_TOKENS, GemmOps, GemmScratch
-from service.backends.cuda_gemv import GemvOps
-from service.backends.cuda_launch import PdlLauncher, pdl_available
-from service.backends.cuda_layout import LAYOUTS, PlaneLayout, layout_of, split_planes
-from service.backends.cuda_sampling import SamplingOps
-from service.backends.cuda_types import (
+from service.backends.cuda import sources as cuda_sources
+from service.backends.cuda.attention import AttentionOps
+from service.backends.cuda.gemm import PREFILL_GEMM_MIN_TOKENS, GemmOps, GemmScratch
+from service.backends.cuda.gemv import GemvOps
+from service.backends.cuda.launcher import PdlLauncher, pdl_available
+from service.backends.cuda.layout import LAYOUTS, PlaneLayout, layout_of, split_planes
+from service.backends.cuda.sampling import SamplingOps
+from service.backends.cuda.types import (
     ATT_CHUNK,
     F32,
     GEMV_PREFETCH_ROWS,
@@ -50,7 +50,7 @@ from service.backends.cuda_types import (
     norm_block,
     view_rows,
 )
-from service.backends.cuda_upload import PinnedUploader
+from service.backends.cuda.upload import PinnedUploader
 from service.gguf.quants import dequantize
 from service.gguf.reader import TensorInfo
 
@@ -79,7 +79,7 @@ class CudaBackend(AttentionOps, GemvOps, GemmOps, SamplingOps, Backend):
         through dequantize + cuBLAS GEMM; None keeps every matmul on the GEMV. Weight tiles of
         the GEMM are dequantized into a scratch of at most `prefill_scratch_mib` MiB.
         pdl: kernels of captured steps are launched with programmatic dependent launch
-        (cuda_launch.py; each kernel's launch overlaps its predecessor's run); False launches
+        (launcher.py; each kernel's launch overlaps its predecessor's run); False launches
         them through CuPy with full serialization (the earlier behaviour, for benchmarks).
         Without cuda-bindings it is off. Both give the same bits.
         gemv_early: one-column quantized GEMVs use the c1r1e kernel, which reads each lane's

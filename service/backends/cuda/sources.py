@@ -14,7 +14,7 @@ from pathlib import Path
 
 from service.backends import step_format
 
-CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
+CUDA_DIR = Path(__file__).resolve().parents[3] / "cuda"
 ARCH = "sm_90"   # the H200; the compile check targets it, the backend asks the device
 
 # One translation unit per op family (STYLE.md); each .cu includes the headers it needs.

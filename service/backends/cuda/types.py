@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from service.backends.base import KVCache
-from service.backends.cuda_layout import PlaneLayout
+from service.backends.cuda.layout import PlaneLayout
 from service.formats import BACKEND_KV_TYPES
 
 GEMV_WARPS = 4            # warps per GEMV block (cuda/gemv.cu GEMV_WARPS)

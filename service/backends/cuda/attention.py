@@ -14,7 +14,7 @@ import cupy as cp
 import numpy as np
 
 from service.backends.base import checked_block_table, initial_block_table, kv_pool_geometry
-from service.backends.cuda_types import (
+from service.backends.cuda.types import (
     ATT_CHUNK,
     ATT_MAX_D,
     ATT_MAX_DV,

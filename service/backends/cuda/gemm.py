@@ -1,5 +1,5 @@
 """The prefill path of the CUDA backend: matmuls of wide steps as dequantize + cuBLAS GEMM, and
-the end of weight loading (the pinned staging ring of cuda_upload.py).
+the end of weight loading (the pinned staging ring of upload.py).
 
 A step of T >= prefill_gemm_min_tokens tokens (more than the decode/verify widths, which stay on
 the step-size-invariant GEMV): x rounded to f16 once per matmul, W's rows dequantized to f16
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from service.backends.cuda_types import I32, CudaMatrix, ceil_div, check_dtype, view_rows
+from service.backends.cuda.types import I32, CudaMatrix, ceil_div, check_dtype, view_rows
 
 # Steps of at least this many tokens (and more than the invariant decode/verify widths) run
 # their matmuls as dequantize + cuBLAS GEMM. Measured on the H200 (bench/gpu_prefill.py, Q4_K):
