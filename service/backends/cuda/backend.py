@@ -25,6 +25,7 @@ import cupy as cp
 import numpy as np
 
 from service.backends.base import Backend
+from service.backends.cuda import kernels
 from service.backends.cuda import sources as cuda_sources
 from service.backends.cuda.attention import AttentionOps
 from service.backends.cuda.gemm import PREFILL_GEMM_MIN_TOKENS, GemmOps, GemmScratch
@@ -155,9 +156,7 @@ class CudaBackend(AttentionOps, GemvOps, GemmOps, SamplingOps, Backend):
     def _fn(self, name: str):
         fn = self._kernels.get(name)
         if fn is None:
-            src = next((f for prefix, f in _KERNEL_SOURCE if name.startswith(prefix)), None)
-            if src is None:
-                raise KeyError(f"no kernel {name}")
+            src = kernels.kernel(name).source
             mod = self._modules.get(src)
             if mod is None:
                 mod = cp.RawModule(code=cuda_sources.source_text(src),
@@ -167,7 +166,9 @@ class CudaBackend(AttentionOps, GemvOps, GemmOps, SamplingOps, Backend):
         return fn
 
     def _launch(self, name: str, grid, block, args, shared_mem: int = 0) -> None:
-        if not name.startswith("gemv_"):
+        spec = kernels.kernel(name)
+        spec.check(args)
+        if not spec.keeps_blocks:
             self._blocks = None
         fn = self._fn(name)
         if shared_mem > self._smem_opt_in.get(name, 48 << 10):   # past 48 KiB: opt in
@@ -468,16 +469,3 @@ class CudaBackend(AttentionOps, GemvOps, GemmOps, SamplingOps, Backend):
         check_dtype(out, np.int32, "argmax out")
         self._launch("argmax_rows", (T,), (1024,), [logits, I32(ld), I32(V), out])
 
-
-# Kernel name prefix -> source file, the first match wins (gemv_mma_* before gemv_, rope_kv_*
-# before rope).
-_KERNEL_SOURCE = (("gemv_mma_", "gemv_mma.cu"), ("gemv_", "gemv.cu"),
-                  ("quantize_", "quantize.cu"), ("kv_", "quantize.cu"),
-                  ("embed_", "elementwise.cu"), ("rms_", "elementwise.cu"),
-                  ("add_", "elementwise.cu"), ("glu", "elementwise.cu"),
-                  ("rope_kv_", "rope_kv.cu"), ("rope", "elementwise.cu"),
-                  ("moe_", "elementwise.cu"), ("attn_", "attention.cu"),
-                  ("attnt_", "attention_tiled.cu"),
-                  ("argmax_", "sampling.cu"), ("dequant_", "dequant.cu"),
-                  ("round_f16", "dequant.cu"), ("record_tokens", "sampling.cu"),
-                  ("chosen_ids", "sampling.cu"), ("sample_", "sampling.cu"))
