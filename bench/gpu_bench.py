@@ -74,7 +74,8 @@ def _gemv_row(cp, G, be, ro, rng, name: str, n: int, k: int, columns) -> list[di
     """The row of the default (dp4a) GEMV; for types with a tensor-core GEMV (CudaBackend's
     gemv_mma, which runs every width on it, one column included) a second row "<type> mma"
     (its ratios against its own one column; the dp4a row above has the default's)."""
-    from service.backends.cuda.types import GEMV_MMA_TYPES, CudaMatrix
+    from service.backends.cuda.kernels import GEMV_MMA_TYPES
+    from service.backends.cuda.types import CudaMatrix
     from service.gguf.reader import TensorInfo
     from tests.blocks import qtype
 

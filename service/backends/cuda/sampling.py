@@ -1,70 +1,39 @@
-"""Step I/O and token choice of the CUDA backend (the model runner's contract,
-service/engine/runner.py): one packed int32 upload per step from pinned memory, token choice on
-the device (cuda/sampling.cu), one int32 readback into pinned memory and one event wait.
-Scratch is sized once by prepare_sampling.
+"""Token choice of the CUDA backend (cuda/sampling.cu), so only int32 ids (and log-probabilities
+when asked) cross PCIe: argmax rows, the token history the repetition penalty reads, the chosen
+ids of a draft chain, and the sample op (service/backends/cpu_sampling.py is its specification;
+the records' layout is step_format.py's).
 
-A mixin of CudaBackend: it uses the backend's stream, `_launch` and `zeros`.
+`SamplingOps` owns the sample op's per-row scratch (the penalised logits), sized once by
+prepare for up to `rows` rows of `vocab` logits.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import cupy as cp
 import numpy as np
 
-from service.backends.cuda.types import I32, ceil_div, check_dtype, view_rows
+from service.backends.cuda.launcher import Launcher
+from service.backends.cuda.memory import DeviceMemory
+from service.backends.cuda.types import I32, SAMPLE_THREADS, ceil_div, check_dtype, view_rows
 from service.backends.step_format import N_PARAMS, OUT_WORDS
-
-SAMPLE_THREADS = 512      # block of sample_rows (cuda/sampling.cu SAMPLE_THREADS)
 
 
 class SamplingOps:
-    """host_buffer / upload_step / download_step / record_tokens / chosen_ids / sample of
-    CudaBackend."""
+    def __init__(self, launcher: Launcher) -> None:
+        self.work: Any = None             # (rows * V,) f32 penalised logits, a row per logits row
+        self.rows = 0
+        self.vocab = 0
+        self._launcher = launcher
 
-    _sample_work: Any = None          # (rows * V,) f32 penalised logits, one row per logits row
-    _sample_rows: int = 0
-    _sample_vocab: int = 0
-    _step_done: Any = None            # the event download_step waits on
+    def prepare(self, memory: DeviceMemory, rows: int, vocab: int) -> None:
+        self.work = memory.zeros((max(1, rows) * vocab,), "float32")   # (rows * V,) f32
+        self.rows, self.vocab = rows, vocab
 
-    def host_buffer(self, n: int) -> np.ndarray:
-        mem = cp.cuda.alloc_pinned_memory(max(1, n) * 4)
-        buf = np.frombuffer(mem, np.int32, n)                      # (n,) i32 pinned
-        buf[:] = 0
-        return buf
-
-    @staticmethod
-    def _check_words(host, device, what: str) -> int:
-        check_dtype(host, np.int32, f"{what} host")
-        check_dtype(device, np.int32, f"{what} device")
-        if device.ndim != 1 or not device.flags.c_contiguous or not host.flags.c_contiguous:
-            raise ValueError(f"{what}: buffers must be contiguous 1-D")
-        return min(host.size, device.size)
-
-    def upload_step(self, host, device) -> None:
-        n = self._check_words(host, device, "upload_step")
-        if n != host.size:
-            raise ValueError(f"upload_step: {host.size} words into {device.size}")
-        cp.cuda.runtime.memcpyAsync(device.data.ptr, host.ctypes.data, n * 4,
-                                    cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
-
-    def download_step(self, device, host) -> None:
-        n = self._check_words(host, device, "download_step")
-        if n != device.size:
-            raise ValueError(f"download_step: {device.size} words into {host.size}")
-        if n:
-            cp.cuda.runtime.memcpyAsync(host.ctypes.data, device.data.ptr, n * 4,
-                                        cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
-        if self._step_done is None:
-            self._step_done = cp.cuda.Event(block=False, disable_timing=True)
-        self._step_done.record(self.stream)
-        self._step_done.synchronize()
-
-    def prepare_sampling(self, rows: int, vocab: int) -> None:
-        self._sample_work = self.zeros((max(1, rows) * vocab,), "float32")   # (rows * V,) f32
-        self._sample_rows, self._sample_vocab = rows, vocab
-        self._step_done = cp.cuda.Event(block=False, disable_timing=True)
+    def argmax(self, logits, out) -> None:
+        T, _, ld, _, V = view_rows(logits)
+        check_dtype(out, np.int32, "argmax out")
+        self._launcher.launch("argmax_rows", (T,), (1024,), [logits, I32(ld), I32(V), out])
 
     def record_tokens(self, ids, slots, positions, hist) -> None:
         T = ids.shape[0]
@@ -75,9 +44,9 @@ class SamplingOps:
         check_dtype(hist, np.int32, "record_tokens hist")
         if hist.ndim != 2 or not hist.flags.c_contiguous:
             raise ValueError(f"record_tokens hist: {hist.shape} must be contiguous 2-D")
-        self._launch("record_tokens", (ceil_div(T, 128),), (128,),
-                     [ids, slots, positions, I32(T), I32(hist.shape[0]), I32(hist.shape[1]),
-                      hist])
+        self._launcher.launch("record_tokens", (ceil_div(T, 128),), (128,),
+                              [ids, slots, positions, I32(T), I32(hist.shape[0]),
+                               I32(hist.shape[1]), hist])
 
     def chosen_ids(self, records, out) -> None:
         L = records.shape[0]
@@ -89,8 +58,8 @@ class SamplingOps:
         if out.shape != (L,) or not out.flags.c_contiguous:
             raise ValueError(f"chosen_ids out: {out.shape}, expected contiguous ({L},)")
         if L:
-            self._launch("chosen_ids", (ceil_div(L, 128),), (128,),
-                         [records, I32(OUT_WORDS), I32(L), out])
+            self._launcher.launch("chosen_ids", (ceil_div(L, 128),), (128,),
+                                  [records, I32(OUT_WORDS), I32(L), out])
 
     def sample(self, logits, params, hist, out) -> None:
         L, _, ld, _, V = view_rows(logits)
@@ -106,9 +75,9 @@ class SamplingOps:
         check_dtype(hist, np.int32, "sample hist")
         if hist.ndim != 2 or not hist.flags.c_contiguous:
             raise ValueError(f"sample hist: {hist.shape} must be contiguous 2-D")
-        if self._sample_work is None or L > self._sample_rows or V != self._sample_vocab:
+        if self.work is None or L > self.rows or V != self.vocab:
             raise ValueError(f"sample: {L} rows of {V} exceed prepare_sampling's "
-                             f"{self._sample_rows} of {self._sample_vocab}")
-        self._launch("sample_rows", (L,), (SAMPLE_THREADS,),
-                     [logits, I32(ld), I32(V), params, hist, I32(hist.shape[1]),
-                      self._sample_work, out])
+                             f"{self.rows} of {self.vocab}")
+        self._launcher.launch("sample_rows", (L,), (SAMPLE_THREADS,),
+                              [logits, I32(ld), I32(V), params, hist, I32(hist.shape[1]),
+                               self.work, out])
