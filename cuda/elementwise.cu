@@ -4,37 +4,45 @@
 // (exp, tanh, sqrt) agree.
 //
 // embed_<type>  out[t, k] = dequant(table[ids[t], k]) * scale       out (T, E) f32
-//               grid (T, ceil(E / 256)), block 256
+//               grid (T, ceil(E / ROW_THREADS)), block ROW_THREADS (256)
 // rms_norm      out[r, :] = x[r, :] * (1 / sqrt(sum(x[r, :]^2) / D + eps)) * w
 //               rows r = (i, j) of an (n0, n1, D) view, strides (s0, s1, 1) for x and out;
-//               grid n0 * n1, block B (a multiple of 32, <= 256, fixed per D): fixed-order
+//               grid n0 * n1, block B (a multiple of 32, <= NORM_MAX_THREADS, fixed per D):
+//               fixed-order
 //               block sum
 // rms_norm_quant  rows t of (T, D): rms_norm into out, plus out's 8-bit blocks (qa, ads) as
 //               quantize.cu makes them; grid T, block as rms_norm (D % 32 == 0)
 // rms_norm_add  x[t, :] += rms_norm(o[t, :]) * w (a post-norm fused with the residual add)
 //               grid T, block as rms_norm
 // add_rows      out[t, n] = a[t, n] + b[t, n] (b's row stride 0 = a broadcast vector)
-//               grid (ceil(N / 256), T), block 256
+//               grid (ceil(N / ROW_THREADS), T), block ROW_THREADS
 // glu           out[t, f] = act(gate[t, f]) * up[t, f]; act 0 = silu g / (1 + exp(-g)),
 //               1 = gelu_tanh 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
-//               grid (ceil(F / 256), T), block 256; glu_quant also writes out's 8-bit
-//               blocks (F % 32 == 0)
+//               grid (ceil(F / ROW_THREADS), T), block ROW_THREADS; glu_quant also writes
+//               out's 8-bit blocks (F % 32 == 0)
 // rope          in place on an (T, H, D) view (strides s0, s1, 1), first 2 * half dims:
 //               (a, b) -> (a cos - b sin, a sin + b cos) with cos/sin[positions[t], i];
 //               pairs (2i, 2i+1) (normal) or (i, i + half) (neox); grid (T, H), block 64
 // moe_route     per token: softmax over n_expert router logits (in place), the n_used most
 //               probable experts (lowest index first among equals), their probabilities,
-//               renormalized when asked; one thread per token, grid ceil(T / 64), block 64
+//               renormalized when asked; one thread per token, grid ceil(T /
+//               MOE_ROUTE_THREADS), block MOE_ROUTE_THREADS (64)
 // moe_combine   out[t, e] = sum_u w[t, u] * y[t * n_used + u, e], u in order
-//               grid (ceil(E / 256), T), block 256
+//               grid (ceil(E / ROW_THREADS), T), block ROW_THREADS
 #include "pdl.cuh"
 #include "quant_types.cuh"
 #include "act_quant.cuh"
 
+// ROW_THREADS (256) and MOE_ROUTE_THREADS (64) come as -D defines
+// (service/backends/cuda/kernels.py).
+#if !defined(ROW_THREADS) || !defined(MOE_ROUTE_THREADS)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
+
 template <class Q>
 __device__ __forceinline__ void embed_quant(Planes P, int E, const int* ids, float scale,
                                             float* out) {
-    const int t = blockIdx.x, k = blockIdx.y * 256 + threadIdx.x;
+    const int t = blockIdx.x, k = blockIdx.y * ROW_THREADS + threadIdx.x;
     if (k >= E) return;
     const size_t blk = (size_t)ids[t] * (E / Q::QK) + k / Q::QK;
     float v = Q::dequant(P, blk, k % Q::QK);
@@ -137,7 +145,7 @@ extern "C" __global__ void rms_norm_add(const float* __restrict__ o, int ldo, in
 extern "C" __global__ void add_rows(const float* a, int lda, const float* b, int ldb, int N,
                                     float* out, int ldo) {
     PDL_ENTRY();
-    const int t = blockIdx.y, n = blockIdx.x * 256 + threadIdx.x;
+    const int t = blockIdx.y, n = blockIdx.x * ROW_THREADS + threadIdx.x;
     if (n >= N) return;
     out[(size_t)t * ldo + n] = __fadd_rn(a[(size_t)t * lda + n], b[(size_t)t * ldb + n]);
 }
@@ -159,7 +167,7 @@ extern "C" __global__ void glu(const float* __restrict__ gate, int ldg,
                                const float* __restrict__ up, int ldu, int F, int act,
                                float* __restrict__ out, int ldo) {
     PDL_ENTRY();
-    const int t = blockIdx.y, f = blockIdx.x * 256 + threadIdx.x;
+    const int t = blockIdx.y, f = blockIdx.x * ROW_THREADS + threadIdx.x;
     if (f >= F) return;
     out[(size_t)t * ldo + f] = __fmul_rn(glu_act(gate[(size_t)t * ldg + f], act),
                                          up[(size_t)t * ldu + f]);
@@ -172,7 +180,7 @@ extern "C" __global__ void glu_quant(const float* __restrict__ gate, int ldg,
                                      float* __restrict__ out, int ldo,
                                      signed char* __restrict__ qa, float2* __restrict__ ads) {
     PDL_ENTRY();
-    const int t = blockIdx.y, f = blockIdx.x * 256 + threadIdx.x;
+    const int t = blockIdx.y, f = blockIdx.x * ROW_THREADS + threadIdx.x;
     if (f - (threadIdx.x & 31) >= F) return;
     const float y = __fmul_rn(glu_act(gate[(size_t)t * ldg + f], act), up[(size_t)t * ldu + f]);
     out[(size_t)t * ldo + f] = y;
@@ -200,7 +208,7 @@ extern "C" __global__ void rope(float* x, int s0, int s1, const int* __restrict_
 extern "C" __global__ void moe_route(float* logits, int ld, int T, int n_expert, int n_used,
                                      int normalize, int* ids, float* weights) {
     PDL_ENTRY();
-    const int t = blockIdx.x * 64 + threadIdx.x;
+    const int t = blockIdx.x * MOE_ROUTE_THREADS + threadIdx.x;
     if (t >= T) return;
     float* p = logits + (size_t)t * ld;
     float mx = p[0];
@@ -230,7 +238,7 @@ extern "C" __global__ void moe_route(float* logits, int ld, int T, int n_expert,
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w,
                                        int n_used, int E, float* __restrict__ out, int ldo) {
     PDL_ENTRY();
-    const int t = blockIdx.y, e = blockIdx.x * 256 + threadIdx.x;
+    const int t = blockIdx.y, e = blockIdx.x * ROW_THREADS + threadIdx.x;
     if (e >= E) return;
     float acc = 0.0f;
     for (int u = 0; u < n_used; u++)

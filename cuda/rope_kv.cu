@@ -13,14 +13,19 @@
 // kernels round it: the fusion changes no bit. Rows with slot[t] < 0 are padding: q is still
 // rotated (pos is valid), nothing is stored.
 // q, k, v: (T, H | Hkv, D | Dv) views with strides (s0, s1, 1); D <= 512.
-// Launch: grid (T, H + 2 Hkv), block norm_block(D) = min(256, 32 ceil(D / 32)) threads, the
+// Launch: grid (T, H + 2 Hkv), block norm_block(D) = min(NORM_MAX_THREADS = 256, 32 ceil(D / 32))
+// threads, the
 // block size elementwise.cu's rms_norm uses for rows of D (so the norm's sum has the same
 // order); blocks j < H rotate q heads, H <= j < H + Hkv k heads, the rest store v heads.
 #include "pdl.cuh"
 #include "act_quant.cuh"
 #include "kv_quant.cuh"
 
-#define ROPE_KV_MAX_D 512
+// ROPE_KV_MAX_D (512) and NORM_MAX_THREADS (256) come as -D defines
+// (service/backends/cuda/kernels.py).
+#if !defined(ROPE_KV_MAX_D) || !defined(NORM_MAX_THREADS)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
 
 template <class KP, class VP>
 __device__ __forceinline__ void rope_kv(
@@ -76,7 +81,7 @@ __device__ __forceinline__ void rope_kv(
 }
 
 #define ROPE_KV_KERNEL(kn_, KP, vn_, VP)                                                     \
-    extern "C" __global__ void __launch_bounds__(256) rope_kv_##kn_##_##vn_(                \
+    extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS) rope_kv_##kn_##_##vn_(   \
             float* q, int q0, int q1, const float* k, int k0, int k1, const float* v, int v0, \
             int v1, int H, int Hkv, int D, int Dv, const float* qn, const float* kn, float eps, \
             const int* positions, const int* slots, const int* kv_positions,                 \

@@ -3,7 +3,8 @@
 //
 // argmax_rows: out[t] = the lowest index i with logits[t, i] = max_i logits[t, i]
 //   logits (T, V) f32 with row stride ld; out (T,) int32.
-//   Launch: grid T, block 1024. Thread k scans i = k, k + 1024, ... keeping the first maximum;
+//   Launch: grid T, block ARGMAX_THREADS (1024). Thread k scans i = k, k + 1024, ... keeping the
+//   first maximum;
 //   a butterfly over (value, index) pairs (larger value, then lower index) inside each warp,
 //   then warp 0 over the 32 warp winners: the result is np.argmax's.
 //
@@ -41,6 +42,13 @@
 #include "pdl.cuh"
 #include "common.cuh"
 
+// SAMPLE_THREADS (512) and ARGMAX_THREADS (1024) come as -D defines
+// (service/backends/cuda/kernels.py).
+#if !defined(SAMPLE_THREADS) || !defined(ARGMAX_THREADS)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
+static_assert(ARGMAX_THREADS == 32 * WARP, "warp 0 reduces the winners of 32 warps");
+
 __device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
     if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
 }
@@ -54,7 +62,7 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(1024)
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_rows(const float* __restrict__ logits, int ld, int V, int* __restrict__ out) {
     PDL_ENTRY();
     __shared__ float sv[32];
@@ -63,7 +71,7 @@ argmax_rows(const float* __restrict__ logits, int ld, int V, int* __restrict__ o
     const float* row = logits + (size_t)t * ld;
     float v = NEG_INF;
     int i = 0x7fffffff;
-    for (int k = tid; k < V; k += 1024) {
+    for (int k = tid; k < V; k += ARGMAX_THREADS) {
         const float x = row[k];
         if (x > v || i == 0x7fffffff) { v = x; i = k; }
     }
@@ -100,7 +108,6 @@ extern "C" __global__ void chosen_ids(const int* __restrict__ records, int ld, i
 }
 
 // ---------------------------------------------------------------- sampling
-#define SAMPLE_THREADS 512
 #define SAMPLE_WARPS (SAMPLE_THREADS / 32)
 #define CAND_MAX 1024    // survivors compacted into shared memory (sample_rows)
 // The step format (service/backends/step_format.py) arrives as -D defines: TOP_MAX, OUT_WORDS,

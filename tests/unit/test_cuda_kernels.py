@@ -3,6 +3,8 @@ launcher checks every launch against, and `make check-cuda` compares with the co
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -54,3 +56,63 @@ def test_arguments_are_checked_against_the_signature():
         with pytest.raises(TypeError, match=r"add_rows: arguments .* do not match add_rows\("
                                             r"a: ptr, lda: i32, b: ptr, ldb: i32"):
             k.check(bad)
+
+
+# ---- the numbers Python and the kernels share: written once (kernels.py), passed as -D --------
+
+SHARED = kernels.cuda_defines()
+_DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)", re.M)
+_IF = re.compile(r"^[ \t]*#[ \t]*if\b.*$", re.M)
+_COMMENT = re.compile(r"//[^\n]*")
+
+
+def restated(text: str) -> set[str]:
+    """Shared names a kernel file #defines itself."""
+    return SHARED.keys() & set(_DEFINE.findall(text))
+
+
+def unguarded(text: str) -> set[str]:
+    """Shared names a kernel file uses in code without an `#if !defined(NAME) #error` guard."""
+    code = _COMMENT.sub("", text)
+    used = {n for n in SHARED if re.search(rf"\b{n}\b", code)}
+    guarded = {n for line in _IF.findall(code) for n in re.findall(r"defined\((\w+)\)", line)}
+    return used - guarded
+
+
+def missing_options(options) -> set[str]:
+    """Shared names the compile options do not define with their value."""
+    defines = dict(o[2:].split("=", 1) for o in options if o.startswith("-D"))
+    return {n for n, v in SHARED.items() if defines.get(n) != str(v)}
+
+
+def kernel_files():
+    return sorted(sources.CUDA_DIR.glob("*.cu*"))
+
+
+def test_compile_options_carry_every_shared_number():
+    assert missing_options(sources.OPTIONS) == set()
+
+
+def test_no_kernel_file_defines_a_shared_number_itself():
+    for path in kernel_files():
+        assert not restated(path.read_text()), f"cuda/{path.name}: take them from -D"
+
+
+def test_kernel_files_stop_without_the_shared_numbers_they_use():
+    used = set()
+    for path in kernel_files():
+        text = path.read_text()
+        assert not unguarded(text), f"cuda/{path.name} needs an #error guard"
+        used |= {n for n in SHARED if re.search(rf"\b{n}\b", _COMMENT.sub("", text))}
+    assert used == SHARED.keys()                     # no number passed that nothing uses
+
+
+def test_the_drift_checks_catch_a_restated_unguarded_or_missing_number():
+    restating = "#define GEMV_WARPS 4\n__global__ void k(int* o) { o[0] = GEMV_WARPS; }\n"
+    assert restated(restating) == {"GEMV_WARPS"} and unguarded(restating) == {"GEMV_WARPS"}
+    guarded = ("#if !defined(GEMV_WARPS) || !defined(AT_ROWS)\n#error \"-D\"\n#endif\n"
+               "__global__ void k(int* o) { o[0] = GEMV_WARPS * AT_ROWS; }  // SAMPLE_THREADS\n")
+    assert restated(guarded) == set() and unguarded(guarded) == set()
+    short = [o for o in sources.OPTIONS if not o.startswith("-DAT_KEYS=")]
+    assert missing_options(short) == {"AT_KEYS"}
+    assert missing_options([*short, "-DAT_KEYS=16"]) == {"AT_KEYS"}

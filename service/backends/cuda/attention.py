@@ -19,12 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from service.backends.cuda.kernels import AT_KEYS, AT_ROWS, AT_WARPS, ATT_WARPS
 from service.backends.cuda.launcher import ActivationBlocks, Launcher
 from service.backends.cuda.memory import DeviceMemory
 from service.backends.cuda.types import (
-    ATT_CHUNK,
-    ATT_TILED_KEYS,
-    ATT_TILED_ROWS,
     F32,
     I32,
     NULL,
@@ -36,6 +34,7 @@ from service.backends.cuda.types import (
     view_rows,
 )
 
+ATT_CHUNK = 32 * ATT_WARPS          # KV positions per split (the chunk argument): a tile per warp
 PREFILL_ATTENTION_MIN_TOKENS = 32   # the tiled kernel's threshold (`tiled_min_tokens`) default
 ATT_TILED_MAX_D = 256               # head sizes (K and V) of the tiled kernel's _d256 variant
 
@@ -86,7 +85,7 @@ class AttentionOps:
         ml, acc = self.part_ml[: T * H * n_split], self.part_acc[: T * H * n_split * Dv]
         size = 128 if Dv <= 128 else 256             # the kernel's accumulators per lane
         self._launcher.launch(
-            f"attn_{cache.type_k}_{cache.type_v}_d{size}", (n_split, H, T), (32, 4),
+            f"attn_{cache.type_k}_{cache.type_v}_d{size}", (n_split, H, T), (32, ATT_WARPS),
             [q, I32(q0), I32(q1), I32(H), I32(Hkv), I32(D), I32(Dv), kq,
              kd if kd is not None else kq, vq, vd if vd is not None else vq, slots, positions,
              opt_ptr(attn_lo), opt_ptr(attn_mask), *cache.table_args(), I32(window), F32(scale),
@@ -98,7 +97,7 @@ class AttentionOps:
         """Whether a step of T query rows runs on the query-tiled kernel: long steps (prefill
         chunks) past the step-size-invariant widths, head sizes the kernel holds."""
         m = self.tiled_min_tokens
-        return (m is not None and T >= m and H // Hkv <= ATT_TILED_ROWS
+        return (m is not None and T >= m and H // Hkv <= AT_ROWS
                 and D % 8 == 0 and D <= ATT_TILED_MAX_D and Dv % 32 == 0
                 and Dv <= ATT_TILED_MAX_D)
 
@@ -108,12 +107,13 @@ class AttentionOps:
         T, H, q0, q1, D = view_rows(q)
         _, _, o0, o1, Dv = view_rows(out)
         Hkv = cache.n_head_kv
-        qt = ATT_TILED_ROWS // (H // Hkv)                 # tokens per block
+        qt = AT_ROWS // (H // Hkv)                        # tokens per block
         size = 128 if Dv <= 128 else 256
-        smem = 4 * (ATT_TILED_ROWS * D + D * ATT_TILED_KEYS + ATT_TILED_KEYS * (Dv + 1))
+        smem = 4 * (AT_ROWS * D + D * AT_KEYS + AT_KEYS * (Dv + 1))     # f32 q, K^T, V tiles
         (kq, kd), (vq, vd) = cache.k[layer], cache.v[layer]
         self._launcher.launch(
-            f"attnt_{cache.type_k}_{cache.type_v}_d{size}", (ceil_div(T, qt), Hkv), (32, 4),
+            f"attnt_{cache.type_k}_{cache.type_v}_d{size}", (ceil_div(T, qt), Hkv),
+            (32, AT_WARPS),
             [q, I32(q0), I32(q1), I32(T), I32(H), I32(Hkv), I32(D), I32(Dv), I32(qt), kq,
              kd if kd is not None else kq, vq, vd if vd is not None else vq, slots, positions,
              *cache.table_args(), I32(window), F32(scale), out, I32(o0), I32(o1)],

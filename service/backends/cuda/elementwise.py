@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from service.backends.cuda.kernels import ROW_THREADS
 from service.backends.cuda.launcher import ActivationBlocks, Launcher
 from service.backends.cuda.types import (
     F32,
@@ -36,7 +37,8 @@ class ElementwiseOps:
         check_dtype(ids, np.int32, "embed ids")
         if not out.flags.c_contiguous or E != table.k:
             raise ValueError(f"embed: out {out.shape} must be contiguous (T, {table.k})")
-        self._launcher.launch(f"embed_{table.layout.kernel}", (T, ceil_div(E, 256)), (256,),
+        self._launcher.launch(f"embed_{table.layout.kernel}", (T, ceil_div(E, ROW_THREADS)),
+                              (ROW_THREADS,),
                               [*table.args(), I32(E), ids, F32(scale), out])
 
     def add(self, a, b, out) -> None:
@@ -52,7 +54,7 @@ class ElementwiseOps:
                 raise ValueError(f"add: {a.shape} + {b.shape}")
         if (T, N) != (To, No):
             raise ValueError(f"add: out {out.shape} vs {a.shape}")
-        self._launcher.launch("add_rows", (ceil_div(N, 256), T), (256,),
+        self._launcher.launch("add_rows", (ceil_div(N, ROW_THREADS), T), (ROW_THREADS,),
                               [a, I32(lda), b, I32(ldb), I32(N), out, I32(ldo)])
 
     def glu(self, gate, up, activation: str, out) -> None:
@@ -72,6 +74,6 @@ class ElementwiseOps:
         _, _, ldo, _, _ = view_rows(out)
         if gate.ndim != 2 or up.shape != gate.shape or out.shape != gate.shape:
             raise ValueError(f"{kernel}: gate {gate.shape}, up {up.shape}, out {out.shape}")
-        self._launcher.launch(kernel, (ceil_div(F, 256), T), (256,),
+        self._launcher.launch(kernel, (ceil_div(F, ROW_THREADS), T), (ROW_THREADS,),
                               [gate, I32(ldg), up, I32(ldu), I32(F),
                                I32(_ACTIVATIONS[activation]), out, I32(ldo), *blocks])

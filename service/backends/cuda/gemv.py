@@ -32,14 +32,18 @@ from typing import Any
 
 import numpy as np
 
-from service.backends.cuda.kernels import GEMV_MMA_TYPES, GEMV_PREFETCH_TYPES
+from service.backends.cuda.kernels import (
+    GEMV_MMA_TYPES,
+    GEMV_PREFETCH_TYPES,
+    GEMV_WARPS,
+    MMA_ROWS,
+    MMA_WARPS,
+    QUANT_WARPS,
+)
 from service.backends.cuda.launcher import ActivationBlocks, Launcher
 from service.backends.cuda.memory import DeviceMemory
 from service.backends.cuda.types import (
     F32,
-    GEMV_MMA_ROWS,
-    GEMV_MMA_WARPS,
-    GEMV_WARPS,
     I32,
     NULL,
     CudaMatrix,
@@ -82,7 +86,8 @@ class GemvOps:
         if not self._blocks.room(T, K):
             raise ValueError(f"activations {x.shape} exceed the prepared buffers or K % 32")
         qa, ads = self._blocks.args(T, K)
-        self._launcher.launch("quantize_act", (ceil_div(T * K // 32, 4),), (32, 4),
+        self._launcher.launch("quantize_act", (ceil_div(T * K // 32, QUANT_WARPS),),
+                              (32, QUANT_WARPS),
                               [x, I32(ldx), I32(T), I32(K), qa, ads])
         return qa, ads
 
@@ -132,8 +137,8 @@ class GemvOps:
         if qa.size < C * w.k or ads.shape[0] < C * w.k // 32 or w.k % 256:
             raise ValueError(f"gemv_mma: blocks {qa.size} / {ads.shape} for {C} x {w.k}")
         nc = gemv_mma_nc(C)
-        grid = (ceil_div(w.n, GEMV_MMA_ROWS), ceil_div(C, nc))
-        self._launcher.launch(f"gemv_mma_{w.layout.kernel}_c{nc}", grid, (32, GEMV_MMA_WARPS),
+        grid = (ceil_div(w.n, MMA_ROWS), ceil_div(C, nc))
+        self._launcher.launch(f"gemv_mma_{w.layout.kernel}_c{nc}", grid, (32, MMA_WARPS),
                               [*w.args(), I32(w.k), I32(w.n), qa, ads, I32(C), out, I32(ldo),
                                I32(1 if accumulate else 0)])
         self._blocks.wrote(out)

@@ -1,5 +1,10 @@
-"""The kernel registry: every kernel of cuda/*.cu declared once, with the file that defines it
-and its argument list (numpy only: the compile check and the CPU tests import it).
+"""The contract with cuda/*.cu: the numbers Python and the kernels share, and the kernel
+registry, every kernel declared once with the file that defines it and its argument list (numpy
+only: the compile check and the CPU tests import it).
+
+Shared numbers are defined here only and reach the kernels as NVRTC -D defines
+(`cuda_defines`, passed by sources.OPTIONS); no kernel file defines them, each file that uses
+one stops with #error without it (tests/unit/test_cuda_kernels.py checks both).
 
 A family is one line: a name pattern, its source file, its signature and the values the
 pattern runs over (e.g. `gemv_<type>_c<NC>r<R>` over the weight types of layout.py and the
@@ -115,6 +120,37 @@ def _each(**axes: Sequence[Any]) -> tuple[dict[str, Any], ...]:
     for name, values in axes.items():
         out = [{**d, name: v} for d in out for v in values]
     return tuple(out)
+
+
+# ---------------------------------------------------------------- numbers the kernels share
+GEMV_WARPS = 4            # gemv.cu: warps per block (32, GEMV_WARPS), a row (or R) per warp
+MMA_WARPS = 8             # gemv_mma.cu: warps per block (32, MMA_WARPS), split-K over them
+MMA_M = 2                 # gemv_mma.cu: m-tiles of 16 rows per block
+MMA_ROWS = 16 * MMA_M     # gemv_mma.cu: output rows per block
+QUANT_WARPS = 4           # quantize.cu quantize_act: block (32, QUANT_WARPS), a group per warp
+ROW_THREADS = 256         # elementwise.cu embed, add_rows, glu[_quant], moe_combine: threads per
+                          # block along a row, grid (ceil(N / ROW_THREADS), rows)
+MOE_ROUTE_THREADS = 64    # elementwise.cu moe_route: tokens (threads) per block
+NORM_MAX_THREADS = 256    # act_quant.cuh: the largest norm block (types.norm_block)
+ROPE_KV_MAX_D = 512       # rope_kv.cu: the head size its shared row holds
+ATT_WARPS = 4             # attention.cu: block (32, ATT_WARPS)
+ATT_MAX_D, ATT_MAX_DV = 512, 256   # attention.cu: head sizes (K, V) its shared memory holds
+AT_ROWS = 32              # attention_tiled.cu: query rows per block
+AT_KEYS = 32              # attention_tiled.cu: keys per shared-memory tile
+AT_WARPS = 4              # attention_tiled.cu: block (32, AT_WARPS)
+ARGMAX_THREADS = 1024     # sampling.cu argmax_rows: threads per row
+SAMPLE_THREADS = 512      # sampling.cu sample_rows: threads per row
+
+
+def cuda_defines() -> dict[str, int]:
+    """The shared numbers by their names in the kernels (sources.OPTIONS: -DNAME=value)."""
+    return {"GEMV_WARPS": GEMV_WARPS, "MMA_WARPS": MMA_WARPS, "MMA_M": MMA_M,
+            "MMA_ROWS": MMA_ROWS, "QUANT_WARPS": QUANT_WARPS, "ROW_THREADS": ROW_THREADS,
+            "MOE_ROUTE_THREADS": MOE_ROUTE_THREADS, "NORM_MAX_THREADS": NORM_MAX_THREADS,
+            "ROPE_KV_MAX_D": ROPE_KV_MAX_D, "ATT_WARPS": ATT_WARPS, "ATT_MAX_D": ATT_MAX_D,
+            "ATT_MAX_DV": ATT_MAX_DV, "AT_ROWS": AT_ROWS, "AT_KEYS": AT_KEYS,
+            "AT_WARPS": AT_WARPS, "ARGMAX_THREADS": ARGMAX_THREADS,
+            "SAMPLE_THREADS": SAMPLE_THREADS}
 
 
 # ---------------------------------------------------------------- what the .cu files instantiate

@@ -15,10 +15,9 @@ import cupy as cp
 import numpy as np
 
 from service.backends.base import checked_block_table, initial_block_table, kv_pool_geometry
+from service.backends.cuda.kernels import ATT_MAX_D, ATT_MAX_DV
 from service.backends.cuda.launcher import Launcher
 from service.backends.cuda.types import (
-    ATT_MAX_D,
-    ATT_MAX_DV,
     I32,
     KV_TYPES,
     NULL,

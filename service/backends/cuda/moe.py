@@ -12,6 +12,7 @@ from typing import Any
 
 from service.backends.cuda.elementwise import ElementwiseOps
 from service.backends.cuda.gemv import GemvOps
+from service.backends.cuda.kernels import MOE_ROUTE_THREADS, ROW_THREADS
 from service.backends.cuda.launcher import Launcher
 from service.backends.cuda.memory import DeviceMemory
 from service.backends.cuda.types import I32, CudaMatrix, ceil_div, view_rows
@@ -39,7 +40,8 @@ class MoeOps:
         m, P = self.scratch, T * n_used
         logits, ids, w = m["logits"][:T], m["ids"][:P], m["w"][:P]
         self._gemv.matmul(x, router, logits)                           # (T, n_expert)
-        self._launcher.launch("moe_route", (ceil_div(T, 64),), (64,),
+        self._launcher.launch("moe_route", (ceil_div(T, MOE_ROUTE_THREADS),),
+                              (MOE_ROUTE_THREADS,),
                               [logits, I32(logits.shape[1]), I32(T), I32(router.n),
                                I32(n_used), I32(1 if normalize else 0), ids, w])
         g, u, a, y = m["g"][:P], m["u"][:P], m["a"][:P], m["y"][:P]
@@ -48,5 +50,5 @@ class MoeOps:
         self._ew.glu(g, u, activation, a)
         self._gemv.matmul(a, down, y, ids, P, 1)                       # (P, E)
         _, _, ldo, _, E = view_rows(out)
-        self._launcher.launch("moe_combine", (ceil_div(E, 256), T), (256,),
+        self._launcher.launch("moe_combine", (ceil_div(E, ROW_THREADS), T), (ROW_THREADS,),
                               [y, w, I32(n_used), I32(E), out, I32(ldo)])

@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from service.backends.cuda.kernels import ROPE_KV_MAX_D
 from service.backends.cuda.launcher import Launcher
 from service.backends.cuda.types import (
     F32,
     I32,
-    ROPE_KV_MAX_D,
     CudaKVCache,
     check_dtype,
     check_rows,

@@ -13,9 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from service.backends.cuda.kernels import ARGMAX_THREADS, SAMPLE_THREADS
 from service.backends.cuda.launcher import Launcher
 from service.backends.cuda.memory import DeviceMemory
-from service.backends.cuda.types import I32, SAMPLE_THREADS, ceil_div, check_dtype, view_rows
+from service.backends.cuda.types import I32, ceil_div, check_dtype, view_rows
 from service.backends.step_format import N_PARAMS, OUT_WORDS
 
 
@@ -33,7 +34,8 @@ class SamplingOps:
     def argmax(self, logits, out) -> None:
         T, _, ld, _, V = view_rows(logits)
         check_dtype(out, np.int32, "argmax out")
-        self._launcher.launch("argmax_rows", (T,), (1024,), [logits, I32(ld), I32(V), out])
+        self._launcher.launch("argmax_rows", (T,), (ARGMAX_THREADS,),
+                              [logits, I32(ld), I32(V), out])
 
     def record_tokens(self, ids, slots, positions, hist) -> None:
         T = ids.shape[0]

@@ -11,18 +11,11 @@ from typing import Any
 import numpy as np
 
 from service.backends.base import KVCache
+from service.backends.cuda.kernels import NORM_MAX_THREADS
 from service.backends.cuda.layout import PlaneLayout
 from service.formats import BACKEND_KV_TYPES
 
-GEMV_WARPS = 4            # warps per GEMV block (cuda/gemv.cu GEMV_WARPS)
 GEMV_NC = (1, 2, 4, 8, 16)   # column variants of cuda/gemv.cu; wider steps: chunks of 16
-GEMV_MMA_WARPS, GEMV_MMA_ROWS = 8, 32   # cuda/gemv_mma.cu MMA_WARPS, MMA_ROWS (block's rows)
-ATT_CHUNK = 128           # KV positions per attention split: one 32-key tile per warp
-ATT_MAX_D, ATT_MAX_DV = 512, 256
-ATT_TILED_ROWS = 32       # query rows per block of cuda/attention_tiled.cu (AT_ROWS)
-ATT_TILED_KEYS = 32       # keys per tile (AT_KEYS)
-ROPE_KV_MAX_D = 512       # cuda/rope_kv.cu ROPE_KV_MAX_D
-SAMPLE_THREADS = 512      # block of sample_rows (cuda/sampling.cu SAMPLE_THREADS)
 KV_TYPES = BACKEND_KV_TYPES["cuda"]
 I32, F32 = np.int32, np.float32
 NULL = np.uint64(0)
@@ -112,7 +105,7 @@ def check_rows(n: int, **arrays: Any) -> None:
 def norm_block(d: int) -> int:
     """Threads of a block that normalizes rows of d (rope_kv.cu's norm_block(D)): the order of
     the norm's sum depends on it, so every kernel computing a norm of d uses the same."""
-    return min(256, ceil_div(d, 32) * 32)
+    return min(NORM_MAX_THREADS, ceil_div(d, 32) * 32)
 
 
 # Rows per warp of the multi-column GEMV variants (cuda/gemv.cu instantiates c1r1, c1r2 and
