@@ -1,13 +1,17 @@
-"""The kernel registry (service/backends/cuda/kernels.py): names, sources and signatures the
-launcher checks every launch against, and `make check-cuda` compares with the compiled PTX."""
+"""The contract with the kernels (service/backends/cuda/kernels.py): the registry of names,
+sources and signatures the launcher checks every launch against and `make check-cuda` compares
+with the compiled PTX, and the numbers Python and the kernels share, written once and passed as
+-D defines (the step format's records have tests/unit/test_step_format.py)."""
 
 from __future__ import annotations
 
+import io
 import re
 
 import numpy as np
 import pytest
 
+from service.backends import cuda_check
 from service.backends.cuda import kernels, sources
 from service.backends.cuda.types import NULL, gemv_choice
 
@@ -116,3 +120,79 @@ def test_the_drift_checks_catch_a_restated_unguarded_or_missing_number():
     short = [o for o in sources.OPTIONS if not o.startswith("-DAT_KEYS=")]
     assert missing_options(short) == {"AT_KEYS"}
     assert missing_options([*short, "-DAT_KEYS=16"]) == {"AT_KEYS"}
+
+
+# ---- the registry against the compiled kernels (make check-cuda) --------------------------------
+
+_PTX_TYPE = {kernels.Arg.PTR: "u64", kernels.Arg.I64: "s64", kernels.Arg.U64: "u64",
+             kernels.Arg.I32: "u32", kernels.Arg.F32: "f32"}
+
+
+def ptx_of(entries: dict[str, tuple[str, ...]]) -> str:
+    """A PTX text declaring `entries` (name -> parameter types) the way NVRTC writes them."""
+    return "\n".join(
+        f".visible .entry {name}(\n"
+        + ",\n".join(f"\t.param .{t} {name}_param_{i}" for i, t in enumerate(types))
+        + "\n)\n.maxntid 128, 1, 1\n{\n\tret;\n}\n" for name, types in entries.items())
+
+
+def registered(source: str) -> dict[str, tuple[str, ...]]:
+    return {k.name: tuple(_PTX_TYPE[a] for a in k.kinds)
+            for k in kernels.registry().values() if k.source == source}
+
+
+def test_ptx_entries_reads_names_and_parameter_types():
+    assert kernels.ptx_entries(ptx_of({"a": ("u64", "u32", "f32"), "b": ()})) == {
+        "a": ("u64", "u32", "f32"), "b": ()}
+
+
+def test_the_registered_kernels_as_compiled_have_no_mismatch():
+    for source in sources.SOURCES:
+        assert kernels.compiled_mismatches(source, ptx_of(registered(source))) == []
+
+
+def test_a_misspelled_missing_extra_or_misdeclared_kernel_is_reported():
+    entries = registered("sampling.cu")
+    entries["argmax_rowz"] = entries.pop("argmax_rows")                # misspelled
+    entries["chosen_ids"] = entries["chosen_ids"][:-1]                 # an argument short
+    entries["record_tokens"] = ("u64", "u64", "u64", "f32", "u32", "u32", "u64")   # T: float
+    entries["rms_norm"] = registered("elementwise.cu")["rms_norm"]     # another file's
+    entries["helper"] = ("u64",)                                       # not registered
+    got = kernels.compiled_mismatches("sampling.cu", ptx_of(entries))
+    assert sorted(got) == sorted([
+        "argmax_rows is registered but not compiled",
+        "argmax_rowz is compiled but not registered",
+        "chosen_ids is compiled as (u64, u32, u32), registered as "
+        "chosen_ids(records: ptr, ld: i32, L: i32, out: ptr)",
+        "record_tokens is compiled as (u64, u64, u64, f32, u32, u32, u64), registered as "
+        "record_tokens(ids: ptr, slots: ptr, positions: ptr, T: i32, n_slots: i32, "
+        "n_ctx: i32, hist: ptr)",
+        "rms_norm is compiled but registered to elementwise.cu",
+        "helper is compiled but not registered"])
+
+
+@pytest.fixture(scope="module")
+def nvrtc():
+    pytest.importorskip("cuda.bindings.nvrtc")
+    return cuda_check.load_nvrtc()
+
+
+def test_the_compile_check_fails_on_a_source_that_drifted_from_the_registry(nvrtc, tmp_path):
+    (tmp_path / "sampling.cu").write_text(
+        'extern "C" __global__ void argmax_rowz(const float* l, int ld, int V, int* out) {}\n'
+        'extern "C" __global__ void record_tokens(const int* ids, const int* slots,\n'
+        '    const int* positions, int T, int n_slots, int n_ctx, int* hist) {}\n'
+        'extern "C" __global__ void chosen_ids(const int* records, int ld, int* out) {}\n'
+        'extern "C" __global__ void sample_rows(const float* logits, int ld, int V,\n'
+        '    const int* params, const int* hist, int n_ctx, float* work, int* out) {}\n')
+    report = cuda_check.check(nvrtc, ["sampling.cu"], tmp_path, io.StringIO())
+    shown = cuda_check._shown(tmp_path / "sampling.cu")
+    assert sorted(report.failed) == sorted([
+        f"{shown}: argmax_rows is registered but not compiled",
+        f"{shown}: argmax_rowz is compiled but not registered",
+        f"{shown}: chosen_ids is compiled as (u64, u32, u64), registered as "
+        "chosen_ids(records: ptr, ld: i32, L: i32, out: ptr)"])
+    # the real file agrees with the registry
+    report = cuda_check.check(nvrtc, ["quantize.cu"], sources.CUDA_DIR, io.StringIO())
+    assert report.failed == [] and {f.name for _, f in report.rows if f.entry} == {
+        k.name for k in kernels.registry().values() if k.source == "quantize.cu"}

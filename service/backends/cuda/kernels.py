@@ -265,22 +265,24 @@ def ptx_entries(ptx: str) -> dict[str, tuple[str, ...]]:
     return {m.group(1): tuple(_PARAM.findall(m.group(2))) for m in _ENTRY.finditer(ptx)}
 
 
-def compiled_mismatches(source: str, ptx: str,
-                        kernels: dict[str, Kernel] | None = None) -> list[str]:
+def registered_sources() -> set[str]:
+    return {k.source for k in registry().values()}
+
+
+def compiled_mismatches(source: str, ptx: str) -> list[str]:
     """How the kernels compiled from `source` (its PTX) differ from the registry: a registered
     kernel not compiled, a compiled kernel not registered (or registered to another file), a
     parameter list that is not the registered signature. One line each; [] when they agree."""
-    kernels = registry() if kernels is None else kernels
-    entries = ptx_entries(ptx)
-    mine = {n: k for n, k in kernels.items() if k.source == source}
-    out = [f"{source}: {n} is registered but not compiled" for n in sorted(mine.keys() - entries)]
+    kernels, entries = registry(), ptx_entries(ptx)
+    mine = {n for n, k in kernels.items() if k.source == source}
+    out = [f"{n} is registered but not compiled" for n in sorted(mine - entries.keys())]
     for name, types in entries.items():
         k = kernels.get(name)
         if k is None or k.source != source:
-            where = "not registered" if k is None else f"registered to {k.source}"
-            out.append(f"{source}: {name} is compiled but {where}")
+            out.append(f"{name} is compiled but "
+                       + ("not registered" if k is None else f"registered to {k.source}"))
         elif len(types) != len(k.kinds) or any(
                 t not in _PTX[kind] for t, kind in zip(types, k.kinds, strict=True)):
-            out.append(f"{source}: {name} compiled as ({', '.join(types)}), registered as "
+            out.append(f"{name} is compiled as ({', '.join(types)}), registered as "
                        f"{k.signature}")
     return out
