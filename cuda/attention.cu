@@ -254,8 +254,9 @@ __device__ __forceinline__ void attn_fused(
     if (tid == 0) counters[(size_t)t * H + h] = 0;
 }
 
-// (32 * ATT_WARPS, 4): with the minimum block count stated ptxas keeps every variant in <= 128 registers
-// without spills; left to its own heuristics it spilled a few bytes in some K/V type pairs.
+// (32 * ATT_WARPS, 4): with the minimum block count stated ptxas keeps every variant in <= 128
+// registers without spills; left to its own heuristics it spilled a few bytes in some K/V type
+// pairs.
 #define ATTN_KERNEL(kn, KT, vn, VT, nv, dmax)                                                \
     extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, 4) attn_##kn##_##vn##_d##dmax( \
             const float* q, int q0, int q1, int H, int Hkv, int D, int Dv, const u8* kq,     \

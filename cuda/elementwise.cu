@@ -32,6 +32,7 @@
 #include "pdl.cuh"
 #include "quant_types.cuh"
 #include "act_quant.cuh"
+#include "rope.cuh"
 
 // ROW_THREADS (256) and MOE_ROUTE_THREADS (64) come as -D defines
 // (service/backends/cuda/kernels.py).
@@ -60,6 +61,26 @@ __device__ __forceinline__ void embed_quant(Planes P, int E, const int* ids, flo
 FOR_QUANT_TYPES(EMBED_KERNEL)
 FOR_FLOAT_TYPES(EMBED_KERNEL)
 
+// put(k, x_k, r) for each k < D of a row x, r = 1 / sqrt(sum(x^2) / D + eps), by the whole block
+// (blockDim.x = norm_block(D)): the sum as act_quant.cuh's block_inv_rms, the row held in
+// registers when it fits (all loads in flight). x_k() is x[k] (a register, or a load the caller
+// places where its expression reads it, so rms_norm and rms_norm_add keep their load order).
+template <class Put>
+__device__ __forceinline__ void rms_row(const float* xr, int D, float eps, Put put) {
+    if (D <= NORM_REGS * (int)blockDim.x) {
+        float xv[NORM_REGS];
+        const float r = block_inv_rms_regs(xr, D, eps, xv);
+#pragma unroll
+        for (int u = 0; u < NORM_REGS; u++) {
+            const int k = threadIdx.x + blockDim.x * u;
+            if (k < D) put(k, [&] { return xv[u]; }, r);
+        }
+        return;
+    }
+    const float r = block_inv_rms(xr, D, eps);
+    for (int k = threadIdx.x; k < D; k += blockDim.x) put(k, [&] { return xr[k]; }, r);
+}
+
 extern "C" __global__ void rms_norm(const float* __restrict__ x, int n1, int s0, int s1, int D,
                                     const float* __restrict__ w, float eps, float* out,
                                     int o0, int o1) {
@@ -67,18 +88,9 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, int n1, int s0,
     const int i = blockIdx.x / n1, j = blockIdx.x % n1;
     const float* xr = x + (size_t)i * s0 + (size_t)j * s1;
     float* orow = out + (size_t)i * o0 + (size_t)j * o1;
-    if (D <= NORM_REGS * (int)blockDim.x) {        // the row in registers: loads in flight
-        float xv[NORM_REGS];
-        const float r = block_inv_rms_regs(xr, D, eps, xv);
-#pragma unroll
-        for (int u = 0; u < NORM_REGS; u++) {
-            const int k = threadIdx.x + blockDim.x * u;
-            if (k < D) orow[k] = __fmul_rn(__fmul_rn(xv[u], r), w[k]);
-        }
-        return;
-    }
-    const float r = block_inv_rms(xr, D, eps);
-    for (int k = threadIdx.x; k < D; k += blockDim.x) orow[k] = __fmul_rn(__fmul_rn(xr[k], r), w[k]);
+    rms_row(xr, D, eps, [&](int k, auto x_k, float r) {
+        orow[k] = __fmul_rn(__fmul_rn(x_k(), r), w[k]);
+    });
 }
 
 // rms_norm of rows t of x (T, D) into out, and the 8-bit blocks of out for the next GEMV.
@@ -127,19 +139,9 @@ extern "C" __global__ void rms_norm_add(const float* __restrict__ o, int ldo, in
     const int t = blockIdx.x;
     const float* orow = o + (size_t)t * ldo;
     float* xr = x + (size_t)t * ldx;
-    if (D <= NORM_REGS * (int)blockDim.x) {        // the row in registers: loads in flight
-        float ov[NORM_REGS];
-        const float r = block_inv_rms_regs(orow, D, eps, ov);
-#pragma unroll
-        for (int i = 0; i < NORM_REGS; i++) {
-            const int k = threadIdx.x + blockDim.x * i;
-            if (k < D) xr[k] = __fadd_rn(xr[k], __fmul_rn(__fmul_rn(ov[i], r), w[k]));
-        }
-        return;
-    }
-    const float r = block_inv_rms(orow, D, eps);
-    for (int k = threadIdx.x; k < D; k += blockDim.x)
-        xr[k] = __fadd_rn(xr[k], __fmul_rn(__fmul_rn(orow[k], r), w[k]));
+    rms_row(orow, D, eps, [&](int k, auto x_k, float r) {
+        xr[k] = __fadd_rn(xr[k], __fmul_rn(__fmul_rn(x_k(), r), w[k]));
+    });
 }
 
 extern "C" __global__ void add_rows(const float* a, int lda, const float* b, int ldb, int N,
@@ -196,13 +198,7 @@ extern "C" __global__ void rope(float* x, int s0, int s1, const int* __restrict_
     float* row = x + (size_t)t * s0 + (size_t)h * s1;
     const int p = positions[t];
     if (p < 0) return;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
-        const float c = cos_t[(size_t)p * half + i], s = sin_t[(size_t)p * half + i];
-        const float a = row[ia], b = row[ib];
-        row[ia] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-        row[ib] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
-    }
+    rope_rotate(row, cos_t, sin_t, p, half, neox);
 }
 
 extern "C" __global__ void moe_route(float* logits, int ld, int T, int n_expert, int n_used,

@@ -15,9 +15,10 @@
 //             weight row n.
 //   gathered  ids != nullptr (mixture of experts, NC = 1): grid.y = number of (token, expert)
 //             pairs; pair p reads x row p / act_div and weight row ids[p] * rows_per_expert + n.
-// Launch: block (32, GEMV_WARPS); warp w of block b owns the R output rows n = (GEMV_WARPS b + w) R
-// + r, r < R; grid (ceil(N / (GEMV_WARPS R)), ceil(C / NC) or n_pairs). Lane l handles the K/32 groups g = l, l + 32,
-// ... in that order for each of its rows and columns, and the warp sums lanes with a butterfly,
+// Launch: block (32, GEMV_WARPS); warp w of block b owns the R output rows
+// n = (GEMV_WARPS b + w) R + r, r < R; grid (ceil(N / (GEMV_WARPS R)), ceil(C / NC) or n_pairs).
+// Lane l handles the K/32 groups g = l, l + 32, ... in that order for each of its rows and
+// columns, and the warp sums lanes with a butterfly,
 // so out[c, n] is computed by the same instructions whatever NC, R and C are: a verify step's
 // logits equal single steps' bit for bit. A lane takes U = GEMV_UNROLL / R of its groups per
 // pass (the 1-column 1-row kernel: one, activations first): it loads their weights first, then

@@ -8,10 +8,10 @@
 // (n_slots, max_blocks) int32, 2^lb = block size).
 // norm_x(r) = r * (1 / sqrt(sum(r^2) / D + eps)) * w_x per head (Qwen3's q/k norms; identity
 // when w_x is null); rope rotates the first 2 * half dims by cos/sin[pos[t], i], pairs (2i, 2i+1)
-// (normal) or (i, i + half) (neox), as elementwise.cu's rope; store_X is the cache type's
-// rounding (kv_quant.cuh). Every value is rounded as the separate rms_norm, rope and kv_store
-// kernels round it: the fusion changes no bit. Rows with slot[t] < 0 are padding: q is still
-// rotated (pos is valid), nothing is stored.
+// (normal) or (i, i + half) (neox), as elementwise.cu's rope (both through rope.cuh); store_X is
+// the cache type's rounding (kv_quant.cuh). Every value is rounded as the separate rms_norm, rope
+// and kv_store kernels round it: the fusion changes no bit. Rows with slot[t] < 0 are padding: q
+// is still rotated (pos is valid), nothing is stored.
 // q, k, v: (T, H | Hkv, D | Dv) views with strides (s0, s1, 1); D <= 512.
 // Launch: grid (T, H + 2 Hkv), block norm_block(D) = min(NORM_MAX_THREADS = 256, 32 ceil(D / 32))
 // threads, the
@@ -20,6 +20,7 @@
 #include "pdl.cuh"
 #include "act_quant.cuh"
 #include "kv_quant.cuh"
+#include "rope.cuh"
 
 // ROPE_KV_MAX_D (512) and NORM_MAX_THREADS (256) come as -D defines
 // (service/backends/cuda/kernels.py).
@@ -62,15 +63,7 @@ __device__ __forceinline__ void rope_kv(
         for (int i = threadIdx.x; i < D; i += blockDim.x) row[i] = src[i];
     }
     __syncthreads();
-    if (pos >= 0) {
-        for (int i = threadIdx.x; i < half; i += blockDim.x) {
-            const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
-            const float c = cos_t[(size_t)pos * half + i], s = sin_t[(size_t)pos * half + i];
-            const float a = row[ia], b = row[ib];
-            row[ia] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-            row[ib] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
-        }
-    }
+    if (pos >= 0) rope_rotate(row, cos_t, sin_t, pos, half, neox);
     __syncthreads();
     if (is_q) {
         float* dst = q + (size_t)t * q0 + (size_t)h * q1;

@@ -41,6 +41,7 @@
 //   row's result never depends on the step it is in, and replays are bit-identical.
 #include "pdl.cuh"
 #include "common.cuh"
+#include "argmax.cuh"
 
 // SAMPLE_THREADS (512) and ARGMAX_THREADS (1024) come as -D defines
 // (service/backends/cuda/kernels.py).
@@ -49,32 +50,15 @@
 #endif
 static_assert(ARGMAX_THREADS == 32 * WARP, "warp 0 reduces the winners of 32 warps");
 
-__device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
-    if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
-}
-
-__device__ __forceinline__ void warp_argmax(float& v, int& i) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(FULL_MASK, v, o);
-        const int oi = __shfl_xor_sync(FULL_MASK, i, o);
-        better(v, i, ov, oi);
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_rows(const float* __restrict__ logits, int ld, int V, int* __restrict__ out) {
     PDL_ENTRY();
     __shared__ float sv[32];
     __shared__ int si[32];
     const int t = blockIdx.x, tid = threadIdx.x;
-    const float* row = logits + (size_t)t * ld;
-    float v = NEG_INF;
-    int i = 0x7fffffff;
-    for (int k = tid; k < V; k += ARGMAX_THREADS) {
-        const float x = row[k];
-        if (x > v || i == 0x7fffffff) { v = x; i = k; }
-    }
+    float v;
+    int i;
+    thread_argmax(logits + (size_t)t * ld, V, tid, ARGMAX_THREADS, v, i);
     warp_argmax(v, i);
     if ((tid & 31) == 0) { sv[tid / 32] = v; si[tid / 32] = i; }
     __syncthreads();
@@ -172,6 +156,14 @@ __device__ void block_best(float& v, int& i, SampleShared& sh) {
     v = sh.f[0];
     i = sh.i[0];
     for (int w = 1; w < SAMPLE_WARPS; w++) better(v, i, sh.f[w], sh.i[w]);
+}
+
+// The block's first maximum of l[0, V) (argmax.cuh: each thread scans i = tid, tid +
+// SAMPLE_THREADS, ...), then block_best; every thread returns the same pair.
+__device__ __forceinline__ void block_argmax(const float* l, int V, float& v, int& i,
+                                             SampleShared& sh) {
+    thread_argmax(l, V, threadIdx.x, SAMPLE_THREADS, v, i);
+    block_best(v, i, sh);
 }
 
 // The tokens a row's filters look at: n logits l[j] with ids id(j) (cid = null: id(j) = j, the
@@ -435,13 +427,9 @@ sample_rows(const float* logits, int ld, int V, const int* __restrict__ params,
         l = w;
     }
     // argmax of l: the greedy choice, and l_max for the filters
-    float bv = NEG_INF;
-    int bi = 0x7fffffff;
-    for (int i = tid; i < V; i += SAMPLE_THREADS) {
-        const float v = l[i];
-        if (v > bv || bi == 0x7fffffff) { bv = v; bi = i; }
-    }
-    block_best(bv, bi, sh);
+    float bv;
+    int bi;
+    block_argmax(l, V, bv, bi, sh);
     int chosen = bi;
     if (temperature != 0.0f) {
         RowState r;
@@ -460,13 +448,9 @@ sample_rows(const float* logits, int ld, int V, const int* __restrict__ params,
     if (tid == 0) o[0] = chosen;
     if (n_top < 0) return;
     // log_softmax of the raw logits, f64
-    float mv = NEG_INF;
-    int mi = 0x7fffffff;
-    for (int i = tid; i < V; i += SAMPLE_THREADS) {
-        const float v = x[i];
-        if (v > mv || mi == 0x7fffffff) { mv = v; mi = i; }
-    }
-    block_best(mv, mi, sh);
+    float mv;
+    int mi;
+    block_argmax(x, V, mv, mi, sh);
     double se = 0.0;
     for (int i = tid; i < V; i += SAMPLE_THREADS) se += exp((double)x[i] - (double)mv);
     const double lse = (double)mv + log(block_sum(se, sh));

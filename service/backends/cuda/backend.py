@@ -230,12 +230,12 @@ class CudaBackend(Backend):
     # Read by tests/gpu and bench (launch counting and timing, scratch poisoning, graph nodes);
     # `_launch` set to a callable takes every launch in its place (Launcher.intercept).
     _blocks = property(lambda self: self._act.view)
-    _gs = _Of("_gemm", "scratch")
-    _uploader = _Of("_weights", "uploader")
-    _shared = _Of("_weights", "shared")
-    _graphs = _Of("_steps", "graphs")
-    _seen = _Of("_steps", "seen")
-    _kernels = _Of("_launcher", "functions")
+    _gs = property(lambda self: self._gemm.scratch)
+    _uploader = property(lambda self: self._weights.uploader)
+    _shared = property(lambda self: self._weights.shared)
+    _graphs = property(lambda self: self._steps.graphs)
+    _seen = property(lambda self: self._steps.seen)
+    _kernels = property(lambda self: self._launcher.functions)
 
     _launch = property(lambda self: self._launcher.run,
                        lambda self, fn: setattr(self._launcher, "intercept", fn),
