@@ -56,7 +56,8 @@ def test_arguments_are_checked_against_the_signature():
                 [*ok[:1], np.int64(1), *ok[2:]],                # i64 where i32 is wanted
                 [*ok[:1], 1, *ok[2:]],                          # a Python int
                 [*ok[:2], np.int32(0), *ok[3:]],                # a scalar where a pointer is
-                [*ok[:2], np.uint64(5), *ok[3:]]):              # a u64 that is not NULL
+                [*ok[:2], np.uint64(5), *ok[3:]],               # a u64 that is not NULL
+                [*ok[:2], 0, *ok[3:]]):                         # a Python int as a pointer
         with pytest.raises(TypeError, match=r"add_rows: arguments .* do not match add_rows\("
                                             r"a: ptr, lda: i32, b: ptr, ldb: i32"):
             k.check(bad)

@@ -46,6 +46,7 @@ class Arg(enum.Enum):
 _PTX = {Arg.PTR: ("u64", "s64", "b64"), Arg.I64: ("u64", "s64", "b64"),
         Arg.U64: ("u64", "s64", "b64"), Arg.I32: ("u32", "s32", "b32"), Arg.F32: ("f32",)}
 _SCALARS = {np.int32: Arg.I32, np.float32: Arg.F32, np.int64: Arg.I64, np.uint64: Arg.U64}
+_NOT_POINTERS = {*_SCALARS, int, float, bool, type(None)}      # CuPy would pass these by value
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,13 @@ class Kernel:
 
     def check(self, args: Sequence[Any]) -> None:
         """TypeError naming the kernel and its signature when args do not match it: a scalar
-        kind wants exactly its numpy type; a pointer any object but a numpy scalar (a device
-        array), or NULL."""
+        kind wants exactly its numpy type; a pointer a device array (any object but a scalar),
+        or NULL."""
         if len(args) == len(self.kinds):
             for a, want in zip(args, self.expect, strict=True):
                 t = type(a)
-                if t is not want and (want is not None or t in _SCALARS
-                                      and not (t is np.uint64 and a == 0)):
+                if t is not want and not (want is None and (
+                        t not in _NOT_POINTERS or t is np.uint64 and a == 0)):
                     break
             else:
                 return
