@@ -39,7 +39,7 @@ GEMV_REPS = 20            # calls per captured graph
 
 # ---------------------------------------------------------------- GEMV
 def bench_gemv(cp, G, a, copy_bw: float) -> list[dict]:
-    from service.backends.cuda import CudaBackend
+    from service.backends.cuda.backend import CudaBackend
 
     be = CudaBackend(graphs=False)
     ro = cp.RawKernel(G.READ_ONLY, "read_only")
@@ -76,8 +76,8 @@ def _gemv_row(cp, G, be, ro, rng, name: str, n: int, k: int, columns) -> list[di
     """The row of the default (dp4a) GEMV; for types with a tensor-core GEMV (CudaBackend's
     gemv_mma, which runs every width on it, one column included) a second row "<type> mma"
     (its ratios against its own one column; the dp4a row above has the default's)."""
-    from service.backends.cuda import CudaMatrix
-    from service.backends.cuda_types import GEMV_MMA_TYPES
+    from service.backends.cuda.kernels import GEMV_MMA_TYPES
+    from service.backends.cuda.types import CudaMatrix
     from service.gguf.quants import QuantType
     from service.gguf.reader import TensorInfo
 
@@ -200,7 +200,7 @@ def bench_decode(cp, G, a, results: dict) -> None:
 
 
 def _decode_model(cp, G, a, model, source, path, synth_s, results: dict) -> None:
-    from service.backends.cuda import CudaBackend
+    from service.backends.cuda.backend import CudaBackend
     from service.gguf.reader import GGUFFile
     from service.model.spec import ModelSpec
     from service.model.transformer import Transformer

@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.backends.cuda import CudaBackend  # noqa: E402
+from service.backends.cuda.backend import CudaBackend  # noqa: E402
 from service.config import models_dir_from_env  # noqa: E402
 from service.gguf.quants import QuantType  # noqa: E402
 from service.gguf.reader import GGUFFile, TensorInfo  # noqa: E402

@@ -23,7 +23,7 @@ import cupy as cp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.backends.cuda import CudaBackend  # noqa: E402
+from service.backends.cuda.backend import CudaBackend  # noqa: E402
 from service.gguf.reader import GGUFFile  # noqa: E402
 from service.model.spec import ModelSpec  # noqa: E402
 from service.model.transformer import Transformer  # noqa: E402

@@ -33,7 +33,7 @@ from gpu_decode import event_time  # noqa: E402
 from gpu_tables import prefill_kernel_table  # noqa: E402
 
 from bench.gpu_load import synthetic_file  # noqa: E402
-from service.backends.cuda import CudaBackend  # noqa: E402
+from service.backends.cuda.backend import CudaBackend  # noqa: E402
 from service.gguf.quants import QuantType  # noqa: E402
 from service.gguf.reader import GGUFFile, TensorInfo  # noqa: E402
 from service.model.spec import ModelSpec  # noqa: E402

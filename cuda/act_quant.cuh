@@ -15,6 +15,12 @@
 
 #include "common.cuh"
 
+// NORM_MAX_THREADS (256: the largest norm block) comes as a -D define
+// (service/backends/cuda/kernels.py).
+#if !defined(NORM_MAX_THREADS)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
+
 __device__ __forceinline__ void quant_group(float v, signed char* __restrict__ qa,
                                             float2* __restrict__ ads) {
     const int lane = threadIdx.x & 31;
@@ -29,7 +35,7 @@ __device__ __forceinline__ void quant_group(float v, signed char* __restrict__ q
 // The block sum of per-thread partial sums s (butterfly per warp, then the warps in order) as
 // 1 / sqrt(sum / D + eps).
 __device__ __forceinline__ float block_inv_rms_of(float s, int D, float eps) {
-    __shared__ float part[8];
+    __shared__ float part[NORM_MAX_THREADS / 32];
     s = warp_sum(s);
     const int warp = threadIdx.x / 32, nw = blockDim.x / 32;
     if ((threadIdx.x & 31) == 0) part[warp] = s;
@@ -40,7 +46,8 @@ __device__ __forceinline__ float block_inv_rms_of(float s, int D, float eps) {
     return 1.0f / sqrtf(__fadd_rn(tot / (float)D, eps));
 }
 
-// Every thread of a block (blockDim.x a multiple of 32, <= 256, blockDim.y = 1) must call it.
+// Every thread of a block (blockDim.x a multiple of 32, <= NORM_MAX_THREADS, blockDim.y = 1)
+// must call it.
 __device__ __forceinline__ float block_inv_rms(const float* xr, int D, float eps) {
     float s = 0.0f;
     for (int k = threadIdx.x; k < D; k += blockDim.x) s = __fadd_rn(s, __fmul_rn(xr[k], xr[k]));
@@ -71,13 +78,14 @@ __device__ __forceinline__ float block_inv_rms_regs(const float* xr, int D, floa
 // partial sums, butterflies, warp order and 32-groups are those of the B-thread kernel.
 // x is read through L2 (__ldcg: other blocks of the grid wrote it), 8 loads in flight per
 // thread and pass, few registers (the epilogue of a GEMV must not cost the GEMV occupancy).
-// D % 32 == 0, B = norm_block(D) <= 256.
+// D % 32 == 0, B = norm_block(D) <= NORM_MAX_THREADS.
 __device__ __forceinline__ void norm_quant_row_128(const float* x, int D, int B,
                                                    const float* __restrict__ w, float eps,
                                                    float* __restrict__ orow,
                                                    signed char* __restrict__ qa,
                                                    float2* __restrict__ ads) {
-    __shared__ float part[8];
+    static_assert(NORM_MAX_THREADS == 2 * 128, "two virtual threads per real thread");
+    __shared__ float part[NORM_MAX_THREADS / 32];
     const int lane = threadIdx.x, warp = threadIdx.y, tid = warp * 32 + lane;
 #pragma unroll 1
     for (int j = 0; j < 2; j++) {

@@ -15,7 +15,7 @@
 //   depend on the table.
 //
 // attn_<K>_<V>_d<128|256> (Dv <= 128 | 256: 4 | 8 accumulators per lane): one kernel, grid
-//   (S, H, T), block (32, 4). Split s covers the ABSOLUTE positions
+//   (S, H, T), block (32, ATT_WARPS). Split s covers the ABSOLUTE positions
 //   [s * chunk, (s + 1) * chunk): its boundaries never depend on the step or on how long the
 //   context is, and positions past pos[t] are skipped, so the same query gives the same bits in
 //   any step. Warp w takes tiles of 32 keys (one per lane) with an online softmax (running max
@@ -37,9 +37,11 @@
 #include "act_quant.cuh"
 #include "kv_read.cuh"
 
-#define ATT_WARPS 4
-#define ATT_MAX_D 512
-#define ATT_MAX_DV 256
+// ATT_WARPS (4: block (32, ATT_WARPS)), ATT_MAX_D (512) and ATT_MAX_DV (256) come as -D defines
+// (service/backends/cuda/kernels.py).
+#if !defined(ATT_WARPS) || !defined(ATT_MAX_D) || !defined(ATT_MAX_DV)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
 
 // The cache row of logical key j of a row (b = attn_lo, bits = attn_mask): j itself below b,
 // else the row of the (j - b)-th set bit of bits (a tree node's ancestors, by depth).
@@ -252,10 +254,11 @@ __device__ __forceinline__ void attn_fused(
     if (tid == 0) counters[(size_t)t * H + h] = 0;
 }
 
-// (128, 4): with the minimum block count stated ptxas keeps every variant in <= 128 registers
-// without spills; left to its own heuristics it spilled a few bytes in some K/V type pairs.
+// (32 * ATT_WARPS, 4): with the minimum block count stated ptxas keeps every variant in <= 128
+// registers without spills; left to its own heuristics it spilled a few bytes in some K/V type
+// pairs.
 #define ATTN_KERNEL(kn, KT, vn, VT, nv, dmax)                                                \
-    extern "C" __global__ void __launch_bounds__(128, 4) attn_##kn##_##vn##_d##dmax(        \
+    extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS, 4) attn_##kn##_##vn##_d##dmax( \
             const float* q, int q0, int q1, int H, int Hkv, int D, int Dv, const u8* kq,     \
             const u8* kd, const u8* vq, const u8* vd, const int* slots, const int* positions, \
             const int* attn_lo, const int* attn_mask, const int* table, int max_blocks,      \

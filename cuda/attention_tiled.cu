@@ -10,10 +10,11 @@
 // the G heads of kv head hk) and reads each tile of AT_KEYS = 32 keys once into shared memory
 // for all of them: keys are read T / QT times per step instead of T times.
 //
-// attnt_<K>_<V>_d<128|256> (Dv <= 128 | 256): grid (ceil(T / QT), Hkv), block (32, 4),
+// attnt_<K>_<V>_d<128|256> (Dv <= 128 | 256): grid (ceil(T / QT), Hkv), block (32, AT_WARPS),
 //   dynamic shared memory (32 D + 32 D + 32 (Dv + 1)) floats: q rows [32][D], the key tile
 //   transposed [D][32] and the value tile [32][Dv + 1] (padded: conflict-free stores and loads).
-//   Row r of the block is token tq0 + r / G, head hk G + r % G; warp w owns rows 8w .. 8w + 7.
+//   Row r of the block is token tq0 + r / G, head hk G + r % G; warp w owns rows 8w .. 8w + 7
+//   (AT_ROWS_PER_WARP = 8).
 //   Rows of one slot are processed together (a step of several slots takes one pass per slot
 //   present in the block); keys [jlo, jhi) of the pass (the union of its rows' ranges) in tiles
 //   aligned to multiples of 32 ABSOLUTE positions; lane l holds key jt + l of a tile for the
@@ -30,9 +31,14 @@
 #include "pdl.cuh"
 #include "kv_read.cuh"
 
-#define AT_ROWS 32
-#define AT_KEYS 32
-#define AT_ROWS_PER_WARP 8
+// AT_ROWS (32), AT_KEYS (32) and AT_WARPS (4: block (32, AT_WARPS)) come as -D defines
+// (service/backends/cuda/kernels.py).
+#if !defined(AT_ROWS) || !defined(AT_KEYS) || !defined(AT_WARPS)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
+static_assert(AT_ROWS == WARP && AT_ROWS % AT_WARPS == 0,
+              "lane r of warp 0 keeps row r's range; each warp owns AT_ROWS / AT_WARPS rows");
+#define AT_ROWS_PER_WARP (AT_ROWS / AT_WARPS)
 
 template <class KT, class VT, int NDV>
 __device__ __forceinline__ void attn_tiled(
@@ -62,7 +68,7 @@ __device__ __forceinline__ void attn_tiled(
         }
         r_slot[lane] = slot; r_lo[lane] = lo; r_hi[lane] = hi;
     }
-    for (int i = tid; i < AT_ROWS * D; i += 4 * WARP) {
+    for (int i = tid; i < AT_ROWS * D; i += AT_WARPS * WARP) {
         const int r = i / D, tt = r / G, t = tq0 + tt;
         qs[i] = tt < QT && t < T ? q[(size_t)t * q0 + (size_t)(hk * G + r % G) * q1 + i % D]
                                  : 0.0f;
@@ -107,14 +113,14 @@ __device__ __forceinline__ void attn_tiled(
             const size_t krow = lane < n
                 ? kv_page_row(table, max_blocks, lb, S, jt + lane) * Hkv + hk : 0;
             __syncthreads();                   // the previous tile is consumed
-            for (int d8 = warp; d8 < D / 8; d8 += 4) {
+            for (int d8 = warp; d8 < D / 8; d8 += AT_WARPS) {
                 float v8[8];
                 if (lane < n) KT::load8(kq, kd, krow, D, 8 * d8, v8);
 #pragma unroll
                 for (int u = 0; u < 8; u++)
                     kt[(8 * d8 + u) * AT_KEYS + lane] = lane < n ? v8[u] : 0.0f;
             }
-            for (int d8 = warp; d8 < Dv / 8; d8 += 4) {
+            for (int d8 = warp; d8 < Dv / 8; d8 += AT_WARPS) {
                 float v8[8];
                 if (lane < n) VT::load8(vq, vd, krow, Dv, 8 * d8, v8);
 #pragma unroll
@@ -192,7 +198,7 @@ __device__ __forceinline__ void attn_tiled(
 
 // NDV = the accumulators per lane and row: Dv <= 32 NDV (_d128: NDV 4, _d256: NDV 8).
 #define ATTNT_KERNEL(kn, KT, vn, VT, ndv, dmax)                                              \
-    extern "C" __global__ void __launch_bounds__(128) attnt_##kn##_##vn##_d##dmax(           \
+    extern "C" __global__ void __launch_bounds__(32 * AT_WARPS) attnt_##kn##_##vn##_d##dmax(    \
             const float* q, int q0, int q1, int T, int H, int Hkv, int D, int Dv, int QT,    \
             const u8* kq, const u8* kd, const u8* vq, const u8* vd, const int* slots,        \
             const int* positions, const int* table, int max_blocks, int lb, int window,      \

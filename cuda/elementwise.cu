@@ -4,37 +4,46 @@
 // (exp, tanh, sqrt) agree.
 //
 // embed_<type>  out[t, k] = dequant(table[ids[t], k]) * scale       out (T, E) f32
-//               grid (T, ceil(E / 256)), block 256
+//               grid (T, ceil(E / ROW_THREADS)), block ROW_THREADS (256)
 // rms_norm      out[r, :] = x[r, :] * (1 / sqrt(sum(x[r, :]^2) / D + eps)) * w
 //               rows r = (i, j) of an (n0, n1, D) view, strides (s0, s1, 1) for x and out;
-//               grid n0 * n1, block B (a multiple of 32, <= 256, fixed per D): fixed-order
+//               grid n0 * n1, block B (a multiple of 32, <= NORM_MAX_THREADS, fixed per D):
+//               fixed-order
 //               block sum
 // rms_norm_quant  rows t of (T, D): rms_norm into out, plus out's 8-bit blocks (qa, ads) as
 //               quantize.cu makes them; grid T, block as rms_norm (D % 32 == 0)
 // rms_norm_add  x[t, :] += rms_norm(o[t, :]) * w (a post-norm fused with the residual add)
 //               grid T, block as rms_norm
 // add_rows      out[t, n] = a[t, n] + b[t, n] (b's row stride 0 = a broadcast vector)
-//               grid (ceil(N / 256), T), block 256
+//               grid (ceil(N / ROW_THREADS), T), block ROW_THREADS
 // glu           out[t, f] = act(gate[t, f]) * up[t, f]; act 0 = silu g / (1 + exp(-g)),
 //               1 = gelu_tanh 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
-//               grid (ceil(F / 256), T), block 256; glu_quant also writes out's 8-bit
-//               blocks (F % 32 == 0)
+//               grid (ceil(F / ROW_THREADS), T), block ROW_THREADS; glu_quant also writes
+//               out's 8-bit blocks (F % 32 == 0)
 // rope          in place on an (T, H, D) view (strides s0, s1, 1), first 2 * half dims:
 //               (a, b) -> (a cos - b sin, a sin + b cos) with cos/sin[positions[t], i];
 //               pairs (2i, 2i+1) (normal) or (i, i + half) (neox); grid (T, H), block 64
 // moe_route     per token: softmax over n_expert router logits (in place), the n_used most
 //               probable experts (lowest index first among equals), their probabilities,
-//               renormalized when asked; one thread per token, grid ceil(T / 64), block 64
+//               renormalized when asked; one thread per token, grid ceil(T /
+//               MOE_ROUTE_THREADS), block MOE_ROUTE_THREADS (64)
 // moe_combine   out[t, e] = sum_u w[t, u] * y[t * n_used + u, e], u in order
-//               grid (ceil(E / 256), T), block 256
+//               grid (ceil(E / ROW_THREADS), T), block ROW_THREADS
 #include "pdl.cuh"
 #include "quant_types.cuh"
 #include "act_quant.cuh"
+#include "rope.cuh"
+
+// ROW_THREADS (256) and MOE_ROUTE_THREADS (64) come as -D defines
+// (service/backends/cuda/kernels.py).
+#if !defined(ROW_THREADS) || !defined(MOE_ROUTE_THREADS)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
 
 template <class Q>
 __device__ __forceinline__ void embed_quant(Planes P, int E, const int* ids, float scale,
                                             float* out) {
-    const int t = blockIdx.x, k = blockIdx.y * 256 + threadIdx.x;
+    const int t = blockIdx.x, k = blockIdx.y * ROW_THREADS + threadIdx.x;
     if (k >= E) return;
     const size_t blk = (size_t)ids[t] * (E / Q::QK) + k / Q::QK;
     float v = Q::dequant(P, blk, k % Q::QK);
@@ -52,6 +61,26 @@ __device__ __forceinline__ void embed_quant(Planes P, int E, const int* ids, flo
 FOR_QUANT_TYPES(EMBED_KERNEL)
 FOR_FLOAT_TYPES(EMBED_KERNEL)
 
+// put(k, x_k, r) for each k < D of a row x, r = 1 / sqrt(sum(x^2) / D + eps), by the whole block
+// (blockDim.x = norm_block(D)): the sum as act_quant.cuh's block_inv_rms, the row held in
+// registers when it fits (all loads in flight). x_k() is x[k] (a register, or a load the caller
+// places where its expression reads it, so rms_norm and rms_norm_add keep their load order).
+template <class Put>
+__device__ __forceinline__ void rms_row(const float* xr, int D, float eps, Put put) {
+    if (D <= NORM_REGS * (int)blockDim.x) {
+        float xv[NORM_REGS];
+        const float r = block_inv_rms_regs(xr, D, eps, xv);
+#pragma unroll
+        for (int u = 0; u < NORM_REGS; u++) {
+            const int k = threadIdx.x + blockDim.x * u;
+            if (k < D) put(k, [&] { return xv[u]; }, r);
+        }
+        return;
+    }
+    const float r = block_inv_rms(xr, D, eps);
+    for (int k = threadIdx.x; k < D; k += blockDim.x) put(k, [&] { return xr[k]; }, r);
+}
+
 extern "C" __global__ void rms_norm(const float* __restrict__ x, int n1, int s0, int s1, int D,
                                     const float* __restrict__ w, float eps, float* out,
                                     int o0, int o1) {
@@ -59,18 +88,9 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, int n1, int s0,
     const int i = blockIdx.x / n1, j = blockIdx.x % n1;
     const float* xr = x + (size_t)i * s0 + (size_t)j * s1;
     float* orow = out + (size_t)i * o0 + (size_t)j * o1;
-    if (D <= NORM_REGS * (int)blockDim.x) {        // the row in registers: loads in flight
-        float xv[NORM_REGS];
-        const float r = block_inv_rms_regs(xr, D, eps, xv);
-#pragma unroll
-        for (int u = 0; u < NORM_REGS; u++) {
-            const int k = threadIdx.x + blockDim.x * u;
-            if (k < D) orow[k] = __fmul_rn(__fmul_rn(xv[u], r), w[k]);
-        }
-        return;
-    }
-    const float r = block_inv_rms(xr, D, eps);
-    for (int k = threadIdx.x; k < D; k += blockDim.x) orow[k] = __fmul_rn(__fmul_rn(xr[k], r), w[k]);
+    rms_row(xr, D, eps, [&](int k, auto x_k, float r) {
+        orow[k] = __fmul_rn(__fmul_rn(x_k(), r), w[k]);
+    });
 }
 
 // rms_norm of rows t of x (T, D) into out, and the 8-bit blocks of out for the next GEMV.
@@ -119,25 +139,15 @@ extern "C" __global__ void rms_norm_add(const float* __restrict__ o, int ldo, in
     const int t = blockIdx.x;
     const float* orow = o + (size_t)t * ldo;
     float* xr = x + (size_t)t * ldx;
-    if (D <= NORM_REGS * (int)blockDim.x) {        // the row in registers: loads in flight
-        float ov[NORM_REGS];
-        const float r = block_inv_rms_regs(orow, D, eps, ov);
-#pragma unroll
-        for (int i = 0; i < NORM_REGS; i++) {
-            const int k = threadIdx.x + blockDim.x * i;
-            if (k < D) xr[k] = __fadd_rn(xr[k], __fmul_rn(__fmul_rn(ov[i], r), w[k]));
-        }
-        return;
-    }
-    const float r = block_inv_rms(orow, D, eps);
-    for (int k = threadIdx.x; k < D; k += blockDim.x)
-        xr[k] = __fadd_rn(xr[k], __fmul_rn(__fmul_rn(orow[k], r), w[k]));
+    rms_row(orow, D, eps, [&](int k, auto x_k, float r) {
+        xr[k] = __fadd_rn(xr[k], __fmul_rn(__fmul_rn(x_k(), r), w[k]));
+    });
 }
 
 extern "C" __global__ void add_rows(const float* a, int lda, const float* b, int ldb, int N,
                                     float* out, int ldo) {
     PDL_ENTRY();
-    const int t = blockIdx.y, n = blockIdx.x * 256 + threadIdx.x;
+    const int t = blockIdx.y, n = blockIdx.x * ROW_THREADS + threadIdx.x;
     if (n >= N) return;
     out[(size_t)t * ldo + n] = __fadd_rn(a[(size_t)t * lda + n], b[(size_t)t * ldb + n]);
 }
@@ -159,7 +169,7 @@ extern "C" __global__ void glu(const float* __restrict__ gate, int ldg,
                                const float* __restrict__ up, int ldu, int F, int act,
                                float* __restrict__ out, int ldo) {
     PDL_ENTRY();
-    const int t = blockIdx.y, f = blockIdx.x * 256 + threadIdx.x;
+    const int t = blockIdx.y, f = blockIdx.x * ROW_THREADS + threadIdx.x;
     if (f >= F) return;
     out[(size_t)t * ldo + f] = __fmul_rn(glu_act(gate[(size_t)t * ldg + f], act),
                                          up[(size_t)t * ldu + f]);
@@ -172,7 +182,7 @@ extern "C" __global__ void glu_quant(const float* __restrict__ gate, int ldg,
                                      float* __restrict__ out, int ldo,
                                      signed char* __restrict__ qa, float2* __restrict__ ads) {
     PDL_ENTRY();
-    const int t = blockIdx.y, f = blockIdx.x * 256 + threadIdx.x;
+    const int t = blockIdx.y, f = blockIdx.x * ROW_THREADS + threadIdx.x;
     if (f - (threadIdx.x & 31) >= F) return;
     const float y = __fmul_rn(glu_act(gate[(size_t)t * ldg + f], act), up[(size_t)t * ldu + f]);
     out[(size_t)t * ldo + f] = y;
@@ -188,19 +198,13 @@ extern "C" __global__ void rope(float* x, int s0, int s1, const int* __restrict_
     float* row = x + (size_t)t * s0 + (size_t)h * s1;
     const int p = positions[t];
     if (p < 0) return;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
-        const float c = cos_t[(size_t)p * half + i], s = sin_t[(size_t)p * half + i];
-        const float a = row[ia], b = row[ib];
-        row[ia] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-        row[ib] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
-    }
+    rope_rotate(row, cos_t, sin_t, p, half, neox);
 }
 
 extern "C" __global__ void moe_route(float* logits, int ld, int T, int n_expert, int n_used,
                                      int normalize, int* ids, float* weights) {
     PDL_ENTRY();
-    const int t = blockIdx.x * 64 + threadIdx.x;
+    const int t = blockIdx.x * MOE_ROUTE_THREADS + threadIdx.x;
     if (t >= T) return;
     float* p = logits + (size_t)t * ld;
     float mx = p[0];
@@ -230,7 +234,7 @@ extern "C" __global__ void moe_route(float* logits, int ld, int T, int n_expert,
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w,
                                        int n_used, int E, float* __restrict__ out, int ldo) {
     PDL_ENTRY();
-    const int t = blockIdx.y, e = blockIdx.x * 256 + threadIdx.x;
+    const int t = blockIdx.y, e = blockIdx.x * ROW_THREADS + threadIdx.x;
     if (e >= E) return;
     float acc = 0.0f;
     for (int u = 0; u < n_used; u++)

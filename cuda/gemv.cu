@@ -15,9 +15,10 @@
 //             weight row n.
 //   gathered  ids != nullptr (mixture of experts, NC = 1): grid.y = number of (token, expert)
 //             pairs; pair p reads x row p / act_div and weight row ids[p] * rows_per_expert + n.
-// Launch: block (32, 4); warp w of block b owns the R output rows n = (4 b + w) R + r, r < R;
-// grid (ceil(N / (4 R)), ceil(C / NC) or n_pairs). Lane l handles the K/32 groups g = l, l + 32,
-// ... in that order for each of its rows and columns, and the warp sums lanes with a butterfly,
+// Launch: block (32, GEMV_WARPS); warp w of block b owns the R output rows
+// n = (GEMV_WARPS b + w) R + r, r < R; grid (ceil(N / (GEMV_WARPS R)), ceil(C / NC) or n_pairs).
+// Lane l handles the K/32 groups g = l, l + 32, ... in that order for each of its rows and
+// columns, and the warp sums lanes with a butterfly,
 // so out[c, n] is computed by the same instructions whatever NC, R and C are: a verify step's
 // logits equal single steps' bit for bit. A lane takes U = GEMV_UNROLL / R of its groups per
 // pass (the 1-column 1-row kernel: one, activations first): it loads their weights first, then
@@ -34,7 +35,10 @@
 #include "quant_types.cuh"
 #include "act_quant.cuh"
 
-#define GEMV_WARPS 4
+// GEMV_WARPS (4: warps per block) comes as a -D define (service/backends/cuda/kernels.py).
+#if !defined(GEMV_WARPS)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
 #define GEMV_UNROLL 4
 
 struct GemvCols {            // which columns and weight rows one warp works on
@@ -217,7 +221,7 @@ __device__ __forceinline__ void gemv_float(const u8* __restrict__ W, int K, int 
 }
 
 #define GEMV_QUANT_KERNEL(name, Q, NC, R, SUFFIX, EARLY, PF)                                \
-    extern "C" __global__ void __launch_bounds__(128)                                       \
+    extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                          \
     gemv_##name##_c##NC##r##R##SUFFIX(const u8* p0, const u8* p1, const u8* p2,             \
                                       const u8* p3, int K, int N, const signed char* qa,    \
                                       const float2* ads, int n_cols, const int* ids,        \
@@ -231,6 +235,7 @@ __device__ __forceinline__ void gemv_float(const u8* __restrict__ W, int K, int 
 // last block of the grid to finish (a counter, reset by that block) normalizes the whole
 // output row into h with its 8-bit blocks (hqa, hads), exactly as rms_norm_quant with B
 // threads (act_quant.cuh norm_quant_row_128): one launch instead of two.
+static_assert(GEMV_WARPS == 4, "gemv_norm's epilogue (norm_quant_row_128) takes (32, 4) blocks");
 template <class Q, bool PF>
 __device__ __forceinline__ void gemv_norm(Planes P, int K, int N, const signed char* qa,
                                           const float2* ads, float* out, int* done,
@@ -249,7 +254,7 @@ __device__ __forceinline__ void gemv_norm(Planes P, int K, int N, const signed c
     if (threadIdx.x == 0 && threadIdx.y == 0) *done = 0;
 }
 #define GEMV_NORM_KERNEL(name, Q, SUFFIX, PF)                                               \
-    extern "C" __global__ void __launch_bounds__(128, 6)                                    \
+    extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, 6)                       \
     gemv_##name##_c1r1##SUFFIX##n(const u8* p0, const u8* p1, const u8* p2, const u8* p3,   \
                                   int K, int N, const signed char* qa, const float2* ads,   \
                                   float* out, int* done, const float* nw, float eps, int B, \
@@ -258,7 +263,7 @@ __device__ __forceinline__ void gemv_norm(Planes P, int K, int N, const signed c
                          hqa, hads);                                                        \
     }
 #define GEMV_FLOAT_ONE(name, F, NC, R)                                                      \
-    extern "C" __global__ void __launch_bounds__(128)                                       \
+    extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                          \
     gemv_##name##_c##NC##r##R(const u8* W, int K, int N, const float* x, int ldx, int n_cols, \
                               const int* ids, int rows_per_expert, int act_div, float* out,  \
                               int ldo, int accumulate) {                                     \

@@ -32,9 +32,12 @@
 #include "pdl.cuh"
 #include "quant_types.cuh"
 
-#define MMA_WARPS 8
-#define MMA_M 2
-#define MMA_ROWS (16 * MMA_M)
+// MMA_WARPS (8), MMA_M (2) and MMA_ROWS (16 * MMA_M) come as -D defines
+// (service/backends/cuda/kernels.py).
+#if !defined(MMA_WARPS) || !defined(MMA_M) || !defined(MMA_ROWS)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
+static_assert(MMA_ROWS == 16 * MMA_M, "a block's rows are MMA_M m-tiles of 16");
 
 // d = A (16 x 32 s8) * B (32 x 8 s8), int32
 __device__ __forceinline__ void mma_k32(int (&d)[4], int a0, int a1, int a2, int a3, int b0,

@@ -4,7 +4,7 @@
 // fields of every block split into separate arrays (quants, high bits, scales, d/dmin), each
 // row-major over the blocks of the matrix. Block b of row r of plane p starts at byte
 // (r * blocks_per_row + b) * BPB[p]; the quant planes are 16-byte aligned per 32-element group.
-// The byte counts equal the file's (no padding), and service/backends/cuda_layout.py builds the
+// The byte counts equal the file's (no padding), and service/backends/cuda/layout.py builds the
 // planes (its CPU tests check every element against the gguf package's dequantizer).
 //
 // Each struct gives, for a block `blk` (= r * blocks_per_row + b):
@@ -24,8 +24,9 @@
 //                                 w = d * c + m       : d * da * sum(c a) + m * da * sa
 //                                 w = d*sc*c - dmin*m : d*sc * da * sum(c a) - dmin*m * da * sa
 //                             with c the stored codes.
-// Adding a weight type = one struct here + one row in cuda_layout.py's plane table + one line
-// in gemv.cu / elementwise.cu instantiating the templates.
+// Adding a weight type = one struct here + one row in the plane table of
+// service/backends/cuda/layout.py + one line in gemv.cu / elementwise.cu instantiating the
+// templates.
 #ifndef SPECSTREAM_QUANT_TYPES_CUH
 #define SPECSTREAM_QUANT_TYPES_CUH
 

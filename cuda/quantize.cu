@@ -5,8 +5,8 @@
 //     qa[c, 32g + l] = q (int8), ads[c, g] = (d, s)
 //   so |x - d q| <= d / 2 per element (act_quant.cuh quant_group). The CPU backend's
 //   act_quant="gpu" mode rounds the same way (numpy float32 division and rint), so GPU and CPU
-//   see identical activations. Launch: block (32, 4), one warp per (row, group);
-//   grid ceil(C * K/32 / 4).
+//   see identical activations. Launch: block (32, QUANT_WARPS), one warp per (row, group);
+//   grid ceil(C * K/32 / QUANT_WARPS).
 //
 // kv_store_<type>: cache[row(slot[t], pos[t]), h, :] = round(src[t, h, :]) for t < T, h < Hkv,
 //   with src a (T, Hkv, D) view (strides st, sh, 1) and the cache (n_blocks * 2^lb, Hkv, D) of
@@ -29,12 +29,17 @@
 #include "act_quant.cuh"
 #include "kv_quant.cuh"
 
-extern "C" __global__ void __launch_bounds__(128)
+// QUANT_WARPS (4) comes as a -D define (service/backends/cuda/kernels.py).
+#if !defined(QUANT_WARPS)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
+
+extern "C" __global__ void __launch_bounds__(32 * QUANT_WARPS)
 quantize_act(const float* __restrict__ x, int ldx, int C, int K, signed char* __restrict__ qa,
              float2* __restrict__ ads) {
     PDL_ENTRY();
     const int G = K / 32;
-    const int item = blockIdx.x * 4 + threadIdx.y;
+    const int item = blockIdx.x * QUANT_WARPS + threadIdx.y;
     if (item >= C * G) return;
     const int c = item / G, g = item % G;
     quant_group(x[(size_t)c * ldx + 32 * g + threadIdx.x], qa + (size_t)c * K + 32 * g,

@@ -8,19 +8,25 @@
 // (n_slots, max_blocks) int32, 2^lb = block size).
 // norm_x(r) = r * (1 / sqrt(sum(r^2) / D + eps)) * w_x per head (Qwen3's q/k norms; identity
 // when w_x is null); rope rotates the first 2 * half dims by cos/sin[pos[t], i], pairs (2i, 2i+1)
-// (normal) or (i, i + half) (neox), as elementwise.cu's rope; store_X is the cache type's
-// rounding (kv_quant.cuh). Every value is rounded as the separate rms_norm, rope and kv_store
-// kernels round it: the fusion changes no bit. Rows with slot[t] < 0 are padding: q is still
-// rotated (pos is valid), nothing is stored.
+// (normal) or (i, i + half) (neox), as elementwise.cu's rope (both through rope.cuh); store_X is
+// the cache type's rounding (kv_quant.cuh). Every value is rounded as the separate rms_norm, rope
+// and kv_store kernels round it: the fusion changes no bit. Rows with slot[t] < 0 are padding: q
+// is still rotated (pos is valid), nothing is stored.
 // q, k, v: (T, H | Hkv, D | Dv) views with strides (s0, s1, 1); D <= 512.
-// Launch: grid (T, H + 2 Hkv), block norm_block(D) = min(256, 32 ceil(D / 32)) threads, the
+// Launch: grid (T, H + 2 Hkv), block norm_block(D) = min(NORM_MAX_THREADS = 256, 32 ceil(D / 32))
+// threads, the
 // block size elementwise.cu's rms_norm uses for rows of D (so the norm's sum has the same
 // order); blocks j < H rotate q heads, H <= j < H + Hkv k heads, the rest store v heads.
 #include "pdl.cuh"
 #include "act_quant.cuh"
 #include "kv_quant.cuh"
+#include "rope.cuh"
 
-#define ROPE_KV_MAX_D 512
+// ROPE_KV_MAX_D (512) and NORM_MAX_THREADS (256) come as -D defines
+// (service/backends/cuda/kernels.py).
+#if !defined(ROPE_KV_MAX_D) || !defined(NORM_MAX_THREADS)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
 
 template <class KP, class VP>
 __device__ __forceinline__ void rope_kv(
@@ -57,15 +63,7 @@ __device__ __forceinline__ void rope_kv(
         for (int i = threadIdx.x; i < D; i += blockDim.x) row[i] = src[i];
     }
     __syncthreads();
-    if (pos >= 0) {
-        for (int i = threadIdx.x; i < half; i += blockDim.x) {
-            const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
-            const float c = cos_t[(size_t)pos * half + i], s = sin_t[(size_t)pos * half + i];
-            const float a = row[ia], b = row[ib];
-            row[ia] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-            row[ib] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
-        }
-    }
+    if (pos >= 0) rope_rotate(row, cos_t, sin_t, pos, half, neox);
     __syncthreads();
     if (is_q) {
         float* dst = q + (size_t)t * q0 + (size_t)h * q1;
@@ -76,7 +74,7 @@ __device__ __forceinline__ void rope_kv(
 }
 
 #define ROPE_KV_KERNEL(kn_, KP, vn_, VP)                                                     \
-    extern "C" __global__ void __launch_bounds__(256) rope_kv_##kn_##_##vn_(                \
+    extern "C" __global__ void __launch_bounds__(NORM_MAX_THREADS) rope_kv_##kn_##_##vn_(   \
             float* q, int q0, int q1, const float* k, int k0, int k1, const float* v, int v0, \
             int v1, int H, int Hkv, int D, int Dv, const float* qn, const float* kn, float eps, \
             const int* positions, const int* slots, const int* kv_positions,                 \

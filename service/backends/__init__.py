@@ -10,7 +10,7 @@ from service.backends.base import Backend
 
 _REGISTRY = {
     "cpu": ("service.backends.cpu.backend", "CpuBackend"),
-    "cuda": ("service.backends.cuda", "CudaBackend"),
+    "cuda": ("service.backends.cuda.backend", "CudaBackend"),
 }
 _OPTIONS: dict[str, dict] = {}   # extra constructor arguments per backend name (backend_options)
 

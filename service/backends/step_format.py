@@ -2,7 +2,7 @@
 parameter record and its per-row output record.
 
 These are the only definitions. The CUDA kernels receive them as NVRTC `-D` defines
-(`CUDA_DEFINES` below, passed by service/backends/cuda_sources.py), so the Python and CUDA sides
+(`CUDA_DEFINES` below, passed by service/backends/cuda/sources.py), so the Python and CUDA sides
 cannot drift; tests/unit/test_step_format.py checks that no kernel file defines them itself.
 
 Parameter record (N_PARAMS int32 words per logits row): the fields of `Param`; floats travel as

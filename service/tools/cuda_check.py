@@ -7,9 +7,12 @@ CUBIN for `cuda_sources.ARCH` with `cuda_sources.OPTIONS` plus `--ptxas-options=
 reports the registers, stack, spills and shared memory of every function; those go out as one
 table. The exit status is 1 when a source is missing, does not compile, or has a function that
 spills (spill stores or loads above 0 bytes: values kept in local memory, which lives in device
-memory behind the caches, instead of registers). NVRTC comes from the `nvidia-cuda-nvrtc` and
-`cuda-bindings` wheels (the `dev` extra); neither CuPy nor a driver is needed, and
-`cuda.bindings` is imported in `main`, not at import time.
+memory behind the caches, instead of registers), or when the kernels compiled from a source of
+the kernel registry differ from it (`service/backends/cuda/kernels.py` compiled_mismatches: a
+registered name not compiled, an `extern "C"` kernel not registered, a parameter list that is
+not the registered signature, read from the PTX's `.entry` lines). NVRTC comes from the
+`nvidia-cuda-nvrtc` and `cuda-bindings` wheels (the `dev` extra); neither CuPy nor a driver is
+needed, and `cuda.bindings` is imported in `main`, not at import time.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from service.backends import cuda_sources
+from service.backends.cuda import kernels
+from service.backends.cuda import sources as cuda_sources
 
 PTXAS_VERBOSE = "--ptxas-options=-v"
 
@@ -160,6 +164,7 @@ class Compiled:
     status: str          # NVRTC_SUCCESS or the nvrtcResult name of the failure
     log: str
     cubin: bytes = b""
+    ptx: str = ""        # the PTX on the way to the CUBIN (the kernels' parameter lists)
 
 
 def compile_cubin(nvrtc: Any, name: str, text: str, options: Sequence[str]) -> Compiled:
@@ -178,7 +183,10 @@ def compile_cubin(nvrtc: Any, name: str, text: str, options: Sequence[str]) -> C
         size = _checked(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
         cubin = b" " * size
         _checked(nvrtc, nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        return Compiled(result.name, log, cubin)
+        size = _checked(nvrtc, nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+        ptx = b" " * size
+        _checked(nvrtc, nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
+        return Compiled(result.name, log, cubin, ptx.rstrip(b"\0 ").decode(errors="replace"))
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -233,6 +241,9 @@ def check(nvrtc: Any, names: Sequence[str], cuda_dir: Path, out: TextIO,
             report.failed += [
                 f"{shown}: {f.name} spills ({f.spill_stores} bytes stores, "
                 f"{f.spill_loads} bytes loads)" for f in funcs if f.spills]
+            if name in kernels.registered_sources():
+                report.failed += [f"{shown}: {m}" for m in kernels.compiled_mismatches(name,
+                                                                                     res.ptx)]
     if missing:
         report.failed.append(
             f"missing from {_shown(cuda_dir)}/: {', '.join(missing)} (named in {named_in})")
@@ -270,7 +281,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout) -> int:
                     help="file names under --cuda-dir (default: SOURCES)")
     args = ap.parse_args(argv)
     names = args.sources or list(cuda_sources.SOURCES)
-    named_in = "--sources" if args.sources else "SOURCES in service/backends/cuda_sources.py"
+    named_in = "--sources" if args.sources else "SOURCES in service/backends/cuda/sources.py"
     nvrtc = load_nvrtc()
     major, minor = _checked(nvrtc, nvrtc.nvrtcVersion(), "nvrtcVersion")
     flags = " ".join((*cuda_sources.OPTIONS, PTXAS_VERBOSE))

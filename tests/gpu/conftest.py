@@ -23,7 +23,7 @@ def cuda():
     """An eager CUDA backend whose matmuls are GEMVs at every width (the kernel tests address
     the GEMV with prefill-sized steps too; the GEMM path has test_prefill_gemm.py); tests run
     on its stream, so their own copies and fills are ordered with its kernels."""
-    from service.backends.cuda import CudaBackend
+    from service.backends.cuda.backend import CudaBackend
 
     be = CudaBackend(graphs=False, prefill_gemm_min_tokens=None)
     with be.stream:

@@ -18,7 +18,7 @@ N_CTX, N_SLOTS, BLOCK = 600, 2, 16
 
 
 def _backends():
-    from service.backends.cuda import CudaBackend
+    from service.backends.cuda.backend import CudaBackend
 
     tiled = CudaBackend(graphs=False, prefill_gemm_min_tokens=None)
     split = CudaBackend(graphs=False, prefill_gemm_min_tokens=None,

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 
 def test_cuda_kv_types_are_the_declared_ones():
     from service.backends import resolve_backend_name
-    from service.backends.cuda import CudaBackend
+    from service.backends.cuda.backend import CudaBackend
     from service.formats import BACKEND_KV_TYPES as KV_TYPES
 
     assert tuple(CudaBackend.kv_types) == KV_TYPES["cuda"]

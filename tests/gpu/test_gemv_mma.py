@@ -31,7 +31,7 @@ SHAPES = ((37, 768), (70, 2304))      # N not a multiple of the 32 rows of a blo
 @pytest.fixture(scope="module")
 def mma():
     """A backend whose GEMVs over Q4_K / Q6_K run on tensor cores at every width."""
-    from service.backends.cuda import CudaBackend
+    from service.backends.cuda.backend import CudaBackend
 
     return CudaBackend(graphs=False, prefill_gemm_min_tokens=None, gemv_mma=True)
 

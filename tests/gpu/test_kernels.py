@@ -99,7 +99,7 @@ def test_gemv_against_references(cuda, name):
 @pytest.fixture(scope="module")
 def cuda_rows1():
     """A second backend on the one-row-per-warp GEMV (CudaBackend(gemv_rows=1))."""
-    from service.backends.cuda import CudaBackend
+    from service.backends.cuda.backend import CudaBackend
 
     return CudaBackend(graphs=False, gemv_rows=1, prefill_gemm_min_tokens=None)
 

@@ -36,7 +36,7 @@ def _random_head(vocab: int, rank: int, scale: float, seed: int = 0):
 @pytest.mark.parametrize("dtype", ["f16", "f32"])
 @pytest.mark.parametrize("rank", [16, 64])
 def test_head_on_cuda_equals_cpu(tmp_path, dtype, rank):
-    from service.backends.cuda import CudaBackend
+    from service.backends.cuda.backend import CudaBackend
 
     # a backend of its own: a backend shares loaded matrices by tensor name, and every case
     # here names its head's tensors alike

@@ -32,7 +32,7 @@ REAL_FILES = {"smollm2": "smollm2-135m.gguf", "gemma3": "gemma3-270m.gguf"}
 
 
 def cuda_backend(graphs: bool = False, **options):
-    from service.backends.cuda import CudaBackend
+    from service.backends.cuda.backend import CudaBackend
 
     return CudaBackend(graphs=graphs, **options)
 
@@ -104,7 +104,7 @@ def unfused_cuda_backend():
     """The CUDA backend with every fused op replaced by the base class's composition of the
     separate ops (the launches of the CUDA engine before the fused kernels)."""
     from service.backends.base import Backend
-    from service.backends.cuda import CudaBackend
+    from service.backends.cuda.backend import CudaBackend
 
     unfused = type("UnfusedCudaBackend", (CudaBackend,),
                    {name: getattr(Backend, name) for name in FUSED_OPS})

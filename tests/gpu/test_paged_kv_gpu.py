@@ -23,7 +23,7 @@ pytestmark = pytest.mark.gpu
 
 
 def cuda_paged(graphs: bool, kv_blocks: int, block_size: int):
-    from service.backends.cuda import CudaBackend
+    from service.backends.cuda.backend import CudaBackend
 
     # every matmul on the GEMV (the CPU mirrors its rounding; see test_models.py)
     return build(CudaBackend(graphs=graphs, prefill_gemm_min_tokens=None), kv_blocks,

@@ -48,7 +48,7 @@ def widths(name: str) -> list[int]:
 
 
 def backend(**options):
-    from service.backends.cuda import CudaBackend
+    from service.backends.cuda.backend import CudaBackend
 
     return CudaBackend(graphs=False, **options)
 

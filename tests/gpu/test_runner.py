@@ -23,7 +23,7 @@ N_SLOTS, N_CTX = 2, 64
 
 
 def build(graphs: bool) -> tuple[Transformer, ModelRunner]:
-    from service.backends.cuda import CudaBackend
+    from service.backends.cuda.backend import CudaBackend
 
     f = GGUFFile(TINY / "tiny-qwen3.gguf")
     tr = Transformer(ModelSpec.from_gguf(f), f, CudaBackend(graphs=graphs), n_ctx=N_CTX,

@@ -7,7 +7,7 @@ ModelRunner exactly as the engine does, runs the script and returns the FakeDevi
 probability is garbage (zeros); the scripts drive steps by shape, not by what they produce.
 
 Models: the tiny files in tests/data/tiny (llama with every weight type, qwen3, qwen3moe),
-synthetic files of every quant mix (service/gguf/synth.py, one layer), and two written here:
+synthetic files of every quant mix (service/tools/synth.py, one layer), and two written here:
 qwen2 (q/k/v biases) and gemma3 (head size 256, sliding window, post-norms, GELU, tied output).
 """
 
@@ -24,10 +24,10 @@ import numpy as np
 from service.backends import create_backend
 from service.backends.step_format import N_PARAMS, OUT_WORDS, param_record
 from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput
-from service.gguf import synth
 from service.gguf.reader import GGUFFile
 from service.model.spec import ModelSpec
 from service.model.transformer import Transformer, positions_for
+from service.tools import synth
 from tests.conftest import TINY
 from tests.support.fake_cupy import install
 from tests.support.fake_gpu import FakeDevice

@@ -26,7 +26,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from service.backends import cuda_check, cuda_sources
+from service.backends.cuda import sources as cuda_sources
+from service.tools import cuda_check
 
 CACHE_PREFIX = "specstream/kernel-signatures/"
 

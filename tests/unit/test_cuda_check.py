@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from service.backends import cuda_sources
+from service.backends.cuda import sources as cuda_sources
 from service.tools import cuda_check
 from service.tools.cuda_check import FunctionUsage, line_origins, parse_ptxas_log
 
@@ -263,7 +263,7 @@ def test_default_sources_come_from_the_contract(nvrtc, kernels, monkeypatch):
     rc, out = run_main("--cuda-dir", str(kernels))
     assert rc == 1
     assert any("add_twice" in ln for ln in out.splitlines())
-    assert "absent.cu (named in SOURCES in service/backends/cuda_sources.py)" in out
+    assert "absent.cu (named in SOURCES in service/backends/cuda/sources.py)" in out
     assert "good.cu" not in next(ln for ln in out.splitlines() if "missing" in ln)
 
 

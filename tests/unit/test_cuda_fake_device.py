@@ -21,7 +21,7 @@ from service.backends import create_backend
 from service.config import EngineConfig
 from service.engine.scheduler import Engine
 from service.engine.types import Finished, GenerationRequest, SamplingParams, StoppingCriteria
-from service.gguf import synth
+from service.tools import synth
 from tests.conftest import TINY
 from tests.support import cuda_steps
 from tests.support.cuda_steps import KV_TYPES, Result, Scenario
@@ -329,18 +329,28 @@ def _table(be, kernel: str, planes: int):
 
 
 def test_a_misspelled_kernel_name_fails_naming_the_kernel(gpu):
+    """Caught twice: by the backend's registry before the launch, and by the fake device (the
+    compiled module has no such function) for a launch that bypasses the registry."""
     be = create_backend("cuda", graphs=False)
     out, ids = be.zeros((1, 256)), be.zeros((1,), "int32")
-    with pytest.raises(CUDADriverError, match=r"no kernel 'embed_q4_O' in cuda/elementwise\.cu"):
+    with pytest.raises(KeyError, match=r"no kernel embed_q4_O in the registry"):
         be.embed(_table(be, "q4_O", 4), ids, 1.0, out)
+    with pytest.raises(CUDADriverError, match=r"no kernel 'embed_q4_O' in cuda/elementwise\.cu"):
+        _module(gpu, "elementwise.cu").get_function("embed_q4_O")
 
 
 def test_an_extra_argument_fails_naming_the_kernel_and_its_signature(gpu, compiled):
+    """Caught by the registry's signature through the backend, and by the compiled signature at
+    the fake device for a launch that bypasses the registry."""
     be = create_backend("cuda", graphs=False)
     out, ids = be.zeros((1, 256)), be.zeros((1,), "int32")
     be.embed(_table(be, "q4_0", 4), ids, 1.0, out)                  # the right count passes
-    with pytest.raises(KernelCheckError) as e:
+    with pytest.raises(TypeError, match=r"embed_q4_0: arguments \(.*\) do not match embed_q4_0\("):
         be.embed(_table(be, "q4_0", 5), ids, 1.0, out)
+    fn = _module(gpu, "elementwise.cu").get_function("embed_q4_0")
+    t = _table(be, "q4_0", 5)
+    with pytest.raises(KernelCheckError) as e:
+        fn((1,), (256,), (*t.args(), np.int32(t.k), ids, np.float32(1.0), out))
     msg = str(e.value)
     assert "kernel embed_q4_0 (cuda/elementwise.cu): 9 arguments for 8 parameters" in msg
     assert compiled.kernels["embed_q4_0"].describe() in msg

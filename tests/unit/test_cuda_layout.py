@@ -8,7 +8,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from service.backends.act_quant import round_activations
-from service.backends.cuda_layout import (
+from service.backends.cuda.layout import (
     LAYOUTS,
     join_planes,
     plane_offsets,

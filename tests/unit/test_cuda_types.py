@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.backends.cuda_types import GEMV_WIDE_ROWS, gemv_choice, norm_block, view_rows
+from service.backends.cuda.types import GEMV_WIDE_ROWS, gemv_choice, norm_block, view_rows
 
 
 def test_gemv_columns_round_up_to_a_variant():

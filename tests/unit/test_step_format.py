@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import re
 
-from service.backends import cuda_sources, step_format
+from service.backends import step_format
+from service.backends.cuda import sources as cuda_sources
 
 
 def test_compile_options_carry_every_field_of_the_records():

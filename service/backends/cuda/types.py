@@ -1,31 +1,21 @@
-"""Shapes, scratch and launch helpers of the CUDA backend (numpy only, no CuPy: the CPU tests
-import it). Shapes: T tokens in the step, K/N the input/output width of a matrix."""
+"""Shapes, constants and launch helpers the parts of the CUDA backend share (numpy only, no
+CuPy: the CPU tests import it): the device matrix and KV cache records, view and dtype checks,
+and the launch choices (GEMV variant by width, norm block size). Shapes: T tokens in the step,
+K/N the input/output width of a matrix."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from service.backends.base import KVCache
-from service.backends.cuda_layout import PlaneLayout
+from service.backends.cuda.kernels import NORM_MAX_THREADS
+from service.backends.cuda.layout import PlaneLayout
 from service.formats import BACKEND_KV_TYPES
 
-GEMV_WARPS = 4            # warps per GEMV block (cuda/gemv.cu GEMV_WARPS)
 GEMV_NC = (1, 2, 4, 8, 16)   # column variants of cuda/gemv.cu; wider steps: chunks of 16
-GEMV_MMA_WARPS, GEMV_MMA_ROWS = 8, 32   # cuda/gemv_mma.cu MMA_WARPS, MMA_ROWS (block's rows)
-GEMV_MMA_TYPES = ("q4_k", "q6_k")        # layouts with gemv_mma_<type>_c8 / _c16 kernels
-GEMV_PREFETCH_ROWS = 4096   # 1-column GEMVs of at most this many rows: the c1r1p kernel
-GEMV_PREFETCH_TYPES = ("q4_k", "q6_k")   # ... of these types (measured faster there)
-GRAPH_MAX_TOKENS = 64     # steps up to this many tokens are captured (decode and verify)
-ATT_CHUNK = 128           # KV positions per attention split: one 32-key tile per warp
-ATT_MAX_D, ATT_MAX_DV = 512, 256
-ATT_TILED_ROWS = 32       # query rows per block of cuda/attention_tiled.cu (AT_ROWS)
-ATT_TILED_KEYS = 32       # keys per tile (AT_KEYS)
-ATT_TILED_MAX_D = 256     # head sizes of the tiled kernel (K and V)
-PREFILL_ATTENTION_MIN_TOKENS = 32   # steps this long (and past the invariant widths) use it
-ROPE_KV_MAX_D = 512       # cuda/rope_kv.cu ROPE_KV_MAX_D
 KV_TYPES = BACKEND_KV_TYPES["cuda"]
 I32, F32 = np.int32, np.float32
 NULL = np.uint64(0)
@@ -74,19 +64,6 @@ class CudaKVCache(KVCache):
                 np.int32(self.block_size.bit_length() - 1)]
 
 
-@dataclass
-class Scratch:
-    """Buffers every step reuses (sized by prepare)."""
-
-    qa: Any = None                    # (rows * K) int8 activation codes
-    ads: Any = None                   # (rows * K/32, 2) f32 (d, sum of codes)
-    part_ml: Any = None               # (T, H, S, 2) f32 attention split (max, sum)
-    part_acc: Any = None              # (T, H, S, Dv) f32 attention split accumulators
-    counters: Any = None              # (T * H) int32 attention splits done, 0 between launches
-    gemv_done: Any = None             # (1,) int32 blocks of a fused-norm GEMV done, 0 between
-    moe: dict[str, Any] = field(default_factory=dict)
-
-
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -110,10 +87,25 @@ def check_dtype(a, dtype, what: str) -> None:
         raise TypeError(f"{what}: dtype {a.dtype}, expected {np.dtype(dtype)}")
 
 
+def opt_ptr(a: Any) -> Any:
+    """An optional array argument: the array, or a null pointer."""
+    return a if a is not None else NULL
+
+
+def check_rows(n: int, **arrays: Any) -> None:
+    """Every given per-row array is (>= n,) int32 and contiguous (None: absent)."""
+    for name, a in arrays.items():
+        if a is None:
+            continue
+        check_dtype(a, np.int32, name)
+        if a.ndim != 1 or a.shape[0] < n or not a.flags.c_contiguous:
+            raise ValueError(f"{name}: (>= {n},) contiguous int32 wanted, got {a.shape}")
+
+
 def norm_block(d: int) -> int:
     """Threads of a block that normalizes rows of d (rope_kv.cu's norm_block(D)): the order of
     the norm's sum depends on it, so every kernel computing a norm of d uses the same."""
-    return min(256, ceil_div(d, 32) * 32)
+    return min(NORM_MAX_THREADS, ceil_div(d, 32) * 32)
 
 
 # Rows per warp of the multi-column GEMV variants (cuda/gemv.cu instantiates c1r1, c1r2 and

@@ -13,8 +13,9 @@ import re
 from pathlib import Path
 
 from service.backends import step_format
+from service.backends.cuda import kernels
 
-CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
+CUDA_DIR = Path(__file__).resolve().parents[3] / "cuda"
 ARCH = "sm_90"   # the H200; the compile check targets it, the backend asks the device
 
 # One translation unit per op family (STYLE.md); each .cu includes the headers it needs.
@@ -23,9 +24,11 @@ SOURCES = ("gemv.cu", "gemv_mma.cu", "quantize.cu", "elementwise.cu", "rope_kv.c
 
 # -std=c++17 for constexpr/if constexpr in the per-type traits; no fast-math: the kernels must
 # round like the CPU reference (fused multiply-add contraction stays on, as nvcc's default).
-# Facts shared with Python travel as -D defines, so the kernels never restate them.
+# Facts shared with Python travel as -D defines, so the kernels never restate them: the step
+# format's records (step_format.py) and the kernels' shared numbers (kernels.py).
 OPTIONS = ("-std=c++17",
-           *(f"-D{name}={value}" for name, value in step_format.cuda_defines().items()))
+           *(f"-D{name}={value}" for name, value in {**step_format.cuda_defines(),
+                                                     **kernels.cuda_defines()}.items()))
 # [ \t], not \s: an include line is replaced alone, so NVRTC's line numbers stay the file's.
 _INCLUDE = re.compile(r'^[ \t]*#include[ \t]+"([^"]+)"[ \t]*\r?$', re.M)
 

@@ -1,26 +1,26 @@
-"""The prefill path of the CUDA backend: matmuls of wide steps as dequantize + cuBLAS GEMM, and
-the end of weight loading (the pinned staging ring of cuda_upload.py).
+"""The prefill GEMM of the CUDA backend: matmuls of wide steps as dequantize + cuBLAS GEMM.
 
-A step of T >= prefill_gemm_min_tokens tokens (more than the decode/verify widths, which stay on
-the step-size-invariant GEMV): x rounded to f16 once per matmul, W's rows dequantized to f16
+A step of T >= min_tokens tokens (more than the decode/verify widths, which stay on the
+step-size-invariant GEMV): x rounded to f16 once per matmul, W's rows dequantized to f16
 tile by tile into a scratch (cuda/dequant.cu), and out[:, tile rows] (+)= x W_tile^T by cuBLAS
 with f16 inputs and f32 accumulation and output, written straight into out's columns (beta = 1
 adds into out: the residual add of matmul_add). F16 weights go to cuBLAS as they are. In
 cuBLAS's column-major terms: C (rows, T; ldc = ldo) = op_T(W tile stored (K, rows)) x (K, T).
-
-A mixin of CudaBackend: it uses the backend's stream, `_launch`, `zeros`, `_max_k` and `_gs`.
+`GemmOps` owns the threshold (`CudaBackend.prefill_gemm_min_tokens`: None keeps every matmul on
+the GEMV; it becomes None when cuBLAS cannot be loaded), the cuBLAS handle and the scratch.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import structlog
 
-from service.backends.cuda_types import I32, CudaMatrix, ceil_div, check_dtype, view_rows
+from service.backends.cuda.launcher import ActivationBlocks, Launcher
+from service.backends.cuda.memory import DeviceMemory
+from service.backends.cuda.types import I32, CudaMatrix, ceil_div, check_dtype, view_rows
 
 # Steps of at least this many tokens (and more than the invariant decode/verify widths) run
 # their matmuls as dequantize + cuBLAS GEMM. Measured on the H200 (bench/gpu_prefill.py, Q4_K):
@@ -40,7 +40,6 @@ class GemmScratch:
     """Buffers of the prefill GEMM path (sized by prepare)."""
 
     limit: int                        # bytes the weight tile may take at most
-    max_elems: int = 0                # rows * K of the largest matrix loaded (GEMM candidates)
     xh: Any = None                    # (max_tokens * max K) f16 bits: x rounded to f16
     wh: Any = None                    # (tile_elems,) f16 bits: a tile of W's rows
     blas: int = 0                     # cuBLAS handle (pointer mode host)
@@ -50,42 +49,28 @@ class GemmScratch:
 
 
 class GemmOps:
-    """Load bookkeeping and the dequantize + GEMM matmul of CudaBackend."""
+    def __init__(self, stream: Any, launcher: Launcher, blocks: ActivationBlocks,
+                 min_tokens: int | None, scratch_bytes: int) -> None:
+        self.stream = stream
+        self.min_tokens = min_tokens              # steps this wide take the GEMM; None: never
+        self.scratch = GemmScratch(limit=scratch_bytes)
+        self._launcher = launcher
+        self._blocks = blocks
 
-    # ---------------------------------------------------------------- start and end of loading
-    def _start_load(self) -> None:
-        if self._load_t0 is not None:
-            return
-        self._load_t0 = time.perf_counter()
-        if self._uploader is not None:
-            self._uploader.after(self.stream)
-
-    def finish_load(self) -> None:
-        """The end of loading (prepare calls it): the one wait for every weight copy, the
-        staging ring freed, the weight bytes on the device and the file bytes they came from
-        logged (the planes hold the file's bytes exactly: no dequantized copy)."""
-        if self._load_t0 is None:
-            return
-        if self._uploader is not None:
-            self._uploader.finish()
-        seconds = time.perf_counter() - self._load_t0
-        self._load_t0 = None
-        self.load_seconds = seconds
-        log.info("weights on the GPU", upload=self.upload, weight_bytes=self.weight_bytes,
-                 tensor_bytes=self.tensor_bytes, seconds=round(seconds, 3))
-
-    # ---------------------------------------------------------------- prefill GEMM
-    def _gemm_wanted(self, x) -> bool:
-        m = self.prefill_gemm_min_tokens
+    def wanted(self, x) -> bool:
+        m = self.min_tokens
         return m is not None and x.shape[0] >= m
 
-    def _prepare_gemm(self, max_tokens: int) -> None:
-        g = self._gs
-        m = self.prefill_gemm_min_tokens
-        if m is None or max_tokens < m or not g.max_elems:
+    def prepare(self, max_tokens: int, max_k: int, max_elems: int,
+                memory: DeviceMemory) -> None:
+        """The cuBLAS handle and the scratch for steps of up to max_tokens tokens over matrices
+        of at most max_k columns and max_elems elements (none when no step takes the GEMM)."""
+        g = self.scratch
+        m = self.min_tokens
+        if m is None or max_tokens < m or not max_elems:
             g.xh = g.wh = None
             return
-        tile = min(g.max_elems, max(g.limit // 2, 64 * self._max_k))
+        tile = min(max_elems, max(g.limit // 2, 64 * max_k))
         if not g.blas:
             # Imported here: a CuPy without a loadable cuBLAS still serves, on the GEMV only.
             try:
@@ -95,11 +80,11 @@ class GemmOps:
                 cublas.setPointerMode(g.blas, _BLAS_POINTER_HOST)
             except (ImportError, OSError, RuntimeError) as e:
                 log.warning("cuBLAS unavailable: every matmul stays on the GEMV", error=str(e))
-                self.prefill_gemm_min_tokens = None
+                self.min_tokens = None
                 g.xh = g.wh = None
                 return
-        g.xh = self.zeros((max_tokens * self._max_k,), "uint16")     # (T*K,) f16 bits
-        g.wh = self.zeros((tile,), "uint16")                         # (rows*K,) f16 bits
+        g.xh = memory.zeros((max_tokens * max_k,), "uint16")     # (T*K,) f16 bits
+        g.wh = memory.zeros((tile,), "uint16")                   # (rows*K,) f16 bits
 
     def round_f16(self, x, out) -> None:
         """out[: T*K] (f16 bits, rows of K) = x (T, K) f32 rounded to nearest even."""
@@ -108,8 +93,8 @@ class GemmOps:
         check_dtype(out, np.uint16, "round_f16 out")
         if out.ndim != 1 or out.size < T * K:
             raise ValueError(f"round_f16: out {out.shape} cannot hold {T}x{K}")
-        self._launch("round_f16", (ceil_div(K, 256), T), (256,),
-                     [x, I32(ldx), I32(T), I32(K), out])
+        self._launcher.launch("round_f16", (ceil_div(K, 256), T), (256,),
+                              [x, I32(ldx), I32(T), I32(K), out])
 
     def dequant_rows(self, w: CudaMatrix, r0: int, n_rows: int, out) -> None:
         """out[: n_rows*K] (f16 bits, rows of K) = W[r0 : r0 + n_rows] rounded to f16."""
@@ -119,13 +104,13 @@ class GemmOps:
                 or out.size < n:
             raise ValueError(f"dequant: rows [{r0}, {r0 + n_rows}) of {w.rows} into "
                              f"{out.shape}")
-        self._launch(f"dequant_{w.layout.kernel}", (ceil_div(ceil_div(n, 8), 256),), (256,),
-                     [*w.args(), I32(w.k), np.int64(r0), np.int64(n), out])
+        self._launcher.launch(f"dequant_{w.layout.kernel}", (ceil_div(ceil_div(n, 8), 256),),
+                              (256,), [*w.args(), I32(w.k), np.int64(r0), np.int64(n), out])
 
-    def _gemm_matmul(self, x, w: CudaMatrix, out, accumulate: bool = False) -> None:
+    def matmul(self, x, w: CudaMatrix, out, accumulate: bool = False) -> None:
         T, _, _, _, K = view_rows(x)
         C, _, ldo, _, N = view_rows(out)
-        g = self._gs
+        g = self.scratch
         if K != w.k or N != w.n or C != T or w.n_expert != 1:
             raise ValueError(f"matmul: x {x.shape} / out {out.shape} vs W ({w.n}, {w.k})")
         check_dtype(x, np.float32, "matmul x")
@@ -154,4 +139,4 @@ class GemmOps:
                              a, _R_16F, K, xh.data.ptr, _R_16F, K, beta.ctypes.data,
                              out.data.ptr + r0 * 4, _R_32F, ldo, _BLAS_COMPUTE_32F,
                              _BLAS_GEMM_DEFAULT)
-        self._blocks = None               # cuBLAS wrote out behind the launch bookkeeping
+        self._blocks.forget()             # cuBLAS wrote out behind the launcher's bookkeeping

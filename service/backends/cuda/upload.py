@@ -22,7 +22,7 @@ import cupy as cp
 import numpy as np
 from cupy.cuda import pinned_memory
 
-from service.backends.cuda_layout import PlaneLayout, plane_offsets, write_planes
+from service.backends.cuda.layout import PlaneLayout, plane_offsets, write_planes
 
 _H2D = 1                       # cudaMemcpyHostToDevice
 _SPLIT_BYTES = 4 << 20         # fills smaller than this stay on the calling thread

@@ -1,0 +1,171 @@
+"""The GEMVs of the CUDA backend: activation 8-bit blocks (quantize_act, or the blocks a fused
+producer left: launcher.ActivationBlocks), the dp4a GEMVs of cuda/gemv.cu (the variant by the
+step's width, the one-column early-read and prefetching kernels, the residual GEMV with the
+next RMSNorm fused), and the tensor-core GEMVs of cuda/gemv_mma.cu.
+
+`GemvOps` owns the GEMV settings (the CudaBackend options of the same names):
+- rows: 2 (the default) picks the variant by the step's width (types.gemv_choice); 1 runs the
+  one-column one-row kernel at every width (the earlier kernel, kept for benchmarks). Both give
+  the same bits.
+- early: one-column quantized GEMVs use the c1r1e kernel, which reads each lane's first weight
+  group before the programmatic-launch wait (same bits, more registers).
+- prefetch_rows: one-column Q4_K / Q6_K GEMVs of matrices with at most this many rows use the
+  c1r1p kernel (the next weight group loaded before each dot; same bits), where one warp per
+  row leaves too few loads in flight; 0 never (docs/PERFORMANCE.md section 11: faster at 4096
+  rows on the H200, not at 6144 and more, nor on Q8_0 / Q4_0).
+- mma: every GEMV over Q4_K / Q6_K weights (plain mode, any width, one column included) runs
+  on the int8 tensor cores (8 columns per block up to 8, 16 above): a column's result depends
+  on neither the step's width nor its neighbours, so batching and verify stay exact within the
+  mode. Off by default: its sums are rounded in another order than the dp4a kernels' (other
+  last bits), and one column costs ~1.2-1.4x the dp4a kernel's time while 8 / 16 cost
+  ~1.3-1.5x / 1.5-2.6x of it (H200).
+- fuse_norm: a one-column residual GEMV followed by an RMSNorm (matmul_add_norm) runs as one
+  launch whose last block normalizes the row; False (the default) launches the two kernels.
+  Both give the same bits. Off by default: measured slower on the H200 (0.89x / 0.94x of the
+  default decode on the 8B / 1B shapes, `make bench-gpu`'s versions table; docs/PERFORMANCE.md
+  section 13).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from service.backends.cuda.kernels import (
+    GEMV_MMA_TYPES,
+    GEMV_PREFETCH_TYPES,
+    GEMV_WARPS,
+    MMA_ROWS,
+    MMA_WARPS,
+    QUANT_WARPS,
+)
+from service.backends.cuda.launcher import ActivationBlocks, Launcher
+from service.backends.cuda.memory import DeviceMemory
+from service.backends.cuda.types import (
+    F32,
+    I32,
+    NULL,
+    CudaMatrix,
+    ceil_div,
+    check_dtype,
+    gemv_choice,
+    gemv_mma_nc,
+    matrix_key,
+    norm_block,
+    view_rows,
+)
+
+# One-column GEMVs of Q4_K / Q6_K matrices (kernels.GEMV_PREFETCH_TYPES, measured faster there)
+# with at most this many rows run the c1r1p kernel (the `prefetch_rows` default).
+GEMV_PREFETCH_ROWS = 4096
+
+
+class GemvOps:
+    def __init__(self, launcher: Launcher, blocks: ActivationBlocks, *, rows: int, early: bool,
+                 prefetch_rows: int, mma: bool, fuse_norm: bool) -> None:
+        if rows not in (1, 2):
+            raise ValueError(f"gemv_rows must be 1 or 2, not {rows}")
+        self.rows, self.early, self.prefetch_rows = rows, early, prefetch_rows
+        self.mma, self.fuse_norm = mma, fuse_norm
+        self.done: Any = None         # (1,) int32 blocks of a fused-norm GEMV done, 0 between
+        self._launcher = launcher
+        self._blocks = blocks
+
+    def prepare(self, memory: DeviceMemory) -> None:
+        self.done = memory.zeros((1,), "int32")                # the kernel leaves it at 0
+
+    def quantize(self, x) -> tuple[Any, Any]:
+        """The 8-bit blocks of x (T, K): the scratch's when a fused op just wrote x's, else
+        made now. Blocks made here are not remembered: x may be written by anything (a copy
+        from the host) before the next matmul, only the backend's own producers are known."""
+        T, _, ldx, _, K = view_rows(x)
+        if self._blocks.holds(x):
+            qa, ads = self._blocks.args(T, K)
+            return qa, ads
+        if not self._blocks.room(T, K):
+            raise ValueError(f"activations {x.shape} exceed the prepared buffers or K % 32")
+        qa, ads = self._blocks.args(T, K)
+        self._launcher.launch("quantize_act", (ceil_div(T * K // 32, QUANT_WARPS),),
+                              (32, QUANT_WARPS),
+                              [x, I32(ldx), I32(T), I32(K), qa, ads])
+        return qa, ads
+
+    def matmul(self, x, w: CudaMatrix, out, ids=None, n_pairs: int = 0, act_div: int = 1,
+               accumulate: bool = False) -> None:
+        """out (C, N) (+)= x W^T; with `ids` (gathered experts) row p of out is x row
+        p / act_div times expert ids[p]'s matrix, for p < n_pairs."""
+        T, _, ldx, _, K = view_rows(x)
+        C, _, ldo, _, N = view_rows(out)
+        if x.ndim != 2 or out.ndim != 2 or K != w.k or N != w.n:
+            raise ValueError(f"matmul: x {x.shape} / out {out.shape} vs W ({w.n}, {w.k})")
+        check_dtype(x, np.float32, "matmul x")
+        check_dtype(out, np.float32, "matmul out")
+        if ids is None:
+            if C != T:
+                raise ValueError(f"matmul: {T} input rows, {C} output rows")
+            nc, R = gemv_choice(T, self.rows)
+            grid, ids_arg, rpe = (ceil_div(N, GEMV_WARPS * R), ceil_div(T, nc)), NULL, 0
+        else:                                 # gathered experts: one column per block row
+            check_dtype(ids, np.int32, "matmul ids")
+            if C != n_pairs or ids.size < n_pairs:
+                raise ValueError(f"gathered matmul: {n_pairs} pairs, out {out.shape}")
+            nc, R = 1, 1
+            grid, ids_arg, rpe = (ceil_div(N, GEMV_WARPS * R), n_pairs), ids, w.n
+        tail = [I32(C), ids_arg, I32(rpe), I32(act_div), out, I32(ldo),
+                I32(1 if accumulate else 0)]
+        if w.layout.quantized:
+            qa, ads = self.quantize(x)
+            if self.mma and ids is None and w.layout.kernel in GEMV_MMA_TYPES:
+                self._mma(w, qa, ads, T, out, ldo, accumulate)
+                return
+            args = [*w.args(), I32(K), I32(N), qa, ads, *tail]
+        else:
+            args = [w.planes[0], I32(K), I32(N), x, I32(ldx), *tail]
+        variant = ""
+        if w.layout.quantized and (nc, R) == (1, 1):
+            variant = ("e" if self.early else
+                       "p" if N <= self.prefetch_rows and ids is None
+                       and w.layout.kernel in GEMV_PREFETCH_TYPES else "")
+        self._launcher.launch(f"gemv_{w.layout.kernel}_c{nc}r{R}{variant}", grid,
+                              (32, GEMV_WARPS), args)
+        self._blocks.wrote(out)
+
+    def _mma(self, w: CudaMatrix, qa, ads, C: int, out, ldo: int, accumulate: bool) -> None:
+        """out[:C] (+)= the product of W with the 8-bit blocks (qa, ads) of C columns on tensor
+        cores (cuda/gemv_mma.cu); shapes were checked by matmul."""
+        if qa.size < C * w.k or ads.shape[0] < C * w.k // 32 or w.k % 256:
+            raise ValueError(f"gemv_mma: blocks {qa.size} / {ads.shape} for {C} x {w.k}")
+        nc = gemv_mma_nc(C)
+        grid = (ceil_div(w.n, MMA_ROWS), ceil_div(C, nc))
+        self._launcher.launch(f"gemv_mma_{w.layout.kernel}_c{nc}", grid, (32, MMA_WARPS),
+                              [*w.args(), I32(w.k), I32(w.n), qa, ads, I32(C), out, I32(ldo),
+                               I32(1 if accumulate else 0)])
+        self._blocks.wrote(out)
+
+    def matmul_add_norm(self, x, w: CudaMatrix, out, norm_w, eps: float, h,
+                        gemm: bool) -> bool:
+        """One column: out += x W^T and, in the GEMV's last block, h = rms_norm(out) * norm_w
+        with h's 8-bit blocks (gemv.cu gemv_<type>_c1r1[p]n; the bits of the two launches).
+        False, launching nothing, for other shapes, float or tensor-core weights, a step that
+        takes the GEMM (`gemm`), or fuse_norm off: the caller runs the two ops."""
+        T, _, _, _, K = view_rows(x)
+        C, _, ldo, _, N = view_rows(out)
+        fused = (self.fuse_norm and T == 1 and C == 1 and x.ndim == 2 and out.ndim == 2
+                 and h.shape == out.shape and norm_w.shape == (N,) and w.layout.quantized
+                 and K == w.k and N == w.n and not gemm and not self.early
+                 and not (self.mma and w.layout.kernel in GEMV_MMA_TYPES)
+                 and self._blocks.room(1, N) and self._blocks.room(1, K)
+                 and self.done is not None)
+        if not fused:
+            return False
+        for a, what in ((x, "x"), (out, "out"), (norm_w, "norm_w"), (h, "h")):
+            check_dtype(a, np.float32, f"matmul_add_norm {what}")
+        qa, ads = self.quantize(x)           # read by every block before the last one writes
+        prefetch = N <= self.prefetch_rows and w.layout.kernel in GEMV_PREFETCH_TYPES
+        self._launcher.launch(f"gemv_{w.layout.kernel}_c1r1{'p' if prefetch else ''}n",
+                              (ceil_div(N, GEMV_WARPS), 1), (32, GEMV_WARPS),
+                              [*w.args(), I32(K), I32(N), qa, ads, out, self.done, norm_w,
+                               F32(eps), I32(norm_block(N)), h, *self._blocks.args(1, N)])
+        self._blocks.made(matrix_key(h))
+        return True
