@@ -63,7 +63,7 @@ def bench_gemv(cp, G, a, copy_bw: float) -> list[dict]:
 def _random_raw(name: str, n: int, k: int, rng) -> np.ndarray:
     """(n rows of K) raw blocks of type `name`: at most 4096 random rows, repeated (the bytes'
     values do not change a GEMV's speed; generating 500 MB of them would)."""
-    from tests.blocks import random_tensor
+    from tests.support.blocks import random_tensor
 
     m = min(n, 4096)
     small = random_tensor(name, m, k, rng)                             # (m * row_bytes,) u8
@@ -77,7 +77,7 @@ def _gemv_row(cp, G, be, ro, rng, name: str, n: int, k: int, columns) -> list[di
     from service.backends.cuda import CudaMatrix
     from service.backends.cuda_types import GEMV_MMA_TYPES
     from service.gguf.reader import TensorInfo
-    from tests.blocks import qtype
+    from tests.support.blocks import qtype
 
     t = TensorInfo(f"bench.{name}.{n}x{k}", qtype(name), (n, k), _random_raw(name, n, k, rng))
     w0 = be.load_matrix([t])

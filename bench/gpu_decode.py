@@ -26,7 +26,7 @@ from service.config import models_dir_from_env  # noqa: E402
 from service.gguf.reader import GGUFFile, TensorInfo  # noqa: E402
 from service.model.spec import ModelSpec  # noqa: E402
 from service.model.transformer import Transformer  # noqa: E402
-from tests.blocks import qtype, random_tensor  # noqa: E402
+from tests.support.blocks import qtype, random_tensor  # noqa: E402
 
 READ_ONLY = r"""
 extern "C" __global__ void read_only(const int4* __restrict__ p, long long n, int* sink) {

@@ -37,7 +37,7 @@ from service.backends.cuda import CudaBackend  # noqa: E402
 from service.gguf.reader import GGUFFile, TensorInfo  # noqa: E402
 from service.model.spec import ModelSpec  # noqa: E402
 from service.model.transformer import Transformer  # noqa: E402
-from tests.blocks import qtype, random_tensor  # noqa: E402
+from tests.support.blocks import qtype, random_tensor  # noqa: E402
 
 L2_BYTES = 50 * 2**20
 COLUMNS = (16, 32, 64, 128, 256)

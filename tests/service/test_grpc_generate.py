@@ -10,8 +10,7 @@ import pytest
 
 from clients import AsyncSpecstreamClient, Completion
 from service.proto import generation_pb2
-
-from .grpc_harness import N_CTX, ROOT, specstream_bin
+from tests.support.grpc_harness import N_CTX, ROOT, specstream_bin
 
 PROMPT = "The capital of France is"
 GREEDY = {"temperature": 0.0}
