@@ -42,15 +42,22 @@ def specstream_bin() -> str:
     return str(exe) if exe.exists() else shutil.which("specstream") or "specstream"
 
 
+def specstream_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a `specstream` subprocess: this one, `extra`, and this checkout first
+    on PYTHONPATH. The console script imports `service` from wherever the virtualenv's editable
+    install points, which is another checkout when several share one virtualenv; the subprocess
+    must run (and cache the numba kernels of) the code under test."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, **(extra or {}), "PYTHONPATH": path}
+
 
 class ServeProcess:
     """`specstream serve` in a subprocess; its JSON log on stderr gives the bound port."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
-        full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen([specstream_bin(), "serve", *args], cwd=ROOT,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=full_env)
+                                     text=True, env=specstream_env(env))
         self.lines: list[str] = []
         self.port = 0
 
@@ -91,4 +98,4 @@ def run_serve(args: list[str], env: dict[str, str] | None = None,
               timeout: float = 60) -> subprocess.CompletedProcess:
     """Runs `specstream serve ARGS` to completion (startup failures)."""
     return subprocess.run([specstream_bin(), "serve", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+                          text=True, timeout=timeout, env=specstream_env(env))
