@@ -52,14 +52,18 @@ def engine_tok_s(engine: Engine, ids: list[int], n: int, speculative: bool) -> f
     return (len(out.token_ids) - 1) / (t.decode_ms / 1e3)
 
 
+def prefill_prompt(n: int) -> list[int]:
+    """A fixed pseudo-random prompt of n token ids (the same for every engine and run)."""
+    return [100 + (i * 7919) % 20000 for i in range(n)]
+
+
+def prefill_ms(engine: Engine, n: int) -> float:
+    """The engine's prefill time of prefill_prompt(n)."""
+    return decode(engine, prefill_prompt(n), 1, None).finished.timings.prefill_ms
+
+
 def engine_prefill_tok_s(engine: Engine, n: int) -> float:
-    ids = tuple(100 + (i * 7919) % 20000 for i in range(n))     # a fixed pseudo-random prompt
-    req = GenerationRequest("prefill", ids, SamplingParams(temperature=0.0),
-                            StoppingCriteria(max_new_tokens=1))
-    out = Collected()
-    for ev in engine.generate(req):
-        out.add(ev)
-    return n / (out.finished.timings.prefill_ms / 1e3)
+    return n / (prefill_ms(engine, n) / 1e3)
 
 
 def llamacpp_prefill_tok_s(path: Path, n: int, threads: int) -> float | None:
@@ -68,9 +72,8 @@ def llamacpp_prefill_tok_s(path: Path, n: int, threads: int) -> float | None:
     except ImportError:
         return None
     llm = Llama(model_path=str(path), n_ctx=1024, n_threads=threads, verbose=False)
-    ids = [100 + (i * 7919) % 20000 for i in range(n)]
     t0 = time.perf_counter()
-    llm.eval(ids)
+    llm.eval(prefill_prompt(n))
     return n / (time.perf_counter() - t0)
 
 

@@ -21,9 +21,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from cpu_decode import prefill_ms  # noqa: E402  (bench/ is this script's sys.path[0])
+
 from service.config import EngineConfig, models_dir_from_env  # noqa: E402
 from service.engine.scheduler import Engine  # noqa: E402
-from service.engine.types import Collected, GenerationRequest, SamplingParams, StoppingCriteria  # noqa: E402
 from service.gguf.fetch import fetch_model  # noqa: E402
 from service.logging import configure_logging  # noqa: E402
 
@@ -36,16 +37,6 @@ end = time.monotonic() + float(sys.argv[1])
 while time.monotonic() < end:
     a @ a
 """
-
-
-def prefill_ms(engine: Engine, n: int) -> float:
-    ids = tuple(100 + (i * 7919) % 20000 for i in range(n))     # a fixed pseudo-random prompt
-    req = GenerationRequest("prefill", ids, SamplingParams(temperature=0.0),
-                            StoppingCriteria(max_new_tokens=1))
-    out = Collected()
-    for ev in engine.generate(req):
-        out.add(ev)
-    return out.finished.timings.prefill_ms
 
 
 def measure(engine: Engine, n: int, repeats: int) -> float:

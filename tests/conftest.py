@@ -1,42 +1,31 @@
-"""Shared fixtures: test data, the real models (fetched on first use), loaded GGUF files."""
+"""Session fixtures over tests/support: re-quantized copies of models, made once."""
 
 from __future__ import annotations
 
-import json
-from functools import cache
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-DATA = Path(__file__).parent / "data"
-TINY = DATA / "tiny"
+from tests.support.models import model_path
 
 
-@cache
-def load_json(name: str) -> dict:
-    return json.loads((DATA / name).read_text())
+@pytest.fixture(scope="session")
+def requantized(tmp_path_factory) -> Callable[..., Path]:
+    """requantized(model, mode, layers=None): the path of `model` (model_path's names)
+    re-encoded by service.tools.quantize to `mode`, cut to its first `layers` blocks; each copy
+    is written once per session."""
+    from service.tools.quantize import requantize
 
+    made: dict[tuple, Path] = {}
+    directory = tmp_path_factory.mktemp("requantized")
 
-@cache
-def real_model_path(name: str) -> Path:
-    """A known model's path, fetched into the models directory the first time."""
-    from service.config import models_dir_from_env
-    from service.gguf.fetch import fetch_model
+    def copy(model: str | Path, mode: str, layers: int | None = None) -> Path:
+        src = model_path(model)
+        key = (src, mode, layers)
+        if key not in made:
+            name = f"{src.stem}-{mode}" + (f"-{layers}l" if layers else "") + ".gguf"
+            made[key] = requantize(src, directory / name, mode, layers).path
+        return made[key]
 
-    return fetch_model(name, models_dir_from_env())
-
-
-@cache
-def open_gguf(path: str):
-    from service.gguf.reader import GGUFFile
-
-    return GGUFFile(path)
-
-
-REAL_MODELS = {"smollm2": "smollm2-135m", "gemma3": "gemma3-270m"}
-
-
-@pytest.fixture(scope="session", params=sorted(REAL_MODELS))
-def real_model(request):
-    """(short name, GGUFFile) for each real model."""
-    return request.param, open_gguf(str(real_model_path(REAL_MODELS[request.param])))
+    return copy

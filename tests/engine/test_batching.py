@@ -5,12 +5,9 @@ sequences, a cancel in the middle of a batch frees its slot and leaves the other
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
-from service.config import EngineConfig
-from service.engine.scheduler import Engine
 from service.engine.types import (
     Delta,
     Finished,
@@ -19,35 +16,28 @@ from service.engine.types import (
     SamplingParams,
     StoppingCriteria,
 )
-from tests.batching import (
+from tests.support.batching import (
     MODES,
-    Result,
     alone,
     requests,
     same_output,
     smollm2_prompts,
     together,
 )
-from tests.conftest import TINY, real_model_path
+from tests.support.engines import Engine, Result, running_engine, wait_idle
+from tests.support.models import TINY_MODELS
 
-N_SLOTS = 16
 
-
-def start(path, **overrides) -> Engine:
-    cfg = EngineConfig(**{"backend": "cpu", "n_ctx": 256, "n_slots": N_SLOTS, **overrides})
-    eng = Engine.load(path, cfg)
-    eng.start()
-    # Draft in full whatever the measured verify cost (it depends on the machine's load), so
-    # speculating requests verify several rows per step.
-    eng.verify_alpha = 0.0
-    return eng
+def engine(model: str, **overrides):
+    """16 slots of 256 tokens; speculating requests draft in full, so they verify several
+    rows per step whatever the machine's load."""
+    return running_engine(model, **{"n_slots": 16, **overrides}, draft_in_full=True)
 
 
 @pytest.fixture(scope="module")
-def smol():
-    eng = start(real_model_path("smollm2-135m"))
-    yield eng
-    eng.stop(10)
+def smol_16():
+    with engine("smollm2") as eng:
+        yield eng
 
 
 SOLO: dict[str, Result] = {}     # request id -> its output alone (request i is the same for all N)
@@ -62,23 +52,22 @@ def solo(eng: Engine, req: GenerationRequest) -> Result:
 
 @pytest.mark.parametrize("n", [1, 4, 16])
 @pytest.mark.parametrize("mode", MODES)
-def test_batched_requests_equal_solo_runs(smol, mode, n):
+def test_batched_requests_equal_solo_runs(smol_16, mode, n):
     reqs = requests(mode, n, smollm2_prompts())
-    ref = [solo(smol, r) for r in reqs]
-    got, stats = together(smol, reqs)
+    ref = [solo(smol_16, r) for r in reqs]
+    got, stats = together(smol_16, reqs)
     bad = [r.request_id for r, a, b in zip(reqs, got, ref, strict=True) if not same_output(a, b)]
     assert not bad, (bad, [(a.token_ids, b.token_ids) for a, b in zip(got, ref, strict=True)])
     # one prefill chunk per loop: the later streams of 16 join while the first ones decode
     assert (stats.max_sequences > 1) == (n > 1)
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen3moe", "tiny-llama-mixq"])
+@pytest.mark.parametrize("name", TINY_MODELS)
 def test_more_streams_than_a_step_take_turns(name):
     """20 streams over 16-row steps (max_step_tokens 32: 16 decode rows, 16-token prefill
     chunks): drafts shrink, then sequences sit steps out in turns; each still equals its solo
     run (the MoE and mixed-quant models too)."""
-    eng = start(TINY / f"{name}.gguf", n_slots=20, prefill_chunk=32, max_step_tokens=32)
-    try:
+    with engine(name, n_slots=20, prefill_chunk=32, max_step_tokens=32) as eng:
         prompts = [[(7 * i + j) % 200 + 3 for j in range(5 + i % 7)] for i in range(9)]
         reqs = requests("mixed-spec", 20, prompts, base_tokens=24)
         ref = [alone(eng, r) for r in reqs]
@@ -88,14 +77,12 @@ def test_more_streams_than_a_step_take_turns(name):
                 for i, (a, b) in enumerate(zip(got, ref, strict=True)) if not same_output(a, b)]
         assert not diff
         assert stats.max_sequences == 16 and stats.decode_rows <= 16 * stats.decode_steps
-    finally:
-        eng.stop(10)
 
 
-def test_steps_are_batched(smol):
+def test_steps_are_batched(smol_16):
     """Four streams decode in shared steps: far fewer decode steps than tokens."""
     reqs = requests("greedy", 4, smollm2_prompts(), base_tokens=16)
-    got, stats = together(smol, reqs)
+    got, stats = together(smol_16, reqs)
     tokens = sum(len(g.token_ids) for g in got)
     # each stream's first token comes from its prefill; every later one from a decode step
     assert stats.prefill_steps == 4 and stats.decode_rows == tokens - 4
@@ -103,7 +90,7 @@ def test_steps_are_batched(smol):
     assert stats.decode_steps < (tokens - 4) / 2, (stats.decode_steps, tokens)
 
 
-def test_sampling_does_not_depend_on_the_batch(smol):
+def test_sampling_does_not_depend_on_the_batch(smol_16):
     """A seeded request's draws are keyed by (seed, token index): the same text alone, beside
     three others, and beside three others that differ (other seeds, other prompts)."""
     prompts = smollm2_prompts()
@@ -112,9 +99,9 @@ def test_sampling_does_not_depend_on_the_batch(smol):
     others = [GenerationRequest(f"o{i}", tuple(prompts[(i + seed) % 8]), SamplingParams(
         temperature=1.0, seed=seed * 10 + i), StoppingCriteria(max_new_tokens=12 + 4 * i))
         for seed in (1, 2) for i in range(3)]
-    ref = alone(smol, mine)
-    a, _ = together(smol, [others[0], mine, others[1], others[2]])
-    b, _ = together(smol, [others[3], others[4], others[5], mine])
+    ref = alone(smol_16, mine)
+    a, _ = together(smol_16, [others[0], mine, others[1], others[2]])
+    b, _ = together(smol_16, [others[3], others[4], others[5], mine])
     assert same_output(a[1], ref) and same_output(b[3], ref)
     assert a[0].token_ids != b[0].token_ids      # the neighbours did change
 
@@ -122,8 +109,7 @@ def test_sampling_does_not_depend_on_the_batch(smol):
 def test_cancel_in_a_batch_frees_the_slot():
     """Four slots full, a fifth request queued: cancelling one stream mid-batch admits the
     queued one, and every other stream gives the tokens it gives alone."""
-    eng = start(real_model_path("smollm2-135m"), n_slots=4)
-    try:
+    with engine("smollm2", n_slots=4) as eng:
         reqs = requests("mixed-spec", 5, smollm2_prompts(), base_tokens=14)
         ref = [alone(eng, r) for i, r in enumerate(reqs) if i != 1]
         results = [Result() for _ in reqs]
@@ -157,10 +143,5 @@ def test_cancel_in_a_batch_frees_the_slot():
         assert all(same_output(a, b) for a, b in zip(rest, ref, strict=True))
         # the queued request took the freed slot while the others were still running
         assert admitted_while_running == [True]
-        t0 = time.perf_counter()
-        while eng.active:
-            assert time.perf_counter() - t0 < 5
-            time.sleep(0.01)
+        wait_idle(eng)
         assert sorted(eng._free_slots) == [0, 1, 2, 3]
-    finally:
-        eng.stop(10)

@@ -8,22 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from service.cli import main
-from tests.conftest import load_json, real_model_path
-from tests.engine.test_engine import assert_matches_llamacpp, greedy_with_gaps, make_engine
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-@pytest.fixture(scope="module")
-def smol():
-    eng = make_engine("smollm2")
-    yield eng
-    eng.stop(10)
+from tests.support.cli import assert_generate_json_is_the_engines, run_cli
+from tests.support.models import TINY, load_json
 
 
 @pytest.mark.parametrize("fixture,index", [("llamacpp_smollm2_greedy.json", 0),
@@ -31,19 +17,13 @@ def smol():
 def test_generate_json_reproduces_llamacpp(capsys, smol, fixture, index):
     """The CLI's ids are the engine's (which also reports each row's top-1/top-2 gap), and
     those equal llama.cpp's up to the first near-tie of either side."""
-    real_model_path("smollm2-135m")
-    capsys.readouterr()          # the fetcher's log line, if it logged, is not CLI output
     case = load_json(fixture)["cases"][index]
     ids = ",".join(str(i) for i in case["prompt_ids"])
     code, out, _ = run_cli(capsys, "generate", "smollm2-135m", "--prompt-ids", ids,
                            "--max-new-tokens", "48", "--temperature", "0", "--json",
                            "--backend", "cpu")
     assert code == 0
-    result = json.loads(out)
-    assert result["prompt_ids"] == case["prompt_ids"]
-    got, gaps = greedy_with_gaps(smol, case["prompt_ids"], 48)
-    assert result["token_ids"] == got
-    assert_matches_llamacpp("smollm2", case, got, gaps)
+    result = assert_generate_json_is_the_engines(out, smol, "smollm2", case)
     assert result["usage"]["completion_tokens"] == len(result["token_ids"])
 
 
@@ -115,7 +95,7 @@ def test_unknown_model_is_a_clear_error(capsys):
 def test_generate_step_profile(capsys):
     """--step-profile fills the step timings (--json) and adds them to the summary line; the
     debug log holds one step_profile line per decode step."""
-    argv = ["generate", str(Path(__file__).parent.parent / "data/tiny/tiny-qwen3.gguf"),
+    argv = ["generate", str(TINY / "tiny-qwen3.gguf"),
             "--prompt-ids", "5,6,7,5,6,7,5,6", "--max-new-tokens", "12", "--temperature",
             "0.5", "--seed", "3", "--ignore-eos", "--backend", "cpu", "--step-profile"]
     code, out, err = run_cli(capsys, *argv, "--json")

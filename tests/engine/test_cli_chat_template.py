@@ -2,44 +2,24 @@
 
 from __future__ import annotations
 
-import json
-
-import pytest
-
-from service.cli import build_parser, main
+from service.cli import build_parser
 from service.config import build_serve_parser
 from service.model.chat import BUILTIN_TEMPLATES
-from tests.conftest import load_json, real_model_path
-from tests.engine.test_engine import assert_matches_llamacpp, greedy_with_gaps, make_engine
+from tests.support.cli import assert_generate_json_is_the_engines, run_cli
+from tests.support.models import load_json
 
 USER_CASE = next(c for c in load_json("llamacpp_smollm2_greedy.json")["cases"]
                  if c["prompt"].startswith("<|im_start|>user\n"))
 QUESTION = "What is 12 times 7?"     # USER_CASE's one user message
 
 
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    real_model_path("smollm2-135m")
-    capsys.readouterr()          # the fetcher's log line, if it logged, is not CLI output
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_chat_without_a_template_is_a_clear_error(capsys):
-    real_model_path("gemma3-270m")
     code, out, err = run_cli(capsys, "generate", "gemma3-270m", "--chat", "--prompt", QUESTION,
                              "--max-new-tokens", "2", "--backend", "cpu", "--n-ctx", "512")
     assert code == 2 and out == ""
     assert "specstream: --chat: this model has no chat template" in err
     assert "--chat-template NAME|FILE" in err
     assert all(name in err for name in BUILTIN_TEMPLATES)
-
-
-@pytest.fixture(scope="module")
-def smol():
-    eng = make_engine("smollm2")
-    yield eng
-    eng.stop(10)
 
 
 def test_chat_with_a_builtin_template_gives_llamacpps_ids(capsys, smol):
@@ -49,11 +29,7 @@ def test_chat_with_a_builtin_template_gives_llamacpps_ids(capsys, smol):
                            "chatml", "--prompt", QUESTION, "--max-new-tokens", "48",
                            "--temperature", "0", "--json", "--backend", "cpu")
     assert code == 0
-    result = json.loads(out)
-    assert result["prompt_ids"] == USER_CASE["prompt_ids"]
-    got, gaps = greedy_with_gaps(smol, USER_CASE["prompt_ids"], 48)
-    assert result["token_ids"] == got
-    assert_matches_llamacpp("smollm2", USER_CASE, got, gaps)
+    assert_generate_json_is_the_engines(out, smol, "smollm2", USER_CASE)
 
 
 def test_unknown_chat_template_lists_the_names(capsys):

@@ -15,22 +15,17 @@ from service.engine.draft_model import ModelDrafter
 from service.engine.fit_markov import write_head
 from service.engine.markov_head import load_markov_head
 from service.gguf.reader import GGUFFile
-from service.model.spec import ModelSpec
-from service.model.transformer import Transformer
-from service.tools.quantize import requantize
-from tests.conftest import REAL_MODELS, load_json, real_model_path
 from tests.engine.test_model_drafter import _State
+from tests.support.models import build_model, load_json
 
 V = 49152                        # SmolLM2's vocabulary
 M = 8                            # draft workspace rows: the prompt is caught up in 3 chunks
 LENGTHS = (2, 5, 8)              # draft lengths k (chains of 1, 4 and 7 forwards)
 
 
-def make_draft_files(d: Path) -> dict[str, Path]:
-    """SmolLM2's first 4 blocks at q8_0 in directory d, plain and with a random rank-16 F16
-    head strong enough to move argmaxes (as in the Markov head tests)."""
-    plain = requantize(real_model_path(REAL_MODELS["smollm2"]), d / "smol-4l.gguf", "q8_0",
-                       4).path
+def make_draft_files(plain: Path, d: Path) -> dict[str, Path]:
+    """`plain` (SmolLM2's first 4 blocks at q8_0), and a copy of it in directory d with a
+    random rank-16 F16 head strong enough to move argmaxes (as in the Markov head tests)."""
     rng = np.random.default_rng(0)
     w1 = rng.standard_normal((V, 16)).astype(np.float32)                # (V, 16) f32
     w2 = (rng.standard_normal((V, 16)) * 4.0 / np.sqrt(16)).astype(np.float32)
@@ -40,17 +35,15 @@ def make_draft_files(d: Path) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def draft_files(tmp_path_factory) -> dict[str, Path]:
-    return make_draft_files(tmp_path_factory.mktemp("chain"))
+def draft_files(requantized, tmp_path_factory) -> dict[str, Path]:
+    return make_draft_files(requantized("smollm2", "q8_0", 4), tmp_path_factory.mktemp("chain"))
 
 
 def drafter_on(be, path: Path, head: bool) -> ModelDrafter:
     """A drafter of file `path` on backend `be` (its own), 2 slots, M-row steps."""
-    f = GGUFFile(path)
-    h = load_markov_head(f, V, be) if head else None      # before the Transformer's prepare
+    h = load_markov_head(GGUFFile(path), V, be) if head else None   # before the model's prepare
     assert (h is not None) == head
-    model = Transformer(ModelSpec.from_gguf(f), f, be, n_ctx=96, n_slots=2, max_tokens=M,
-                        max_logits=1)
+    model = build_model(path, be, n_ctx=96, n_slots=2, max_tokens=M, max_logits=1)
     return ModelDrafter(model, path.name, h)
 
 

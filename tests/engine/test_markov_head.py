@@ -20,11 +20,10 @@ from service.gguf.quants import dequantize
 from service.gguf.reader import GGUFFile
 from service.model.spec import ModelSpec
 from service.model.tokenizer import Tokenizer
-from service.model.transformer import Transformer
 from service.tools.quantize import requantize
-from tests.conftest import REAL_MODELS, TINY, load_json, real_model_path
-from tests.engine.test_engine import run
-from tests.engine.test_model_drafter import captured_drafting_run, model_engine
+from tests.engine.test_model_drafter import _State, captured_drafting_run, model_engine
+from tests.support.engines import run, running_engine
+from tests.support.models import TINY, build_model, load_json, model_path
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = ROOT / "bench/corpus/markov_fit.txt"
@@ -45,10 +44,8 @@ def _tensor(f: GGUFFile, name: str) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def draft4(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("markov")
-    return requantize(real_model_path(REAL_MODELS["smollm2"]), d / "smol-4l.gguf", "q8_0",
-                      4).path
+def draft4(requantized) -> Path:
+    return requantized("smollm2", "q8_0", 4)
 
 
 @pytest.fixture(scope="module")
@@ -62,27 +59,25 @@ def headed(draft4, tmp_path_factory) -> tuple[Path, np.ndarray, np.ndarray]:
 
 # ---------------------------------------------------------------- loading
 def test_a_draft_file_without_a_head_loads_and_drafts_as_before(draft4, headed):
-    plain = model_engine(str(draft4), start=False)
-    assert plain.drafter.head is None and "Markov" not in plain.info.draft_model
     zero = headed[0].with_name("smol-4l-zero.gguf")
     write_head(GGUFFile(draft4), zero, np.zeros((V, 4), np.float32),
                np.zeros((V, 4), np.float32), "f16")
-    zeroed = model_engine(str(zero), start=False)
-    assert zeroed.drafter.head.rank == 4 and "Markov head rank 4" in zeroed.info.draft_model
-    from tests.engine.test_model_drafter import _State
-
     prompt = load_json("llamacpp_smollm2_greedy.json")["cases"][3]["prompt_ids"]
-    a, b = _State(0, list(prompt)), _State(0, list(prompt))
-    plain.drafter.start(a)
-    zeroed.drafter.start(b)
-    assert plain.drafter.propose(a, 5) == zeroed.drafter.propose(b, 5)
+    with model_engine(str(draft4), start=False) as plain, \
+            model_engine(str(zero), start=False) as zeroed:
+        assert plain.drafter.head is None and "Markov" not in plain.info.draft_model
+        assert zeroed.drafter.head.rank == 4 and "Markov head rank 4" in zeroed.info.draft_model
+        a, b = _State(0, list(prompt)), _State(0, list(prompt))
+        plain.drafter.start(a)
+        zeroed.drafter.start(b)
+        assert plain.drafter.propose(a, 5) == zeroed.drafter.propose(b, 5)
 
 
 def test_a_head_of_another_vocabulary_size_is_disabled_with_a_warning(draft4, tmp_path):
     out = tmp_path / "smol-4l-small-head.gguf"
     write_head(GGUFFile(draft4), out, *_random_head(1000, 4, 1.0), "f16")
-    with capture_logs() as logs:
-        eng = model_engine(str(out), start=False)
+    with capture_logs() as logs, model_engine(str(out), start=False) as eng:
+        pass
     assert eng.drafter.head is None and "Markov" not in eng.info.draft_model
     warn = [e for e in logs if e["event"] == "markov_head_disabled"]
     assert warn and warn[0]["log_level"] == "warning"
@@ -131,16 +126,12 @@ def test_a_headed_drafter_chain_follows_the_numpy_reference(draft4, headed):
     """d_{i+1} = argmax(draft logits of the row fed d_i + W2 @ W1[d_i]), the draft logits from
     a full forward over the prefix; every pick has a clear top-1/top-2 gap (> 0.01)."""
     path, w1, w2 = headed
-    from tests.engine.test_model_drafter import _State
-
-    drafter = model_engine(str(path), start=False).drafter
     prompt = load_json("llamacpp_smollm2_greedy.json")["cases"][0]["prompt_ids"]
-    seq = _State(0, list(prompt))
-    drafter.start(seq)
-    got = drafter.propose(seq, 4)
-    f = GGUFFile(path)
-    ref_model = Transformer(ModelSpec.from_gguf(f), f, create_backend("cpu"), n_ctx=128,
-                            n_slots=1, max_tokens=64)
+    with model_engine(str(path), start=False) as eng:
+        seq = _State(0, list(prompt))
+        eng.drafter.start(seq)
+        got = eng.drafter.propose(seq, 4)
+    ref_model = build_model(path, n_ctx=128, max_tokens=64)
     ids, plain_moved = list(prompt), 0
     for tok in got:
         *_, (_, logits) = window_logits(ref_model, ids)
@@ -156,14 +147,10 @@ def test_a_headed_drafter_chain_follows_the_numpy_reference(draft4, headed):
 
 def test_greedy_output_with_a_headed_drafter_equals_plain_greedy(headed):
     cases = load_json("llamacpp_smollm2_greedy.json")["cases"][:4]
-    plain_eng = model_engine("", drafter="none", verify_width=1)
-    try:
+    with running_engine("smollm2") as plain_eng:
         plain = [run(plain_eng, c["prompt_ids"], max_new_tokens=16, ignore_eos=True,
                      speculative=False).token_ids for c in cases]
-    finally:
-        plain_eng.stop(10)
-    eng = model_engine(str(headed[0]))
-    try:
+    with model_engine(str(headed[0])) as eng:
         for width in (2, 6):
             eng.config = replace(eng.config, verify_width=width)
             drafted = 0
@@ -172,13 +159,11 @@ def test_greedy_output_with_a_headed_drafter_equals_plain_greedy(headed):
                 assert out.token_ids == ref, (width, c["name"])
                 drafted += out.finished.usage.draft_tokens
             assert drafted > 0
-    finally:
-        eng.stop(10)
 
 
 # ---------------------------------------------------------------- fitting
 def test_fit_markov_lowers_the_residual_on_its_corpus_and_round_trips(draft4, tmp_path):
-    target = real_model_path(REAL_MODELS["smollm2"])
+    target = model_path("smollm2")
     out = tmp_path / "fitted.gguf"
     r = fit_markov(target, draft4, out, rank=8, corpus=str(CORPUS), n_tokens=192)
     assert (r.n_tokens, r.rank) == (192, 8) and r.loss_after < r.loss_before
@@ -186,8 +171,7 @@ def test_fit_markov_lowers_the_residual_on_its_corpus_and_round_trips(draft4, tm
     tf, df, f = GGUFFile(target), GGUFFile(draft4), GGUFFile(out)
     w1, w2 = _tensor(f, W1_NAME), _tensor(f, W2_NAME)                   # (V, 8) each
     ids = Tokenizer.from_metadata(tf.metadata).encode(CORPUS.read_text())[:192]
-    models = [Transformer(ModelSpec.from_gguf(g), g, create_backend("cpu"), n_ctx=256,
-                          n_slots=1, max_tokens=64) for g in (tf, df)]
+    models = [build_model(p, n_ctx=256, max_tokens=64) for p in (target, draft4)]
     before = after = 0.0
     for (chunk, t), (_, d) in zip(*(window_logits(m, ids) for m in models), strict=True):
         res = (t - d).astype(np.float64)

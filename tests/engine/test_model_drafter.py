@@ -6,76 +6,54 @@ drafter of another vocabulary is refused at load, and a cancelled request frees 
 from __future__ import annotations
 
 import json
-import threading
-import time
 from dataclasses import dataclass, field, replace
 
 import pytest
 
 from service.config import EngineConfig
 from service.engine.draft_model import ModelDrafter
-from service.engine.scheduler import Engine
-from service.engine.types import (
-    Delta,
-    Finished,
-    FinishReason,
-    GenerationRequest,
-    SamplingParams,
-    StoppingCriteria,
-)
+from service.engine.types import FinishReason, GenerationRequest, StoppingCriteria
 from service.errors import ConfigError
-from service.gguf.reader import GGUFFile
-from service.tools.quantize import requantize
-from tests.conftest import REAL_MODELS, TINY, load_json, real_model_path
-from tests.engine.test_engine import run
+from tests.support.batching import Streams
+from tests.support.cli import run_cli
+from tests.support.engines import GREEDY, Engine, engine_config, run, running_engine, wait_idle
+from tests.support.models import load_json, model_path, open_gguf
 
-GREEDY = SamplingParams(temperature=0.0)
 N_NEW = 24                       # tokens per fixture prompt: a few steps even at width 16
 WIDTHS = (2, 6, 16)
 
 
 @pytest.fixture(scope="module")
-def drafts(tmp_path_factory) -> dict[str, str]:
+def drafts(requantized) -> dict[str, str]:
     """name -> path of SmolLM2 draft files: its first 4 blocks, and all of it, at q8_0."""
-    d = tmp_path_factory.mktemp("drafts")
-    src = real_model_path(REAL_MODELS["smollm2"])
-    out = {"4 layers q8_0": requantize(src, d / "smol-4l.gguf", "q8_0", 4).path,
-           "full q8_0": requantize(src, d / "smol-q8.gguf", "q8_0").path}
-    return {k: str(v) for k, v in out.items()}
+    return {"4 layers q8_0": str(requantized("smollm2", "q8_0", 4)),
+            "full q8_0": str(requantized("smollm2", "q8_0"))}
 
 
-def model_engine(draft: str, start: bool = True, **overrides) -> Engine:
-    cfg = EngineConfig(**{"backend": "cpu", "n_ctx": 256, "n_slots": 1, "drafter": "model",
-                          "draft_model": draft, "verify_width": 16, **overrides})
-    eng = Engine.load(real_model_path(REAL_MODELS["smollm2"]), cfg)
-    if start:
-        eng.start()
-    # Draft in full at every width: the measured verify cost (machine load) must not decide
-    # how much is drafted (tests/engine/test_engine.py does the same).
-    eng.verify_alpha = 0.0
-    return eng
+def model_engine(draft: str, **options):
+    """SmolLM2 drafted for by the model `draft`, verify width 16, drafting in full at every
+    width (the measured verify cost, which follows the machine's load, must not decide how much
+    is drafted). options: running_engine's."""
+    return running_engine("smollm2", **{"drafter": "model", "draft_model": draft,
+                                        "verify_width": 16, **options}, draft_in_full=True)
 
 
 @pytest.fixture(scope="module")
 def plain_ids() -> list[list[int]]:
     """Plain greedy ids (no speculation) for every fixture prompt."""
-    eng = model_engine("", drafter="none", verify_width=1)
-    try:
+    with running_engine("smollm2") as eng:
         return [run(eng, c["prompt_ids"], max_new_tokens=N_NEW, ignore_eos=True,
                     speculative=False).token_ids
                 for c in load_json("llamacpp_smollm2_greedy.json")["cases"]]
-    finally:
-        eng.stop(10)
 
 
 @pytest.mark.parametrize("which", ["4 layers q8_0", "full q8_0"])
 def test_model_drafter_output_equals_plain_greedy(drafts, plain_ids, which):
     """The identity gate at verify widths 2, 6 and 16, with acceptance printed per width."""
-    eng = model_engine(drafts[which])
-    assert isinstance(eng.drafter, ModelDrafter)
-    assert eng.info.drafter == "model" and "smol-" in eng.info.draft_model
     cases = load_json("llamacpp_smollm2_greedy.json")["cases"]
-    try:
+    with model_engine(drafts[which]) as eng:
+        assert isinstance(eng.drafter, ModelDrafter)
+        assert eng.info.drafter == "model" and "smollm2-135m-q8_0" in eng.info.draft_model
         for width in WIDTHS:
             # One engine serves every width: the width only bounds the drafts per step (the
             # workspace is sized for the largest, MAX_VERIFY_WIDTH logits rows).
@@ -96,8 +74,6 @@ def test_model_drafter_output_equals_plain_greedy(drafts, plain_ids, which):
             assert drafted > 0
             if which == "full q8_0":
                 assert rate > 0.5
-    finally:
-        eng.stop(10)
 
 
 @dataclass
@@ -110,27 +86,28 @@ def test_rollback_keeps_the_draft_cache_consistent(drafts):
     """After a partial acceptance, drafting from the kept rows gives the same tokens as drafting
     from scratch on the same history (steps of <= 16 rows compute every row exactly as a
     single-token step, so the two caches hold the same values)."""
-    d = model_engine(drafts["4 layers q8_0"], start=False, n_slots=2).drafter   # driven here
     prompt = load_json("llamacpp_smollm2_greedy.json")["cases"][0]["prompt_ids"]
-    kept = _State(0, list(prompt))
-    d.start(kept)
-    first = d.propose(kept, 4)
-    assert len(first) == 4
-    # the target accepted 2 drafts and chose another token as the third
-    kept.history += [*first[:2], (first[2] + 1) % 49152]   # SmolLM2 vocabulary
-    again = d.propose(kept, 4)
-    fresh = _State(1, list(kept.history))
-    d.start(fresh)
-    assert d.propose(fresh, 4) == again
-    assert d.slots_in_use == {0, 1}
-    d.release(kept)
-    d.release(fresh)
-    assert d.slots_in_use == frozenset()
+    with model_engine(drafts["4 layers q8_0"], start=False, n_slots=2) as eng:
+        d = eng.drafter                           # driven here: the engine is not started
+        kept = _State(0, list(prompt))
+        d.start(kept)
+        first = d.propose(kept, 4)
+        assert len(first) == 4
+        # the target accepted 2 drafts and chose another token as the third
+        kept.history += [*first[:2], (first[2] + 1) % eng.spec.vocab_size]
+        again = d.propose(kept, 4)
+        fresh = _State(1, list(kept.history))
+        d.start(fresh)
+        assert d.propose(fresh, 4) == again
+        assert d.slots_in_use == {0, 1}
+        d.release(kept)
+        d.release(fresh)
+        assert d.slots_in_use == frozenset()
 
 
 def _first_difference(a: str, b: str) -> tuple[int, str, str]:
-    ta = GGUFFile(a).get("tokenizer.ggml.tokens") or []
-    tb = GGUFFile(b).get("tokenizer.ggml.tokens") or []
+    ta = open_gguf(a).get("tokenizer.ggml.tokens") or []
+    tb = open_gguf(b).get("tokenizer.ggml.tokens") or []
     i = next(i for i in range(max(len(ta), len(tb)))
              if i >= len(ta) or i >= len(tb) or ta[i] != tb[i])
     return i, repr(ta[i]) if i < len(ta) else "(none)", repr(tb[i]) if i < len(tb) else "(none)"
@@ -138,12 +115,9 @@ def _first_difference(a: str, b: str) -> tuple[int, str, str]:
 
 @pytest.mark.parametrize("other", ["gemma3", "tiny-qwen3"])
 def test_a_drafter_of_another_vocabulary_is_refused(other):
-    target = str(real_model_path(REAL_MODELS["smollm2"]))
-    draft = (str(real_model_path(REAL_MODELS["gemma3"])) if other == "gemma3"
-             else str(TINY / "tiny-qwen3.gguf"))
-    cfg = EngineConfig(backend="cpu", n_ctx=256, n_slots=1, drafter="model", draft_model=draft)
+    target, draft = str(model_path("smollm2")), str(model_path(other))
     with pytest.raises(ConfigError) as ei:
-        Engine.load(target, cfg)
+        Engine.load(target, engine_config(drafter="model", draft_model=draft))
     messages = [m for f, m in ei.value.problems if f == "draft_model"]
     i, ours, theirs = _first_difference(target, draft)
     assert any(f"token id {i}: {ours} in the target, {theirs} in the draft model" in m
@@ -151,10 +125,10 @@ def test_a_drafter_of_another_vocabulary_is_refused(other):
 
 
 def test_serve_refuses_a_drafter_of_another_vocabulary_with_exit_2():
-    from tests.service.grpc_harness import run_serve
+    from tests.support.grpc_harness import run_serve
 
-    gemma = str(real_model_path(REAL_MODELS["gemma3"]))
-    r = run_serve([str(real_model_path(REAL_MODELS["smollm2"])), "--backend", "cpu",
+    gemma = str(model_path("gemma3"))
+    r = run_serve([str(model_path("smollm2")), "--backend", "cpu",
                    "--port", "0", "--metrics-port", "-1", "--drafter", "model",
                    "--draft-model", gemma], timeout=120)
     assert r.returncode == 2, r.stderr
@@ -176,34 +150,22 @@ def test_the_model_drafter_needs_a_draft_model(tmp_path):
 
 
 def test_cancelling_releases_the_drafter_slot(drafts):
-    eng = model_engine(drafts["4 layers q8_0"], verify_width=4)
-    try:
+    with model_engine(drafts["4 layers q8_0"], verify_width=4) as eng:
         drafter = eng.drafter
-        got: list = []
-        delta = threading.Event()
-
-        def sink(ev):
-            got.append(ev)
-            if isinstance(ev, Delta) and drafter.steps > 0:
-                delta.set()
-
-        req = GenerationRequest("long", (1, 2, 3, 4), GREEDY,
-                                StoppingCriteria(max_new_tokens=10_000, ignore_eos=True))
-        handle = eng.submit(req, sink)
-        assert delta.wait(120)
+        streams = Streams(eng)
+        long = streams.submit(GenerationRequest(
+            "long", (1, 2, 3, 4), GREEDY, StoppingCriteria(max_new_tokens=10_000,
+                                                           ignore_eos=True)))
+        assert streams.wait_until(lambda: long.deltas and drafter.steps > 0, 120)
         assert drafter.slots_in_use == {0}
-        handle.cancel()
-        t0 = time.perf_counter()
-        while eng.active or not (got and isinstance(got[-1], Finished)):
-            assert time.perf_counter() - t0 < 10
-            time.sleep(0.005)
-        assert got[-1].reason is FinishReason.CANCELLED
+        streams.handles[0].cancel()
+        streams.wait(60)
+        wait_idle(eng)
+        assert long.finished.reason is FinishReason.CANCELLED
         assert drafter.slots_in_use == frozenset()
         out = run(eng, [1, 2, 3], max_new_tokens=3)       # the slot serves the next request
         assert out.finished.reason is FinishReason.LENGTH
         assert drafter.slots_in_use == frozenset()
-    finally:
-        eng.stop(10)
 
 
 def test_draft_steps_obey_the_capture_rules(drafts):
@@ -221,31 +183,26 @@ def captured_drafting_run(draft: str):
     from service.backends import backend_options
 
     prompt = load_json("llamacpp_smollm2_greedy.json")["cases"][1]["prompt_ids"]   # 18 ids
-    with backend_options("cpu", capture_rules=True):
-        eng = model_engine(draft, verify_width=4, prefill_chunk=8)
-    try:
-        assert hasattr(eng.drafter.model.backend, "capture_state")
+    with backend_options("cpu", capture_rules=True), \
+            model_engine(draft, verify_width=4, prefill_chunk=8) as eng:
+        for backend in (eng.model.backend, eng.drafter.model.backend):   # target and drafter
+            assert hasattr(backend, "capture_state")
         spec = run(eng, prompt, max_new_tokens=12)
         plain = run(eng, prompt, max_new_tokens=12, speculative=False)
-    finally:
-        eng.stop(10)
     assert eng.failure is None and spec.finished.error is None, spec.finished.error
     assert spec.token_ids == plain.token_ids
     return spec
 
 
 def test_generate_cli_drafts_with_a_model(capsys, drafts):
-    from service.cli import main
-
-    real_model_path(REAL_MODELS["smollm2"])
-    capsys.readouterr()
     ids = ",".join(map(str, load_json("llamacpp_smollm2_greedy.json")["cases"][2]["prompt_ids"]))
     common = ["generate", "smollm2-135m", "--prompt-ids", ids, "--max-new-tokens", "12",
               "--temperature", "0", "--json", "--backend", "cpu", "--n-ctx", "128"]
     outs = []
     for extra in (["--drafter", "model", "--draft-model", drafts["full q8_0"]],
                   ["--no-speculative"]):
-        assert main(common + extra) == 0
-        outs.append(json.loads(capsys.readouterr().out))
+        code, out, _ = run_cli(capsys, *common, *extra)
+        assert code == 0
+        outs.append(json.loads(out))
     assert outs[0]["token_ids"] == outs[1]["token_ids"]
     assert outs[0]["usage"]["accepted_draft_tokens"] > 0

@@ -13,26 +13,23 @@ import pytest
 from service.backends.cpu.backend import CpuBackend
 from service.engine.draft_model import ModelDrafter
 from service.engine.runner import GREEDY, ModelRunner, StepInput
-from service.gguf.reader import GGUFFile
 from service.model.spec import ModelSpec
 from service.model.transformer import Transformer
-from tests.conftest import TINY
+from tests.support.models import build_model
 
 N_SLOTS, N_CTX, MAX_TOKENS, WINDOW = 3, 64, 32, 8
 
 
-def sliding_spec(f: GGUFFile) -> ModelSpec:
-    """The tiny model with a sliding window of WINDOW keys on its even layers."""
-    spec = ModelSpec.from_gguf(f)
+def sliding_spec(spec: ModelSpec) -> ModelSpec:
+    """The model with a sliding window of WINDOW keys on its even layers."""
     layers = tuple(dataclasses.replace(la, window=WINDOW if i % 2 == 0 else 0)
                    for i, la in enumerate(spec.layers))
     return dataclasses.replace(spec, layers=layers)
 
 
 def build(backend, kv_blocks: int, block_size: int) -> tuple[Transformer, ModelRunner]:
-    f = GGUFFile(TINY / "tiny-qwen3.gguf")
-    tr = Transformer(sliding_spec(f), f, backend, n_ctx=N_CTX, n_slots=N_SLOTS,
-                     max_tokens=MAX_TOKENS, max_logits=16, kv_blocks=kv_blocks,
+    tr = build_model("tiny-qwen3", backend, n_ctx=N_CTX, n_slots=N_SLOTS, max_tokens=MAX_TOKENS,
+                     spec=sliding_spec, max_logits=16, kv_blocks=kv_blocks,
                      block_size=block_size)
     return tr, ModelRunner(tr, N_SLOTS, N_CTX)
 

@@ -7,49 +7,40 @@ misses a changed one, and after random cancels and completions every block is ba
 from __future__ import annotations
 
 import random
-import threading
 import time
 
 import pytest
 
-from service.config import EngineConfig
-from service.engine.scheduler import Engine
-from service.engine.types import (
-    Finished,
-    FinishReason,
-    GenerationRequest,
-    SamplingParams,
-    StoppingCriteria,
-)
-from service.gguf.reader import GGUFFile
+from service.engine.types import FinishReason, GenerationRequest, SamplingParams, StoppingCriteria
 from service.model.spec import ModelSpec
-from tests.batching import Result, alone, requests, same_output, sampled, together
-from tests.conftest import TINY
+from tests.support.batching import (
+    SYSTEM,
+    Streams,
+    alone,
+    requests,
+    same_output,
+    sampled,
+    shared_prompts,
+    together,
+)
+from tests.support.engines import Engine, engine_config, running_engine, wait_idle
+from tests.support.models import model_path, open_gguf
 
-MODEL = TINY / "tiny-qwen3.gguf"
+MODEL = "tiny-qwen3"
 BS = 16
 
 
-def cpu_block_bytes(path=MODEL) -> int:
+def cpu_block_bytes() -> int:
     """Bytes of one KV block on the CPU backend (float32 K and V rows of every layer)."""
-    s = ModelSpec.from_gguf(GGUFFile(path))
+    s = ModelSpec.from_gguf(open_gguf(MODEL))
     return BS * 4 * s.n_layer * s.n_head_kv * (s.head_dim + s.head_dim_v)
 
 
-def start(**overrides) -> Engine:
-    cfg = EngineConfig(**{"backend": "cpu", "n_ctx": 256, "n_slots": 16, "prefill_chunk": 32,
-                          "kv_block_size": BS, **overrides})
-    eng = Engine.load(MODEL, cfg)
-    eng.start()
-    eng.verify_alpha = 0.0          # draft in full whatever the machine's load
-    return eng
-
-
-def wait_idle(eng: Engine) -> None:
-    t0 = time.perf_counter()
-    while eng.active or eng.queue_depth:
-        assert time.perf_counter() - t0 < 10
-        time.sleep(0.01)
+def engine(**overrides):
+    """16 slots, 32-token prefill chunks, blocks of BS rows, drafting in full whatever the
+    machine's load."""
+    return running_engine(MODEL, **{"n_slots": 16, "prefill_chunk": 32, "kv_block_size": BS,
+                                    **overrides}, draft_in_full=True)
 
 
 def pool_whole(eng: Engine) -> None:
@@ -61,26 +52,17 @@ def pool_whole(eng: Engine) -> None:
         assert sorted(eng._free_slots) == list(range(eng.config.n_slots))
 
 
-SYSTEM = [(11 * j) % 900 + 20 for j in range(40)]     # a 40-token shared "system prompt"
-
-
-def shared_prompts(n: int) -> list[list[int]]:
-    return [SYSTEM + [(7 * i + j) % 500 + 5 for j in range(3 + i % 5)] for i in range(n)]
-
-
 @pytest.fixture(scope="module")
 def plain():
     """The reference: no prefix cache, a pool of 16 full contexts."""
-    eng = start(prefix_cache=False, kv_cache_memory=str(16 * 16 * cpu_block_bytes()))
-    yield eng
-    eng.stop(10)
+    with engine(prefix_cache=False, kv_cache_memory=str(16 * 16 * cpu_block_bytes())) as eng:
+        yield eng
 
 
 @pytest.mark.parametrize("n", [1, 4, 16])
 @pytest.mark.parametrize("mode", ["greedy-spec", "mixed-spec"])
 def test_prefix_reuse_gives_solo_tokens(plain, mode, n):
-    eng = start()
-    try:
+    with engine() as eng:
         reqs = requests(mode, n, shared_prompts(4), base_tokens=12)
         ref = [alone(plain, r) for r in reqs]
         first = alone(eng, reqs[0])                 # fills the cache with the system prompt
@@ -92,13 +74,10 @@ def test_prefix_reuse_gives_solo_tokens(plain, mode, n):
         assert all(c >= 32 for c in cached), cached        # SYSTEM's 2 whole blocks at least
         assert stats.cached_tokens == sum(cached)
         pool_whole(eng)
-    finally:
-        eng.stop(10)
 
 
 def test_prefix_cache_hits_the_same_system_prompt_and_misses_a_changed_one():
-    eng = start()
-    try:
+    with engine() as eng:
         def ask(prompt) -> int:
             r = alone(eng, GenerationRequest(f"p{len(prompt)}-{prompt[0]}", tuple(prompt),
                                              SamplingParams(temperature=0.0),
@@ -114,8 +93,6 @@ def test_prefix_cache_hits_the_same_system_prompt_and_misses_a_changed_one():
         assert ask(long) == 32                      # its generated ones are not the same ids
         assert eng.pool.hits >= 3
         pool_whole(eng)
-    finally:
-        eng.stop(10)
 
 
 def test_no_prefix_cache_computes_every_prompt(plain):
@@ -133,8 +110,7 @@ def test_a_full_pool_preempts_and_resumes_without_changing_a_token(plain, prefix
     """A pool of 20 blocks (one context is 16) for 6 streams that need ~6 blocks each:
     streams are preempted mid-decode, recompute and go on with exactly their solo tokens
     (greedy, speculating and seeded sampling with a penalty)."""
-    eng = start(kv_cache_memory=str(20 * cpu_block_bytes()), prefix_cache=prefix_cache)
-    try:
+    with engine(kv_cache_memory=str(20 * cpu_block_bytes()), prefix_cache=prefix_cache) as eng:
         assert eng.pool.n_blocks == 20
         prompts = [[(13 * i + 5 * j) % 700 + 9 for j in range(30 + 3 * i)] for i in range(6)]
         reqs = requests("mixed-spec", 6, prompts, base_tokens=60)
@@ -144,55 +120,38 @@ def test_a_full_pool_preempts_and_resumes_without_changing_a_token(plain, prefix
         bad = [i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if not same_output(a, b)]
         assert not bad, [(got[i].token_ids, ref[i].token_ids) for i in bad]
         pool_whole(eng)
-    finally:
-        eng.stop(10)
 
 
 def test_random_cancels_and_completions_return_every_block():
-    eng = start(kv_cache_memory=str(24 * cpu_block_bytes()))
     rng = random.Random(3)
-    try:
+    with engine(kv_cache_memory=str(24 * cpu_block_bytes())) as eng:
         prompts = shared_prompts(6) + [[(5 * i + j) % 300 + 7 for j in range(8 + 9 * i)]
                                        for i in range(6)]
         for round_ in range(3):
-            done = threading.Semaphore(0)
-            results = [Result() for _ in range(14)]
-            handles = []
-
-            def sink_for(i, results=results, done=done):
-                def sink(ev):
-                    results[i].add(ev)
-                    if isinstance(ev, Finished):
-                        done.release()
-                return sink
-
+            streams = Streams(eng)
             for i in range(14):
                 greedy = rng.random() < 0.5
-                req = GenerationRequest(
+                streams.submit(GenerationRequest(
                     f"r{round_}-{i}", tuple(rng.choice(prompts)),
                     SamplingParams(temperature=0.0) if greedy else sampled(i),
                     StoppingCriteria(max_new_tokens=rng.randrange(1, 80), ignore_eos=True),
-                    speculative=None if greedy and rng.random() < 0.5 else False)
-                handles.append(eng.submit(req, sink_for(i)))
+                    speculative=None if greedy and rng.random() < 0.5 else False))
                 time.sleep(rng.random() * 0.01)
-            for h in handles:               # cancels at random times: before, during, after
+            for h in streams.handles:       # cancels at random times: before, during, after
                 if rng.random() < 0.4:
                     time.sleep(rng.random() * 0.05)
                     h.cancel()
-            for _ in range(14):
-                assert done.acquire(timeout=300)
+            results = streams.wait(300)
             reasons = {r.finished.reason for r in results}
             assert reasons <= {FinishReason.LENGTH, FinishReason.CANCELLED}
             assert all(r.finished.error is None for r in results)
             pool_whole(eng)
-    finally:
-        eng.stop(10)
 
 
 def test_a_pool_smaller_than_one_context_is_refused_at_startup():
     from service.errors import ConfigError
 
     with pytest.raises(ConfigError, match="kv_cache_memory") as e:
-        Engine.load(MODEL, EngineConfig(backend="cpu", n_ctx=256, kv_block_size=BS,
-                                        kv_cache_memory=str(15 * cpu_block_bytes())))
+        Engine.load(model_path(MODEL), engine_config(
+            kv_block_size=BS, kv_cache_memory=str(15 * cpu_block_bytes())))
     assert "one full context" in str(e.value)

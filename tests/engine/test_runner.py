@@ -12,19 +12,16 @@ from service.backends.cpu.backend import CpuBackend
 from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput
 from service.engine.sampling import Sampler
 from service.engine.types import SamplingParams
-from service.gguf.reader import GGUFFile
-from service.model.spec import ModelSpec
 from service.model.transformer import Transformer, positions_for
-from tests.conftest import TINY
+from tests.support.models import build_model
 
 N_SLOTS, N_CTX, MAX_TOKENS = 3, 64, 24
 
 
 @pytest.fixture()
 def tiny():
-    f = GGUFFile(TINY / "tiny-qwen3.gguf")
-    tr = Transformer(ModelSpec.from_gguf(f), f, CpuBackend(threads=1), n_ctx=N_CTX,
-                     n_slots=N_SLOTS, max_tokens=MAX_TOKENS, max_logits=16)
+    tr = build_model("tiny-qwen3", CpuBackend(threads=1), n_ctx=N_CTX, n_slots=N_SLOTS,
+                     max_tokens=MAX_TOKENS, max_logits=16)
     return tr, ModelRunner(tr, N_SLOTS, N_CTX)
 
 

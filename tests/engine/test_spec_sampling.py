@@ -12,19 +12,14 @@ import pytest
 
 from service.backends.counter_rng import counter_uniform
 from service.backends.cpu.backend import CpuBackend
-from service.config import EngineConfig
 from service.engine.rejection import ACCEPT_STREAM
 from service.engine.runner import ModelRunner, RowSampling, StepInput
 from service.engine.sampling import Sampler
-from service.engine.scheduler import Engine
 from service.engine.speculative import accept_chain
 from service.engine.types import FinishReason, SamplingParams
-from service.gguf.reader import GGUFFile
-from service.model.spec import ModelSpec
-from service.model.transformer import Transformer, positions_for
-from service.tools.quantize import requantize
-from tests.conftest import REAL_MODELS, TINY, load_json, real_model_path
-from tests.engine.test_engine import run
+from service.model.transformer import positions_for
+from tests.support.engines import Engine, run, running_engine
+from tests.support.models import build_model, load_json, model_path
 from tests.unit.test_rejection import P_FAIL, P_PASS, chi2_pvalue
 
 SAMPLED = {
@@ -38,12 +33,14 @@ SAMPLED = {
 N_NEW = 32
 
 
-def engine(path, **overrides) -> Engine:
-    cfg = EngineConfig(**{"backend": "cpu", "n_ctx": 256, "n_slots": 1, **overrides})
-    eng = Engine.load(path, cfg)
-    eng.start()
-    eng.verify_alpha = 0.0          # draft in full: the measured verify cost must not decide
-    return eng
+def engine(model: str, **overrides):
+    """Drafting in full: the measured verify cost (the machine's load) must not decide."""
+    return running_engine(model, **overrides, draft_in_full=True)
+
+
+def self_drafting(model: str, **overrides):
+    """`model` drafting for itself with the model drafter."""
+    return engine(model, drafter="model", draft_model=str(model_path(model)), **overrides)
 
 
 def compare(eng: Engine, prompts, configs, top_logprobs: int = 0) -> tuple[int, int]:
@@ -71,55 +68,41 @@ def smol_prompts() -> list[list[int]]:
 
 
 def test_sampled_speculation_equals_plain_sampling_ngram():
-    eng = engine(real_model_path(REAL_MODELS["smollm2"]), verify_width=8)
-    try:
+    with engine("smollm2", verify_width=8) as eng:
         drafted, accepted = compare(eng, smol_prompts(), SAMPLED)
         print(f"\nngram, sampled: {accepted}/{drafted} drafts accepted")
         assert accepted > 10                   # speculation did take tokens
         d, a = compare(eng, smol_prompts()[:1], {"t0.7": SAMPLED["t0.7-k40-p0.95"]},
                        top_logprobs=3)         # log-probabilities of verify rows too
         assert d > 0
-    finally:
-        eng.stop(10)
 
 
-def test_sampled_speculation_equals_plain_sampling_model_drafter(tmp_path):
+def test_sampled_speculation_equals_plain_sampling_model_drafter(requantized):
     # a full q8_0 copy: it agrees with the target's argmax almost everywhere (README), so
     # its greedy chain is often the sampled token too (a 4-block copy almost never is)
-    draft = requantize(real_model_path(REAL_MODELS["smollm2"]), tmp_path / "smol-q8.gguf",
-                       "q8_0").path
-    eng = engine(real_model_path(REAL_MODELS["smollm2"]), drafter="model",
-                 draft_model=str(draft), verify_width=6)
-    try:
+    draft = requantized("smollm2", "q8_0")
+    with engine("smollm2", drafter="model", draft_model=str(draft), verify_width=6) as eng:
         configs = {k: SAMPLED[k] for k in ("t0.4-k10-p0.8", "t0.8-penalty")}
         drafted, accepted = compare(eng, smol_prompts()[:2], configs)
         print(f"\nq8_0 self-drafter, sampled: {accepted}/{drafted} drafts accepted")
         assert accepted > 0.3 * drafted
-    finally:
-        eng.stop(10)
 
 
 def test_sampled_speculation_equals_plain_sampling_tiny_self_drafter():
-    path = TINY / "tiny-qwen3.gguf"
-    eng = engine(path, drafter="model", draft_model=str(path), verify_width=16)
-    try:
+    with self_drafting("tiny-qwen3", verify_width=16) as eng:
         prompts = [[1, 5, 9, 20, 5, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11], [700, 2, 700, 2]]
         configs = {f"{k}-seed{s}": SamplingParams(**{**vars(p), "seed": s})
                    for k, p in SAMPLED.items() for s in (11, 12)}
         drafted, accepted = compare(eng, prompts, configs)
         print(f"\ntiny self-drafter, sampled: {accepted}/{drafted} drafts accepted")
         assert accepted > 0.2 * drafted        # its greedy chain often is the sampled token
-    finally:
-        eng.stop(10)
 
 
 def test_sampled_tree_verify_equals_plain_sampling_tiny_self_drafter():
     """Tree verify with sampled requests: each node's row draws as plain sampling would draw
     the token at its depth, and the path follows the child equal to the draw, so the output
     is plain seeded sampling's; requests with a repetition penalty verify chains."""
-    path = TINY / "tiny-qwen3.gguf"
-    eng = engine(path, drafter="model", draft_model=str(path), verify_width=16, tree_budget=8)
-    try:
+    with self_drafting("tiny-qwen3", verify_width=16, tree_budget=8) as eng:
         prompts = [[1, 5, 9, 20, 5, 9], [3, 4, 5, 6, 7, 8, 9, 10, 11], [700, 2, 700, 2]]
         configs = {f"{k}-seed{s}": SamplingParams(**{**vars(p), "seed": s})
                    for k, p in SAMPLED.items() for s in (21, 22)}
@@ -128,8 +111,6 @@ def test_sampled_tree_verify_equals_plain_sampling_tiny_self_drafter():
               f"accepted, {eng.stats.kv_moves} KV rows moved")
         assert accepted > 0.2 * drafted
         assert eng.stats.kv_moves > 0          # accepted paths left the leading chain
-    finally:
-        eng.stop(10)
 
 
 # ------------------------------------------------------------------ the acceptance rule
@@ -142,9 +123,7 @@ def test_acceptance_through_the_runner_keeps_the_distribution():
     else the row's draw) must follow the target distribution p of row 0 (chi-square), and
     x must be accepted exactly when the row's draw is x. A biased rule (accept x with an
     independent uniform below p(x), else take the draw) fails the same test."""
-    f = GGUFFile(TINY / "tiny-qwen3.gguf")
-    tr = Transformer(ModelSpec.from_gguf(f), f, CpuBackend(threads=1), n_ctx=64, n_slots=1,
-                     max_tokens=16, max_logits=16)
+    tr = build_model("tiny-qwen3", CpuBackend(threads=1), max_tokens=16, max_logits=16)
     runner = ModelRunner(tr, 1, 64)
     prompt = [100, 200, 300, 400]               # top 6 at temperature 3: 0.02 .. 0.44
     n = len(prompt)
@@ -181,10 +160,7 @@ def test_acceptance_through_the_runner_keeps_the_distribution():
 # ------------------------------------------------------------------ profile and usage
 @pytest.mark.parametrize("profile", [False, True])
 def test_step_profile_and_tokens_per_step(profile):
-    path = TINY / "tiny-qwen3.gguf"
-    eng = engine(path, drafter="model", draft_model=str(path), verify_width=8,
-                 step_profile=profile)
-    try:
+    with self_drafting("tiny-qwen3", verify_width=8, step_profile=profile) as eng:
         for spec in (False, True):
             out = run(eng, [1, 5, 9, 20, 5, 9], SamplingParams(temperature=0.5, seed=3),
                       max_new_tokens=40, ignore_eos=True, speculative=spec)
@@ -204,5 +180,3 @@ def test_step_profile_and_tokens_per_step(profile):
             # the decode steps lie between the first and the last token
             assert sum(parts) <= t.decode_ms + 5.0
             assert sum(parts) >= 0.5 * t.decode_ms
-    finally:
-        eng.stop(10)

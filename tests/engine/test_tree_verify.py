@@ -3,9 +3,9 @@ token for token, with the model drafter at budgets 4, 8 and 16, the ngram drafte
 and Gemma-3, and with a drafter built so that the accepted path leaves the leading chain (its
 top-1 is wrong, its top-2 right), which makes every step compact KV rows.
 
-Exact equality (not the near-tie rule of tests/near_ties.py): in steps of up to 16 rows the CPU
-backend computes a tree row exactly as plain decoding computes the same token after the same
-path (same keys in the same order, tests/unit/test_tree_attention.py), so the logits are
+Exact equality (not the near-tie rule of tests/support/near_ties.py): in steps of up to 16 rows
+the CPU backend computes a tree row exactly as plain decoding computes the same token after the
+same path (same keys in the same order, tests/unit/test_tree_attention.py), so the logits are
 bit-identical. The GPU version of this gate (tests/gpu/test_tree_verify.py) uses the near-tie
 rule, its attention tiles keys by KV row.
 """
@@ -17,12 +17,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from service.config import EngineConfig
 from service.engine.drafters import Drafter
-from service.engine.scheduler import Engine
-from service.tools.quantize import requantize
-from tests.conftest import REAL_MODELS, load_json, real_model_path
-from tests.engine.test_engine import run
+from tests.support.engines import Engine, run, running_engine
+from tests.support.models import load_json
 
 N_NEW = 16                       # tokens per prompt: several tree steps, modest CI time
 FIXTURES = {"smollm2": "llamacpp_smollm2_greedy.json", "gemma3": "llamacpp_gemma3_greedy.json"}
@@ -33,34 +30,25 @@ def cases(model: str) -> list[dict]:
     return load_json(FIXTURES[model])["cases"][:N_CASES[model]]
 
 
-def engine(model: str, **overrides) -> Engine:
-    cfg = EngineConfig(**{"backend": "cpu", "n_ctx": 256, "n_slots": 1, "verify_width": 16,
-                          **overrides})
-    eng = Engine.load(real_model_path(REAL_MODELS[model]), cfg)
-    eng.start()
-    eng.verify_alpha = 0.0       # draft in full: the machine's load must not decide
-    return eng
+def engine(model: str, **overrides):
+    """Verify width 16, drafting in full (the machine's load must not decide how much)."""
+    return running_engine(model, **{"verify_width": 16, **overrides}, draft_in_full=True)
 
 
 @pytest.fixture(scope="module")
 def plain() -> dict[str, list[list[int]]]:
     out = {}
     for model in FIXTURES:
-        eng = engine(model, drafter="none", verify_width=1)
-        try:
+        with running_engine(model) as eng:
             out[model] = [run(eng, c["prompt_ids"], max_new_tokens=N_NEW, ignore_eos=True,
                               speculative=False).token_ids for c in cases(model)]
-        finally:
-            eng.stop(10)
     return out
 
 
 @pytest.fixture(scope="module")
-def draft_files(tmp_path_factory) -> dict[str, str]:
+def draft_files(requantized) -> dict[str, str]:
     """model -> a 4-block q8_0 copy of it (a cheap drafter of the same vocabulary)."""
-    d = tmp_path_factory.mktemp("tree-drafts")
-    return {m: str(requantize(real_model_path(REAL_MODELS[m]), d / f"{m}-4l.gguf", "q8_0",
-                              4).path) for m in FIXTURES}
+    return {m: str(requantized(m, "q8_0", 4)) for m in FIXTURES}
 
 
 def check_identity(eng: Engine, model: str, plain_ids: list[list[int]], label: str):
@@ -77,33 +65,26 @@ def check_identity(eng: Engine, model: str, plain_ids: list[list[int]], label: s
 
 
 def test_model_drafter_trees_equal_plain_greedy_smollm2(plain, draft_files):
-    eng = engine("smollm2", drafter="model", draft_model=draft_files["smollm2"], tree_budget=4)
-    try:
+    with engine("smollm2", drafter="model", draft_model=draft_files["smollm2"],
+                tree_budget=4) as eng:
         for budget in (4, 8, 16):
             eng.config = replace(eng.config, tree_budget=budget)
             drafted, _ = check_identity(eng, "smollm2", plain["smollm2"],
                                         f"smollm2 model drafter, budget {budget}")
             assert drafted > 0
-    finally:
-        eng.stop(10)
 
 
 def test_model_drafter_tree_equals_plain_greedy_gemma3(plain, draft_files):
-    eng = engine("gemma3", drafter="model", draft_model=draft_files["gemma3"], tree_budget=8)
-    try:
+    with engine("gemma3", drafter="model", draft_model=draft_files["gemma3"],
+                tree_budget=8) as eng:
         drafted, _ = check_identity(eng, "gemma3", plain["gemma3"], "gemma3 model, budget 8")
         assert drafted > 0
-    finally:
-        eng.stop(10)
 
 
 @pytest.mark.parametrize("model", sorted(FIXTURES))
 def test_ngram_chain_in_tree_mode_equals_plain_greedy(plain, model):
-    eng = engine(model, drafter="ngram", tree_budget=8)
-    try:
+    with engine(model, drafter="ngram", tree_budget=8) as eng:
         check_identity(eng, model, plain[model], f"{model} ngram, budget 8")
-    finally:
-        eng.stop(10)
 
 
 class SecondBestDrafter(Drafter):
@@ -135,11 +116,10 @@ class SecondBestDrafter(Drafter):
 
 def test_accepted_paths_off_the_leading_chain_are_compacted(plain, monkeypatch):
     model = "smollm2"
-    eng = engine(model, drafter="ngram", tree_budget=8)
-    eng.drafter = SecondBestDrafter(
-        {tuple(c["prompt_ids"]): ids for c, ids in zip(cases(model), plain[model],
-                                                        strict=True)}, eng.spec.vocab_size)
-    try:
+    with engine(model, drafter="ngram", tree_budget=8) as eng:
+        eng.drafter = SecondBestDrafter(
+            {tuple(c["prompt_ids"]): ids for c, ids in zip(cases(model), plain[model],
+                                                            strict=True)}, eng.spec.vocab_size)
         drafted, accepted = check_identity(eng, model, plain[model], "second-best, budget 8")
         assert accepted > 0 and eng.stats.kv_moves >= accepted
         # negative control: without the compaction the accepted rows sit at the wrong KV rows
@@ -147,5 +127,3 @@ def test_accepted_paths_off_the_leading_chain_are_compacted(plain, monkeypatch):
         outs = [run(eng, c["prompt_ids"], max_new_tokens=N_NEW, ignore_eos=True).token_ids
                 for c in cases(model)]
         assert outs != plain[model]
-    finally:
-        eng.stop(10)

@@ -10,9 +10,9 @@ SmolLM2 worst 0.45, mean 0.08; Gemma-3 worst 1.13 (its `repeat` case: 48 near-id
 whose attention is spread evenly, so the f16 KV rounding of llama.cpp adds up), mean 0.13.
 Bounds with some margin: SmolLM2 worst <= 0.6, mean <= 0.12; Gemma-3 worst <= 1.4, mean <= 0.2.
 The argmax must equal llama.cpp's wherever both top-1/top-2 gaps, llama.cpp's and ours, are
-REAL_MODEL_GAP or more (tests/near_ties.py: below that a near-tie may flip, on either side). A
-wrong norm, RoPE variant or dequantization moves logits by several units and fails loudly (see
-test_tiny_models.py for such negative controls).
+REAL_MODEL_GAP or more (tests/support/near_ties.py: below that a near-tie may flip, on either
+side). A wrong norm, RoPE variant or dequantization moves logits by several units and fails
+loudly (see test_tiny_models.py for such negative controls).
 """
 
 from __future__ import annotations
@@ -20,31 +20,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.backends.cpu.backend import CpuBackend
-from service.model.spec import ModelSpec
-from service.model.transformer import Transformer, positions_for
-from tests.conftest import load_json
-from tests.near_ties import REAL_MODEL_GAP, assert_teacher_forced_agrees
+from tests.support.models import REAL_MODELS, build_model, load_json, teacher_forced
+from tests.support.near_ties import REAL_MODEL_GAP, assert_teacher_forced_agrees
 
 BOUNDS = {"smollm2": (0.6, 0.12), "gemma3": (1.4, 0.2)}   # (worst, mean) centered top-8 diff
 
 
-def teacher_forced(tr: Transformer, ids: list[int], chunk: int) -> np.ndarray:
-    """Logits (len(ids), V) for every position, fed in chunks as the engine's prefill does."""
-    out = []
-    for start in range(0, len(ids), chunk):
-        part = np.asarray(ids[start:start + chunk], np.int32)
-        n = len(part)
-        lg = tr.forward(part, positions_for(start, n), np.zeros(n, np.int32), start + n, n)
-        out.append(np.array(lg))
-    return np.concatenate(out)
-
-
-@pytest.fixture(scope="module")
-def model_and_fixture(real_model):
-    name, f = real_model
-    spec = ModelSpec.from_gguf(f)
-    tr = Transformer(spec, f, CpuBackend(), n_ctx=256, n_slots=1, max_tokens=64)
+@pytest.fixture(scope="module", params=sorted(REAL_MODELS))
+def model_and_fixture(request):
+    name = request.param
+    tr = build_model(name, n_ctx=256, max_tokens=64)
     return name, tr, load_json(f"llamacpp_{name}_greedy.json")
 
 

@@ -26,37 +26,27 @@ import numpy as np
 import pytest
 
 from service.backends.cpu.backend import CpuBackend
-from service.gguf.reader import GGUFFile
-from service.model.spec import ModelSpec, RopeMode
-from service.model.transformer import Transformer, positions_for
-from tests.conftest import TINY, load_json
-from tests.near_ties import assert_teacher_forced_agrees, top2_gap
+from service.model.spec import ModelSpec
+from tests.support.logits import relative_errors
+from tests.support.models import (
+    TINY_FIXTURE,
+    TINY_MODELS,
+    build_model,
+    forward_host,
+    load_json,
+    swapped_rope,
+    tiny_logits,
+)
+from tests.support.near_ties import assert_teacher_forced_agrees, top2_gap
 
-FIXTURE = "tiny/llamacpp_tiny_logits.json"
 MAX_MEDIAN_REL, MAX_P75_REL, CLEAR_GAP, OUR_GAP_ALONE = 0.05, 0.10, 4.0, 8.0
 
 
-def run_tiny(name: str, mutate=None) -> tuple[np.ndarray, np.ndarray]:
-    fx = load_json(FIXTURE)
-    m = fx["models"][name]
-    f = GGUFFile(TINY / m["file"])
-    spec = ModelSpec.from_gguf(f)
-    if mutate:
-        spec = mutate(spec)
-    tr = Transformer(spec, f, CpuBackend(act_quant=True), n_ctx=64, n_slots=1, max_tokens=32)
-    ids = np.array(fx["prompt_ids"], np.int32)
-    t = len(ids)
-    ours = np.array(tr.forward(ids, positions_for(0, t), np.zeros(t, np.int32), t, t))
-    return ours, np.array(m["logits"], np.float32)
+def run_tiny(name: str, spec=None) -> tuple[np.ndarray, np.ndarray]:
+    return tiny_logits(name, CpuBackend(act_quant=True), spec)
 
 
-def relative_errors(ours: np.ndarray, ref: np.ndarray) -> np.ndarray:
-    d = ours - ref
-    d -= d.mean(axis=1, keepdims=True)          # a common shift does not change the softmax
-    return np.abs(d).mean(axis=1) / ref.std(axis=1)
-
-
-@pytest.mark.parametrize("name", ["tiny-llama-mixq", "tiny-qwen3", "tiny-qwen3moe"])
+@pytest.mark.parametrize("name", TINY_MODELS)
 def test_tiny_full_logits(name):
     ours, ref = run_tiny(name)
     rel = relative_errors(ours, ref)
@@ -79,17 +69,12 @@ def test_tiny_full_logits(name):
     assert assert_teacher_forced_agrees(name, ours, ref.argmax(1), unknown, OUR_GAP_ALONE) >= 3
 
 
-def _wrong_rope(spec: ModelSpec) -> ModelSpec:
-    other = RopeMode.NORMAL if spec.traits.rope_mode is RopeMode.NEOX else RopeMode.NEOX
-    return dataclasses.replace(spec, traits=dataclasses.replace(spec.traits, rope_mode=other))
-
-
 def _wrong_eps(spec: ModelSpec) -> ModelSpec:
     return dataclasses.replace(spec, rms_eps=1e-2)
 
 
 @pytest.mark.parametrize("name,mutate", [
-    ("tiny-llama-mixq", _wrong_rope), ("tiny-qwen3", _wrong_rope), ("tiny-qwen3", _wrong_eps),
+    ("tiny-llama-mixq", swapped_rope), ("tiny-qwen3", swapped_rope), ("tiny-qwen3", _wrong_eps),
 ])
 def test_tolerance_catches_architecture_mistakes(name, mutate):
     ours, ref = run_tiny(name, mutate)
@@ -99,26 +84,22 @@ def test_tolerance_catches_architecture_mistakes(name, mutate):
     assert np.median(rel) > MAX_MEDIAN_REL or np.percentile(rel, 75) > MAX_P75_REL
 
 
-@pytest.mark.parametrize("name", ["tiny-llama-mixq", "tiny-qwen3", "tiny-qwen3moe"])
+@pytest.mark.parametrize("name", TINY_MODELS)
 def test_tiny_greedy_continuation(name):
     """Decoding one token per step, teacher-forced on llama.cpp's 16 greedy ids (which is greedy
     decoding for as long as ours agrees): our argmax is llama.cpp's id wherever the gaps are
     clear. The fixture holds llama.cpp's logits only for the prompt, so its gap is known for the
     first generated id only (CLEAR_GAP on both sides there); at the others our gap alone
     decides, with the larger OUR_GAP_ALONE that test_tiny_full_logits checks on the prompt."""
-    fx = load_json(FIXTURE)
+    fx = load_json(TINY_FIXTURE)
     m = fx["models"][name]
-    f = GGUFFile(TINY / m["file"])
-    tr = Transformer(ModelSpec.from_gguf(f), f, CpuBackend(act_quant=True), n_ctx=64,
-                     n_slots=1, max_tokens=32)
+    tr = build_model(name, CpuBackend(act_quant=True))
     ref = m["greedy_ids"]
     ids = list(fx["prompt_ids"]) + ref
     t = len(fx["prompt_ids"])
-    z = np.zeros(32, np.int32)
-    rows = [np.array(tr.forward(np.array(ids[:t], np.int32), positions_for(0, t), z[:t], t, 1))]
+    rows = [forward_host(tr, ids[:t], 0, 1)]
     for pos in range(t, len(ids) - 1):          # row pos - t + 1 predicts ref[pos - t + 1]
-        rows.append(np.array(tr.forward(np.array([ids[pos]], np.int32), positions_for(pos, 1),
-                                        z[:1], pos + 1, 1)))
+        rows.append(forward_host(tr, [ids[pos]], pos, 1))
     rows = np.concatenate(rows)
     first = assert_teacher_forced_agrees(name, rows[:1], ref[:1], [top2_gap(m["logits"][-1])],
                                          CLEAR_GAP)

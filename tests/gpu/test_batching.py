@@ -8,23 +8,31 @@ from __future__ import annotations
 
 import pytest
 
-from service.config import EngineConfig
-from service.engine.scheduler import Engine
-from tests.batching import MODES, alone, requests, same_output, smollm2_prompts, together
-from tests.conftest import TINY, load_json, real_model_path
+from tests.gpu.test_models import cuda_engine as cuda_engine_of
+from tests.support.batching import (
+    MODES,
+    alone,
+    requests,
+    same_output,
+    shared_prompts,
+    smollm2_prompts,
+    together,
+)
+from tests.support.models import load_json
 
 pytestmark = pytest.mark.gpu
 
 
+def cuda_engine(model: str, **overrides):
+    """256-token contexts; speculating requests draft in full, so they verify several rows a
+    step."""
+    return cuda_engine_of(model, **{"n_ctx": 256, **overrides}, draft_in_full=True)
+
+
 @pytest.fixture(scope="module")
 def smol_cuda():
-    eng = Engine.load(real_model_path("smollm2-135m"),
-                      EngineConfig(backend="cuda", n_ctx=256, n_slots=64, prefix_cache=False,
-                                   kv_cache_memory="1GiB"))
-    eng.start()
-    eng.verify_alpha = 0.0     # draft in full: speculating requests verify several rows a step
-    yield eng
-    eng.stop(10)
+    with cuda_engine("smollm2", n_slots=64, prefix_cache=False, kv_cache_memory="1GiB") as eng:
+        yield eng
 
 
 @pytest.mark.parametrize("n", [1, 4, 16, 64])
@@ -39,39 +47,24 @@ def test_batched_requests_equal_solo_runs_on_cuda(smol_cuda, mode, n):
 
 
 def test_more_streams_than_a_step_take_turns_on_cuda():
-    eng = Engine.load(TINY / "tiny-qwen3.gguf",
-                      EngineConfig(backend="cuda", n_ctx=128, n_slots=20, prefill_chunk=32,
-                                   max_step_tokens=32))
-    eng.start()
-    eng.verify_alpha = 0.0
-    try:
+    with cuda_engine("tiny-qwen3", n_ctx=128, n_slots=20, prefill_chunk=32,
+                     max_step_tokens=32) as eng:
         prompts = [[(7 * i + j) % 200 + 3 for j in range(5 + i % 7)] for i in range(9)]
         reqs = requests("mixed-spec", 20, prompts, base_tokens=24)
         ref = [alone(eng, r) for r in reqs]
         got, stats = together(eng, reqs)
         assert all(same_output(a, b) for a, b in zip(got, ref, strict=True))
         assert stats.max_sequences == 16
-    finally:
-        eng.stop(10)
-
-
-def _shared_prompts(n: int) -> list[list[int]]:
-    system = [(11 * j) % 900 + 20 for j in range(40)]
-    return [system + [(7 * i + j) % 500 + 5 for j in range(3 + i % 5)] for i in range(n)]
 
 
 def test_prefix_cache_and_preemption_keep_solo_tokens_on_cuda(smol_cuda):
     """Prefix cache on and a pool of 20 blocks of 16 (one context of 256 is 16 blocks) for
     16 streams of ~60 positions: cached prompts and preempted streams give exactly the
     tokens the reference engine (no prefix cache, a large pool) gives them alone."""
-    eng = Engine.load(real_model_path("smollm2-135m"),
-                      EngineConfig(backend="cuda", n_ctx=256, n_slots=16, prefill_chunk=32,
-                                   kv_cache_memory=str(20 * 16 * 30 * 3 * 64 * 2 * 2)))
-    eng.start()
-    eng.verify_alpha = 0.0
-    try:
+    with cuda_engine("smollm2", n_slots=16, prefill_chunk=32,
+                     kv_cache_memory=str(20 * 16 * 30 * 3 * 64 * 2 * 2)) as eng:
         assert eng.pool.n_blocks == 20
-        reqs = requests("mixed-spec", 16, _shared_prompts(4), base_tokens=24)
+        reqs = requests("mixed-spec", 16, shared_prompts(4), base_tokens=24)
         ref = [alone(smol_cuda, r) for r in reqs]
         alone(eng, reqs[0])                       # the system prompt's blocks get cached
         got, stats = together(eng, reqs)
@@ -81,19 +74,13 @@ def test_prefix_cache_and_preemption_keep_solo_tokens_on_cuda(smol_cuda):
         assert stats.preemptions > 0 and stats.cached_tokens > 0
         with eng._lock:
             eng.pool.check()
-    finally:
-        eng.stop(10)
 
 
 @pytest.fixture(scope="module")
 def gemma_mma():
     """Gemma-3 (Q4_K_M) with every Q4_K / Q6_K GEMV on tensor cores (EngineConfig.gemv_mma)."""
-    eng = Engine.load(real_model_path("gemma3-270m"),
-                      EngineConfig(backend="cuda", n_ctx=256, n_slots=16, gemv_mma=True))
-    eng.start()
-    eng.verify_alpha = 0.0
-    yield eng
-    eng.stop(10)
+    with cuda_engine("gemma3", n_slots=16, gemv_mma=True) as eng:
+        yield eng
 
 
 @pytest.mark.parametrize("n", [1, 4, 16])

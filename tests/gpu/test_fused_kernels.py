@@ -16,8 +16,11 @@ import numpy as np
 import pytest
 
 from service.backends.act_quant import round_activations
+from service.backends.base import Backend
 from service.backends.cpu.backend import CpuBackend
-from tests.gpu.test_kernels import _gpu_cache_values, poisoned, tensor
+from tests.gpu.test_kernels import _gpu_cache_values, poisoned
+from tests.support.blocks import random_tensor_info
+from tests.support.fused import qkv_views
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -32,7 +35,7 @@ def normal(*shape, scale=1.0) -> np.ndarray:
 def prepared(cuda, k: int, n_head: int = 8, head_dim_v: int = 64, n_ctx: int = 600):
     """A Q8_0 matrix of width k (the block scratch is sized by the widest matrix loaded) and
     the step buffers; returns the matrix."""
-    w = cuda.load_matrix([tensor("Q8_0", 40, k, seed=k)])
+    w = cuda.load_matrix([random_tensor_info("Q8_0", 40, k, seed=k)])
     cuda.prepare(max_tokens=16, n_head=n_head, head_dim_v=head_dim_v, n_ctx=n_ctx, n_embd=k)
     return w
 
@@ -102,7 +105,7 @@ def test_glu_for_matmul(cuda, act):
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_0", "F16"])
 def test_matmul_add_equals_matmul_then_add(cuda, name):
     k = 768
-    t = tensor(name, 37, k, seed=5)
+    t = random_tensor_info(name, 37, k, seed=5)
     w = cuda.load_matrix([t])
     cuda.prepare(max_tokens=16, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
     for T in (1, 3, 16):
@@ -137,8 +140,8 @@ def test_matmul_add_norm_equals_the_two_ops(cuda, name, n, k):
     <= gemv_prefetch_rows rows) gives the bits of matmul_add then rms_norm_for_matmul, and
     leaves the norm's 8-bit blocks for the next GEMV; the counter is back at 0 each time."""
     assert not cuda.fuse_norm                                      # the default
-    w = cuda.load_matrix([tensor(name, n, k, seed=n + k)])
-    nxt = cuda.load_matrix([tensor("Q8_0", 40, n, seed=3)])        # reads the norm's blocks
+    w = cuda.load_matrix([random_tensor_info(name, n, k, seed=n + k)])
+    nxt = cuda.load_matrix([random_tensor_info("Q8_0", 40, n, seed=3)])   # reads the norm blocks
     cuda.prepare(max_tokens=16, n_head=1, head_dim_v=32, n_ctx=256, n_embd=max(n, k))
     nw = cp.asarray(normal(n, scale=0.1) + 1)
     for rep in range(3):                                           # counter reset each time
@@ -204,11 +207,6 @@ def _poisoned_cache(cuda, type_k, type_v, n_ctx, hkv, d):
     return c
 
 
-def _qkv_views(a, T, H, hkv, D):
-    return (a[:, :H * D].reshape(T, H, D), a[:, H * D:(H + hkv) * D].reshape(T, hkv, D),
-            a[:, (H + hkv) * D:].reshape(T, hkv, D))
-
-
 @pytest.mark.parametrize("type_k,type_v", PAIRS)
 @pytest.mark.parametrize("neox", [False, True])
 def test_rope_kv(cuda, type_k, type_v, neox):
@@ -225,16 +223,12 @@ def test_rope_kv(cuda, type_k, type_v, neox):
         a, b = cp.asarray(qkv), cp.asarray(qkv)
         ca = _poisoned_cache(cuda, type_k, type_v, n_ctx, hkv, D)
         cb = _poisoned_cache(cuda, type_k, type_v, n_ctx, hkv, D)
-        q, k, v = _qkv_views(a, T, H, hkv, D)
-        cuda.rope_kv(q, k, v, qn if norms else None, kn if norms else None, 1e-6, gpos,
-                     gslots, table, neox, ca, 0)
-        q2, k2, v2 = _qkv_views(b, T, H, hkv, D)
-        if norms:
-            cuda.rms_norm(q2, qn, 1e-6, q2)
-            cuda.rms_norm(k2, kn, 1e-6, k2)
-        cuda.rope(q2, gpos, table, neox)
-        cuda.rope(k2, gpos, table, neox)
-        cuda.kv_write(cb, 0, k2, v2, gslots, gpos)
+        norm_q, norm_k = (qn, kn) if norms else (None, None)
+        q, k, v = qkv_views(a, T, H, hkv, D)
+        cuda.rope_kv(q, k, v, norm_q, norm_k, 1e-6, gpos, gslots, table, neox, ca, 0)
+        q2, k2, v2 = qkv_views(b, T, H, hkv, D)
+        # the base class's composition: rms_norm, rope, rope and kv_write as separate launches
+        Backend.rope_kv(cuda, q2, k2, v2, norm_q, norm_k, 1e-6, gpos, gslots, table, neox, cb, 0)
         assert np.array_equal(cuda.to_host(q), cuda.to_host(q2)), norms
         for pa, pb in zip(ca.k[0] + ca.v[0], cb.k[0] + cb.v[0], strict=True):
             if pa is not None:
@@ -245,7 +239,7 @@ def test_rope_kv(cuda, type_k, type_v, neox):
     cpu = CpuBackend()
     cc = cpu.new_kv_cache(1, 2, n_ctx, hkv, D, D, type_k, type_v)
     ref = qkv.copy()
-    q3, k3, v3 = _qkv_views(ref, T, H, hkv, D)
+    q3, k3, v3 = qkv_views(ref, T, H, hkv, D)
     ctable = cpu.rope_table(n_ctx, 48, 10000.0)
     cpu.rope_kv(q3, k3, v3, None, None, 1e-6, pos, slots, ctable, neox, cc, 0)
     assert np.array_equal(cuda.to_host(q), q3)

@@ -17,7 +17,8 @@ from gguf.quants import dequantize
 
 from service.backends.act_quant import round_activations
 from service.backends.cpu.backend import CpuBackend
-from tests.gpu.test_kernels import gpu_matmul, poisoned, tensor
+from tests.gpu.test_kernels import gpu_matmul, poisoned
+from tests.support.blocks import random_tensor_info
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -58,7 +59,7 @@ def on(backend, fn):
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_mma_gemv_against_exact_cpu_and_dp4a(cuda, mma, name, n, k):
-    t = tensor(name, n, k, seed=n + k)
+    t = random_tensor_info(name, n, k, seed=n + k)
     wm = mma.load_matrix([t])
     wd = cuda.load_matrix([t])
     for be in (mma, cuda):
@@ -94,7 +95,7 @@ def test_mma_gemv_against_exact_cpu_and_dp4a(cuda, mma, name, n, k):
 def test_mma_gemv_accumulates(cuda, mma, name):
     """matmul_add: out = out + W x, rounded once per element as the dp4a kernel's."""
     n, k = 45, 1024
-    t = tensor(name, n, k, seed=5)
+    t = random_tensor_info(name, n, k, seed=5)
     wm = mma.load_matrix([t])
     mma.prepare(max_tokens=64, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
     rng = np.random.default_rng(6)
@@ -120,7 +121,7 @@ def test_a_column_gets_the_same_bits_at_every_width(mma, name):
     """The MMA mode's batch invariance: column c of a step of T columns (NC = 8 or 16, any
     neighbours) equals the same column computed alone, bit for bit."""
     n, k = 70, 2304
-    t = tensor(name, n, k, seed=11)
+    t = random_tensor_info(name, n, k, seed=11)
     wm = mma.load_matrix([t])
     mma.prepare(max_tokens=64, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
     rng = np.random.default_rng(12)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, load_json
+from tests.support.models import TINY, load_json
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu

@@ -26,16 +26,11 @@ from gguf.quants import dequantize
 from service.backends.act_quant import round_activations
 from service.backends.cpu.backend import CpuBackend
 from service.gguf.reader import TensorInfo
-from tests.blocks import ALL_TYPES, block_size, qtype, random_tensor
+from tests.support.blocks import ALL_TYPES, block_size, qtype, random_tensor, random_tensor_info
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 N_ROWS = 37
-
-
-def tensor(name: str, rows: int, k: int, seed: int) -> TensorInfo:
-    raw = random_tensor(name, rows, k, np.random.default_rng(seed))
-    return TensorInfo(f"w.{name}.{rows}x{k}.{seed}", qtype(name), (rows, k), raw)
 
 
 def widths(name: str) -> list[int]:
@@ -67,7 +62,7 @@ def gpu_matmul(cuda, w, x: np.ndarray, n: int, pad: int = 0) -> np.ndarray:
 @pytest.mark.parametrize("name", ALL_TYPES)
 def test_gemv_against_references(cuda, name):
     for k in widths(name):
-        t = tensor(name, N_ROWS, k, seed=k)
+        t = random_tensor_info(name, N_ROWS, k, seed=k)
         w = cuda.load_matrix([t])
         cuda.prepare(max_tokens=64, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
         W = dequantize(t.raw, t.qtype).reshape(N_ROWS, k).astype(np.float64)   # (N, K)
@@ -110,7 +105,7 @@ def test_gemv_columns_are_independent_of_the_step_size(cuda, cuda_rows1, name):
     row, and chunks of 16 for 40) equals a 1-column launch of x[t] (c1r1p, c1r1e and c1r1),
     bit for bit, and so does the one-row-per-warp kernel's."""
     k = widths(name)[1]
-    t = tensor(name, N_ROWS, k, seed=7)
+    t = random_tensor_info(name, N_ROWS, k, seed=7)
     w = cuda.load_matrix([t])
     cuda.prepare(max_tokens=64, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
     x = np.random.default_rng(8).normal(0, 1, (40, k)).astype(np.float32)
@@ -145,7 +140,7 @@ def test_gemv_columns_are_independent_of_the_step_size(cuda, cuda_rows1, name):
 @pytest.mark.parametrize("name", ALL_TYPES)
 def test_embedding_rows_are_bit_exact(cuda, name):
     k = widths(name)[0]
-    t = tensor(name, 40, k, seed=3)
+    t = random_tensor_info(name, 40, k, seed=3)
     table = cuda.load_embedding(t)
     ref = dequantize(t.raw, t.qtype).reshape(40, k).astype(np.float32)
     ids = np.array([3, 0, 39, 3, 17], np.int32)

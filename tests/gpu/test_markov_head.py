@@ -15,10 +15,9 @@ from service.engine.fit_markov import write_head
 from service.engine.markov_head import MarkovHead, read_head_shape
 from service.gguf.reader import GGUFFile
 from service.model.spec import ModelSpec
-from service.tools.quantize import requantize
-from tests.conftest import TINY, load_json
 from tests.gpu.test_model_drafter import _run
 from tests.gpu.test_models import cuda_engine, real_path
+from tests.support.models import load_json, open_gguf
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -41,7 +40,7 @@ def test_head_on_cuda_equals_cpu(tmp_path, dtype, rank):
     # a backend of its own: a backend shares loaded matrices by tensor name, and every case
     # here names its head's tensors alike
     cuda = CudaBackend(graphs=False, prefill_gemm_min_tokens=None)
-    tiny = GGUFFile(TINY / "tiny-qwen3.gguf")
+    tiny = open_gguf("tiny-qwen3")
     vocab = ModelSpec.from_gguf(tiny).vocab_size
     out = tmp_path / "tiny-head.gguf"
     write_head(tiny, out, *_random_head(vocab, rank, 3.0), dtype)
@@ -63,10 +62,9 @@ def test_head_on_cuda_equals_cpu(tmp_path, dtype, rank):
 
 
 @pytest.fixture(scope="module")
-def headed_draft(tmp_path_factory):
-    d = tmp_path_factory.mktemp("markov")
-    plain = requantize(real_path("smollm2"), d / "smol-4l.gguf", "q8_0", 4).path
-    headed = d / "smol-4l-head.gguf"
+def headed_draft(requantized, tmp_path_factory):
+    plain = requantized(real_path("smollm2"), "q8_0", 4)
+    headed = tmp_path_factory.mktemp("markov") / "smol-4l-head.gguf"
     write_head(GGUFFile(plain), headed, *_random_head(V, 16, 4.0), "f16")
     return plain, headed
 
@@ -75,12 +73,10 @@ def test_headed_drafter_on_cuda_is_captured_and_lossless(headed_draft):
     from tests.engine.test_model_drafter import _State
 
     plain, headed = headed_draft
-    eng = cuda_engine("smollm2", drafter="model", draft_model=str(headed), verify_width=16,
-                      n_slots=2)
-    eng.verify_alpha = 0.0
-    other = cuda_engine("smollm2", drafter="model", draft_model=str(plain), verify_width=16,
-                        n_slots=2)
-    try:
+    with cuda_engine("smollm2", drafter="model", draft_model=str(headed), verify_width=16,
+                     n_slots=2, draft_in_full=True) as eng, \
+            cuda_engine("smollm2", drafter="model", draft_model=str(plain), verify_width=16,
+                        n_slots=2) as other:
         d, p = eng.drafter, other.drafter
         assert d.head is not None and d.head.rank == 16 and p.head is None
         prompt = load_json("llamacpp_smollm2_greedy.json")["cases"][3]["prompt_ids"]
@@ -103,6 +99,3 @@ def test_headed_drafter_on_cuda_is_captured_and_lossless(headed_draft):
                 assert spec.token_ids == plain_out.token_ids, (width, case["name"])
                 drafted += spec.finished.usage.draft_tokens
             assert drafted > 0
-    finally:
-        eng.stop(10)
-        other.stop(10)

@@ -14,8 +14,6 @@ import numpy as np
 import pytest
 
 from service.backends import create_backend
-from service.tools.quantize import requantize
-from tests.conftest import load_json
 from tests.engine.test_draft_chain import (
     LENGTHS,
     accept_part,
@@ -25,19 +23,18 @@ from tests.engine.test_draft_chain import (
 )
 from tests.engine.test_model_drafter import _State
 from tests.gpu.test_models import cuda_engine, real_path
+from tests.support.models import load_json
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("layers", [None, 4], ids=["full-q8_0", "4-layers-q8_0"])
-def test_model_drafter_is_lossless_on_cuda(tmp_path, layers):
-    draft = requantize(real_path("smollm2"), tmp_path / "draft.gguf", "q8_0", layers).path
-    eng = cuda_engine("smollm2", drafter="model", draft_model=str(draft), verify_width=16,
-                      n_slots=1)
-    eng.verify_alpha = 0.0              # draft in full at every width
-    assert eng.drafter.model.backend is not eng.model.backend
-    try:
+def test_model_drafter_is_lossless_on_cuda(requantized, layers):
+    draft = requantized(real_path("smollm2"), "q8_0", layers)
+    with cuda_engine("smollm2", drafter="model", draft_model=str(draft), verify_width=16,
+                     n_slots=1, draft_in_full=True) as eng:      # drafts in full at every width
+        assert eng.drafter.model.backend is not eng.model.backend
         for width in (2, 6, 16):
             eng.config = replace(eng.config, verify_width=width)
             drafted = accepted = 0
@@ -52,8 +49,6 @@ def test_model_drafter_is_lossless_on_cuda(tmp_path, layers):
             assert drafted > 0
             if layers is None:
                 assert accepted > 0.5 * drafted
-    finally:
-        eng.stop(10)
 
 
 def _run(eng, ids, speculative):
@@ -72,8 +67,9 @@ ROUNDS = 3 * len(LENGTHS)       # every length eager, captured, then replayed
 
 
 @pytest.fixture(scope="module")
-def draft_files(tmp_path_factory):
-    return make_draft_files(tmp_path_factory.mktemp("chain"))
+def draft_files(requantized, tmp_path_factory):
+    return make_draft_files(requantized(real_path("smollm2"), "q8_0", 4),
+                            tmp_path_factory.mktemp("chain"))
 
 
 @pytest.mark.parametrize("n_top", [0, 3], ids=["ids", "candidates"])

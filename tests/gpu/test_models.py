@@ -7,28 +7,33 @@ gets them copied in; see README "GPU"), otherwise those tests skip and say why.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
 from service.backends.cpu.backend import CpuBackend
-from service.config import EngineConfig, models_dir_from_env
-from service.gguf.reader import GGUFFile
-from service.model.spec import ModelSpec, RopeMode
 from service.model.transformer import Transformer, positions_for
-from tests.conftest import TINY, load_json
+from tests.support.engines import running_engine
+from tests.support.logits import relative_errors
+from tests.support.models import (
+    REAL_MODELS,
+    TINY_FIXTURE,
+    TINY_MODELS,
+    build_model,
+    forward_host,
+    load_json,
+    model_path,
+    swapped_rope,
+    teacher_forced,
+    tiny_logits,
+)
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-TINY_FIXTURE = "tiny/llamacpp_tiny_logits.json"
-TINY_MODELS = ["tiny-llama-mixq", "tiny-qwen3", "tiny-qwen3moe"]
 # The same bounds as tests/golden (the CPU engine's): real models' centered top-8 difference
 # (worst, mean) and the clear-gap argmax rule.
 REAL_BOUNDS = {"smollm2": (0.6, 0.12), "gemma3": (1.4, 0.2)}
 CLEAR_GAP = 0.5
-REAL_FILES = {"smollm2": "smollm2-135m.gguf", "gemma3": "gemma3-270m.gguf"}
 
 
 def cuda_backend(graphs: bool = False, **options):
@@ -37,40 +42,8 @@ def cuda_backend(graphs: bool = False, **options):
     return CudaBackend(graphs=graphs, **options)
 
 
-def relative_errors(ours: np.ndarray, ref: np.ndarray) -> np.ndarray:
-    d = ours - ref
-    d -= d.mean(axis=1, keepdims=True)
-    return np.abs(d).mean(axis=1) / ref.std(axis=1)
-
-
 def tiny_transformer(name: str, backend, max_tokens: int = 32) -> tuple[Transformer, dict]:
-    fx = load_json(TINY_FIXTURE)
-    m = fx["models"][name]
-    f = GGUFFile(TINY / m["file"])
-    tr = Transformer(ModelSpec.from_gguf(f), f, backend, n_ctx=64, n_slots=1,
-                     max_tokens=max_tokens)
-    return tr, fx
-
-
-def step(tr: Transformer, ids, start: int, n_logits: int, slot: int = 0) -> np.ndarray:
-    be, n = tr.backend, len(ids)
-    dev = [be.zeros((n,), "int32") for _ in range(3)]
-    be.upload_ints(np.asarray(ids, np.int32), dev[0])
-    be.upload_ints(positions_for(start, n), dev[1])
-    be.upload_ints(np.full(n, slot, np.int32), dev[2])
-    return be.to_host(tr.forward(dev[0], dev[1], dev[2], start + n, n_logits))
-
-
-def tiny_logits(name: str, backend, mutate=None) -> tuple[np.ndarray, np.ndarray]:
-    fx = load_json(TINY_FIXTURE)
-    m = fx["models"][name]
-    f = GGUFFile(TINY / m["file"])
-    spec = ModelSpec.from_gguf(f)
-    if mutate:
-        spec = mutate(spec)
-    tr = Transformer(spec, f, backend, n_ctx=64, n_slots=1, max_tokens=32)
-    ids = fx["prompt_ids"]
-    return step(tr, ids, 0, len(ids)), np.array(m["logits"], np.float32)
+    return build_model(name, backend, max_tokens=max_tokens), load_json(TINY_FIXTURE)
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)
@@ -119,22 +92,17 @@ def test_fused_kernels_change_no_bit(name):
     for be in (cuda_backend(), unfused_cuda_backend()):
         tr, fx = tiny_transformer(name, be)
         ids = list(fx["prompt_ids"])
-        rows = [step(tr, ids[:20], 0, 20)]
+        rows = [forward_host(tr, ids[:20], 0, 20)]
         tok = int(np.argmax(rows[0][-1]))
         for pos in range(20, 23):
-            rows.append(step(tr, [tok], pos, 1))
+            rows.append(forward_host(tr, [tok], pos, 1))
             tok = int(np.argmax(rows[-1][0]))
         outs.append(np.concatenate(rows))
     assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
 
 
 def test_wrong_rope_fails_the_gpu_bound():
-    def wrong(spec):
-        other = RopeMode.NORMAL if spec.traits.rope_mode is RopeMode.NEOX else RopeMode.NEOX
-        return dataclasses.replace(spec, traits=dataclasses.replace(spec.traits,
-                                                                    rope_mode=other))
-
-    ours, ref = tiny_logits("tiny-qwen3", cuda_backend(), wrong)
+    ours, ref = tiny_logits("tiny-qwen3", cuda_backend(), swapped_rope)
     rel = relative_errors(ours, ref)
     assert np.median(rel) > 0.07 or np.percentile(rel, 75) > 0.12
 
@@ -179,32 +147,24 @@ def test_graph_replay_equals_eager(name, pdl):
 
 # ---------------------------------------------------------------- real models
 def real_path(name: str):
-    p = models_dir_from_env() / REAL_FILES[name]
-    if not p.is_file():
-        pytest.skip(f"{p} is not here (copy the model into the models directory)")
-    return p
+    """The real model's file; never fetched here: without it the test is skipped, saying how
+    to provide it (a GPU host is often offline: copy the file in, README "GPU")."""
+    return model_path(name, fetch=False)
 
 
-@pytest.fixture(scope="module", params=sorted(REAL_FILES))
+@pytest.fixture(scope="module", params=sorted(REAL_MODELS))
 def real(request):
-    path = real_path(request.param)
-    f = GGUFFile(path)
-    tr = Transformer(ModelSpec.from_gguf(f), f, cuda_backend(graphs=False), n_ctx=256,
-                     n_slots=1, max_tokens=64)
-    return request.param, f, tr, load_json(f"llamacpp_{request.param}_greedy.json")
-
-
-def teacher_forced(tr: Transformer, ids: list[int], chunk: int = 64) -> np.ndarray:
-    return np.concatenate([step(tr, ids[s:s + chunk], s, len(ids[s:s + chunk]))
-                           for s in range(0, len(ids), chunk)])
+    name = request.param
+    tr = build_model(name, cuda_backend(graphs=False), n_ctx=256, max_tokens=64, fetch=False)
+    return name, tr, load_json(f"llamacpp_{name}_greedy.json")
 
 
 def test_real_model_top8_matches_llamacpp(real):
-    name, _, tr, fx = real
+    name, tr, fx = real
     worst, means, checked = 0.0, [], 0
     for case in fx["cases"]:
         ids = case["prompt_ids"] + case["greedy_ids"]
-        logits = teacher_forced(tr, ids)[len(case["prompt_ids"]) - 1:]
+        logits = teacher_forced(tr, ids, 64)[len(case["prompt_ids"]) - 1:]
         for i, top in enumerate(case["top8"]):
             ref_ids, ref = np.array(top["ids"]), np.array(top["logits"], np.float32)
             d = logits[i][ref_ids] - ref
@@ -231,17 +191,16 @@ def test_hidden_states_per_layer_match_the_cpu(real):
     difference <= 2% at every layer (printed per layer). The two compute the same formulas;
     they differ in float summation order, which can move an activation across an 8-bit
     rounding boundary, and such differences grow through the layers."""
-    name, f, tr, fx = real
-    cpu = Transformer(ModelSpec.from_gguf(f), f, CpuBackend(act_quant="gpu"), n_ctx=64,
-                      n_slots=1, max_tokens=16)
+    name, tr, fx = real
+    cpu = build_model(name, CpuBackend(act_quant="gpu"), max_tokens=16, fetch=False)
     ids = fx["cases"][0]["prompt_ids"][:12]
     all_g, all_c = tr.weights.layers, cpu.weights.layers
     errs = []
     try:
         for n in range(1, len(all_g) + 1):      # the first n layers: ws_x holds their output
             tr.weights.layers, cpu.weights.layers = all_g[:n], all_c[:n]
-            step(tr, ids, 0, 0)
-            step(cpu, ids, 0, 0)
+            forward_host(tr, ids, 0, 0)
+            forward_host(cpu, ids, 0, 0)
             g = tr.backend.to_host(tr.ws_x[:len(ids)])                # (T, E) f32
             c = np.asarray(cpu.ws_x[:len(ids)])                      # (T, E) f32
             errs.append(float(np.sqrt(((g - c) ** 2).mean() / (c ** 2).mean())))
@@ -263,7 +222,7 @@ def test_quantized_kv_pairs_keep_the_top1(real):
     Over all positions, near-
     ties included, the agreement is printed: it was 97.7-99.2% for q8_0 pairs on the H200
     (the GPU cache's values equal the CPU backend's bit for bit, test_kernels.py)."""
-    name, f, tr, fx = real
+    name, tr, fx = real
     seqs, starts = [], []
     for c in fx["cases"]:
         ids = list(c["prompt_ids"])
@@ -276,11 +235,10 @@ def test_quantized_kv_pairs_keep_the_top1(real):
     base = [r.argmax(1) for r in rows]
     top2 = [np.sort(r, axis=1)[:, -2:] for r in rows]
     clear = np.concatenate([(t[:, 1] - t[:, 0]) >= CLEAR_GAP for t in top2])
-    spec = ModelSpec.from_gguf(f)
     for type_k, type_v in KV_PAIRS:
         if (type_k, type_v) == ("f16", "f16"):
             continue
-        q = Transformer(spec, f, cuda_backend(), n_ctx=256, n_slots=1, max_tokens=64,
+        q = build_model(name, cuda_backend(), n_ctx=256, max_tokens=64, fetch=False,
                         type_k=type_k, type_v=type_v)
         agree = np.concatenate([teacher_forced(q, s, 16)[p:].argmax(1) == b
                                 for s, p, b in zip(seqs, starts, base, strict=True)])
@@ -293,13 +251,11 @@ def test_quantized_kv_pairs_keep_the_top1(real):
         assert agree[clear].mean() >= need, (name, type_k, type_v, float(agree[clear].mean()))
 
 
-def cuda_engine(name: str, **overrides):
-    from service.engine.scheduler import Engine
-
-    cfg = EngineConfig(**{"backend": "cuda", "n_ctx": 512, "n_slots": 2, **overrides})
-    eng = Engine.load(real_path(name), cfg)
-    eng.start()
-    return eng
+def cuda_engine(name: str, **options):
+    """An engine of `name` on the CUDA backend (512-token context, 2 slots unless overridden;
+    options: running_engine's), stopped on exit; a real model is never fetched here."""
+    return running_engine(name, **{"backend": "cuda", "n_ctx": 512, "n_slots": 2, **options},
+                          fetch=False)
 
 
 def greedy_ids(engine, prompt_ids, n: int, speculative: bool | None = None) -> list[int]:
@@ -319,8 +275,7 @@ def greedy_ids(engine, prompt_ids, n: int, speculative: bool | None = None) -> l
 
 
 def test_engine_greedy_matches_llamacpp_and_speculation_is_lossless():
-    eng = cuda_engine("smollm2")
-    try:
+    with cuda_engine("smollm2") as eng:
         fx = load_json("llamacpp_smollm2_greedy.json")
         for case in fx["cases"]:
             ref = case["greedy_ids"]
@@ -333,27 +288,18 @@ def test_engine_greedy_matches_llamacpp_and_speculation_is_lossless():
                 assert lg[0] - lg[1] < CLEAR_GAP, (case["name"], n, got, ref)
             spec = greedy_ids(eng, case["prompt_ids"], len(ref), speculative=True)
             assert spec == got, case["name"]
-    finally:
-        eng.stop(10)
 
 
 def test_serve_streams_generate_through_the_client():
-    from clients import SpecstreamClient
-    from service.serve import BackgroundServer
+    from tests.support.grpc_harness import serving
 
-    eng = cuda_engine("smollm2")
-    srv = BackgroundServer(eng).start()
-    try:
-        with SpecstreamClient(srv.target, timeout=60) as c:
-            responses = list(c.generate("The capital of France is", max_new_tokens=12,
-                                        temperature=0))
-        kinds = [r.WhichOneof("event") for r in responses]
-        assert kinds[0] == "started" and kinds[-1] == "finished"
-        assert sum(len(r.delta.token_ids) for r in responses if r.HasField("delta")) == 12
-        assert c is not None and eng.info.backend == "cuda"
-    finally:
-        srv.stop()
-        eng.stop(10)
+    with cuda_engine("smollm2") as eng, serving(eng, timeout=60) as (_, c):
+        responses = list(c.generate("The capital of France is", max_new_tokens=12,
+                                    temperature=0))
+    kinds = [r.WhichOneof("event") for r in responses]
+    assert kinds[0] == "started" and kinds[-1] == "finished"
+    assert sum(len(r.delta.token_ids) for r in responses if r.HasField("delta")) == 12
+    assert eng.info.backend == "cuda"
 
 
 # ---------------------------------------------------------------- launches per layer
@@ -373,10 +319,9 @@ def test_decode_layer_is_nine_launches(tmp_path):
 
     path = tmp_path / "tiny-q4_0.gguf"
     synthesize(path, "tiny", "Q4_0", seed=1)
-    f = GGUFFile(path)
-    spec = ModelSpec.from_gguf(f)
     be = cuda_backend()
-    tr = Transformer(spec, f, be, n_ctx=64, n_slots=1, max_tokens=16)
+    tr = build_model(path, be, max_tokens=16)
+    spec = tr.spec
     launched = []
     launch = be._launch
 
@@ -385,9 +330,9 @@ def test_decode_layer_is_nine_launches(tmp_path):
         launch(name, grid, block, args)
 
     be._launch = counting
-    step(tr, [1, 2, 3, 4], 0, 1)
+    forward_host(tr, [1, 2, 3, 4], 0, 1)
     launched.clear()
-    logits = step(tr, [5], 4, 1)
+    logits = forward_host(tr, [5], 4, 1)
     assert np.isfinite(logits).all()
     per_layer = (len(launched) - 3) / spec.n_layer
     print(f"{len(launched)} launches for {spec.n_layer} layers: {per_layer:g} per layer: "

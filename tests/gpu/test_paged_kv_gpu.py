@@ -16,7 +16,7 @@ from tests.engine.test_paged_kv import (
     permuted_table,
     scenario,
 )
-from tests.gpu.test_models import relative_errors
+from tests.support.logits import relative_errors
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu

@@ -24,18 +24,13 @@ import pytest
 from service.backends.cpu.backend import CpuBackend
 from service.gguf.quants import dequantize
 from service.gguf.reader import TensorInfo
-from tests.blocks import ALL_TYPES, block_size, qtype, random_tensor
+from tests.support.blocks import ALL_TYPES, block_size, qtype, random_tensor, random_tensor_info
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 U16 = 2.0 ** -11
 N_ROWS = 333                  # not a multiple of 8, 64 or 128 (cuBLAS tiles, our row tiles)
 F16_NAN = 0xFFFF              # poison: an f16 NaN bit pattern
-
-
-def tensor(name: str, rows: int, k: int, seed: int) -> TensorInfo:
-    raw = random_tensor(name, rows, k, np.random.default_rng(seed))
-    return TensorInfo(f"g.{name}.{rows}x{k}.{seed}", qtype(name), (rows, k), raw)
 
 
 def widths(name: str) -> list[int]:
@@ -71,7 +66,7 @@ def prepare(be, k: int, max_tokens: int = 256) -> None:
 @pytest.mark.parametrize("name", ALL_TYPES)
 def test_dequant_equals_gguf_after_f16_rounding(gemm, name):
     for k in widths(name):
-        t = tensor(name, 37, k, seed=k)
+        t = random_tensor_info(name, 37, k, seed=k, label="g")
         w = gemm.load_matrix([t])
         prepare(gemm, k)
         want = dequantize(t.raw, t.qtype, (37, k)).astype(np.float16).view(np.uint16)
@@ -99,7 +94,7 @@ def test_round_f16_equals_numpy(gemm):
 @pytest.mark.parametrize("name", ALL_TYPES)
 def test_gemm_against_references(gemm, name):
     for k in widths(name):
-        t = tensor(name, N_ROWS, k, seed=k + 5)
+        t = random_tensor_info(name, N_ROWS, k, seed=k + 5, label="g")
         w = gemm.load_matrix([t])
         prepare(gemm, k)
         W32 = dequantize(t.raw, t.qtype, (N_ROWS, k))                         # (N, K) f32
@@ -136,7 +131,7 @@ def test_dispatch_by_step_width():
     backend's; a step of prefill_gemm_min_tokens takes the GEMM."""
     assert backend(prefill_gemm_min_tokens=4).prefill_gemm_min_tokens == 17
     assert backend(prefill_gemm_min_tokens=17, invariant_tokens=32).prefill_gemm_min_tokens == 33
-    t = tensor("Q4_K", 40, 512, seed=9)
+    t = random_tensor_info("Q4_K", 40, 512, seed=9, label="g")
     x = np.random.default_rng(9).normal(0, 1, (17, 512)).astype(np.float32)
     outs = {}
     for label, be in (("gemv", backend(prefill_gemm_min_tokens=None)),
@@ -162,7 +157,8 @@ def test_tiny_model_prefill_on_the_gemm_path(name):
     rounding adds about as much again. Bound: a 1% median and a 2% 75th percentile, and every
     clear argmax equal. The MoE model keeps its expert matmuls on the 8-bit GEMV and is left
     to test_models."""
-    from tests.gpu.test_models import relative_errors, tiny_logits
+    from tests.support.logits import relative_errors
+    from tests.support.models import tiny_logits
 
     be = backend(prefill_gemm_min_tokens=17)
     ours, _ = tiny_logits(name, be)
@@ -185,7 +181,7 @@ def test_pinned_upload_equals_pageable(name):
     k = widths(name)[1]
     row_bytes = random_tensor(name, 1, k, np.random.default_rng(0)).size
     rows = (3 << 19) // row_bytes + 1                   # 1.5 MiB: more than one buffer
-    ts = [tensor(name, rows, k, seed=s) for s in (1, 2)]
+    ts = [random_tensor_info(name, rows, k, seed=s, label="g") for s in (1, 2)]
     vec = TensorInfo("g.norm", qtype("F32"), (k,),
                      np.random.default_rng(3).normal(1, 0.1, k).astype(np.float32).view(np.uint8))
     got = {}

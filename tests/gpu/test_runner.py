@@ -12,10 +12,9 @@ import pytest
 from service.backends.cpu import sampling as ref
 from service.backends.step_format import OUT_WORDS, param_record
 from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput
-from service.gguf.reader import GGUFFile
-from service.model.spec import ModelSpec
 from service.model.transformer import Transformer
-from tests.conftest import TINY
+from tests.support.engines import running_engine
+from tests.support.models import build_model
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -25,9 +24,8 @@ N_SLOTS, N_CTX = 2, 64
 def build(graphs: bool) -> tuple[Transformer, ModelRunner]:
     from service.backends.cuda.backend import CudaBackend
 
-    f = GGUFFile(TINY / "tiny-qwen3.gguf")
-    tr = Transformer(ModelSpec.from_gguf(f), f, CudaBackend(graphs=graphs), n_ctx=N_CTX,
-                     n_slots=N_SLOTS, max_tokens=32, max_logits=16)
+    tr = build_model("tiny-qwen3", CudaBackend(graphs=graphs), n_ctx=N_CTX, n_slots=N_SLOTS,
+                     max_tokens=32, max_logits=16)
     return tr, ModelRunner(tr, N_SLOTS, N_CTX)
 
 
@@ -82,14 +80,9 @@ def test_graphs_equal_eager_and_seeded_sampling_replays():
 def test_engine_on_cuda_replays_seeded_requests():
     """Through the whole engine (scheduler, runner, graphs): a seeded sampled request with a
     repetition penalty and log-probabilities gives the same tokens and log-probabilities twice."""
-    from service.config import EngineConfig
-    from service.engine.scheduler import Engine
     from service.engine.types import Delta, GenerationRequest, SamplingParams, StoppingCriteria
 
-    eng = Engine.load(TINY / "tiny-qwen3.gguf",
-                      EngineConfig(backend="cuda", n_ctx=64, n_slots=2, threads=1))
-    eng.start()
-    try:
+    with running_engine("tiny-qwen3", backend="cuda", n_ctx=64, n_slots=2, threads=1) as eng:
         def run(seed: int) -> tuple[list, list]:
             req = GenerationRequest(
                 "s", (1, 2, 3, 4, 5), SamplingParams(temperature=0.9, repetition_penalty=1.3,
@@ -103,5 +96,3 @@ def test_engine_on_cuda_replays_seeded_requests():
         assert ids_a == ids_b and len(ids_a) == 24
         assert lp_a == lp_b and len(lp_a) == 24 and all(len(lp.top) == 3 for lp in lp_a)
         assert [lp.token_id for lp in lp_a] == ids_a
-    finally:
-        eng.stop(10)

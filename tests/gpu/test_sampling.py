@@ -146,29 +146,3 @@ def test_step_io_round_trip(cuda):
     cuda.download_step(dev[:100], back)
     assert np.array_equal(back, host)
 
-
-def test_sample_op_time_is_reported(cuda):
-    """Prints the op's time per row at Gemma's vocabulary (no assertion on time): llama.cpp's
-    defaults, a nucleus over the whole vocabulary, and greedy, 16 rows per launch."""
-    V = 262144
-    rng = np.random.default_rng(9)
-    logits = cp.asarray(random_logits(rng, ROWS, V, False))
-    hist = cp.zeros((1, 8), cp.int32)
-    out = cuda.zeros((ROWS, OUT_WORDS), "int32")
-    cuda.prepare_sampling(ROWS, V)
-    for name, kw in [("defaults", dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)),
-                     ("top_p=0.9", dict(temperature=1.0, top_k=0, top_p=0.9, min_p=0.0)),
-                     ("greedy", dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0))]:
-        params = cp.asarray(np.array([param_record(**kw, penalty=1.0, repeat_last_n=0,
-                                                   seed=i, token_index=i, n_top=-1, slot=0,
-                                                   position=0) for i in range(ROWS)], np.int32))
-        cuda.sample(logits, params, hist, out)
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record(cuda.stream)
-        for _ in range(5):
-            cuda.sample(logits, params, hist, out)
-        stop.record(cuda.stream)
-        stop.synchronize()
-        ms = cp.cuda.get_elapsed_time(start, stop) / 5
-        print(f"\nsample_rows V={V} {name}: {ms:.3f} ms per launch of {ROWS} rows")
-        assert (cuda.to_host(out)[:, 0] >= 0).all()

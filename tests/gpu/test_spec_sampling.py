@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from service.tools.quantize import requantize
-from tests.conftest import load_json
 from tests.engine.test_spec_sampling import SAMPLED, compare
 from tests.gpu.test_models import cuda_engine, real_path
+from tests.support.models import load_json
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -24,24 +23,16 @@ def prompts(name: str) -> list[list[int]]:
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 def test_sampled_speculation_equals_plain_sampling_ngram_cuda(name):
-    eng = cuda_engine(name, verify_width=16, n_slots=1)
-    eng.verify_alpha = 0.0              # draft in full
-    try:
+    with cuda_engine(name, verify_width=16, n_slots=1, draft_in_full=True) as eng:
         drafted, accepted = compare(eng, prompts(name), SAMPLED)
         print(f"\n{name} ngram, sampled: {accepted}/{drafted} drafts accepted")
         assert accepted > 10
-    finally:
-        eng.stop(10)
 
 
-def test_sampled_speculation_equals_plain_sampling_model_drafter_cuda(tmp_path):
-    draft = requantize(real_path("smollm2"), tmp_path / "draft.gguf", "q8_0").path
-    eng = cuda_engine("smollm2", drafter="model", draft_model=str(draft), verify_width=6,
-                      n_slots=1)
-    eng.verify_alpha = 0.0
-    try:
+def test_sampled_speculation_equals_plain_sampling_model_drafter_cuda(requantized):
+    draft = requantized(real_path("smollm2"), "q8_0")
+    with cuda_engine("smollm2", drafter="model", draft_model=str(draft), verify_width=6,
+                     n_slots=1, draft_in_full=True) as eng:
         drafted, accepted = compare(eng, prompts("smollm2"), SAMPLED)
         print(f"\nfull q8_0 drafter, sampled: {accepted}/{drafted} drafts accepted")
         assert accepted > 0.3 * drafted
-    finally:
-        eng.stop(10)

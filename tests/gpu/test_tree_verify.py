@@ -4,8 +4,9 @@ gate (greedy output with tree verify equals plain greedy output up to the first 
 
 Tree rows are not bit-identical to plain decoding on the GPU: the attention kernel tiles keys by
 KV row, and a node's row (committed + node index) differs from the row plain decoding writes
-(committed + depth), so sums run in another order. Hence the near-tie rule (tests/near_ties.py)
-in the identity gate, and the CPU comparison's bound of test_kernels.py's attention test.
+(committed + depth), so sums run in another order. Hence the near-tie rule
+(tests/support/near_ties.py) in the identity gate, and the CPU comparison's bound of
+test_kernels.py's attention test.
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ from service.engine.types import (
     SamplingParams,
     StoppingCriteria,
 )
-from service.tools.quantize import requantize
-from tests.conftest import load_json
 from tests.gpu.test_kernels import PAIRS, _gpu_cache_values, _kv_pair_caches, poisoned
 from tests.gpu.test_models import cuda_engine, real_path
-from tests.near_ties import logprob_gap
+from tests.support.models import load_json
+from tests.support.near_ties import logprob_gap
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -134,14 +134,12 @@ def _run(eng, ids, speculative):
 
 
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
-def test_tree_verify_is_lossless_on_cuda(tmp_path, model):
-    draft = requantize(real_path(model), tmp_path / "draft.gguf", "q8_0", 4).path
-    eng = cuda_engine(model, drafter="model", draft_model=str(draft), verify_width=16,
-                      tree_budget=4, n_slots=1)
-    eng.verify_alpha = 0.0
+def test_tree_verify_is_lossless_on_cuda(requantized, model):
+    draft = requantized(real_path(model), "q8_0", 4)
     fixture = {"smollm2": "llamacpp_smollm2_greedy.json",
                "gemma3": "llamacpp_gemma3_greedy.json"}[model]
-    try:
+    with cuda_engine(model, drafter="model", draft_model=str(draft), verify_width=16,
+                     tree_budget=4, n_slots=1, draft_in_full=True) as eng:
         for budget in (4, 8, 16):
             eng.config = replace(eng.config, tree_budget=budget)
             drafted = compared = 0
@@ -156,8 +154,6 @@ def test_tree_verify_is_lossless_on_cuda(tmp_path, model):
             print(f"\n{model} budget {budget}: {compared} ids compared, {drafted} drafted, "
                   f"{eng.stats.kv_moves} KV moves so far")
             assert drafted > 0 and compared > 0
-    finally:
-        eng.stop(10)
 
 
 def test_off_chain_paths_are_compacted_on_cuda():
@@ -165,10 +161,9 @@ def test_off_chain_paths_are_compacted_on_cuda():
     draft is a branch node whose KV rows move."""
     from tests.engine.test_tree_verify import SecondBestDrafter
 
-    eng = cuda_engine("smollm2", drafter="ngram", tree_budget=8, n_slots=1)
-    eng.verify_alpha = 0.0
     cases = load_json("llamacpp_smollm2_greedy.json")["cases"]
-    try:
+    with cuda_engine("smollm2", drafter="ngram", tree_budget=8, n_slots=1,
+                     draft_in_full=True) as eng:
         plain = {tuple(c["prompt_ids"]): _run(eng, c["prompt_ids"], False) for c in cases}
         eng.drafter = SecondBestDrafter({p: list(o.token_ids) for p, (o, _) in plain.items()},
                                         eng.spec.vocab_size)
@@ -178,5 +173,3 @@ def test_off_chain_paths_are_compacted_on_cuda():
             assert tree.token_ids == ref.token_ids
             accepted += tree.finished.usage.accepted_draft_tokens
         assert accepted > 0 and eng.stats.kv_moves >= accepted
-    finally:
-        eng.stop(10)

@@ -1,8 +1,10 @@
-"""A real server on a localhost port: the CPU engine with the real SmolLM2 model.
+"""Servers of the service tests on localhost ports: the CPU engine with the real SmolLM2 model,
+and the scripted engine (tests/support/fake_engine.py) where the model adds nothing to what a
+test asserts (how request fields are checked and refused).
 
-The engine is loaded once per session and served in-process (BackgroundServer: its own event
-loop thread, real sockets, real client). Tests that need their own process (SIGTERM, startup
-exit codes) start `specstream serve` as a subprocess (grpc_harness.ServeProcess).
+The real engine is loaded once per session and served in-process (BackgroundServer: its own
+event loop thread, real sockets, real client). Tests that need their own process (SIGTERM,
+startup exit codes) start `specstream serve` as a subprocess (grpc_harness.ServeProcess).
 """
 
 from __future__ import annotations
@@ -13,45 +15,55 @@ from pathlib import Path
 import pytest
 
 from clients import SpecstreamClient
-from service.config import DEFAULT_MODEL, models_dir_from_env
-from service.gguf.fetch import resolve_model
+from service.config import DEFAULT_MODEL
+from service.engine.types import Started
 from service.logging import configure_logging
 from service.proto_build import stubs
 from service.serve import BackgroundServer
-
-from .grpc_harness import TEST_ENGINE, ServeProcess
+from tests.support.engines import running_engine
+from tests.support.fake_engine import FakeEngine, finished
+from tests.support.grpc_harness import TEST_ENGINE, ServeProcess, serving
+from tests.support.models import model_path as resolve
 
 stubs()  # the test modules import service.proto directly; a fresh clone has no stubs yet
 
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
-    return resolve_model(DEFAULT_MODEL, models_dir_from_env())   # fetched on first use
+    return resolve(DEFAULT_MODEL)
 
 
 @pytest.fixture(scope="session")
 def engine(model_path):
-    from service.engine.scheduler import Engine
-
-    eng = Engine.load(model_path, TEST_ENGINE)
-    eng.start()
-    eng.warmup()
-    yield eng
-    eng.stop(10)
+    with running_engine(model_path, config=TEST_ENGINE) as eng:
+        eng.warmup()
+        yield eng
 
 
 @pytest.fixture(scope="session")
 def server(engine) -> Iterator[BackgroundServer]:
     configure_logging("warning")   # servers log from background threads; keep output readable
-    srv = BackgroundServer(engine).start()
-    yield srv
-    srv.stop()
+    with BackgroundServer(engine) as srv:
+        yield srv
 
 
 @pytest.fixture()
 def client(server) -> Iterator[SpecstreamClient]:
     with SpecstreamClient(server.target, timeout=120) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def fake_client() -> Iterator[SpecstreamClient]:
+    """A client of a server around the scripted engine with the real engine's config
+    (TEST_ENGINE) and vocabulary size: requests are checked exactly as the real server checks
+    them; one that passes gets Started and Finished at once."""
+    def answer(request, sink, handle) -> None:
+        sink(Started(prompt_tokens=len(request.prompt_ids), seed=0))
+        sink(finished())
+
+    with serving(FakeEngine(answer, config=TEST_ENGINE)) as (_, client):
+        yield client
 
 
 @pytest.fixture()

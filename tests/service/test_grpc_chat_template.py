@@ -12,11 +12,10 @@ from clients import SpecstreamClient, error_details
 from service.config import load_config
 from service.errors import ConfigError
 from service.model.chat import BUILTIN_TEMPLATES, CHATML
-from service.serve import BackgroundServer
-from tests.conftest import load_json, real_model_path
-from tests.engine.test_engine import assert_matches_llamacpp, greedy_with_gaps
-
-from .grpc_harness import SERVE_FLAGS, TEST_ENGINE, run_serve
+from tests.support.engines import greedy_with_gaps, running_engine
+from tests.support.grpc_harness import SERVE_FLAGS, TEST_ENGINE, run_serve, serving
+from tests.support.models import load_json
+from tests.support.near_ties import assert_matches_llamacpp
 
 SYSTEM_CASE = next(c for c in load_json("llamacpp_smollm2_greedy_extra.json")["cases"]
                    if c["prompt"].startswith("<|im_start|>system\n"))
@@ -50,11 +49,9 @@ def test_smollm2_chat_ids_and_answer_are_llamacpps(client, engine):
 def gemma_client() -> Iterator[SpecstreamClient]:
     """Gemma-3-270M (a base model: no tokenizer.chat_template), served without --chat-template.
     Tokenize and a refused Generate never reach the engine thread, so it is not started."""
-    from service.engine.scheduler import Engine
-
-    engine = Engine.load(real_model_path("gemma3-270m"), TEST_ENGINE)
-    with BackgroundServer(engine) as srv, SpecstreamClient(srv.target, timeout=60) as c:
-        yield c
+    with running_engine("gemma3", config=TEST_ENGINE, start=False) as engine, \
+            serving(engine, timeout=60) as (_, client):
+        yield client
 
 
 def _refusal(call) -> None:

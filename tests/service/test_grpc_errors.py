@@ -21,10 +21,8 @@ from service.errors import (
     UnavailableError,
 )
 from service.interceptors import status_for
-from service.serve import BackgroundServer
-
-from .fake_engine import FakeEngine, finished
-from .grpc_harness import N_CTX
+from tests.support.fake_engine import VOCAB, FakeEngine, finished
+from tests.support.grpc_harness import N_CTX, serving
 
 BAD_REQUESTS = [
     ({"temperature": -1.0}, "sampling.temperature"),
@@ -46,10 +44,11 @@ def _code(err: grpc.RpcError) -> grpc.StatusCode:
     return err.code()
 
 
+# ------------------------------------------------------------------ fields, checked by the server
 @pytest.mark.parametrize(("kw", "field"), BAD_REQUESTS)
-def test_bad_sampling_and_stopping_name_the_field(client, kw, field):
+def test_bad_sampling_and_stopping_name_the_field(fake_client, kw, field):
     with pytest.raises(grpc.RpcError) as ei:
-        list(client.generate("hi", **kw))
+        list(fake_client.generate(tokens=[1, 2], **kw))
     e = error_details(ei.value)
     assert e.code == "INVALID_ARGUMENT", e
     assert [f for f, _ in e.field_violations] == [field]
@@ -58,19 +57,20 @@ def test_bad_sampling_and_stopping_name_the_field(client, kw, field):
 
 @pytest.mark.parametrize(("kw", "field", "reason"), [
     ({"tokens": [10**9]}, "input.tokens.ids[0]", "INVALID_ARGUMENT"),
-    ({"tokens": [1, 2, 49152]}, "input.tokens.ids[2]", "INVALID_ARGUMENT"),
+    ({"tokens": [1, 2, VOCAB]}, "input.tokens.ids[2]", "INVALID_ARGUMENT"),
     ({"tokens": [1] * N_CTX}, "input", "PROMPT_TOO_LONG"),
     ({"tokens": []}, "input", "INVALID_ARGUMENT"),
     ({"chat": []}, "input", "INVALID_ARGUMENT"),
 ])
-def test_bad_prompts(client, kw, field, reason):
+def test_bad_prompts(fake_client, kw, field, reason):
     with pytest.raises(grpc.RpcError) as ei:
-        list(client.generate(**kw))
+        list(fake_client.generate(**kw))
     e = error_details(ei.value)
     assert e.code == "INVALID_ARGUMENT" and e.reason == reason
     assert e.field_violations[0][0].startswith(field)
 
 
+# ------------------------------------------------------------------ text: the model's tokenizer
 def test_prompt_too_long_text(client):
     with pytest.raises(grpc.RpcError) as ei:
         list(client.generate("word " * (N_CTX + 10)))
@@ -113,13 +113,8 @@ def test_status_for(exc, code):
 
 
 # ------------------------------------------------------------------ mechanics, scripted engine
-def _serve(engine) -> BackgroundServer:
-    return BackgroundServer(engine, engine_cfg=getattr(engine, "config", None)).start()
-
-
 def test_resource_exhausted_carries_retry_info():
-    with _serve(FakeEngine(raises=CapacityError("64 requests are waiting", 1.5))) as srv, \
-            SpecstreamClient(srv.target) as c:
+    with serving(FakeEngine(raises=CapacityError("64 requests are waiting", 1.5))) as (_, c):
         with pytest.raises(grpc.RpcError) as ei:
             list(c.generate(tokens=[1, 2]))
     e = error_details(ei.value)
@@ -133,7 +128,7 @@ def test_internal_errors_hide_details_and_server_survives():
 
     crash = FakeEngine(raises=ZeroDivisionError("secret internals at line 42"))
     for engine in (crash, FakeEngine(script=fail_midway)):
-        with _serve(engine) as srv, SpecstreamClient(srv.target) as c:
+        with serving(engine) as (_, c):
             with pytest.raises(grpc.RpcError) as ei:
                 list(c.generate(tokens=[1, 2], request_id="boom"))
             e = error_details(ei.value)
@@ -144,7 +139,7 @@ def test_internal_errors_hide_details_and_server_survives():
 
 
 def test_loading_server_is_not_serving_and_unavailable():
-    with BackgroundServer(None) as srv, SpecstreamClient(srv.target) as c:
+    with serving(None) as (_, c):
         for service in ("", "specstream.v1.GenerationService", "specstream.v1.ConfigService"):
             assert c.health(service) == "NOT_SERVING"
         for call in (lambda: list(c.generate("hi")), lambda: c.tokenize("hi"), c.model_info):
@@ -156,7 +151,7 @@ def test_loading_server_is_not_serving_and_unavailable():
 
 
 def test_draining_refuses_generate():
-    with _serve(FakeEngine(script=lambda *a: None)) as srv, SpecstreamClient(srv.target) as c:
+    with serving(FakeEngine(script=lambda *a: None)) as (srv, c):
         srv.service.state.draining = True
         with pytest.raises(grpc.RpcError) as ei:
             list(c.generate(tokens=[1]))
@@ -164,7 +159,7 @@ def test_draining_refuses_generate():
 
 
 def test_speculation_requested_without_drafter_is_failed_precondition():
-    with _serve(FakeEngine(script=lambda *a: None)) as srv, SpecstreamClient(srv.target) as c:
+    with serving(FakeEngine(script=lambda *a: None)) as (_, c):
         with pytest.raises(grpc.RpcError) as ei:
             list(c.generate(tokens=[1], speculative=True))
     assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -188,7 +183,7 @@ def test_cancel_reaches_scripted_engine():
         release.set()
 
     engine = FakeEngine(script=hold)
-    with _serve(engine) as srv, SpecstreamClient(srv.target) as c:
+    with serving(engine) as (_, c):
         stream = c.generate(tokens=[1])
         assert next(stream).HasField("started")
         stream.close()                                   # leaves the loop: cancels the call

@@ -9,8 +9,7 @@ from hypothesis import strategies as st
 
 from clients import error_details
 from service.proto import generation_pb2
-
-from .grpc_harness import N_CTX
+from tests.support.grpc_harness import N_CTX
 
 U32 = st.integers(0, 2**32 - 1)
 SMALL_IDS = st.integers(0, 49151)

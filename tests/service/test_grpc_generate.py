@@ -10,8 +10,7 @@ import pytest
 
 from clients import AsyncSpecstreamClient, Completion
 from service.proto import generation_pb2
-
-from .grpc_harness import N_CTX, ROOT, specstream_bin
+from tests.support.grpc_harness import N_CTX, ROOT, specstream_bin, specstream_env
 
 PROMPT = "The capital of France is"
 GREEDY = {"temperature": 0.0}
@@ -54,7 +53,7 @@ def test_greedy_output_identical_to_cli(client, model_path):
     out = subprocess.run(
         [specstream_bin(), "generate", str(model_path), "--prompt", PROMPT, "--temperature", "0",
          "--max-new-tokens", str(n), "--json", "--backend", "cpu", "--n-ctx", str(N_CTX)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=specstream_env())
     assert out.returncode == 0, out.stderr
     cli = json.loads(out.stdout.strip().splitlines()[-1])
     done = client.complete(PROMPT, max_new_tokens=n, **GREEDY)

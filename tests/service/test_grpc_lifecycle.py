@@ -17,9 +17,9 @@ from service.engine.types import Delta, Started
 from service.logging import configure_logging
 from service.serve import BackgroundServer
 from service.server import EventBuffer
-
-from .fake_engine import FakeEngine, burst
-from .grpc_harness import SERVE_FLAGS, wait_idle
+from tests.support.engines import wait_idle
+from tests.support.fake_engine import FakeEngine, burst
+from tests.support.grpc_harness import SERVE_FLAGS, serving
 
 LONG = {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0.0}
 
@@ -111,7 +111,7 @@ def test_slow_reader_never_blocks_the_engine():
     produced = threading.Event()
     n, text = 3000, "x" * 1000
     engine = FakeEngine(script=burst(n, text, produced))
-    with FakeServer(engine) as srv, SpecstreamClient(srv.target) as c:
+    with serving(engine) as (srv, c):
         stream = c.generate(tokens=[1])
         assert next(stream).HasField("started")
         assert produced.wait(30), "the engine thread was blocked by a slow client"
@@ -121,12 +121,6 @@ def test_slow_reader_never_blocks_the_engine():
     assert [t for d in deltas for t in d.token_ids] == list(range(n))
     assert "".join(d.text for d in deltas) == "".join(f"{i}:{text};" for i in range(n))
     assert len(deltas) < n
-
-
-def FakeServer(engine):  # noqa: N802 - reads like a class at the call site
-    from service.serve import BackgroundServer
-
-    return BackgroundServer(engine, engine_cfg=engine.config).start()
 
 
 # ------------------------------------------------------------------ SIGTERM
@@ -159,7 +153,7 @@ def test_sigterm_drains(serve_subprocess, model_path):
 def test_dead_engine_turns_health_not_serving_and_refuses_generate():
     engine = FakeEngine(script=burst(1, "x", threading.Event()))
     engine.healthy = True
-    with FakeServer(engine) as srv, SpecstreamClient(srv.target) as c:
+    with serving(engine) as (srv, c):
         assert c.health() == "SERVING"
         engine.healthy = False                # the engine thread died
         deadline = time.monotonic() + 10

@@ -11,8 +11,7 @@ import grpc
 import pytest
 
 from clients import error_details
-
-from .grpc_harness import N_CTX
+from tests.support.grpc_harness import N_CTX
 
 HUGE = "word " * 1_920_000                      # 9.6 MB: ceil(B / M) tokens exceed any context
 MARK = "<wait-for-health>"                      # the text whose tokenizing is held up

@@ -10,11 +10,8 @@ import grpc
 import pytest
 
 from clients import SpecstreamClient, error_details
-from service.config import EngineConfig
-from service.serve import BackgroundServer
-from tests.conftest import TINY
-
-from .grpc_harness import TEST_ENGINE
+from tests.support.engines import running_engine
+from tests.support.grpc_harness import TEST_ENGINE, serving
 
 PROMPT = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n" \
          "def fib2(n):\n"
@@ -73,18 +70,18 @@ def test_timings_have_no_profile_when_it_is_off(client):
     ({"speculative_mode": "tree"}, "FAILED_PRECONDITION", "speculative.mode"),
     ({"speculative_tree_budget": 4}, "FAILED_PRECONDITION", "speculative.tree_budget"),
 ])
-def test_options_outside_the_limits_are_refused(client, kw, code, field):
-    got = refusal(client, **kw)
+def test_options_outside_the_limits_are_refused(fake_client, kw, code, field):
+    got = refusal(fake_client, **kw)
     assert got[:2] == (code, field), got
 
 
-def test_an_unknown_mode_number_is_refused(client):
+def test_an_unknown_mode_number_is_refused(fake_client):
     from clients.client import build_generate_request
 
     req = build_generate_request(tokens=[1, 2], max_new_tokens=2)
     req.speculative.mode = 17          # proto3 enums are open: the number travels
     with pytest.raises(grpc.RpcError) as ei:
-        list(client.generate(request=req))
+        list(fake_client.generate(request=req))
     e = error_details(ei.value)
     assert e.code == "INVALID_ARGUMENT" and e.field_violations[0][0] == "speculative.mode"
 
@@ -93,17 +90,9 @@ def test_an_unknown_mode_number_is_refused(client):
 @pytest.fixture(scope="module")
 def tree_client() -> Iterator[SpecstreamClient]:
     """A tiny model served with tree_budget 8, verify_width 6 and the step profiler on."""
-    from service.engine.scheduler import Engine
-
-    cfg = EngineConfig(backend="cpu", n_ctx=128, n_slots=2, verify_width=6, tree_budget=8,
-                       step_profile=True)
-    engine = Engine.load(TINY / "tiny-qwen3.gguf", cfg)
-    engine.start()
-    try:
-        with BackgroundServer(engine) as srv, SpecstreamClient(srv.target, timeout=120) as c:
-            yield c
-    finally:
-        engine.stop(10)
+    with running_engine("tiny-qwen3", n_ctx=128, n_slots=2, verify_width=6, tree_budget=8,
+                        step_profile=True) as engine, serving(engine) as (_, client):
+        yield client
 
 
 def test_tree_options_within_the_server_budget(tree_client):

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from .grpc_harness import ROOT
+from tests.support.grpc_harness import ROOT
 
 # Run in a fresh interpreter: os.environ records every key looked up, stub generation raises.
 IMPORT_PROBE = r"""

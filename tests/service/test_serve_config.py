@@ -15,8 +15,7 @@ from service.config import (
     settings,
 )
 from service.errors import ConfigError
-
-from .grpc_harness import run_serve
+from tests.support.grpc_harness import run_serve
 
 
 def _problems(argv=(), env=None, config_file=None) -> list[tuple[str, str]]:
@@ -170,8 +169,8 @@ def test_serve_help_lists_pairs():
     ["--verify-width", "0", "--cache-type-k", "bf16", "--drafter", "magic", "--n-slots", "0"],
     ["--cache-type-k", "q8_0", "--cache-type-v", "q4_0", "--verify-width", "8"],
 ])
-def test_validate_config_reports_what_startup_reports(client, argv):
-    before = client.get_config()
+def test_validate_config_reports_what_startup_reports(fake_client, argv):
+    before = fake_client.get_config()
     try:
         load_config(argv, {})
         expected: list[tuple[str, str]] = []
@@ -180,12 +179,12 @@ def test_validate_config_reports_what_startup_reports(client, argv):
     fields = {s.flag: s for s in settings()}
     given = {fields[f].name: fields[f].kind(v) for f, v in zip(argv[::2], argv[1::2],
                                                                 strict=True)}
-    r = client.validate_config(**given)
+    r = fake_client.validate_config(**given)
     assert [(p.field, p.message) for p in r.problems] == expected
     assert r.valid == (not expected)
     for name, value in given.items():
         assert getattr(r.config, name) == value
-    assert client.get_config() == before              # a dry run: nothing changed
+    assert fake_client.get_config() == before              # a dry run: nothing changed
 
 
 # ------------------------------------------------------------------ generated stubs

@@ -1,10 +1,12 @@
 """The CPU backend's capture rules: what a CUDA graph cannot contain raises on the CPU.
 
-Positive runs: the tiny models and SmolLM2 through Transformer.forward, and SmolLM2 through the
-engine (prefill chunks, decode steps, speculative verify steps), give the same logits and ids as
-without the rules while every step is checked. Negative controls: a step that allocates, copies
-or waits, one that passes an array made during the step to an op (directly, or from a model
-layer that allocates a temporary), and one whose op sequence changes under the same key.
+Positive runs: the tiny models through Transformer.forward and through the engine (prefill
+chunks, decode steps, speculative verify steps) give the same logits and ids as without the
+rules while every step is checked (SmolLM2 and a draft model run under the rules in the engine
+tier: tests/engine/test_model_drafter.py::test_draft_steps_obey_the_capture_rules). Negative
+controls: a step that allocates, copies or waits, one that passes an array made during the step
+to an op (directly, or from a model layer that allocates a temporary), and one whose op sequence
+changes under the same key.
 """
 
 from __future__ import annotations
@@ -15,16 +17,12 @@ import pytest
 from service.backends import backend_options, create_backend
 from service.backends.capture_rules import FORBIDDEN, CaptureRuleError
 from service.backends.cpu.backend import CpuBackend
-from service.config import EngineConfig
-from service.engine.scheduler import Engine
-from service.engine.types import FinishReason, GenerationRequest, SamplingParams, StoppingCriteria
+from service.engine.types import FinishReason
 from service.gguf.quants import QuantType
-from service.gguf.reader import GGUFFile, TensorInfo
-from service.model.spec import ModelSpec
+from service.gguf.reader import TensorInfo
 from service.model.transformer import Transformer
-from tests.conftest import TINY, load_json, open_gguf, real_model_path
-
-TINY_MODELS = ["tiny-llama-mixq", "tiny-qwen3", "tiny-qwen3moe"]
+from tests.support.engines import run, running_engine
+from tests.support.models import TINY_MODELS, build_model, load_json
 
 
 # ---------------------------------------------------------------- a step harness
@@ -129,12 +127,12 @@ def _inputs(be, ids: list[int], start: int):
     return bufs
 
 
-def _run_model(f: GGUFFile, prompt: list[int], n_decode: int, rules: bool,
+def _run_model(name: str, prompt: list[int], n_decode: int, rules: bool,
                model_cls=Transformer) -> np.ndarray:
     """Prefill the prompt, then n_decode single-token steps (key (1, 1) repeats); the logits of
     every step, (len(prompt) + n_decode, V)."""
     be = CpuBackend(threads=1, act_quant=True, capture_rules=rules)
-    tr = model_cls(ModelSpec.from_gguf(f), f, be, n_ctx=64, n_slots=1, max_tokens=32)
+    tr = build_model(name, be, cls=model_cls)
     t = len(prompt)
     rows = [np.array(tr.forward(*_inputs(be, prompt, 0), t, t))]
     step_in = _inputs(be, [0], t)
@@ -151,16 +149,9 @@ def _run_model(f: GGUFFile, prompt: list[int], n_decode: int, rules: bool,
 
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_tiny_models_obey_the_rules(name):
-    fx = load_json("tiny/llamacpp_tiny_logits.json")
-    f = GGUFFile(TINY / fx["models"][name]["file"])
-    prompt = list(fx["prompt_ids"][:8])
-    ruled = _run_model(f, prompt, 3, rules=True)
-    np.testing.assert_array_equal(ruled, _run_model(f, prompt, 3, rules=False))
-
-
-def test_smollm2_forward_obeys_the_rules():
-    f = open_gguf(str(real_model_path("smollm2-135m")))
-    _run_model(f, [1, 504, 3458, 282, 4649, 314], 2, rules=True)
+    prompt = list(load_json("tiny/llamacpp_tiny_logits.json")["prompt_ids"][:8])
+    ruled = _run_model(name, prompt, 3, rules=True)
+    np.testing.assert_array_equal(ruled, _run_model(name, prompt, 3, rules=False))
 
 
 class TemporaryInLayer(Transformer):
@@ -174,55 +165,34 @@ class TemporaryInLayer(Transformer):
 
 
 def test_model_layer_allocating_a_temporary_fails():
-    f = GGUFFile(TINY / load_json("tiny/llamacpp_tiny_logits.json")["models"]["tiny-qwen3"]
-                 ["file"])
     prompt = [1, 2, 3]
-    np.testing.assert_array_equal(_run_model(f, prompt, 0, False, TemporaryInLayer),
-                                  _run_model(f, prompt, 0, False))   # right numbers, wrong memory
-    with pytest.raises(CaptureRuleError, match=r"^matmul: argument 'out'"):
-        _run_model(f, prompt, 0, True, TemporaryInLayer)
-    be = CpuBackend(threads=1, capture_rules=True)
-    tr = Transformer(ModelSpec.from_gguf(f), f, be, n_ctx=64, n_slots=1, max_tokens=8)
+    np.testing.assert_array_equal(_run_model("tiny-qwen3", prompt, 0, False, TemporaryInLayer),
+                                  _run_model("tiny-qwen3", prompt, 0, False))   # right numbers
+    with pytest.raises(CaptureRuleError, match=r"^matmul: argument 'out'"):   # wrong memory
+        _run_model("tiny-qwen3", prompt, 0, True, TemporaryInLayer)
+    tr = build_model("tiny-qwen3", CpuBackend(threads=1, capture_rules=True), max_tokens=8)
     host = [np.array(prompt, np.int32), np.arange(3, dtype=np.int32), np.zeros(3, np.int32)]
     with pytest.raises(CaptureRuleError, match=r"inputs\[0\]"):       # host arrays as inputs
         tr.forward(*host, 3, 1)
 
 
 # ---------------------------------------------------------------- the engine
-def _engine_paths() -> dict:
-    fx = load_json("tiny/llamacpp_tiny_logits.json")["models"]
-    return {"smollm2": real_model_path("smollm2-135m"),
-            **{n: TINY / fx[n]["file"] for n in TINY_MODELS}}
-
-
 def _generate(name: str, rules: bool) -> tuple[list[int], int]:
-    cfg = EngineConfig(backend="cpu", n_ctx=256, n_slots=2, threads=1, prefill_chunk=16)
-    path = _engine_paths()[name]
-    if rules:
-        with backend_options("cpu", capture_rules=True):
-            eng = Engine.load(path, cfg)
-    else:
-        eng = Engine.load(path, cfg)
     # a repetitive prompt longer than one prefill chunk: the n-gram drafter proposes, so
     # prefill chunks, single decode steps and verify steps all run
-    vocab = eng.spec.vocab_size
-    prompt = [1] + [t % vocab for t in (504, 3458, 282, 4649, 314, 7042, 30)] * 4
-    req = GenerationRequest("r", tuple(prompt), SamplingParams(temperature=0.0),
-                            StoppingCriteria(max_new_tokens=12, ignore_eos=True))
-    eng.start()
-    try:
-        events = list(eng.generate(req, timeout=300))
-    finally:
-        eng.stop(10)
+    with backend_options("cpu", capture_rules=rules), \
+            running_engine(name, n_slots=2, threads=1, prefill_chunk=16) as eng:
+        vocab = eng.spec.vocab_size
+        prompt = [1] + [t % vocab for t in (504, 3458, 282, 4649, 314, 7042, 30)] * 4
+        out = run(eng, prompt, max_new_tokens=12, ignore_eos=True)
     assert eng.failure is None
-    assert events[-1].reason is FinishReason.LENGTH, events[-1].error   # no step failed
-    ids = [i for e in events for i in getattr(e, "token_ids", ())]
+    assert out.finished.reason is FinishReason.LENGTH, out.finished.error   # no step failed
     state = getattr(eng.model.backend, "capture_state", None)
     assert (state is not None) == rules
-    return ids, (len(state.sequences) if rules else 0)
+    return out.token_ids, (len(state.sequences) if rules else 0)
 
 
-@pytest.mark.parametrize("name", ["smollm2", *TINY_MODELS])
+@pytest.mark.parametrize("name", TINY_MODELS)
 def test_engine_steps_obey_the_rules(name):
     ruled, n_keys = _generate(name, rules=True)
     assert len(ruled) == 12 and n_keys >= 4     # prefill chunks, decode and verify widths

@@ -4,16 +4,13 @@
 from __future__ import annotations
 
 from functools import cache
-from pathlib import Path
 
 import pytest
 
-from service.config import models_dir_from_env
 from service.errors import (
     ChatTemplateMissingError,
     ConfigError,
     InvalidRequestError,
-    ModelFormatError,
 )
 from service.model.chat import (
     BUILTIN_TEMPLATES,
@@ -25,28 +22,18 @@ from service.model.chat import (
     template_for,
 )
 from service.model.tokenizer import Tokenizer, byte_level_chars
-from tests.conftest import load_json, open_gguf
+from tests.support.models import REAL_MODELS, load_json, open_gguf
 
-MODELS = models_dir_from_env()
-FILES = {"smollm2": "smollm2-135m.gguf", "gemma3": "gemma3-270m.gguf"}
 USER = [{"role": "user", "content": "What is 12 times 7?"}]
 
 
-def read_metadata(path: Path) -> dict:
-    if not path.is_file():
-        pytest.skip(f"{path} is absent; fetch it with `specstream models fetch`")
-    try:
-        return open_gguf(str(path)).metadata
-    except (ImportError, ModelFormatError):
-        from gguf import GGUFReader
-
-        reader = GGUFReader(path, "r")
-        keys = ("general.architecture", "tokenizer.chat_template")
-        return {k: reader.fields[k].contents() for k in keys if k in reader.fields}
+def read_metadata(name: str) -> dict:
+    """The metadata of a real model, when it is present (the unit tier never fetches)."""
+    return open_gguf(name, fetch=False).metadata
 
 
 def test_smollm2_template_from_metadata_renders_chatml():
-    md = read_metadata(MODELS / "smollm2-135m.gguf")
+    md = read_metadata("smollm2")
     template = template_for(md)
     assert template == md["tokenizer.chat_template"]
     out = render_chat(template, USER, bos_token="<|im_start|>", eos_token="<|im_end|>")
@@ -60,7 +47,7 @@ def test_smollm2_template_from_metadata_renders_chatml():
 
 
 def test_gemma_has_no_template_and_chat_is_refused():
-    md = read_metadata(MODELS / "gemma3-270m.gguf")
+    md = read_metadata("gemma3")
     assert "tokenizer.chat_template" not in md
     assert template_for(md) is None
     tok, _ = tokenizer_of("gemma3")
@@ -171,14 +158,14 @@ def chatml_messages(prompt: str) -> list[dict[str, str]]:
 
 def chatml_cases() -> list[tuple[str, dict]]:
     """Every llama.cpp fixture prompt written in ChatML, per model."""
-    return [(name, case) for name in sorted(FILES) for extra in ("", "_extra")
+    return [(name, case) for name in sorted(REAL_MODELS) for extra in ("", "_extra")
             for case in load_json(f"llamacpp_{name}_greedy{extra}.json")["cases"]
             if case["prompt"].startswith("<|im_start|>")]
 
 
 @cache
 def tokenizer_of(name: str) -> tuple[Tokenizer, dict]:
-    md = read_metadata(MODELS / FILES[name])
+    md = read_metadata(name)
     return Tokenizer.from_metadata(md), md
 
 

@@ -9,6 +9,7 @@ from service.backends.cpu.backend import CpuBackend
 from service.gguf import quants
 from service.gguf.quants import QuantType
 from service.gguf.reader import TensorInfo
+from tests.support.models import open_gguf
 
 RNG = np.random.default_rng(7)
 QUANTIZABLE = [QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q8_0,
@@ -36,10 +37,7 @@ def test_matmul_equals_dequantized_weights(qt, T):
 
 def test_k_quant_matmul_from_fixture_tensors():
     """Q4_K/Q5_K/Q6_K (no quantizer here) from the mixed-quant fixture model."""
-    from service.gguf.reader import GGUFFile
-    from tests.conftest import TINY
-
-    f = GGUFFile(TINY / "tiny-llama-mixq.gguf")
+    f = open_gguf("tiny-llama-mixq")
     be = CpuBackend()
     seen = set()
     for t in f.tensors.values():
@@ -84,15 +82,23 @@ def naive_attention(q, k, v, pos, window, scale):
     return out
 
 
+def written_cache(be, slots, pos, hkv: int, D: int, n_ctx: int):
+    """A one-layer f16 cache of 2 slots with random K and V rows (n, hkv, D) f32 written at
+    (slots[t], pos[t]); the cache, k and v."""
+    n = len(pos)
+    cache = be.new_kv_cache(1, 2, n_ctx, hkv, D, D, "f16", "f16")
+    k = RNG.standard_normal((n, hkv, D)).astype(np.float32)
+    v = RNG.standard_normal((n, hkv, D)).astype(np.float32)
+    be.kv_write(cache, 0, k, v, slots, pos)
+    return cache, k, v
+
+
 @pytest.mark.parametrize("window", [0, 3])
 def test_attention_causal_window_gqa(window):
     be = CpuBackend()
     n, H, hkv, D = 9, 4, 2, 8
-    cache = be.new_kv_cache(1, 2, 16, hkv, D, D, "f16", "f16")
-    k = RNG.standard_normal((n, hkv, D)).astype(np.float32)
-    v = RNG.standard_normal((n, hkv, D)).astype(np.float32)
     slots, pos = np.ones(n, np.int32), np.arange(n, dtype=np.int32)
-    be.kv_write(cache, 0, k, v, slots, pos)
+    cache, k, v = written_cache(be, slots, pos, hkv, D, 16)
     q = RNG.standard_normal((n, H, D)).astype(np.float32)
     out = np.empty((n, H, D), np.float32)
     be.attention(q, cache, 0, slots, pos, n, window, 0.3, out)
@@ -161,12 +167,9 @@ def test_prefill_attention_matches_per_query(window):
     """Steps longer than 16 tokens use one masked batched product; same result (two slots)."""
     be = CpuBackend()
     n, H, hkv, D = 40, 4, 2, 8
-    cache = be.new_kv_cache(1, 2, 64, hkv, D, D, "f16", "f16")
-    k = RNG.standard_normal((n, hkv, D)).astype(np.float32)
-    v = RNG.standard_normal((n, hkv, D)).astype(np.float32)
     slots = np.array([0] * 20 + [1] * 20, np.int32)
     pos = np.concatenate([np.arange(20), np.arange(3, 23)]).astype(np.int32)
-    be.kv_write(cache, 0, k, v, slots, pos)
+    cache, _, _ = written_cache(be, slots, pos, hkv, D, 64)
     q = RNG.standard_normal((n, H, D)).astype(np.float32)
     batched = np.empty((n, H, D), np.float32)
     be.attention(q, cache, 0, slots, pos, 23, window, 0.3, batched)

@@ -15,7 +15,7 @@ from service.backends.cuda.layout import (
     split_planes,
     write_planes,
 )
-from tests.blocks import ALL_TYPES, random_tensor
+from tests.support.blocks import ALL_TYPES, random_tensor
 
 
 @pytest.mark.parametrize("name", ALL_TYPES)

@@ -23,6 +23,7 @@ from service.gguf.fetch import (
     fetch_model,
     resolve_model,
 )
+from tests.support.models import model_path
 
 REPO_MODELS = Path(__file__).resolve().parents[2] / "models"
 PAYLOAD = [b"GGUF" + bytes(range(256)) * 3, b"second part \x00\xff" * 50]
@@ -198,9 +199,7 @@ def test_real_models_are_already_fetched(name, monkeypatch):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_registry_size_is_the_fetched_file_size(name):
-    path = models_dir_from_env() / f"{name}.gguf"
-    if not path.is_file():
-        pytest.skip(f"{path} not fetched")
+    path = model_path(name, fetch=False)
     assert MODELS[name].size == path.stat().st_size
     assert fetch.format_size(MODELS[name].size) == f"{path.stat().st_size / 2**20:.1f} MiB"
 

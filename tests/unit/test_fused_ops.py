@@ -11,10 +11,10 @@ from service.backends.base import Backend
 from service.backends.cpu.backend import CpuBackend
 from service.gguf import quants
 from service.gguf.quants import QuantType
-from service.gguf.reader import GGUFFile, TensorInfo
-from service.model.spec import ModelSpec
-from service.model.transformer import Transformer, positions_for
-from tests.conftest import TINY
+from service.gguf.reader import TensorInfo
+from service.model.transformer import positions_for
+from tests.support.fused import qkv_views
+from tests.support.models import build_model
 
 RNG = np.random.default_rng(21)
 FUSED = ("rms_norm_for_matmul", "glu_for_matmul", "attention_for_matmul", "rope_kv",
@@ -82,17 +82,12 @@ def test_rope_kv_equals_norms_rope_and_kv_write(norms, neox):
     qkv = normal(T, (H + 2 * hkv) * D)
     pos, slots = np.array([0, 3, 7, 8, 40], np.int32), np.array([0, 1, 0, 1, 0], np.int32)
     qn, kn = (normal(D, scale=0.1) + 1, normal(D, scale=0.1) + 1) if norms else (None, None)
-
-    def views(a):
-        return (a[:, :H * D].reshape(T, H, D), a[:, H * D:(H + hkv) * D].reshape(T, hkv, D),
-                a[:, (H + hkv) * D:].reshape(T, hkv, D))
-
     fused, ref = qkv.copy(), qkv.copy()
     c1 = be.new_kv_cache(1, 2, 64, hkv, D, D, "q8_0", "q4_0")
     c2 = be.new_kv_cache(1, 2, 64, hkv, D, D, "q8_0", "q4_0")
-    q, k, v = views(fused)
+    q, k, v = qkv_views(fused, T, H, hkv, D)
     be.rope_kv(q, k, v, qn, kn, 1e-6, pos, slots, table, neox, c1, 0)
-    q2, k2, v2 = views(ref)
+    q2, k2, v2 = qkv_views(ref, T, H, hkv, D)
     if norms:
         be.rms_norm(q2, qn, 1e-6, q2)
         be.rms_norm(k2, kn, 1e-6, k2)
@@ -101,7 +96,7 @@ def test_rope_kv_equals_norms_rope_and_kv_write(norms, neox):
     be.kv_write(c2, 0, k2, v2, slots, pos)
     assert np.array_equal(q, q2)
     assert np.array_equal(c1.k[0], c2.k[0]) and np.array_equal(c1.v[0], c2.v[0])
-    assert not np.array_equal(q, views(qkv)[0])            # it did rotate
+    assert not np.array_equal(q, qkv_views(qkv, T, H, hkv, D)[0])      # it did rotate
 
 
 def test_attention_for_matmul_equals_attention():
@@ -150,10 +145,9 @@ def test_decode_layer_is_written_with_the_fused_ops():
     """A llama layer: norm-for-matmul, q|k|v matmul(s), rope_kv, attention-for-matmul,
     matmul_add (wo), norm-for-matmul, gate|up matmul(s), glu-for-matmul, matmul_add (down): the
     9 launches of the CUDA backend when q|k|v and gate|up are one matrix each."""
-    f = GGUFFile(TINY / "tiny-llama-mixq.gguf")
-    spec = ModelSpec.from_gguf(f)
     be = RecordingCpu()
-    tr = Transformer(spec, f, be, n_ctx=16, n_slots=1, max_tokens=4)
+    tr = build_model("tiny-llama-mixq", be, n_ctx=16, max_tokens=4)
+    spec = tr.spec
     ids, pos, slots = np.array([5], np.int32), positions_for(3, 1), np.zeros(1, np.int32)
     be.calls.clear()
     tr.forward(ids, pos, slots, 4, 1)

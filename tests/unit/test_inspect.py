@@ -4,33 +4,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 
 from service.errors import ModelFormatError
 from service.tools.inspect import describe, format_value
-
-MIXQ = Path("/work/shared/fixtures/tiny/tiny-llama-mixq.gguf")
+from tests.support.gguf_files import gguf_writer
+from tests.support.models import model_path
 
 
 def write_model(path: Path) -> Path:
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("inspect test")
-    w.add_block_count(2)
-    w.add_embedding_length(8)
-    w.add_rope_freq_base(10000.0)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"tok{i:04d}" for i in range(1000)])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}" * 4)
-    w.add_tensor("token_embd.weight", np.zeros((1000, 8), np.float32))
-    w.add_tensor("output_norm.weight", np.ones(8, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    with gguf_writer(path, "llama") as w:
+        w.add_name("inspect test")
+        w.add_block_count(2)
+        w.add_embedding_length(8)
+        w.add_rope_freq_base(10000.0)
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([f"tok{i:04d}" for i in range(1000)])
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}" * 4)
+        w.add_tensor("token_embd.weight", np.zeros((1000, 8), np.float32))
+        w.add_tensor("output_norm.weight", np.ones(8, np.float32))
     return path
 
 
@@ -51,9 +46,7 @@ def test_describe_small_model(tmp_path):
 
 
 def test_describe_mixed_quant_fixture():
-    if not MIXQ.is_file():
-        pytest.skip(f"{MIXQ} is not present")
-    text = describe(MIXQ)
+    text = describe(model_path("tiny-llama-mixq"))
     for qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"):
         assert f"\n  {qtype} " in text
     assert "chat template                                absent" in text

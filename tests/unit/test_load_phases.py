@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from structlog.testing import CapturingLogger
 
-from service.config import EngineConfig
 from service.engine import loader
-from service.engine.scheduler import Engine
-from tests.conftest import TINY
+from tests.support.engines import running_engine
 
 PHASES = ["header", "tokenizer", "backend", "weights", "kv_cache", "warmup"]
 
@@ -17,13 +15,8 @@ def test_load_logs_every_phase_with_duration(monkeypatch):
     # that an earlier test's configure_logging() cached on first use.
     rec = CapturingLogger()
     monkeypatch.setattr(loader, "log", rec)   # loading and warmup log through the loader
-    eng = Engine.load(TINY / "tiny-qwen3.gguf",
-                      EngineConfig(backend="cpu", n_ctx=64, n_slots=1, threads=1))
-    eng.start()
-    try:
+    with running_engine("tiny-qwen3", n_ctx=64, threads=1) as eng:
         eng.warmup()
-    finally:
-        eng.stop()
     events = [{"event": c.args[0], **c.kwargs} for c in rec.calls if c.args]
     phases = [e for e in events if e["event"] == "load_phase"]
     assert [e["phase"] for e in phases] == PHASES

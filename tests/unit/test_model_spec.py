@@ -5,16 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 
-from service.backends.cpu.backend import CpuBackend
 from service.errors import ModelFormatError
 from service.gguf.reader import GGUFFile
 from service.model.spec import ModelSpec, RopeMode
-from service.model.transformer import Transformer, positions_for
-from tests.conftest import TINY
+from service.model.transformer import positions_for
+from tests.support.gguf_files import gguf_writer
+from tests.support.models import build_model, open_gguf
 
 E, H, HKV, FF, V, L = 64, 4, 2, 96, 128, 2
 
@@ -23,18 +22,10 @@ def write_llama(path: Path, arch: str = "llama", skip: str = "", reshape: dict |
                 meta: dict | None = None) -> Path:
     """A tiny llama-shaped model with float32 random weights (ggml dims are reversed)."""
     rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(str(path), arch)
     kv = {"context_length": 256, "embedding_length": E, "block_count": L,
           "feed_forward_length": FF, "attention.head_count": H, "attention.head_count_kv": HKV,
           "attention.layer_norm_rms_epsilon": 1e-5, "vocab_size": V}
     kv.update(meta or {})
-    for key, value in kv.items():
-        if value is None:
-            continue
-        if isinstance(value, float):
-            w.add_float32(f"{arch}.{key}", value)
-        else:
-            w.add_uint32(f"{arch}.{key}", value)
     hd = E // H
     shapes = {"token_embd.weight": (V, E), "output_norm.weight": (E,),
               "output.weight": (V, E)}
@@ -46,13 +37,15 @@ def write_llama(path: Path, arch: str = "llama", skip: str = "", reshape: dict |
                    p + "ffn_gate.weight": (FF, E), p + "ffn_up.weight": (FF, E),
                    p + "ffn_down.weight": (E, FF)}
     shapes |= reshape or {}
-    for name, shape in shapes.items():
-        if name != skip:
-            w.add_tensor(name, rng.standard_normal(shape).astype(np.float32) * 0.1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    with gguf_writer(path, arch) as w:
+        for key, value in kv.items():
+            if isinstance(value, float):
+                w.add_float32(f"{arch}.{key}", value)
+            elif value is not None:
+                w.add_uint32(f"{arch}.{key}", value)
+        for name, shape in shapes.items():
+            if name != skip:
+                w.add_tensor(name, rng.standard_normal(shape).astype(np.float32) * 0.1)
     return path
 
 
@@ -61,7 +54,7 @@ def test_valid_model_loads_and_runs(tmp_path):
     spec = ModelSpec.from_gguf(f)
     assert (spec.arch, spec.n_layer, spec.head_dim, spec.n_head_kv) == ("llama", L, E // H, HKV)
     assert spec.traits.rope_mode is RopeMode.NORMAL and not spec.tied_output
-    tr = Transformer(spec, f, CpuBackend(), n_ctx=32, n_slots=1, max_tokens=8)
+    tr = build_model(f.path, n_ctx=32, max_tokens=8)
     ids = np.array([1, 5, 9], np.int32)
     logits = tr.forward(ids, positions_for(0, 3), np.zeros(3, np.int32), 3, 3)
     assert logits.shape == (3, V) and np.isfinite(logits).all()
@@ -85,12 +78,12 @@ def test_unservable_model_is_refused(tmp_path, kwargs, expected):
 
 
 @pytest.mark.parametrize("name,arch,traits", [
-    ("tiny-qwen3.gguf", "qwen3", {"qk_norm": True, "moe": False}),
-    ("tiny-qwen3moe.gguf", "qwen3moe", {"qk_norm": True, "moe": True}),
-    ("tiny-llama-mixq.gguf", "llama", {"qk_norm": False, "moe": False}),
+    ("tiny-qwen3", "qwen3", {"qk_norm": True, "moe": False}),
+    ("tiny-qwen3moe", "qwen3moe", {"qk_norm": True, "moe": True}),
+    ("tiny-llama-mixq", "llama", {"qk_norm": False, "moe": False}),
 ])
 def test_architecture_traits(name, arch, traits):
-    spec = ModelSpec.from_gguf(GGUFFile(TINY / name))
+    spec = ModelSpec.from_gguf(open_gguf(name))
     assert spec.arch == arch
     for key, value in traits.items():
         assert getattr(spec.traits, key) is value
@@ -100,9 +93,7 @@ def test_architecture_traits(name, arch, traits):
 
 
 def test_gemma3_sliding_window_pattern_and_rope_bases():
-    from tests.conftest import open_gguf, real_model_path
-
-    spec = ModelSpec.from_gguf(open_gguf(str(real_model_path("gemma3-270m"))))
+    spec = ModelSpec.from_gguf(open_gguf("gemma3", fetch=False))    # the unit tier never fetches
     assert spec.traits.post_norms and spec.traits.qk_norm and spec.tied_output
     assert spec.embed_scale == pytest.approx(640 ** 0.5) and spec.head_dim == 256
     for i, layer in enumerate(spec.layers):

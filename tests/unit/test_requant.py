@@ -7,16 +7,16 @@ import gguf
 import numpy as np
 import pytest
 
-from service.backends.cpu.backend import CpuBackend
 from service.cli import main
 from service.gguf.prescan import ValueType
 from service.gguf.quants import QuantType, dequantize, quantize
 from service.gguf.reader import GGUFFile
 from service.model.spec import ModelSpec
 from service.model.tokenizer import Tokenizer
-from service.model.transformer import Transformer, positions_for
+from service.model.transformer import positions_for
 from service.tools.quantize import MODES, keeps_tensor, output_type, requantize
-from tests.conftest import TINY, real_model_path
+from tests.support.gguf_files import gguf_writer
+from tests.support.models import build_model, model_path
 
 CHANGED_KEYS = {"general.file_type"}
 Q8, Q4, F32 = QuantType.Q8_0, QuantType.Q4_0, QuantType.F32
@@ -74,7 +74,7 @@ def check_copy(src_path, out_path, mode: str, n_layers: int | None) -> GGUFFile:
     # it loads as a model and runs
     spec = ModelSpec.from_gguf(out)
     assert spec.n_layer == len(spec.layers) == n
-    tr = Transformer(spec, out, CpuBackend(), n_ctx=32, n_slots=1, max_tokens=8)
+    tr = build_model(out.path, n_ctx=32, max_tokens=8)
     ids = np.array([1, 5, 9, 13, 17], np.int32)
     logits = np.asarray(tr.forward(ids, positions_for(0, 5), np.zeros(5, np.int32), 5, 5))
     assert logits.shape[0] == 5 and logits.shape[1] >= spec.vocab_size
@@ -88,7 +88,7 @@ def check_copy(src_path, out_path, mode: str, n_layers: int | None) -> GGUFFile:
     ("tiny-qwen3moe", "q4-mix", 1),         # 3-D expert tensors, a router kept at F32
 ])
 def test_tiny_models(tmp_path, name, mode, n_layers):
-    src = TINY / f"{name}.gguf"
+    src = model_path(name)
     out = tmp_path / "out.gguf"
     r = requantize(src, out, mode, n_layers)
     assert r.path == out and not (tmp_path / "out.gguf.part").exists()
@@ -100,8 +100,7 @@ def test_tiny_models(tmp_path, name, mode, n_layers):
 
 
 def _logits(path) -> np.ndarray:
-    f = GGUFFile(path)
-    tr = Transformer(ModelSpec.from_gguf(f), f, CpuBackend(), n_ctx=64, n_slots=1, max_tokens=32)
+    tr = build_model(path)
     ids = (np.arange(3, 35, dtype=np.int32) * 7) % 1000
     return np.asarray(tr.forward(ids, positions_for(0, 32), np.zeros(32, np.int32), 32, 32))
 
@@ -111,8 +110,8 @@ def test_q8_0_copy_computes_what_the_source_computes(tmp_path, name):
     """8-bit re-encoding changes weights by under 1% of their block maxima: the logits move by
     0.6% of their spread (median over positions, measured); a mixed-up layout would move
     them by ~100%."""
-    requantize(TINY / f"{name}.gguf", tmp_path / "q8.gguf", "q8_0")
-    a, b = _logits(TINY / f"{name}.gguf"), _logits(tmp_path / "q8.gguf")
+    requantize(model_path(name), tmp_path / "q8.gguf", "q8_0")
+    a, b = _logits(model_path(name)), _logits(tmp_path / "q8.gguf")
     d = b - a
     d -= d.mean(axis=1, keepdims=True)
     rel = np.abs(d).mean(axis=1) / a.std(axis=1)
@@ -123,22 +122,18 @@ def test_dflash_tensors_and_per_layer_arrays(tmp_path):
     """A drafter-like file: q4-mix keeps `dflash.*` at Q8_0, and --layers cuts per-layer
     metadata arrays."""
     src = tmp_path / "draft.gguf"
-    w = gguf.GGUFWriter(str(src), "qwen3")
-    w.add_uint32("qwen3.block_count", 3)
-    w.add_array("qwen3.attention.head_count", [4, 8, 16])          # per layer: cut to 2
-    w.add_array("qwen3.dflash.target_layer_ids", [1, 5, 9])         # target layers: kept
-    w.add_array("tokenizer.ggml.tokens", ["a", "b", "c"])            # strings: untouched
     rng = np.random.default_rng(0)
     tensors = {"dflash.dspark.markov.w1": rng.standard_normal((64, 32)).astype(np.float16),
                "dflash.hidden_norm.weight": np.ones(32, np.float32)}
     for i in range(3):
         tensors[f"blk.{i}.attn_q.weight"] = rng.standard_normal((32, 64)).astype(np.float32)
-    for name, x in tensors.items():
-        w.add_tensor(name, x)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    with gguf_writer(src, "qwen3") as w:
+        w.add_uint32("qwen3.block_count", 3)
+        w.add_array("qwen3.attention.head_count", [4, 8, 16])          # per layer: cut to 2
+        w.add_array("qwen3.dflash.target_layer_ids", [1, 5, 9])         # target layers: kept
+        w.add_array("tokenizer.ggml.tokens", ["a", "b", "c"])            # strings: untouched
+        for name, x in tensors.items():
+            w.add_tensor(name, x)
     out = tmp_path / "mix.gguf"
     requantize(src, out, "q4-mix", 2)
     f = GGUFFile(out)
@@ -154,7 +149,7 @@ def test_dflash_tensors_and_per_layer_arrays(tmp_path):
 
 
 def test_refusals(tmp_path, capsys):
-    src = TINY / "tiny-qwen3.gguf"
+    src = model_path("tiny-qwen3")
     assert main(["quantize", str(src), str(tmp_path / "o.gguf"), "--type", "q3_k"]) == 2
     assert "unknown type 'q3_k'; one of q8_0, q4_0, q4-mix" in capsys.readouterr().err
     assert main(["quantize", str(src), str(tmp_path / "o.gguf"), "--type", "q8_0",
@@ -170,7 +165,7 @@ def test_refusals(tmp_path, capsys):
 def test_smollm2_truncated_self_drafter(tmp_path, capsys):
     """The real use: a 2-block q4-mix copy of SmolLM2 through the command line. Same
     vocabulary (the tokenizer encodes text identically), first blocks re-encoded, and it runs."""
-    src = real_model_path("smollm2-135m")
+    src = model_path("smollm2", fetch=False)          # the unit tier never fetches
     out = tmp_path / "smollm2-2l.gguf"
     assert main(["quantize", str(src), str(out), "--type", "q4-mix", "--layers", "2"]) == 0
     assert str(out) in capsys.readouterr().out

@@ -9,18 +9,16 @@ import gguf
 import numpy as np
 import pytest
 
-from service.backends.cpu.backend import CpuBackend
 from service.cli import build_parser, main
-from service.config import EngineConfig
-from service.engine.scheduler import Engine
-from service.engine.types import Delta, GenerationRequest, SamplingParams, StoppingCriteria
 from service.errors import ConfigError
 from service.gguf.quants import QuantType, block_spec, supported_types
 from service.gguf.reader import GGUFFile
 from service.model.spec import ModelSpec
 from service.model.tokenizer import Tokenizer, byte_level_chars
-from service.model.transformer import Transformer, positions_for
+from service.model.transformer import positions_for
 from service.tools import synth
+from tests.support.engines import run, running_engine
+from tests.support.models import build_model
 
 # byte offsets of the f16 block scale d (and of the second f16: min or dmin) per type
 D_AT = {QuantType.Q4_0: 0, QuantType.Q5_0: 0, QuantType.Q8_0: 0, QuantType.Q4_1: 0,
@@ -162,7 +160,7 @@ def test_tiny_files_load_and_run_on_cpu(tmp_path, preset):
         p.arch, p.n_layer, p.n_embd, p.n_vocab)
     assert spec.file_type == "Q4_K" and (spec.moe is not None) == (p.experts is not None)
     assert r.n_tensors == len(f.tensors) and r.n_bytes == r.path.stat().st_size
-    tr = Transformer(spec, f, CpuBackend(), n_ctx=32, n_slots=1, max_tokens=8)
+    tr = build_model(r.path, n_ctx=32, max_tokens=8)
     ids = np.array([1016, 72, 101, 300, 500, 7], np.int32)
     logits = np.asarray(tr.forward(ids, positions_for(0, 6), np.zeros(6, np.int32), 6, 6))
     assert np.isfinite(logits).all() and 0 < logits.std() < 10
@@ -170,17 +168,10 @@ def test_tiny_files_load_and_run_on_cpu(tmp_path, preset):
 
 def test_tiny_file_generates_text_through_the_engine(tmp_path):
     path = synth.synthesize(tmp_path / "m.gguf", "tiny", "Q8_0", seed=1).path
-    eng = Engine.load(path, EngineConfig(backend="cpu", n_ctx=64, n_slots=1))
-    eng.start()
-    try:
+    with running_engine(path, n_ctx=64) as eng:
         ids = eng.text_prompt_ids("Hello world")
         assert ids[0] == 1016 and eng.tokenizer.decode(ids[1:]) == "Hello world"
-        req = GenerationRequest("t", tuple(ids), SamplingParams(temperature=0.0),
-                                StoppingCriteria(max_new_tokens=5, ignore_eos=True))
-        out = [t for ev in eng.generate(req, timeout=120) if isinstance(ev, Delta)
-               for t in ev.token_ids]
-    finally:
-        eng.stop(10)
+        out = run(eng, ids, max_new_tokens=5, ignore_eos=True, timeout=120).token_ids
     assert len(out) == 5 and all(0 <= t < 1024 for t in out)
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import functools
 import heapq
-import json
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,33 +18,15 @@ from service.model.tokenizer import (
     VocabKind,
     byte_level_chars,
 )
+from tests.support.models import load_json, open_gguf
 
-ROOT = Path(__file__).resolve().parents[2]
-GOLDEN = json.loads((ROOT / "tests" / "data" / "llamacpp_tokenizer.json").read_text("utf-8"))
+GOLDEN = load_json("llamacpp_tokenizer.json")
 MODELS = GOLDEN["models"]
-_METADATA: dict[str, dict] = {}
-
-
-def read_metadata(path: Path) -> dict:
-    """Plain metadata through the project's reader, or straight through `gguf` if it is broken."""
-    try:
-        from service.gguf.reader import GGUFFile
-
-        return GGUFFile(path).metadata
-    except (ImportError, ModelFormatError):
-        from gguf import GGUFReader
-
-        reader = GGUFReader(path, "r")
-        return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
 def model_metadata(name: str) -> dict:
-    path = ROOT / "models" / MODELS[name]["file"]
-    if not path.is_file():
-        pytest.skip(f"{path} is absent; fetch it with `specstream models fetch`")
-    if name not in _METADATA:
-        _METADATA[name] = read_metadata(path)
-    return _METADATA[name]
+    """The metadata of a real model, when it is present (the unit tier never fetches)."""
+    return open_gguf(name, fetch=False).metadata
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))

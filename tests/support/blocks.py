@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from service.gguf.reader import TensorInfo
+
 # Byte offsets of the f16 scale/min fields in each block type (ggml's block structs).
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -43,3 +45,11 @@ def random_tensor(name: str, rows: int, k: int, rng: np.random.Generator) -> np.
         d = rng.uniform(2.0 ** -7, 2.0 ** -5, n_blocks).astype(np.float16)
         raw[:, off:off + 2] = d.view(np.uint8).reshape(n_blocks, 2)
     return raw.reshape(-1)
+
+
+def random_tensor_info(name: str, rows: int, k: int, seed: int, label: str = "w") -> TensorInfo:
+    """A (rows, K) weight of type `name` as the reader gives it, random_tensor's bytes drawn
+    from `seed`; its tensor name `label.type.rowsxK.seed` (a backend that keeps uploaded weights
+    by name sees one tensor per distinct call)."""
+    raw = random_tensor(name, rows, k, np.random.default_rng(seed))
+    return TensorInfo(f"{label}.{name}.{rows}x{k}.{seed}", qtype(name), (rows, k), raw)

@@ -76,3 +76,12 @@ def assert_teacher_forced_agrees(label: str, rows: np.ndarray, ref: Sequence[int
                 f"{label}: position {i}: our argmax {got} != reference {want} with clear gaps "
                 f"(ours {our_gaps[i]:.3f}, reference {ref_gaps[i]}, threshold {threshold})")
     return checked
+
+
+def assert_matches_llamacpp(name: str, case: dict, got: list[int], gaps: Gaps) -> int:
+    """Our greedy ids (`got`, with the gap of each one's row) equal those of a llama.cpp fixture
+    case (tests/data/llamacpp_*_greedy*.json) up to the first position where either side had a
+    near-tie (gap < REAL_MODEL_GAP); returns how many ids were compared."""
+    ref_gaps = [t["logits"][0] - t["logits"][1] for t in case["top8"]]
+    return assert_free_running_agrees(f"{name} {case['prompt'][:30]!r}", got,
+                                      case["greedy_ids"], gaps, ref_gaps, REAL_MODEL_GAP)

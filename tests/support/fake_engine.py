@@ -1,5 +1,7 @@
-"""A scripted stand-in for the engine, for server mechanics only (backpressure, error mapping,
-loading/draining states). Everything about generation itself is tested with the real engine."""
+"""A scripted stand-in for the engine, for what the server does on its own: backpressure, error
+mapping, loading/draining states, and the validation of request fields (the engine's own checks
+run here too, so a field the engine refuses is refused the same way). Everything about generation
+itself is tested with the real engine."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from service.engine.types import (
     Usage,
 )
 
+VOCAB = 49152                    # token ids 0..VOCAB-1 are valid (SmolLM2's vocabulary size)
+
 
 class FakeHandle:
     def __init__(self) -> None:
@@ -30,18 +34,22 @@ class FakeHandle:
 
 
 class FakeEngine:
-    """submit() runs `script(request, sink, handle)` on a thread, or raises `raises`."""
+    """submit() checks the request as Engine.submit does (GenerationRequest.validate against
+    `vocab_size` and the config's context), then raises `raises` or runs
+    `script(request, sink, handle)` on a thread."""
 
     def __init__(self, script: Callable | None = None, raises: BaseException | None = None,
-                 config: EngineConfig | None = None) -> None:
+                 config: EngineConfig | None = None, vocab_size: int = VOCAB) -> None:
         self.config = config or EngineConfig(backend="cpu", drafter="none", verify_width=1)
         self.script, self.raises = script, raises
+        self.spec = SimpleNamespace(vocab_size=vocab_size)
         self.info = SimpleNamespace(name="fake", backend="cpu", n_ctx=self.config.n_ctx)
         self.handles: list[FakeHandle] = []
         self.queue_depth = 0
         self.active = 0
 
     def submit(self, request: GenerationRequest, sink: Callable[[Event], None]) -> FakeHandle:
+        request.validate(self.spec.vocab_size, self.config.n_ctx)
         if self.raises is not None:
             raise self.raises
         handle = FakeHandle()

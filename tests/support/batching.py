@@ -4,17 +4,11 @@ once through one engine against each of them alone."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
-from service.engine.scheduler import Engine, StepStats
-from service.engine.types import (
-    Collected,
-    Delta,
-    Finished,
-    GenerationRequest,
-    SamplingParams,
-    StoppingCriteria,
-)
-from tests.conftest import load_json
+from service.engine.types import GenerationRequest, SamplingParams, StoppingCriteria
+from tests.support.engines import Engine, Result, StepStats
+from tests.support.models import load_json
 
 # greedy / seeded sampling, with speculation off or on (sampled requests never draft: "mixed"
 # puts them in the same steps as greedy requests that do)
@@ -43,17 +37,12 @@ def requests(mode: str, n: int, prompts: list[list[int]], base_tokens: int = 10
     return out
 
 
-class Result(Collected):
-    """Collected plus the log-probability records (token id, log-probability, alternatives)."""
+SYSTEM = [(11 * j) % 900 + 20 for j in range(40)]     # a 40-token shared "system prompt"
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.logprobs: list = []
 
-    def add(self, event) -> None:
-        super().add(event)
-        if isinstance(event, Delta):
-            self.logprobs += [(lp.token_id, lp.logprob, lp.top) for lp in event.logprobs]
+def shared_prompts(n: int) -> list[list[int]]:
+    """n prompts that begin with SYSTEM and differ after it."""
+    return [SYSTEM + [(7 * i + j) % 500 + 5 for j in range(3 + i % 5)] for i in range(n)]
 
 
 def smollm2_prompts() -> list[list[int]]:
@@ -67,27 +56,51 @@ def alone(engine: Engine, req: GenerationRequest, timeout: float = 300) -> Resul
     return out
 
 
+class Streams:
+    """Requests submitted to one engine, each collected into a Result by a sink that runs on
+    the engine thread (it only records the event and wakes waiters: it never blocks)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.results: list[Result] = []
+        self.handles: list = []
+        self._changed = threading.Condition()
+
+    def submit(self, req: GenerationRequest) -> Result:
+        """Submits req; its Result (results[-1]; its handle is handles[-1])."""
+        result = Result()
+        self.results.append(result)
+
+        def sink(ev) -> None:
+            with self._changed:
+                result.add(ev)
+                self._changed.notify_all()
+
+        self.handles.append(self.engine.submit(req, sink))
+        return result
+
+    def wait_until(self, condition: Callable[[], object], timeout: float = 120) -> bool:
+        """True once condition() holds (checked after each event); False after `timeout`
+        seconds."""
+        with self._changed:
+            return self._changed.wait_for(condition, timeout)
+
+    def wait(self, timeout: float = 600) -> list[Result]:
+        """Every submitted request's result, once each has finished."""
+        assert self.wait_until(lambda: all(r.finished for r in self.results), timeout)
+        return self.results
+
+
 def together(engine: Engine, reqs: list[GenerationRequest], timeout: float = 600
              ) -> tuple[list[Result], StepStats]:
     """All requests submitted at once (under the engine's lock, so they are admitted between
     the same two steps); their results and the engine's step counts over the run."""
-    results = [Result() for _ in reqs]
-    done = threading.Semaphore(0)
-
-    def sink_for(i):
-        def sink(ev):      # runs on the engine thread: must not block
-            results[i].add(ev)
-            if isinstance(ev, Finished):
-                done.release()
-        return sink
-
+    streams = Streams(engine)
     with engine._lock:
         engine.stats = StepStats()
-        for i, r in enumerate(reqs):
-            engine.submit(r, sink_for(i))
-    for _ in reqs:
-        assert done.acquire(timeout=timeout)
-    return results, engine.stats
+        for r in reqs:
+            streams.submit(r)
+    return streams.wait(timeout), engine.stats
 
 
 def same_output(a: Result, b: Result) -> bool:

@@ -1,4 +1,5 @@
-"""Helpers of the service tests: the test engine config, subprocess servers, waiting."""
+"""Servers for the service tests: the test engine config, an in-process server with its client
+around any engine, `specstream serve` in a subprocess."""
 
 from __future__ import annotations
 
@@ -9,9 +10,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+from clients import SpecstreamClient
 from service.config import EngineConfig
+from service.serve import BackgroundServer
 
 ROOT = Path(__file__).resolve().parents[2]
 N_CTX = 512
@@ -20,15 +26,15 @@ TEST_ENGINE = EngineConfig(backend="cpu", n_ctx=N_CTX, n_slots=N_SLOTS, max_queu
 ENGINE_FLAGS = ["--backend", "cpu", "--n-ctx", str(N_CTX), "--n-slots", str(N_SLOTS)]
 SERVE_FLAGS = ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *ENGINE_FLAGS]
 
-def wait_idle(engine, timeout: float = 10.0) -> None:
-    """Waits until no request holds a slot or waits for one (the engine is free)."""
-    deadline = time.monotonic() + timeout
-    while engine.active or engine.queue_depth:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"engine still busy: active={engine.active} "
-                                 f"queued={engine.queue_depth}")
-        time.sleep(0.02)
 
+@contextmanager
+def serving(engine: Any, timeout: float = 120, **server_options
+            ) -> Iterator[tuple[BackgroundServer, SpecstreamClient]]:
+    """`engine` (a real or fake engine, or None: a server still loading) served on a localhost
+    port in this process (BackgroundServer(engine, **server_options)), and a client of it."""
+    with BackgroundServer(engine, **server_options) as srv, \
+            SpecstreamClient(srv.target, timeout=timeout) as client:
+        yield srv, client
 
 
 def specstream_bin() -> str:
@@ -36,14 +42,22 @@ def specstream_bin() -> str:
     return str(exe) if exe.exists() else shutil.which("specstream") or "specstream"
 
 
+def specstream_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a `specstream` subprocess: this one, `extra`, and this checkout first
+    on PYTHONPATH. The console script imports `service` from wherever the virtualenv's editable
+    install points, which is another checkout when several share one virtualenv; the subprocess
+    must run (and cache the numba kernels of) the code under test."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, **(extra or {}), "PYTHONPATH": path}
+
+
 class ServeProcess:
     """`specstream serve` in a subprocess; its JSON log on stderr gives the bound port."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
-        full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen([specstream_bin(), "serve", *args], cwd=ROOT,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=full_env)
+                                     text=True, env=specstream_env(env))
         self.lines: list[str] = []
         self.port = 0
 
@@ -84,4 +98,4 @@ def run_serve(args: list[str], env: dict[str, str] | None = None,
               timeout: float = 60) -> subprocess.CompletedProcess:
     """Runs `specstream serve ARGS` to completion (startup failures)."""
     return subprocess.run([specstream_bin(), "serve", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+                          text=True, timeout=timeout, env=specstream_env(env))
