@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from service.engine.scheduler import Engine, StepStats
+from service.engine.engine import Engine, StepStats
 from service.engine.types import (
     Collected,
     Delta,

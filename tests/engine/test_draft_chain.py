@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from service.backends import create_backend
-from service.engine.draft_model import ModelDrafter
-from service.engine.fit_markov import write_head
-from service.engine.markov_head import load_markov_head
+from service.engine.spec.draft_model import ModelDrafter
+from service.engine.spec.markov_head import load_markov_head
 from service.gguf.reader import GGUFFile
 from service.gguf.requant import requantize
 from service.model.spec import ModelSpec
 from service.model.transformer import Transformer
+from service.tools.fit_markov import write_head
 from tests.conftest import REAL_MODELS, load_json, real_model_path
 from tests.engine.test_model_drafter import _State
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from service.config import EngineConfig
-from service.engine.scheduler import Engine
+from service.engine.engine import Engine
 from service.engine.types import (
     Collected,
     Delta,

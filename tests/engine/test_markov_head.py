@@ -13,8 +13,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from service.backends import create_backend
-from service.engine.fit_markov import fit_markov, window_logits, write_head
-from service.engine.markov_head import W1_NAME, W2_NAME, MarkovHead, meta_key, read_head_shape
+from service.engine.spec.markov_head import W1_NAME, W2_NAME, MarkovHead, meta_key, read_head_shape
 from service.errors import ModelFormatError
 from service.gguf.quants import dequantize
 from service.gguf.reader import GGUFFile
@@ -22,6 +21,7 @@ from service.gguf.requant import requantize
 from service.model.spec import ModelSpec
 from service.model.tokenizer import Tokenizer
 from service.model.transformer import Transformer
+from service.tools.fit_markov import fit_markov, window_logits, write_head
 from tests.conftest import REAL_MODELS, TINY, load_json, real_model_path
 from tests.engine.test_engine import run
 from tests.engine.test_model_drafter import captured_drafting_run, model_engine

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from service.config import EngineConfig
-from service.engine.draft_model import ModelDrafter
-from service.engine.scheduler import Engine
+from service.engine.engine import Engine
+from service.engine.spec.draft_model import ModelDrafter
 from service.engine.types import (
     Delta,
     Finished,

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from service.backends.cpu import CpuBackend
-from service.engine.draft_model import ModelDrafter
 from service.engine.runner import GREEDY, ModelRunner, StepInput
+from service.engine.spec.draft_model import ModelDrafter
 from service.gguf.reader import GGUFFile
 from service.model.spec import ModelSpec
 from service.model.transformer import Transformer

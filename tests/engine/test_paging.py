@@ -13,7 +13,7 @@ import time
 import pytest
 
 from service.config import EngineConfig
-from service.engine.scheduler import Engine
+from service.engine.engine import Engine
 from service.engine.types import (
     Finished,
     FinishReason,

@@ -13,11 +13,11 @@ import pytest
 from service.backends.counter_rng import counter_uniform
 from service.backends.cpu import CpuBackend
 from service.config import EngineConfig
-from service.engine.rejection import ACCEPT_STREAM
+from service.engine.engine import Engine
 from service.engine.runner import ModelRunner, RowSampling, StepInput
 from service.engine.sampling import Sampler
-from service.engine.scheduler import Engine
-from service.engine.speculative import accept_chain
+from service.engine.spec.chain import accept_chain
+from service.engine.spec.rejection import ACCEPT_STREAM
 from service.engine.types import FinishReason, SamplingParams
 from service.gguf.reader import GGUFFile
 from service.gguf.requant import requantize

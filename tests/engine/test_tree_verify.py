@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from service.config import EngineConfig
-from service.engine.drafters import Drafter
-from service.engine.scheduler import Engine
+from service.engine.engine import Engine
+from service.engine.spec.drafters import Drafter
 from service.gguf.requant import requantize
 from tests.conftest import REAL_MODELS, load_json, real_model_path
 from tests.engine.test_engine import run
@@ -143,7 +143,7 @@ def test_accepted_paths_off_the_leading_chain_are_compacted(plain, monkeypatch):
         drafted, accepted = check_identity(eng, model, plain[model], "second-best, budget 8")
         assert accepted > 0 and eng.stats.kv_moves >= accepted
         # negative control: without the compaction the accepted rows sit at the wrong KV rows
-        monkeypatch.setattr("service.engine.decode_step.compact", lambda runner, moves: 0)
+        monkeypatch.setattr("service.engine.scheduler.policy.compact", lambda runner, moves: 0)
         outs = [run(eng, c["prompt_ids"], max_new_tokens=N_NEW, ignore_eos=True).token_ids
                 for c in cases(model)]
         assert outs != plain[model]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from service.config import EngineConfig
-from service.engine.scheduler import Engine
+from service.engine.engine import Engine
 from tests.batching import MODES, alone, requests, same_output, smollm2_prompts, together
 from tests.conftest import TINY, load_json, real_model_path
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from service.backends import create_backend
-from service.engine.fit_markov import write_head
-from service.engine.markov_head import MarkovHead, read_head_shape
+from service.engine.spec.markov_head import MarkovHead, read_head_shape
 from service.gguf.reader import GGUFFile
 from service.gguf.requant import requantize
 from service.model.spec import ModelSpec
+from service.tools.fit_markov import write_head
 from tests.conftest import TINY, load_json
 from tests.gpu.test_model_drafter import _run
 from tests.gpu.test_models import cuda_engine, real_path

@@ -294,7 +294,7 @@ def test_quantized_kv_pairs_keep_the_top1(real):
 
 
 def cuda_engine(name: str, **overrides):
-    from service.engine.scheduler import Engine
+    from service.engine.engine import Engine
 
     cfg = EngineConfig(**{"backend": "cuda", "n_ctx": 512, "n_slots": 2, **overrides})
     eng = Engine.load(real_path(name), cfg)

@@ -83,7 +83,7 @@ def test_engine_on_cuda_replays_seeded_requests():
     """Through the whole engine (scheduler, runner, graphs): a seeded sampled request with a
     repetition penalty and log-probabilities gives the same tokens and log-probabilities twice."""
     from service.config import EngineConfig
-    from service.engine.scheduler import Engine
+    from service.engine.engine import Engine
     from service.engine.types import Delta, GenerationRequest, SamplingParams, StoppingCriteria
 
     eng = Engine.load(TINY / "tiny-qwen3.gguf",

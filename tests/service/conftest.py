@@ -31,7 +31,7 @@ def model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def engine(model_path):
-    from service.engine.scheduler import Engine
+    from service.engine.engine import Engine
 
     eng = Engine.load(model_path, TEST_ENGINE)
     eng.start()

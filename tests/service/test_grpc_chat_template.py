@@ -50,7 +50,7 @@ def test_smollm2_chat_ids_and_answer_are_llamacpps(client, engine):
 def gemma_client() -> Iterator[SpecstreamClient]:
     """Gemma-3-270M (a base model: no tokenizer.chat_template), served without --chat-template.
     Tokenize and a refused Generate never reach the engine thread, so it is not started."""
-    from service.engine.scheduler import Engine
+    from service.engine.engine import Engine
 
     engine = Engine.load(real_model_path("gemma3-270m"), TEST_ENGINE)
     with BackgroundServer(engine) as srv, SpecstreamClient(srv.target, timeout=60) as c:

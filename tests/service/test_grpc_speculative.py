@@ -93,7 +93,7 @@ def test_an_unknown_mode_number_is_refused(client):
 @pytest.fixture(scope="module")
 def tree_client() -> Iterator[SpecstreamClient]:
     """A tiny model served with tree_budget 8, verify_width 6 and the step profiler on."""
-    from service.engine.scheduler import Engine
+    from service.engine.engine import Engine
 
     cfg = EngineConfig(backend="cpu", n_ctx=128, n_slots=2, verify_width=6, tree_budget=8,
                        step_profile=True)

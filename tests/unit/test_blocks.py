@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from service.engine.blocks import BlockPool, block_hashes
+from service.engine.scheduler.blocks import BlockPool, block_hashes
 
 BS = 4
 

@@ -16,7 +16,7 @@ from service.backends import backend_options, create_backend
 from service.backends.capture_rules import FORBIDDEN, CaptureRuleError
 from service.backends.cpu import CpuBackend
 from service.config import EngineConfig
-from service.engine.scheduler import Engine
+from service.engine.engine import Engine
 from service.engine.types import FinishReason, GenerationRequest, SamplingParams, StoppingCriteria
 from service.gguf.quants import QuantType
 from service.gguf.reader import GGUFFile, TensorInfo

@@ -6,7 +6,7 @@ from structlog.testing import CapturingLogger
 
 from service.config import EngineConfig
 from service.engine import loader
-from service.engine.scheduler import Engine
+from service.engine.engine import Engine
 from tests.conftest import TINY
 
 PHASES = ["header", "tokenizer", "backend", "weights", "kv_cache", "warmup"]

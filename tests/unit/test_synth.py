@@ -12,7 +12,7 @@ import pytest
 from service.backends.cpu import CpuBackend
 from service.cli import build_parser, main
 from service.config import EngineConfig
-from service.engine.scheduler import Engine
+from service.engine.engine import Engine
 from service.engine.types import Delta, GenerationRequest, SamplingParams, StoppingCriteria
 from service.errors import ConfigError
 from service.gguf import synth

@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from service.backends.step_format import N_PARAMS, OUT_WORDS, TOP_MAX, param_record
-from service.engine.drafters import Drafter, DraftState
-from service.engine.markov_head import MarkovHead
+from service.engine.spec.drafters import Drafter, DraftState
+from service.engine.spec.markov_head import MarkovHead
 from service.model.transformer import Transformer
 
 

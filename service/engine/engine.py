@@ -63,15 +63,15 @@ from pathlib import Path
 import structlog
 
 from service.config import EngineConfig, step_budget
-from service.engine.blocks import BlockPool
-from service.engine.decode_step import BatchedDecode, StepStats
-from service.engine.drafters import Drafter, create_drafter
-from service.engine.kv_admission import PagedKV
 from service.engine.loader import ModelInfo, load_model, phase
 from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput, StepOutput
 from service.engine.sampling import resolve_seed
-from service.engine.sequence import Sequence
-from service.engine.spec_options import resolve as resolve_speculation
+from service.engine.scheduler.blocks import BlockPool
+from service.engine.scheduler.kv import PagedKV
+from service.engine.scheduler.policy import BatchedDecode, StepStats
+from service.engine.scheduler.sequence import Sequence
+from service.engine.spec.drafters import Drafter, create_drafter
+from service.engine.spec.options import resolve as resolve_speculation
 from service.engine.textstream import TextStream
 from service.engine.types import (
     Event,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import structlog
 
-from service.engine.sequence import Sequence
+from service.engine.scheduler.sequence import Sequence
 
 log = structlog.get_logger("specstream.engine")
 

@@ -29,10 +29,10 @@ from typing import NamedTuple
 import numpy as np
 
 from service.backends.step_format import TOP_MAX
-from service.engine.drafters import Drafter
 from service.engine.runner import ModelRunner, StepOutput
-from service.engine.sequence import Sequence
-from service.engine.tree import (
+from service.engine.scheduler.sequence import Sequence
+from service.engine.spec.drafters import Drafter
+from service.engine.spec.tree import (
     Tree,
     ancestor_mask,
     build_tree,

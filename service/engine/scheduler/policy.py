@@ -5,13 +5,13 @@ many tokens each drafts, their rows in ONE StepInput, and committing each sequen
 from __future__ import annotations
 
 from service.engine.runner import RowSampling, StepInput, StepOutput
-from service.engine.sequence import Sequence
-from service.engine.speculative import accept_chain, draft_length
+from service.engine.scheduler.sequence import Sequence
+from service.engine.spec.chain import accept_chain, draft_length
+from service.engine.spec.tree import Tree
+from service.engine.spec.tree_verify import commit as commit_tree
+from service.engine.spec.tree_verify import compact, draft_tree, n_rows, step_fields
+from service.engine.spec.tree_verify import rows as rows_of
 from service.engine.stepprofile import DRAFT, HEADS, OTHER, VERIFY, StepTimer
-from service.engine.tree import Tree
-from service.engine.tree_verify import commit as commit_tree
-from service.engine.tree_verify import compact, draft_tree, n_rows, step_fields
-from service.engine.tree_verify import rows as rows_of
 
 PROBE_EVERY = 8   # plain steps after which a sequence that stopped drafting tries one draft
 

@@ -1,0 +1,1 @@
+"""Offline tools behind `specstream` subcommands."""
