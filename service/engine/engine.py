@@ -1,57 +1,31 @@
 """The engine: one thread that owns the model and batches every running request into its steps.
 
-Scheduling policy (continuous batching over a paged KV cache). Requests wait in a bounded FIFO
-(`max_queue` beyond the free slots, then RESOURCE_EXHAUSTED). The queue's head is admitted
-between steps when one of `n_slots` slots is free AND the KV block pool (service/engine/
-blocks.py) can give it the blocks of its whole prompt plus one token, counting the blocks its
-longest cached prefix already holds (prefix cache: whole blocks of identical earlier prompts,
-taken by reference; it computes only the rest); admission is strictly in arrival order. Each
-loop iteration then runs, under the step budget `max_step_tokens` (config.step_budget: decode
-rows R = min(64, B - 16), prefill chunk min(prefill_chunk, B - R); B = 0 means 64 rows and
-prefill_chunk):
+Its parts, each owning its state:
+    Scheduler (scheduler/policy.py)   the queue, the running sequences, their KV slots and blocks
+                                      (scheduler/kv.py, scheduler/blocks.py), and the policy
+    ModelRunner (runner/)             packs, uploads, runs and reads back one step (StepInput)
+    Speculator (spec/decode.py)       the drafter: each decode row's drafts; verify rows, commits
 
-1. ONE decode step for the decoding sequences, decode first: every sequence's seed token plus
-   its drafted tokens (each sequence keeps its own draft length) are the rows of one
-   StepInput, at most R rows in all. Steps of up to 64 rows are the backends' step-size-
-   invariant path: each row's logits are bit-identical whatever else is in the step, so a
-   request gives the same tokens alone and in any batch. When the rows wanted exceed R, draft
-   lengths shrink first (the longest draft loses a token, the youngest sequence's on a tie);
-   only when the sequences alone exceed R does a sequence sit a step out, in turns: the
-   sequences that waited longest since their last step go first, FIFO by start among equals.
-   Before drafting, every chosen sequence gets the KV blocks its rows write; when the pool
-   lacks them, the most recently submitted running sequence is PREEMPTED: its full committed
-   blocks go to the prefix cache, the rest back to the pool, and it waits again at the head
-   of the queue; readmitted, it recomputes its context (the prompt in the same chunks, its
-   generated tokens in decode-sized steps, choosing nothing) and goes on: its emitted tokens
-   stand and, sampling being keyed by token index, it continues exactly as it would have.
-   Each sequence's segment is verified on its own with speculative.accept_chain, or, for a
-   sequence with a tree budget, as a draft tree (service/engine/tree_verify.py: its rows, path
-   following and the KV compaction after the step). Every row chooses its token with the
-   request's own sampling (greedy or seeded sampling, penalties included) keyed by the index
-   of the token it would produce (a tree node: by its depth), so a sampled request speculates
-   too and its output equals plain seeded sampling token for token (speculative.py: why this
-   is rejection sampling). A request with a repetition penalty verifies chains only (its
-   penalty window reads the token history by position, which a tree's siblings share). With
-   EngineConfig.step_profile each step's parts are timed (stepprofile.py).
-2. then at most ONE prefill chunk of the oldest sequence still prefilling (or recomputing
-   after a preemption), as its own step: a fixed chunk size, so a prompt's KV rows never
-   depend on the load, and its own step, because a step wider than 64 rows takes another
-   numeric path and would change the batched rows' bits. A long prompt therefore delays
-   running streams by at most one chunk per token they receive, and running streams never
-   starve a waiting prompt.
+One iteration of the engine thread, under its lock until the plan is made:
 
-A cancelled request leaves the batch before the next step (its slot and blocks are free
-within one step). Events go to each request's sink on this thread; sinks must not block.
+    cancelled requests leave -> plan = scheduler.schedule() (admission, the decode rows and
+    their draft lengths, the prefill chunk, KV blocks and preemptions) -> the plan's slot changes
+    reach the drafter -> [lock released] the changed block table goes to the target's and the
+    draft model's runners -> decode: the speculator drafts each row, ONE runner step verifies
+    every row (spec/decode.verify_input), each sequence commits what it accepted (tree paths'
+    KV rows compacted with one runner.move_kv) -> prefill: the chunk as its own runner step ->
+    finished sequences give their slot back.
 
-The scheduler decides what a step holds (service/engine/runner.py's StepInput); the model
-runner packs, uploads, runs and samples it, and hands back token ids (and log-probabilities):
-the engine never sees logits. Sampling is keyed by (request seed, token index), never by the
-row a request takes in a step. Loading lives in service/engine/loader.py.
+The policy is scheduler/policy.py's docstring. Every row chooses its token with the request's
+own sampling keyed by (request seed, token index), never by its row in a step: a request's
+tokens do not depend on its batch, and speculative output equals plain output (spec/chain.py).
+A step that fails is retried one sequence at a time (nothing was committed), so a fault fails
+only its request. A cancelled request's slot and blocks are free within one step. Events go to
+each request's sink on this thread; sinks must not block. Loading lives in loader.py.
 """
 
 from __future__ import annotations
 
-import collections
 import queue
 import threading
 import time
@@ -64,14 +38,20 @@ import structlog
 
 from service.config import EngineConfig, step_budget
 from service.engine.loader import ModelInfo, load_model, phase
-from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput, StepOutput
+from service.engine.runner.model_runner import ModelRunner
+from service.engine.runner.step import RowSampling, StepInput, StepOutput
 from service.engine.sampling import resolve_seed
 from service.engine.scheduler.blocks import BlockPool
-from service.engine.scheduler.kv import PagedKV
-from service.engine.scheduler.policy import BatchedDecode, StepStats
+from service.engine.scheduler.kv import KVManager
+from service.engine.scheduler.plan import DecodeRow, PrefillChunk, StepPlan
+from service.engine.scheduler.policy import Scheduler
 from service.engine.scheduler.sequence import Sequence
+from service.engine.spec.decode import Draft, Speculator, choice, commit, split, verify_input
 from service.engine.spec.drafters import Drafter, create_drafter
 from service.engine.spec.options import resolve as resolve_speculation
+from service.engine.spec.tree_verify import compact, n_rows
+from service.engine.spec.verify_cost import measure_verify_alpha
+from service.engine.stepprofile import HEADS, OTHER, VERIFY, StepStats, StepTimer
 from service.engine.textstream import TextStream
 from service.engine.types import (
     Event,
@@ -81,12 +61,14 @@ from service.engine.types import (
     SamplingParams,
     StoppingCriteria,
 )
-from service.errors import CapacityError, UnavailableError
+from service.errors import UnavailableError
 from service.gguf.reader import GGUFFile
 from service.model.chat import chat_prompt_ids, chat_prompt_text, template_for
 from service.model.spec import ModelSpec
 from service.model.tokenizer import Tokenizer
 from service.model.transformer import Transformer
+
+__all__ = ["Engine", "RequestHandle", "StepStats"]
 
 log = structlog.get_logger("specstream.engine")
 
@@ -102,13 +84,14 @@ class RequestHandle:
         self._engine._wake()
 
 
-class Engine(PagedKV, BatchedDecode):
+class Engine:
     def __init__(self, path: Path, gguf: GGUFFile, spec: ModelSpec, tokenizer: Tokenizer,
                  model: Transformer, config: EngineConfig, backend_name: str,
                  chat_template: str | None = None, drafter: Drafter | None = None):
         self.path, self.spec, self.tokenizer, self.model = path, spec, tokenizer, model
         self.config = config
-        self.drafter = drafter or create_drafter(config.drafter, config.ngram_size)
+        self.speculator = Speculator(drafter or create_drafter(config.drafter,
+                                                               config.ngram_size))
         # (text) the configured template, else the model's own; None: chat input is refused
         self.chat_template = template_for(gguf.metadata, chat_template)
         self.info = ModelInfo(
@@ -120,10 +103,7 @@ class Engine(PagedKV, BatchedDecode):
             drafter=config.drafter, draft_model=getattr(self.drafter, "model_name", ""),
             kv_cache_type_k=config.kv_cache_type_k,
             kv_cache_type_v=config.kv_cache_type_v, n_layer=spec.n_layer, n_embd=spec.n_embd)
-        self._lock = threading.Condition()
-        self._waiting: collections.deque[Sequence] = collections.deque()
-        self._active: list[Sequence] = []
-        self._free_slots = list(range(config.n_slots - 1, -1, -1))
+        self._lock = threading.Condition()      # guards the scheduler's queue and sequences
         self._thread: threading.Thread | None = None
         self.failure: str | None = None   # why the engine thread died, if it did
         self._ready = threading.Event()
@@ -131,15 +111,14 @@ class Engine(PagedKV, BatchedDecode):
         self.runner = ModelRunner(model, config.n_slots, config.n_ctx)
         # rows of one decode step (the backends' step-size-invariant width, within the model's
         # workspace) and the fixed prefill chunk, under config.max_step_tokens
-        rows, self.prefill_chunk = step_budget(config)
-        self.step_rows = min(rows, model.max_tokens, model.max_logits)
+        rows, chunk = step_budget(config)
         cache = model.cache
-        self.pool = BlockPool(cache.n_blocks, cache.block_size, config.n_slots,
-                              cache.max_blocks, config.prefix_cache, self._upload_table)
+        pool = BlockPool(cache.n_blocks, cache.block_size, config.n_slots, cache.max_blocks,
+                         config.prefix_cache)
+        self.scheduler = Scheduler(KVManager(pool, config.n_slots), n_ctx=config.n_ctx,
+                                   max_queue=config.max_queue, prefill_chunk=chunk,
+                                   step_rows=min(rows, model.max_tokens, model.max_logits))
         self.stats = StepStats()
-        # Cost of each extra verified token relative to a plain step (see draft_length);
-        # measured on the engine thread before it serves anything.
-        self.verify_alpha = 0.0
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -153,11 +132,44 @@ class Engine(PagedKV, BatchedDecode):
     # ------------------------------------------------------------------ public API
     @property
     def queue_depth(self) -> int:
-        return len(self._waiting)
+        return len(self.scheduler.waiting)
 
     @property
     def active(self) -> int:
-        return len(self._active)
+        return len(self.scheduler.running)
+
+    @property
+    def pool(self) -> BlockPool:
+        """The KV block pool (metrics, tests)."""
+        return self.scheduler.kv.pool
+
+    @property
+    def _free_slots(self) -> list[int]:
+        """The KV slots no sequence holds (tests check that every one comes back)."""
+        return self.scheduler.kv.free_slots
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return self.speculator.drafter
+
+    @drafter.setter
+    def drafter(self, drafter: Drafter | None) -> None:
+        self.speculator.drafter = drafter
+
+    @property
+    def verify_alpha(self) -> float:
+        """Cost of each extra verified token relative to a plain step (the draft lengths')."""
+        return self.scheduler.verify_alpha
+
+    @verify_alpha.setter
+    def verify_alpha(self, alpha: float) -> None:
+        self.scheduler.verify_alpha = alpha
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine thread has died (health checks turn NOT_SERVING)."""
+        return self.failure is None and (self._thread is None or self._thread.is_alive()
+                                         or self._stopping)
 
     def start(self) -> None:
         """Start the engine thread; returns once it has measured its verify cost and waits
@@ -174,7 +186,7 @@ class Engine(PagedKV, BatchedDecode):
         """Cancel everything still queued or running, then join the engine thread."""
         with self._lock:
             self._stopping = True
-            for seq in [*self._waiting, *self._active]:
+            for seq in self.scheduler.sequences:
                 seq.cancelled = True
             self._lock.notify_all()
         if self._thread is not None:
@@ -190,10 +202,7 @@ class Engine(PagedKV, BatchedDecode):
             if self._stopping or self._thread is None or not self.healthy:
                 raise UnavailableError("the engine is not running"
                                        + (f" ({self.failure})" if self.failure else ""))
-            if len(self._waiting) >= self.config.max_queue + max(0, len(self._free_slots)):
-                raise CapacityError(f"{len(self._waiting)} requests are already waiting",
-                                    retry_after_s=1.0)
-            self._waiting.append(seq)
+            self.scheduler.add(seq)
             self._lock.notify_all()
         return RequestHandle(self, seq)
 
@@ -235,7 +244,6 @@ class Engine(PagedKV, BatchedDecode):
             pass
         phase("warmup", t0)
 
-    # ------------------------------------------------------------------ engine thread
     def _new_sequence(self, request: GenerationRequest, sink) -> Sequence:
         spec = resolve_speculation(request.speculative, request.speculative_options,
                                    self.config, self.drafter is not None,
@@ -251,38 +259,13 @@ class Engine(PagedKV, BatchedDecode):
         with self._lock:
             self._lock.notify_all()
 
-    @property
-    def healthy(self) -> bool:
-        """False once the engine thread has died (health checks turn NOT_SERVING)."""
-        return self.failure is None and (self._thread is None or self._thread.is_alive()
-                                         or self._stopping)
-
-    def _calibrate(self, reps: int = 3) -> None:
-        """Time plain steps against full-width verify steps on slot 0 (its rows are rewritten
-        by the first prefill that uses the slot). alpha = (t_w / t_1 - 1) / (w - 1)."""
-        w = self.config.verify_width
-        if w < 2 or self.drafter is None:
-            return
-
-        def best(t: int) -> float:
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                self.runner.step(StepInput(list(range(1, t + 1)), list(range(t)), [0] * t,
-                                           list(range(t)), [GREEDY] * t))
-                times.append(time.perf_counter() - t0)
-            return min(times)
-
-        best(w)
-        t1, tw = best(1), best(w)
-        self.verify_alpha = min(1.0, max(0.0, (tw / t1 - 1.0) / (w - 1)))
-        log.info("verify_cost", width=w, plain_ms=round(t1 * 1e3, 2),
-                 verify_ms=round(tw * 1e3, 2), alpha=round(self.verify_alpha, 3))
-
+    # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         try:
             try:
-                self._calibrate()
+                if self.config.verify_width >= 2 and self.drafter is not None:
+                    self.verify_alpha = measure_verify_alpha(self.runner,
+                                                             self.config.verify_width)
             finally:
                 self._ready.set()
             self._loop()
@@ -290,52 +273,58 @@ class Engine(PagedKV, BatchedDecode):
             self.failure = f"{type(exc).__name__}: {exc}"
             log.exception("engine_failed")
             with self._lock:
-                doomed = [*self._waiting, *self._active]
-                self._waiting.clear()
-                self._active.clear()
+                doomed = self.scheduler.drain()
             for seq in doomed:
                 seq.finish(FinishReason.ERROR, error="the engine stopped: " + self.failure)
 
     def _loop(self) -> None:
         while True:
+            timer = StepTimer() if self.config.step_profile else None
             with self._lock:
                 self._reap_cancelled()
-                while self._waiting and self._free_slots and self._admit(self._waiting[0]):
-                    self._waiting.popleft()
-                if not self._active:
+                plan = self.scheduler.schedule()
+                if plan is None:
                     if self._stopping:
                         return
                     self._lock.wait(0.5)
                     continue
-                # _active is in start order (FIFO admission)
-                decoding = [s for s in self._active if s.seed is not None and not s.cancelled
-                            and not s.prefill_left]
-                prefilling = next((s for s in self._active if s.prefill_left
-                                   and not s.cancelled), None)
-            if decoding:
-                try:
-                    self._decode(decoding)
-                except Exception as exc:   # planning failed (e.g. a drafter): fail its batch
-                    for seq in decoding:
-                        self._fail(seq, exc)
-            if prefilling is not None and not prefilling.cancelled and prefilling.slot >= 0:
-                try:
-                    self._prefill(prefilling)
-                except Exception as exc:   # one request's failure must not stop the engine
-                    self._fail(prefilling, exc)
-            for seq in [*decoding, *([prefilling] if prefilling else [])]:
-                if seq.finished:
-                    self._release(seq)
+                self.stats.preemptions += plan.preempted
+                self.stats.cached_tokens += plan.cached_tokens
+                for change in plan.slot_changes:
+                    if change.cached:       # the penalty window reads the cached positions
+                        self.runner.write_history(change.slot,
+                                                  change.seq.context_ids[:change.cached])
+                    self.speculator.slot_change(change)
+            self._execute(plan, timer)
+
+    def _execute(self, plan: StepPlan, timer: StepTimer | None) -> None:
+        if plan.block_table is not None:    # the draft model shares the target's table
+            self.runner.set_block_table(plan.block_table)
+            self.speculator.set_block_table(plan.block_table)
+        if plan.decode:
+            try:
+                self._decode(plan.decode, timer)
+            except Exception as exc:   # drafting failed: fail its batch
+                for row in plan.decode:
+                    self._fail(row.seq, exc)
+        chunk = plan.prefill
+        if chunk is not None and not chunk.seq.cancelled:
+            try:
+                self._prefill(chunk)
+            except Exception as exc:   # one request's failure must not stop the engine
+                self._fail(chunk.seq, exc)
+        for seq in plan.sequences:
+            if seq.finished:
+                self._release(seq)
 
     def _fail(self, seq: Sequence, exc: Exception) -> None:
         log.error("step_failed", request_id=seq.request.request_id, exc_info=exc)
         seq.finish(FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
 
     def _reap_cancelled(self) -> None:
-        for seq in [s for s in self._waiting if s.cancelled]:
-            self._waiting.remove(seq)
+        for seq in self.scheduler.drop_cancelled():
             seq.finish(FinishReason.CANCELLED)
-        for seq in [s for s in self._active if s.cancelled]:
+        for seq in [s for s in self.scheduler.running if s.cancelled]:
             seq.finish(FinishReason.CANCELLED)
             self._release_locked(seq)
 
@@ -344,9 +333,63 @@ class Engine(PagedKV, BatchedDecode):
             self._release_locked(seq)
 
     def _release_locked(self, seq: Sequence) -> None:
-        if seq in self._active:
-            self._active.remove(seq)
-            self._free_blocks(seq)
+        if seq in self.scheduler.running:
+            self.speculator.release(seq)
+            self.scheduler.release(seq)
+
+    # ------------------------------------------------------------------ steps
+    def _decode(self, rows: tuple[DecodeRow, ...], timer: StepTimer | None) -> None:
+        """The decode step: drafts, ONE verify step, each sequence's commit. A step that fails
+        is retried one sequence at a time (nothing was committed)."""
+        batch = self.speculator.draft(rows, timer)
+        try:
+            outs: list[StepOutput | None] = self._verify(batch, timer)
+        except Exception as exc:
+            if len(batch) == 1:
+                self._fail(batch[0][0], exc)
+                return
+            outs = []
+            for item in batch:
+                try:
+                    outs += self._verify([item])
+                except Exception as one:
+                    self._fail(item[0], one)
+                    outs.append(None)
+        if timer is not None:           # before committing: a finishing request reports it
+            timer.charge([seq for seq, _ in batch])
+        moves = [commit(seq, draft, out) for (seq, draft), out in zip(batch, outs, strict=True)
+                 if out is not None and not seq.finished]
+        self.stats.kv_moves += compact(self.runner, [m for m in moves if m is not None])
+        if timer is not None:
+            timer.finish([seq for seq, _ in batch], self.stats.decode_steps,
+                         sum(n_rows(d) for _, d in batch))
+
+    def _verify(self, batch: list[tuple[Sequence, Draft]], timer: StepTimer | None = None
+                ) -> list[StepOutput]:
+        """Every row of the batch in one runner step, the output cut per sequence."""
+        if timer is not None:
+            timer.lap(OTHER)            # planning (drafting laps itself)
+        inp = verify_input(batch)
+        if timer is not None:
+            timer.lap(HEADS)
+        out = self.runner.step(inp)
+        if timer is not None:
+            timer.lap(VERIFY)
+        self.stats.count_decode(len(batch), len(inp.token_ids))
+        return split(batch, out)
+
+    def _prefill(self, chunk: PrefillChunk) -> None:
+        """One chunk of a prompt (or of a preempted sequence's context); the prompt's last
+        chunk chooses its first token."""
+        seq = chunk.seq
+        out = self._forward(seq, chunk.tokens, chunk.start, [choice(seq)] if chunk.choose
+                            else [])
+        self.stats.prefill_steps += 1
+        seq.n_past += len(chunk.tokens)
+        self.scheduler.prefilled(seq)
+        if chunk.choose:
+            seq.t_prefill_done = time.perf_counter()
+            seq.emit([int(out.token_ids[0])], out.logprobs)
 
     def _forward(self, seq: Sequence, tokens: list[int], start: int,
                  rows: list[RowSampling]) -> StepOutput:
@@ -354,32 +397,3 @@ class Engine(PagedKV, BatchedDecode):
         T, L = len(tokens), len(rows)
         return self.runner.step(StepInput(tokens, range(start, start + T), [seq.slot] * T,
                                           range(T - L, T), rows))
-
-    def _choice(self, seq: Sequence, ahead: int = 0) -> RowSampling:
-        """How `seq` chooses the token `ahead` tokens after its next one (the draw's counter:
-        the index of the token the row produces, as plain decoding would count it)."""
-        n_top = seq.request.top_logprobs or -1
-        return RowSampling.of(seq.request.sampling, seq.seed_value,
-                              len(seq.generated) + ahead, n_top)
-
-    def _prefill(self, seq: Sequence) -> None:
-        """One chunk of `seq`'s prompt (chunks of prefill_chunk from where its prefill began);
-        the prompt's last chunk chooses its first token. A preempted sequence recomputes its
-        prompt the same way, then its generated tokens in decode-sized steps (the step-size-
-        invariant path, so their KV rows get the bits decoding gave them) choosing nothing."""
-        n_prompt = len(seq.request.prompt_ids)
-        if seq.n_past < n_prompt:
-            n = min(self.prefill_chunk, n_prompt - seq.n_past)
-        else:
-            n = min(self.step_rows, seq.prefill_left)
-        chunk = list(seq.history[seq.n_past:seq.n_past + n])
-        last = seq.seed is None and seq.n_past + n == n_prompt
-        if not self._room(seq, seq.n_past + n):
-            return
-        out = self._forward(seq, chunk, seq.n_past, [self._choice(seq)] if last else [])
-        self.stats.prefill_steps += 1
-        seq.n_past += n
-        self.pool.register(seq.slot, seq.history, min(seq.n_past, n_prompt))
-        if last:
-            seq.t_prefill_done = time.perf_counter()
-            seq.emit([int(out.token_ids[0])], out.logprobs)

@@ -143,7 +143,7 @@ def test_accepted_paths_off_the_leading_chain_are_compacted(plain, monkeypatch):
         drafted, accepted = check_identity(eng, model, plain[model], "second-best, budget 8")
         assert accepted > 0 and eng.stats.kv_moves >= accepted
         # negative control: without the compaction the accepted rows sit at the wrong KV rows
-        monkeypatch.setattr("service.engine.scheduler.policy.compact", lambda runner, moves: 0)
+        monkeypatch.setattr("service.engine.engine.compact", lambda runner, moves: 0)
         outs = [run(eng, c["prompt_ids"], max_new_tokens=N_NEW, ignore_eos=True).token_ids
                 for c in cases(model)]
         assert outs != plain[model]
