@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("warning")
 
     from service.backends import resolve_backend_name
-    from service.engine.scheduler import Engine
+    from service.engine.engine import Engine
     from service.gguf.fetch import resolve_model
 
     backend = resolve_backend_name(a.backend)

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from service.config import EngineConfig, models_dir_from_env  # noqa: E402
-from service.engine.scheduler import Engine  # noqa: E402
+from service.engine.engine import Engine  # noqa: E402
 from service.engine.types import Collected, GenerationRequest, SamplingParams, StoppingCriteria  # noqa: E402
 from service.gguf.fetch import fetch_model  # noqa: E402
 from service.logging import configure_logging  # noqa: E402

@@ -32,7 +32,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 from cpu_decode import decode  # noqa: E402
 
 from service.config import EngineConfig, models_dir_from_env  # noqa: E402
-from service.engine.scheduler import Engine  # noqa: E402
+from service.engine.engine import Engine  # noqa: E402
 from service.gguf.fetch import fetch_model  # noqa: E402
 from service.logging import configure_logging  # noqa: E402
 from service.tools.quantize import requantize  # noqa: E402

@@ -29,7 +29,7 @@ sys.path[:0] = [str(ROOT)]
 
 from service.backends import create_backend, resolve_backend_name  # noqa: E402
 from service.config import models_dir_from_env  # noqa: E402
-from service.engine.draft_model import ModelDrafter  # noqa: E402
+from service.engine.spec.draft_model import ModelDrafter  # noqa: E402
 from service.gguf.fetch import fetch_model  # noqa: E402
 from service.gguf.reader import GGUFFile  # noqa: E402
 from service.model.spec import ModelSpec  # noqa: E402

@@ -24,12 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from service.config import models_dir_from_env  # noqa: E402
-from service.engine.fit_markov import load_cpu_model, window_logits  # noqa: E402
-from service.engine.markov_head import W1_NAME, W2_NAME  # noqa: E402
+from service.engine.spec.markov_head import W1_NAME, W2_NAME  # noqa: E402
 from service.gguf.fetch import fetch_model  # noqa: E402
 from service.gguf.quants import dequantize  # noqa: E402
 from service.gguf.reader import GGUFFile  # noqa: E402
 from service.logging import configure_logging  # noqa: E402
+from service.tools.fit_markov import load_cpu_model, window_logits  # noqa: E402
 
 CASES = json.loads((ROOT / "tests/data/llamacpp_smollm2_greedy.json").read_text())["cases"]
 CORPUS = ROOT / "bench/corpus/markov_fit.txt"

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from cpu_decode import prefill_ms  # noqa: E402  (bench/ is this script's sys.path[0])
 
 from service.config import EngineConfig, models_dir_from_env  # noqa: E402
-from service.engine.scheduler import Engine  # noqa: E402
+from service.engine.engine import Engine  # noqa: E402
 from service.gguf.fetch import fetch_model  # noqa: E402
 from service.logging import configure_logging  # noqa: E402
 

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     configure_logging("warning")
 
-    from service.engine.scheduler import Engine
+    from service.engine.engine import Engine
     from service.gguf.fetch import resolve_model
 
     cfg = EngineConfig(backend=a.backend, n_ctx=1024, n_slots=max(4, a.concurrency))

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.engine.drafters import Drafter, DraftState
-from service.engine.speculative import accept_chain
+from service.engine.spec.chain import accept_chain
+from service.engine.spec.drafters import Drafter, DraftState
 
 # ---------------------------------------------------------------- prompts (part a)
 PROMPTS: dict[str, tuple[str, ...]] = {

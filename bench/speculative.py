@@ -51,9 +51,9 @@ from cpu_decode import decode  # noqa: E402
 from synth_model import synth_model  # noqa: E402
 
 from service.config import EngineConfig, models_dir_from_env  # noqa: E402
+from service.engine.engine import Engine  # noqa: E402
 from service.engine.loader import load_model  # noqa: E402
 from service.engine.runner import GREEDY, StepInput  # noqa: E402
-from service.engine.scheduler import Engine  # noqa: E402
 from service.engine.types import Collected  # noqa: E402
 from service.logging import configure_logging  # noqa: E402
 

@@ -177,7 +177,7 @@ def cmd_inspect(args) -> int:
 
 def cmd_generate(args) -> int:
     from service.config import EngineConfig
-    from service.engine.scheduler import Engine
+    from service.engine.engine import Engine
     from service.engine.types import (
         Delta,
         Finished,
@@ -275,7 +275,7 @@ def cmd_quantize(args) -> int:
 
 
 def cmd_fit_markov(args) -> int:
-    from service.engine.fit_markov import fit_markov
+    from service.tools.fit_markov import fit_markov
 
     r = fit_markov(_resolve(args.target), _resolve(args.draft), args.out, args.rank,
                    args.corpus, args.tokens, args.dtype, args.threads, args.seed)

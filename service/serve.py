@@ -32,7 +32,7 @@ ENGINE_STOP_TIMEOUT_S = 10.0
 
 def load_engine(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> Any:
     """Resolves (fetching on first use), loads, starts and warms up the engine. Blocking."""
-    from service.engine.scheduler import Engine
+    from service.engine.engine import Engine
     from service.gguf.fetch import resolve_model
 
     path = resolve_model(server_cfg.model, server_cfg.resolved_models_dir())

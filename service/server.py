@@ -31,7 +31,7 @@ from grpc_reflection.v1alpha import reflection
 
 from service import __version__
 from service.config import EngineConfig, ServerConfig
-from service.engine.spec_options import resolve as resolve_speculation
+from service.engine.spec.options import resolve as resolve_speculation
 from service.engine.types import (
     Delta,
     Event,

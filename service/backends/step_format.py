@@ -19,6 +19,7 @@ import numpy as np
 
 TOP_MAX = 20                   # the most top log-probabilities a row may ask for
 OUT_WORDS = 2 + 2 * TOP_MAX    # int32 words per row of the sample op's output
+OUT_TOP_IDS = 2                # output record: where the top ids start (then their logprob bits)
 
 
 class Param(enum.IntEnum):
@@ -73,3 +74,14 @@ def cuda_defines() -> dict[str, int]:
     out = {f"P_{p.name}": int(p) for p in Param}
     out.update(N_PARAMS=N_PARAMS, TOP_MAX=TOP_MAX, OUT_WORDS=OUT_WORDS)
     return out
+
+
+def read_output(rec: np.ndarray, n_top: int) -> tuple[int, float, tuple[tuple[int, float], ...]]:
+    """One row's output record (OUT_WORDS,) int32 as read back: the chosen id, its
+    log-probability and the first min(n_top, TOP_MAX) alternatives that are set, as (id,
+    log-probability), most likely first."""
+    f = rec.view(np.float32)                                       # (OUT_WORDS,) f32 bits
+    ids, logps = OUT_TOP_IDS, OUT_TOP_IDS + TOP_MAX
+    top = tuple((int(rec[ids + i]), float(f[logps + i])) for i in range(min(n_top, TOP_MAX))
+                if rec[ids + i] >= 0)
+    return int(rec[0]), float(f[1]), top

@@ -12,9 +12,9 @@ import structlog
 
 from service.backends import create_backend, resolve_backend_name
 from service.config import MAX_STEP_ROWS, EngineConfig, parse_memory, step_budget
-from service.engine.draft_model import ModelDrafter
-from service.engine.drafters import Drafter
-from service.engine.markov_head import load_markov_head
+from service.engine.spec.draft_model import ModelDrafter
+from service.engine.spec.drafters import Drafter
+from service.engine.spec.markov_head import load_markov_head
 from service.errors import ConfigError
 from service.gguf.reader import GGUFFile
 from service.model.chat import load_template

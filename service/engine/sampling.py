@@ -21,7 +21,8 @@ import numpy as np
 
 from service.backends.cpu import sampling as ref
 from service.backends.cpu.sampling import log_softmax
-from service.backends.step_format import OUT_WORDS, param_record
+from service.backends.step_format import OUT_WORDS
+from service.engine.runner.step import RowSampling
 from service.engine.types import SamplingParams, TokenLogprob
 
 __all__ = ["Sampler", "log_softmax", "resolve_seed", "top_logprobs"]
@@ -58,12 +59,8 @@ class Sampler:
         recent = np.asarray(list(recent_ids), np.int32)                      # (n,) i32
         hist = np.zeros((1, max(1, recent.size)), np.int32)
         hist[0, :recent.size] = recent
-        p = self.params
-        rec = np.array(param_record(
-            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-            penalty=p.repetition_penalty, repeat_last_n=p.repeat_last_n, seed=self.seed,
-            token_index=index, n_top=-1, slot=0, position=recent.size - 1), np.int32)
-        return rec, hist
+        row = RowSampling.of(self.params, self.seed, index, -1)
+        return np.array(row.record(0, recent.size - 1), np.int32), hist
 
     def sample(self, logits: np.ndarray, recent_ids: Sequence[int] = (),
                index: int | None = None) -> int:

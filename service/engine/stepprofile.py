@@ -1,11 +1,12 @@
-"""The step profiler (EngineConfig.step_profile): where a decode step's wall time goes.
+"""Step accounting: the engine's step counts (StepStats) and the step profiler
+(EngineConfig.step_profile): where a decode step's wall time goes.
 
 A decode step runs in order: plan (which sequences, how many drafts) -> draft (each
 speculating sequence's drafter.propose) -> heads (build the verify candidates: chain rows, or
 the candidate tree and its mask) -> verify (the target step: upload, forward, sampling,
 readback) -> other (accept, commit, emit). `StepTimer.lap(part)` charges the time since the
 previous lap to `part`; planning and committing are charged to OTHER. One perf_counter call per
-lap, and only when profiling is on: with it off the scheduler holds no timer at all.
+lap, and only when profiling is on: with it off the engine holds no timer at all.
 
 Per step: one debug log line `step_profile` with the four parts in ms. Per request: every
 decode step that held it adds the step's four parts (each step in full: the request waited for
@@ -27,6 +28,24 @@ log = structlog.get_logger("specstream.engine")
 
 DRAFT, HEADS, VERIFY, OTHER = range(4)
 PARTS = ("draft_ms", "heads_ms", "verify_ms", "other_ms")
+
+
+class StepStats:
+    """Counts of the engine's steps (read by tests and benchmarks; written by its thread)."""
+
+    def __init__(self) -> None:
+        self.decode_steps = 0
+        self.prefill_steps = 0
+        self.decode_rows = 0
+        self.max_sequences = 0          # most sequences one decode step held
+        self.kv_moves = 0               # KV rows moved by tree compaction
+        self.preemptions = 0            # sequences whose KV blocks were taken back
+        self.cached_tokens = 0          # prompt positions served from the prefix cache
+
+    def count_decode(self, n_sequences: int, n_rows: int) -> None:
+        self.decode_steps += 1
+        self.decode_rows += n_rows
+        self.max_sequences = max(self.max_sequences, n_sequences)
 
 
 class StepTimer:

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from service.backends import create_backend
-from service.engine.draft_model import ModelDrafter
-from service.engine.fit_markov import write_head
-from service.engine.markov_head import load_markov_head
+from service.engine.spec.draft_model import ModelDrafter
+from service.engine.spec.markov_head import load_markov_head
 from service.gguf.reader import GGUFFile
+from service.tools.fit_markov import write_head
 from tests.engine.test_model_drafter import _State
 from tests.support.models import build_model, load_json
 

@@ -13,13 +13,13 @@ import pytest
 from structlog.testing import capture_logs
 
 from service.backends import create_backend
-from service.engine.fit_markov import fit_markov, window_logits, write_head
-from service.engine.markov_head import W1_NAME, W2_NAME, MarkovHead, meta_key, read_head_shape
+from service.engine.spec.markov_head import W1_NAME, W2_NAME, MarkovHead, meta_key, read_head_shape
 from service.errors import ModelFormatError
 from service.gguf.quants import dequantize
 from service.gguf.reader import GGUFFile
 from service.model.spec import ModelSpec
 from service.model.tokenizer import Tokenizer
+from service.tools.fit_markov import fit_markov, window_logits, write_head
 from service.tools.quantize import requantize
 from tests.engine.test_model_drafter import _State, captured_drafting_run, model_engine
 from tests.support.engines import run, running_engine

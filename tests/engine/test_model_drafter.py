@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from service.config import EngineConfig
-from service.engine.draft_model import ModelDrafter
+from service.engine.spec.draft_model import ModelDrafter
 from service.engine.types import FinishReason, GenerationRequest, StoppingCriteria
 from service.errors import ConfigError
 from tests.support.batching import Streams

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from service.backends.cpu.backend import CpuBackend
-from service.engine.draft_model import ModelDrafter
 from service.engine.runner import GREEDY, ModelRunner, StepInput
+from service.engine.spec.draft_model import ModelDrafter
 from service.model.spec import ModelSpec
 from service.model.transformer import Transformer
 from tests.support.models import build_model

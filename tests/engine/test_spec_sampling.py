@@ -12,10 +12,10 @@ import pytest
 
 from service.backends.counter_rng import counter_uniform
 from service.backends.cpu.backend import CpuBackend
-from service.engine.rejection import ACCEPT_STREAM
 from service.engine.runner import ModelRunner, RowSampling, StepInput
 from service.engine.sampling import Sampler
-from service.engine.speculative import accept_chain
+from service.engine.spec.chain import accept_chain
+from service.engine.spec.rejection import ACCEPT_STREAM
 from service.engine.types import FinishReason, SamplingParams
 from service.model.transformer import positions_for
 from tests.support.engines import Engine, run, running_engine

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from service.engine.drafters import NgramDrafter, create_drafter
-from service.engine.speculative import accept_chain
+from service.engine.spec.chain import accept_chain
+from service.engine.spec.drafters import NgramDrafter, create_drafter
 
 
 def test_accept_chain_examples():
@@ -76,7 +76,7 @@ def test_create_drafter():
 
 
 def test_draft_length_trades_acceptance_against_verify_cost():
-    from service.engine.speculative import draft_length
+    from service.engine.spec.chain import draft_length
 
     assert draft_length(0.0, 0.0, 7) == 0          # nothing is ever accepted
     assert draft_length(0.3, 0.0, 7) == 7          # verifying is free (a GPU): draft it all

@@ -17,7 +17,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from service.engine.drafters import Drafter
+from service.engine.spec.drafters import Drafter
 from tests.support.engines import Engine, run, running_engine
 from tests.support.models import load_json
 
@@ -123,7 +123,7 @@ def test_accepted_paths_off_the_leading_chain_are_compacted(plain, monkeypatch):
         drafted, accepted = check_identity(eng, model, plain[model], "second-best, budget 8")
         assert accepted > 0 and eng.stats.kv_moves >= accepted
         # negative control: without the compaction the accepted rows sit at the wrong KV rows
-        monkeypatch.setattr("service.engine.decode_step.compact", lambda runner, moves: 0)
+        monkeypatch.setattr("service.engine.engine.compact", lambda runner, moves: 0)
         outs = [run(eng, c["prompt_ids"], max_new_tokens=N_NEW, ignore_eos=True).token_ids
                 for c in cases(model)]
         assert outs != plain[model]

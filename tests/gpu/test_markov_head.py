@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from service.backends import create_backend
-from service.engine.fit_markov import write_head
-from service.engine.markov_head import MarkovHead, read_head_shape
+from service.engine.spec.markov_head import MarkovHead, read_head_shape
 from service.gguf.reader import GGUFFile
 from service.model.spec import ModelSpec
+from service.tools.fit_markov import write_head
 from tests.gpu.test_model_drafter import _run
 from tests.gpu.test_models import cuda_engine, real_path
 from tests.support.models import load_json, open_gguf

@@ -28,10 +28,10 @@ from service.gguf.reader import GGUFFile
 from service.model.spec import ModelSpec
 from service.model.transformer import Transformer, positions_for
 from service.tools import synth
-from tests.conftest import TINY
 from tests.support.fake_cupy import install
 from tests.support.fake_gpu import FakeDevice
 from tests.support.kernel_signatures import CompiledKernels
+from tests.support.models import TINY
 
 N_CTX, N_SLOTS, MAX_TOKENS, MAX_LOGITS = 256, 2, 128, 16
 KV_TYPES = ("f16", "q8_0", "q4_0")

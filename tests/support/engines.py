@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from service.config import EngineConfig
-from service.engine.scheduler import Engine, StepStats
+from service.engine.engine import Engine, StepStats
 from service.engine.types import (
     Collected,
     Delta,

@@ -1,5 +1,5 @@
-"""The KV block pool's bookkeeping (service/engine/blocks.py): allocation on demand, the
-prefix cache (hits on an identical prefix, misses on a changed one, whole blocks only), LRU
+"""The KV block pool's bookkeeping (service/engine/scheduler/blocks.py): allocation on demand,
+the prefix cache (hits on an identical prefix, misses on a changed one, whole blocks only), LRU
 eviction of unreferenced cached blocks, and no block lost after random mixes of sequences."""
 
 from __future__ import annotations
@@ -9,25 +9,22 @@ import random
 import numpy as np
 import pytest
 
-from service.engine.blocks import BlockPool, block_hashes
+from service.engine.scheduler.blocks import BlockPool, block_hashes
 
 BS = 4
 
 
-def pool(n_blocks=16, n_slots=4, max_blocks=8, prefix=True, uploads=None) -> BlockPool:
-    return BlockPool(n_blocks, BS, n_slots, max_blocks, prefix,
-                     upload=None if uploads is None else uploads.append)
+def pool(n_blocks=16, n_slots=4, max_blocks=8, prefix=True) -> BlockPool:
+    return BlockPool(n_blocks, BS, n_slots, max_blocks, prefix)
 
 
 def test_blocks_on_demand_and_the_table():
-    uploads: list = []
-    p = pool(uploads=uploads)
+    p = pool()
     assert p.ensure(0, 5) and p.owned[0] == [0, 1] and p.need(0, 8) == 0 and p.need(0, 9) == 1
     assert p.ensure(1, 1) and p.owned[1] == [2]
-    p.sync()
-    assert len(uploads) == 1 and list(uploads[0][0, :2]) == [0, 1] and uploads[0][1, 0] == 2
-    p.sync()
-    assert len(uploads) == 1                       # unchanged: no upload
+    table = p.take_table()
+    assert table is not None and list(table[0, :2]) == [0, 1] and table[1, 0] == 2
+    assert p.take_table() is None                  # unchanged: no upload
     assert not p.ensure(2, 4 * 14) and 2 not in p.owned     # 14 blocks wanted, 13 left
     p.release(0)
     p.release(1)

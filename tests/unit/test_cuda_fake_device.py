@@ -19,10 +19,9 @@ import pytest
 
 from service.backends import create_backend
 from service.config import EngineConfig
-from service.engine.scheduler import Engine
+from service.engine.engine import Engine
 from service.engine.types import Finished, GenerationRequest, SamplingParams, StoppingCriteria
 from service.tools import synth
-from tests.conftest import TINY
 from tests.support import cuda_steps
 from tests.support.cuda_steps import KV_TYPES, Result, Scenario
 from tests.support.fake_cupy import CUDADriverError, install
@@ -35,6 +34,7 @@ from tests.support.fake_gpu import (
     MemoryCheckError,
 )
 from tests.support.kernel_signatures import CompiledKernels, NvrtcUnavailable, compile_kernels
+from tests.support.models import TINY
 
 # model -> the KV (K, V) pair its full scenario runs with (captured steps on quantized caches
 # too; the option scenarios vary qwen3 on f16/f16)

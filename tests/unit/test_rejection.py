@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from service.backends.counter_rng import counter_uniform
-from service.engine.rejection import (
+from service.engine.spec.rejection import (
     ACCEPT_STREAM,
     accepts,
     chain_uniforms,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from service.config import EngineConfig
-from service.engine.spec_options import Speculation, resolve
+from service.engine.spec.options import Speculation, resolve
 from service.engine.types import SpeculativeOptions as Opts
 from service.errors import InvalidRequestError
 

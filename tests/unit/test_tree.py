@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.engine.speculative import accept_chain
-from service.engine.tree import (
+from service.engine.spec.chain import accept_chain
+from service.engine.spec.tree import (
     ancestor_mask,
     attention_mask,
     build_tree,

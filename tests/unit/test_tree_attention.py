@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from service.backends.cpu.backend import CpuBackend
-from service.engine.tree import Tree, build_tree, chain_tree
-from service.engine.tree_verify import rows, step_fields
+from service.engine.spec.tree import Tree, build_tree, chain_tree
+from service.engine.spec.tree_verify import rows, step_fields
 
 RNG = np.random.default_rng(11)
 

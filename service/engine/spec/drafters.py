@@ -4,10 +4,11 @@ One interface (`Drafter`) for every drafter the engine can run:
     start(seq)       a sequence took KV slot seq.slot (a drafter with state resets it there)
     propose(seq, k)  up to k tokens predicted to follow seq.history (its last token is the seed,
                      whose target KV row is not written yet)
-    release(seq)     the sequence finished or was cancelled: whatever it held is free
-`seq` is the engine's Sequence; a drafter reads only `slot` and `history` (DraftState).
-What the target accepted is not reported separately: it is the history itself, which a drafter
-with a cache compares with what it drafted (service/engine/draft_model.py).
+    release(seq)     the sequence finished, was cancelled or preempted: whatever it held is free
+    set_block_table(table)   the target's KV block table, for a drafter whose model shares it
+`seq` is the engine's Sequence, or a SlotView of one; a drafter reads only `slot` and `history`
+(DraftState). What the target accepted is not reported separately: it is the history itself,
+which a drafter with a cache compares with what it drafted (service/engine/spec/draft_model.py).
 
 `NgramDrafter` (prompt lookup): find the most recent earlier occurrence of the last n tokens
 of the sequence (trying n = ngram_size down to min_match) and propose the tokens that followed
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -31,6 +33,15 @@ class DraftState(Protocol):
 
     slot: int                    # KV slot, fixed from start to release
     history: list[int]           # prompt + generated ids; the last one is the seed
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """A sequence as it was when it took or left its slot (the scheduler may have moved it on
+    since: a preempted sequence no longer holds the slot it leaves)."""
+
+    slot: int
+    history: list[int]
 
 
 class Drafter(abc.ABC):
@@ -46,6 +57,9 @@ class Drafter(abc.ABC):
 
     def release(self, seq: DraftState) -> None:  # noqa: B027 - stateless drafters keep nothing
         """`seq` no longer holds its slot."""
+
+    def set_block_table(self, table) -> None:  # noqa: B027 - a drafter without a KV cache
+        """The target's KV block table (n_slots, max_blocks) int32, for the next steps."""
 
 
 class NgramDrafter(Drafter):

@@ -38,7 +38,7 @@ import structlog
 
 from service.backends import create_backend
 from service.engine.loader import check_draft_vocabulary
-from service.engine.markov_head import W1_NAME, W2_NAME, meta_key
+from service.engine.spec.markov_head import W1_NAME, W2_NAME, meta_key
 from service.errors import ConfigError
 from service.gguf.quants import QuantType
 from service.gguf.reader import GGUFFile

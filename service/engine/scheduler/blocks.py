@@ -21,15 +21,16 @@ slot s finds position p at row table[s, p // block_size] * block_size + p % bloc
   or to the cached LRU when registered). After every sequence has ended,
   `free_blocks + cached_blocks == n_blocks` (tests check this after random mixes).
 
-All methods run on the engine thread; nothing here touches the device except through the
-`upload(table)` callback the engine passes (the model runner's set_block_table).
+All methods run on the engine thread and touch no device: `take_table()` hands the table over
+when it changed, and the engine uploads it (to the target's and the draft model's runners)
+before the next step.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -57,14 +58,12 @@ def block_hashes(tokens: Sequence[int], block_size: int, n_blocks: int,
 
 class BlockPool:
     def __init__(self, n_blocks: int, block_size: int, n_slots: int, max_blocks: int,
-                 prefix_cache: bool = True,
-                 upload: Callable[[np.ndarray], None] | None = None):
+                 prefix_cache: bool = True):
         if n_blocks < max_blocks:
             raise ValueError(f"{n_blocks} KV blocks cannot hold one full context "
                              f"({max_blocks} blocks of {block_size})")
         self.n_blocks, self.block_size = n_blocks, block_size
         self.max_blocks, self.prefix_cache = max_blocks, prefix_cache
-        self._upload = upload
         self.table = np.zeros((n_slots, max_blocks), np.int32)      # (n_slots, max_blocks)
         self._dirty = True
         self.ref = np.zeros(n_blocks, np.int32)                      # (n_blocks,) references
@@ -194,11 +193,13 @@ class BlockPool:
         self.table[slot] = 0
         self._dirty = True
 
-    def sync(self) -> None:
-        """Upload the table if it changed since the last upload (before a step)."""
-        if self._dirty and self._upload is not None:
-            self._upload(self.table)
+    def take_table(self) -> np.ndarray | None:
+        """A copy of the table when it changed since the last take (to upload before the next
+        step), else None."""
+        if not self._dirty:
+            return None
         self._dirty = False
+        return self.table.copy()
 
     def check(self) -> None:
         """Every block is either referenced, cached or free, exactly once (tests)."""

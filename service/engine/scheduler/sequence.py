@@ -2,7 +2,7 @@
 
 A `Sequence` knows its prompt, its KV slot, how many positions are committed (KV rows written),
 the *seed* (the last chosen token, not yet fed to the model), what it has emitted, and when it
-must stop. The scheduler feeds it model outputs; it turns them into events.
+must stop. The engine feeds it model outputs; it turns them into events.
 """
 
 from __future__ import annotations

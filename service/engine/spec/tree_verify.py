@@ -1,7 +1,7 @@
 """Tree verify in the engine: drafting a tree, its step rows, accepting and compacting.
 
-The math (building, masks, path following, compaction plans) is service/engine/tree.py; this
-module turns it into engine steps. A sequence with tree_budget > 0 gets, per decode step, a tree
+The math (building, masks, path following, compaction plans) is tree.py; this module turns it
+into engine steps. A sequence with tree_budget > 0 gets, per decode step, a tree
 of at most n nodes (n = the rows the plan gives it, <= its budget):
 
 - drafting: a drafter with `candidates` (the model drafter) drafts the top-1 chain to depth
@@ -12,7 +12,7 @@ of at most n nodes (n = the rows the plan gives it, <= its budget):
   RoPE position committed + depth[i], KV row committed + i, and attention to the committed rows
   plus its ancestors and itself: attn_lo = committed, attn_mask = those nodes' bits (n <= 16).
   Every node's row chooses its token as plain decoding would choose the token at its depth
-  (greedy, or the request's seeded draw keyed by that token's index: scheduler._choice).
+  (greedy, or the request's seeded draw keyed by that token's index: spec/decode.choice).
 - accepting: follow_path over the rows' choices; the accepted nodes' tokens and the bonus are
   emitted (exactly plain decoding's next tokens, tree.py says why), the committed count
   grows by the accepted node count, and when the path leaves the leading chain the accepted
@@ -29,10 +29,11 @@ from typing import NamedTuple
 import numpy as np
 
 from service.backends.step_format import TOP_MAX
-from service.engine.drafters import Drafter
-from service.engine.runner import ModelRunner, StepOutput
-from service.engine.sequence import Sequence
-from service.engine.tree import (
+from service.engine.runner.model_runner import ModelRunner
+from service.engine.runner.step import StepOutput
+from service.engine.scheduler.sequence import Sequence
+from service.engine.spec.drafters import Drafter
+from service.engine.spec.tree import (
     Tree,
     ancestor_mask,
     build_tree,

@@ -1,0 +1,399 @@
+"""The engine: one thread that owns the model and batches every running request into its steps.
+
+Its parts, each owning its state:
+    Scheduler (scheduler/policy.py)   the queue, the running sequences, their KV slots and blocks
+                                      (scheduler/kv.py, scheduler/blocks.py), and the policy
+    ModelRunner (runner/)             packs, uploads, runs and reads back one step (StepInput)
+    Speculator (spec/decode.py)       the drafter: each decode row's drafts; verify rows, commits
+
+One iteration of the engine thread, under its lock until the plan is made:
+
+    cancelled requests leave -> plan = scheduler.schedule() (admission, the decode rows and
+    their draft lengths, the prefill chunk, KV blocks and preemptions) -> the plan's slot changes
+    reach the drafter -> [lock released] the changed block table goes to the target's and the
+    draft model's runners -> decode: the speculator drafts each row, ONE runner step verifies
+    every row (spec/decode.verify_input), each sequence commits what it accepted (tree paths'
+    KV rows compacted with one runner.move_kv) -> prefill: the chunk as its own runner step ->
+    finished sequences give their slot back.
+
+The policy is scheduler/policy.py's docstring. Every row chooses its token with the request's
+own sampling keyed by (request seed, token index), never by its row in a step: a request's
+tokens do not depend on its batch, and speculative output equals plain output (spec/chain.py).
+A step that fails is retried one sequence at a time (nothing was committed), so a fault fails
+only its request. A cancelled request's slot and blocks are free within one step. Events go to
+each request's sink on this thread; sinks must not block. Loading lives in loader.py.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import structlog
+
+from service.config import EngineConfig, step_budget
+from service.engine.loader import ModelInfo, load_model, phase
+from service.engine.runner.model_runner import ModelRunner
+from service.engine.runner.step import RowSampling, StepInput, StepOutput
+from service.engine.sampling import resolve_seed
+from service.engine.scheduler.blocks import BlockPool
+from service.engine.scheduler.kv import KVManager
+from service.engine.scheduler.plan import DecodeRow, PrefillChunk, StepPlan
+from service.engine.scheduler.policy import Scheduler
+from service.engine.scheduler.sequence import Sequence
+from service.engine.spec.decode import Draft, Speculator, choice, commit, split, verify_input
+from service.engine.spec.drafters import Drafter, create_drafter
+from service.engine.spec.options import resolve as resolve_speculation
+from service.engine.spec.tree_verify import compact, n_rows
+from service.engine.spec.verify_cost import measure_verify_alpha
+from service.engine.stepprofile import HEADS, OTHER, VERIFY, StepStats, StepTimer
+from service.engine.textstream import TextStream
+from service.engine.types import (
+    Event,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    StoppingCriteria,
+)
+from service.errors import UnavailableError
+from service.gguf.reader import GGUFFile
+from service.model.chat import chat_prompt_ids, chat_prompt_text, template_for
+from service.model.spec import ModelSpec
+from service.model.tokenizer import Tokenizer
+from service.model.transformer import Transformer
+
+__all__ = ["Engine", "RequestHandle", "StepStats"]
+
+log = structlog.get_logger("specstream.engine")
+
+
+class RequestHandle:
+    def __init__(self, engine: Engine, seq: Sequence):
+        self._engine, self._seq = engine, seq
+        self.request_id = seq.request.request_id
+
+    def cancel(self) -> None:
+        """Stop this request within one engine step; its sink gets Finished(CANCELLED)."""
+        self._seq.cancelled = True
+        self._engine._wake()
+
+
+class Engine:
+    def __init__(self, path: Path, gguf: GGUFFile, spec: ModelSpec, tokenizer: Tokenizer,
+                 model: Transformer, config: EngineConfig, backend_name: str,
+                 chat_template: str | None = None, drafter: Drafter | None = None):
+        self.path, self.spec, self.tokenizer, self.model = path, spec, tokenizer, model
+        self.config = config
+        self.speculator = Speculator(drafter or create_drafter(config.drafter,
+                                                               config.ngram_size))
+        # (text) the configured template, else the model's own; None: chat input is refused
+        self.chat_template = template_for(gguf.metadata, chat_template)
+        self.info = ModelInfo(
+            name=spec.name, path=str(path), architecture=spec.arch, file_type=spec.file_type,
+            n_params=spec.n_params, n_ctx_train=spec.n_ctx_train, n_ctx=config.n_ctx,
+            vocab_size=spec.vocab_size, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+            eog_ids=tuple(sorted(tokenizer.eog_ids)),
+            chat_template=self.chat_template, backend=backend_name,
+            drafter=config.drafter, draft_model=getattr(self.drafter, "model_name", ""),
+            kv_cache_type_k=config.kv_cache_type_k,
+            kv_cache_type_v=config.kv_cache_type_v, n_layer=spec.n_layer, n_embd=spec.n_embd)
+        self._lock = threading.Condition()      # guards the scheduler's queue and sequences
+        self._thread: threading.Thread | None = None
+        self.failure: str | None = None   # why the engine thread died, if it did
+        self._ready = threading.Event()
+        self._stopping = False
+        self.runner = ModelRunner(model, config.n_slots, config.n_ctx)
+        # rows of one decode step (the backends' step-size-invariant width, within the model's
+        # workspace) and the fixed prefill chunk, under config.max_step_tokens
+        rows, chunk = step_budget(config)
+        cache = model.cache
+        pool = BlockPool(cache.n_blocks, cache.block_size, config.n_slots, cache.max_blocks,
+                         config.prefix_cache)
+        self.scheduler = Scheduler(KVManager(pool, config.n_slots), n_ctx=config.n_ctx,
+                                   max_queue=config.max_queue, prefill_chunk=chunk,
+                                   step_rows=min(rows, model.max_tokens, model.max_logits))
+        self.stats = StepStats()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def load(cls, model_path: str | Path, config: EngineConfig,
+             chat_template: str = "") -> Engine:
+        """`chat_template`: a built-in template's name or a Jinja file ('' = the model's own)."""
+        m = load_model(model_path, config, chat_template)
+        return cls(m.path, m.gguf, m.spec, m.tokenizer, m.model, m.config, m.backend_name,
+                   m.chat_template, m.drafter)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def queue_depth(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def active(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def pool(self) -> BlockPool:
+        """The KV block pool (metrics, tests)."""
+        return self.scheduler.kv.pool
+
+    @property
+    def _free_slots(self) -> list[int]:
+        """The KV slots no sequence holds (tests check that every one comes back)."""
+        return self.scheduler.kv.free_slots
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return self.speculator.drafter
+
+    @drafter.setter
+    def drafter(self, drafter: Drafter | None) -> None:
+        self.speculator.drafter = drafter
+
+    @property
+    def verify_alpha(self) -> float:
+        """Cost of each extra verified token relative to a plain step (the draft lengths')."""
+        return self.scheduler.verify_alpha
+
+    @verify_alpha.setter
+    def verify_alpha(self, alpha: float) -> None:
+        self.scheduler.verify_alpha = alpha
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine thread has died (health checks turn NOT_SERVING)."""
+        return self.failure is None and (self._thread is None or self._thread.is_alive()
+                                         or self._stopping)
+
+    def start(self) -> None:
+        """Start the engine thread; returns once it has measured its verify cost and waits
+        for work (so nothing else touches the model while it measures)."""
+        if self._thread is None:
+            self._stopping = False
+            self._ready.clear()
+            self._thread = threading.Thread(target=self._run, name="specstream-engine",
+                                            daemon=True)
+            self._thread.start()
+            self._ready.wait()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Cancel everything still queued or running, then join the engine thread."""
+        with self._lock:
+            self._stopping = True
+            for seq in self.scheduler.sequences:
+                seq.cancelled = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def submit(self, request: GenerationRequest, sink: Callable[[Event], None]) -> RequestHandle:
+        request.validate(self.spec.vocab_size, self.config.n_ctx)
+        if not request.request_id:
+            request = replace(request, request_id=uuid.uuid4().hex)
+        seq = self._new_sequence(request, sink)
+        with self._lock:
+            if self._stopping or self._thread is None or not self.healthy:
+                raise UnavailableError("the engine is not running"
+                                       + (f" ({self.failure})" if self.failure else ""))
+            self.scheduler.add(seq)
+            self._lock.notify_all()
+        return RequestHandle(self, seq)
+
+    def generate(self, request: GenerationRequest, timeout: float | None = None
+                 ) -> Iterator[Event]:
+        """Submit and yield the request's events in order (for CLIs and tests)."""
+        q: queue.Queue = queue.Queue()
+        handle = self.submit(request, q.put)
+        try:
+            while True:
+                event = q.get(timeout=timeout)
+                yield event
+                if isinstance(event, Finished):
+                    return
+        finally:
+            handle.cancel()
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Messages rendered with the chat template, then tokenized as llama.cpp does;
+        ChatTemplateMissingError when there is none."""
+        return chat_prompt_ids(self.tokenizer, self.chat_template, messages)
+
+    def chat_prompt_text(self, messages: list[dict[str, str]]) -> str:
+        """The text chat_prompt_ids tokenizes."""
+        return chat_prompt_text(self.tokenizer, self.chat_template, messages)
+
+    def text_prompt_ids(self, text: str) -> list[int]:
+        """Plain text tokenized as llama.cpp does: BOS per metadata, special tokens parsed."""
+        return self.tokenizer.encode(text, parse_special=True)
+
+    def warmup(self) -> None:
+        """One short greedy generation through the whole path (JIT, caches, first pages)."""
+        prompt = (self.tokenizer.bos_id or 0, 1, 2, 3)
+        req = GenerationRequest("warmup", tuple(t % self.spec.vocab_size for t in prompt),
+                                SamplingParams(temperature=0.0),
+                                StoppingCriteria(max_new_tokens=2, ignore_eos=True))
+        t0 = time.perf_counter()
+        for _ in self.generate(req, timeout=600):
+            pass
+        phase("warmup", t0)
+
+    def _new_sequence(self, request: GenerationRequest, sink) -> Sequence:
+        spec = resolve_speculation(request.speculative, request.speculative_options,
+                                   self.config, self.drafter is not None,
+                                   request.sampling.repetition_penalty)
+        return Sequence(request=request, sink=sink,
+                        seed_value=resolve_seed(request.sampling.seed),
+                        text=TextStream(self.tokenizer, request.stopping.stop_sequences),
+                        eog_ids=frozenset(self.tokenizer.eog_ids), n_ctx=self.config.n_ctx,
+                        speculative=spec.on, verify_width=spec.verify_width,
+                        tree_budget=spec.tree_budget)
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            try:
+                if self.config.verify_width >= 2 and self.drafter is not None:
+                    self.verify_alpha = measure_verify_alpha(self.runner,
+                                                             self.config.verify_width)
+            finally:
+                self._ready.set()
+            self._loop()
+        except BaseException as exc:   # the loop itself failed: fail every request, loudly
+            self.failure = f"{type(exc).__name__}: {exc}"
+            log.exception("engine_failed")
+            with self._lock:
+                doomed = self.scheduler.drain()
+            for seq in doomed:
+                seq.finish(FinishReason.ERROR, error="the engine stopped: " + self.failure)
+
+    def _loop(self) -> None:
+        while True:
+            timer = StepTimer() if self.config.step_profile else None
+            with self._lock:
+                self._reap_cancelled()
+                plan = self.scheduler.schedule()
+                if plan is None:
+                    if self._stopping:
+                        return
+                    self._lock.wait(0.5)
+                    continue
+                self.stats.preemptions += plan.preempted
+                self.stats.cached_tokens += plan.cached_tokens
+                for change in plan.slot_changes:
+                    if change.cached:       # the penalty window reads the cached positions
+                        self.runner.write_history(change.slot,
+                                                  change.seq.context_ids[:change.cached])
+                    self.speculator.slot_change(change)
+            self._execute(plan, timer)
+
+    def _execute(self, plan: StepPlan, timer: StepTimer | None) -> None:
+        if plan.block_table is not None:    # the draft model shares the target's table
+            self.runner.set_block_table(plan.block_table)
+            self.speculator.set_block_table(plan.block_table)
+        if plan.decode:
+            try:
+                self._decode(plan.decode, timer)
+            except Exception as exc:   # drafting failed: fail its batch
+                for row in plan.decode:
+                    self._fail(row.seq, exc)
+        chunk = plan.prefill
+        if chunk is not None and not chunk.seq.cancelled:
+            try:
+                self._prefill(chunk)
+            except Exception as exc:   # one request's failure must not stop the engine
+                self._fail(chunk.seq, exc)
+        for seq in plan.sequences:
+            if seq.finished:
+                self._release(seq)
+
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        log.error("step_failed", request_id=seq.request.request_id, exc_info=exc)
+        seq.finish(FinishReason.ERROR, error=f"{type(exc).__name__}: {exc}")
+
+    def _reap_cancelled(self) -> None:
+        for seq in self.scheduler.drop_cancelled():
+            seq.finish(FinishReason.CANCELLED)
+        for seq in [s for s in self.scheduler.running if s.cancelled]:
+            seq.finish(FinishReason.CANCELLED)
+            self._release_locked(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        with self._lock:
+            self._release_locked(seq)
+
+    def _release_locked(self, seq: Sequence) -> None:
+        if seq in self.scheduler.running:
+            self.speculator.release(seq)
+            self.scheduler.release(seq)
+
+    # ------------------------------------------------------------------ steps
+    def _decode(self, rows: tuple[DecodeRow, ...], timer: StepTimer | None) -> None:
+        """The decode step: drafts, ONE verify step, each sequence's commit. A step that fails
+        is retried one sequence at a time (nothing was committed)."""
+        batch = self.speculator.draft(rows, timer)
+        try:
+            outs: list[StepOutput | None] = self._verify(batch, timer)
+        except Exception as exc:
+            if len(batch) == 1:
+                self._fail(batch[0][0], exc)
+                return
+            outs = []
+            for item in batch:
+                try:
+                    outs += self._verify([item])
+                except Exception as one:
+                    self._fail(item[0], one)
+                    outs.append(None)
+        if timer is not None:           # before committing: a finishing request reports it
+            timer.charge([seq for seq, _ in batch])
+        moves = [commit(seq, draft, out) for (seq, draft), out in zip(batch, outs, strict=True)
+                 if out is not None and not seq.finished]
+        self.stats.kv_moves += compact(self.runner, [m for m in moves if m is not None])
+        if timer is not None:
+            timer.finish([seq for seq, _ in batch], self.stats.decode_steps,
+                         sum(n_rows(d) for _, d in batch))
+
+    def _verify(self, batch: list[tuple[Sequence, Draft]], timer: StepTimer | None = None
+                ) -> list[StepOutput]:
+        """Every row of the batch in one runner step, the output cut per sequence."""
+        if timer is not None:
+            timer.lap(OTHER)            # planning (drafting laps itself)
+        inp = verify_input(batch)
+        if timer is not None:
+            timer.lap(HEADS)
+        out = self.runner.step(inp)
+        if timer is not None:
+            timer.lap(VERIFY)
+        self.stats.count_decode(len(batch), len(inp.token_ids))
+        return split(batch, out)
+
+    def _prefill(self, chunk: PrefillChunk) -> None:
+        """One chunk of a prompt (or of a preempted sequence's context); the prompt's last
+        chunk chooses its first token."""
+        seq = chunk.seq
+        out = self._forward(seq, chunk.tokens, chunk.start, [choice(seq)] if chunk.choose
+                            else [])
+        self.stats.prefill_steps += 1
+        seq.n_past += len(chunk.tokens)
+        self.scheduler.prefilled(seq)
+        if chunk.choose:
+            seq.t_prefill_done = time.perf_counter()
+            seq.emit([int(out.token_ids[0])], out.logprobs)
+
+    def _forward(self, seq: Sequence, tokens: list[int], start: int,
+                 rows: list[RowSampling]) -> StepOutput:
+        """Run `tokens` of `seq` from position `start`; the last len(rows) rows choose a token."""
+        T, L = len(tokens), len(rows)
+        return self.runner.step(StepInput(tokens, range(start, start + T), [seq.slot] * T,
+                                          range(T - L, T), rows))

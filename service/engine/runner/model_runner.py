@@ -1,0 +1,229 @@
+"""The model runner: one step in, token ids out, for the target model and every draft model.
+
+Whoever plans a step decides *what* runs (a StepInput: rows of token ids, positions, KV slots,
+which rows need a token chosen and how); the runner decides *how*:
+
+1. pads the step to the next of the backend's step sizes (`Backend.step_sizes`: 1, 2, 4, 8, 16,
+   then the largest step; the CPU backend, which captures nothing, uses multiples of 16 past
+   16) with padding rows (slot -1, id 0, position 0) placed FIRST, so the rows that need logits
+   stay the last rows, as the transformer computes them;
+2. writes everything into one host int32 buffer (pinned on CUDA) and uploads it with ONE copy;
+   the device buffer is sliced into the int32 views the model and the sample op read, at offsets
+   fixed at load time (so a captured graph finds them at the same addresses every step);
+3. runs the transformer, records the step's ids in the token history and samples every logits
+   row on the backend, all inside one `run_step` (one graph per (padded T, n_logits));
+4. reads back only the int32 output records with ONE copy and one wait (`read`; `step` is
+   `launch` then `read`): the whole records where log-probabilities are asked or a step chose
+   several rows, else only the chosen ids.
+
+Layout of the packed step buffer (int32 words; M = max tokens, L = max logits rows):
+    [0, M) ids | [M, 2M) positions | [2M, 3M) slots | [3M, 4M) KV rows written | [4M, 5M)
+    attn_lo | [5M, 6M) attn_mask (tree verify rows, backends/base.py; an ordinary row has KV row
+    = position, attn_lo = position + 1, mask 0) | [6M, 6M + L) logits rows (indices into the
+    padded step) | [6M + L, 6M + L + L * N_PARAMS) per-row sampling records (step_format.Param)
+
+A runner's kind (RunnerKind) says what its model's steps need. The target's (TARGET) records
+every step's ids in the token history (the repetition penalty's window) and passes every row's
+KV row and attention bounds, so its attention takes one path whatever the step holds. A draft
+model's (DRAFT) keeps no history, gives the backend ordinary rows only (it may pick its fastest
+attention) and runs greedy chains: after a launched step whose last row chose d1, `chain` runs
+n single-token forwards as ONE backend step (Transformer.forward_chain), each reading the
+previous choice on the device and choosing the next (service/engine/spec/draft_model.py). A
+`logits_hook(ids, logits)` (a drafter's Markov head) runs on the logits before every choice.
+
+KV row moves (tree compaction, `move_kv`) go through a second small host buffer of 3M words
+(slots | sources | destinations), also uploaded with one copy, then one kv_move op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.backends.step_format import N_PARAMS, OUT_WORDS
+from service.engine.runner.step import RowSampling, StepInput, StepOutput
+from service.model.transformer import Transformer
+
+
+@dataclass(frozen=True)
+class RunnerKind:
+    """What a model's steps need beyond ids, positions and slots."""
+
+    history: bool = True          # record step ids in the token history (the penalty reads it)
+    explicit_rows: bool = True    # pass every row's KV row and attention bounds, always
+    chains: bool = False          # run greedy chains (`chain`): a draft model
+
+
+TARGET = RunnerKind()
+DRAFT = RunnerKind(history=False, explicit_rows=False, chains=True)
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, n_slots: int, n_ctx: int, kind: RunnerKind = TARGET,
+                 logits_hook: Callable | None = None):
+        self.model, self.kind, self.logits_hook = model, kind, logits_hook
+        be, M, L = model.backend, model.max_tokens, model.max_logits
+        self.sizes = be.step_sizes(M)
+        self._o_rows, self._o_par = 6 * M, 6 * M + L
+        n_words = 6 * M + L + L * N_PARAMS
+        self._host = be.host_buffer(n_words)                      # (W,) i32 pinned on CUDA
+        self._dev = be.zeros((n_words,), "int32")                 # (W,) i32
+        n_out = max(L, M) if kind.chains else L                   # a chain chooses up to M
+        self._out_host = be.host_buffer(n_out * OUT_WORDS)        # (n_out * OUT_WORDS,) i32
+        self._out_dev = be.zeros((n_out * OUT_WORDS,), "int32")   # (n_out * OUT_WORDS,) i32
+        self._out = self._out_dev.reshape(n_out, OUT_WORDS)       # (n_out, OUT_WORDS) i32
+        # (n_slots, n_ctx) i32 token history; without history one entry no record reads
+        self.hist = be.zeros((n_slots, n_ctx) if kind.history else (1, 1), "int32")
+        self._params = self._dev[self._o_par:].reshape(L, N_PARAMS)   # (L, N_PARAMS) i32
+        self._mv_host = be.host_buffer(3 * M)                     # (3M,) i32 pinned on CUDA
+        self._mv_dev = be.zeros((3 * M,), "int32")                # (3M,) i32
+        if kind.chains:
+            # positions | slots | one sampling record: its own host buffer, since the launched
+            # step's stays in use until the readback
+            self._chain_host = be.host_buffer(2 * M + N_PARAMS)           # (2M + N_PARAMS,)
+            self._chain_dev = be.zeros((2 * M + N_PARAMS,), "int32")      # (2M + N_PARAMS,)
+            self._chain_ids = be.zeros((M,), "int32")    # (M,) i32 d1..dk, written on device
+        self._launched = False        # a step not read back yet (its host buffer is in use)
+        self._chained = False         # ... followed by a chain (its ids are in _chain_ids)
+        be.prepare_sampling(L, model.spec.vocab_size)
+
+    def padded(self, n: int) -> int:
+        return next(s for s in self.sizes if s >= n)
+
+    def _explicit(self, inp: StepInput) -> bool:
+        return self.kind.explicit_rows or inp.kv_positions is not None
+
+    def _pack(self, inp: StepInput, T: int) -> None:
+        n, h, M = len(inp.token_ids), self._host, self.model.max_tokens
+        pad = T - n
+        h[:T] = 0
+        h[pad:T] = inp.token_ids
+        h[M:M + T] = 0
+        h[M + pad:M + T] = inp.positions
+        h[2 * M:2 * M + T] = -1
+        h[2 * M + pad:2 * M + T] = inp.slots
+        if self._explicit(inp):
+            h[3 * M:3 * M + T] = 0                                # padding: position 0 rows
+            h[4 * M:4 * M + T] = 1
+            h[5 * M:5 * M + T] = 0
+        if inp.kv_positions is None and self.kind.explicit_rows:
+            h[3 * M + pad:3 * M + T] = inp.positions
+            h[4 * M + pad:4 * M + T] = h[M + pad:M + T] + 1
+        elif inp.kv_positions is not None:
+            h[3 * M + pad:3 * M + T] = inp.kv_positions
+            h[4 * M + pad:4 * M + T] = inp.attn_lo
+            h[5 * M + pad:5 * M + T] = np.asarray(inp.attn_mask, np.int64).astype(np.int32)
+        L = len(inp.logit_rows)
+        h[self._o_rows:self._o_rows + L] = np.asarray(inp.logit_rows, np.int32) + pad
+        for r, (row, s) in enumerate(zip(inp.logit_rows, inp.sampling, strict=True)):
+            o = self._o_par + r * N_PARAMS
+            where = (int(inp.slots[row]), int(inp.positions[row])) if self.kind.history \
+                else (0, 0)
+            h[o:o + N_PARAMS] = s.record(*where)
+
+    def step(self, inp: StepInput) -> StepOutput:
+        """Run one step and read its choices back."""
+        self.launch(inp)
+        return self.read(inp.sampling)
+
+    def launch(self, inp: StepInput) -> None:
+        """Pack, upload and run one step; its choices stay on the device until `read` (a step
+        launched after another waits for it first: both use one host buffer)."""
+        model, be = self.model, self.model.backend
+        M = model.max_tokens
+        inp.check(M, model.max_logits)
+        if self._launched:
+            self.read(())
+        T, L = self.padded(len(inp.token_ids)), len(inp.logit_rows)
+        self._pack(inp, T)
+        be.upload_step(self._host, self._dev)
+        ids, pos = self._dev[:T], self._dev[M:M + T]                  # (T,) i32 each
+        slots = self._dev[2 * M:2 * M + T]                            # (T,) i32
+        tree = ([self._dev[o * M:o * M + T] for o in (3, 4, 5)]       # 3 x (T,) i32
+                if self._explicit(inp) else [])
+        params, out, hist = self._params[:L], self._out[:L], self.hist
+        history, hook = self.kind.history, self.logits_hook
+
+        def choose(logits) -> None:                                   # logits (L, V) f32
+            if history:
+                be.record_tokens(ids, slots, pos, hist)
+            if L:
+                if hook is not None:
+                    hook(ids, logits)
+                be.sample(logits, params, hist, out)
+
+        kv_rows = inp.kv_positions if inp.kv_positions is not None else inp.positions
+        kv_len = max(max(inp.positions), max(kv_rows)) + 1
+        model.forward(ids, pos, slots, kv_len, L, choose if history or L else None, *tree)
+        self._launched = True
+
+    def chain(self, start: int, n: int, slot: int, row: RowSampling) -> None:
+        """After a launched step whose last row chose d1 (output record 0, on the device): n
+        single-token forwards as ONE backend step; forward i (0..n-1) runs d_{i+1} at position
+        start + i of `slot` and chooses d_{i+2} with `row` into output record i + 1, whose id
+        the next forward reads on the device. `read` then returns d1..d_{n+1}."""
+        model, be, M = self.model, self.model.backend, self.model.max_tokens
+        if not self.kind.chains or not self._launched or not 1 <= n < M:
+            raise ValueError(f"a chain of {n} needs a runner of kind DRAFT, a launched step "
+                             f"and n < {M}")
+        c = self._chain_host
+        c[:n] = np.arange(start, start + n, dtype=np.int32)
+        c[M:M + n] = slot
+        c[2 * M:] = row.record(0, 0)
+        be.upload_step(c, self._chain_dev)
+        pos, slots = self._chain_dev[:n], self._chain_dev[M:M + n]     # (n,) i32 each
+        params = self._chain_dev[2 * M:].reshape(1, N_PARAMS)           # (1, N_PARAMS) i32
+        ids, out, hook = self._chain_ids, self._out, self.logits_hook   # (M,), (n_out, W)
+
+        def first() -> None:
+            be.chosen_ids(out[:1], ids[:1])                             # d1
+
+        def choose(i: int, logits) -> None:                             # logits (1, V) f32
+            if hook is not None:
+                hook(ids[i:i + 1], logits)
+            be.sample(logits, params, self.hist, out[i + 1:i + 2])
+            be.chosen_ids(out[i + 1:i + 2], ids[i + 1:i + 2])           # d_{i+2}
+
+        model.forward_chain(ids[:n], pos, slots, range(start + 1, start + n + 1), choose, first)
+        self._chained = True
+
+    def read(self, rows: Sequence[RowSampling]) -> StepOutput:
+        """Wait for what was launched and read the choices of output records 0..n-1, row r
+        chosen as rows[r] (no rows: only wait)."""
+        n = len(rows)
+        if any(r.n_top >= 0 for r in rows) or (n > 1 and not self._chained):
+            src = self._out_dev[:n * OUT_WORDS]                       # (n * OUT_WORDS,) i32
+        elif n > 1:
+            src = self._chain_ids[:n]                                 # (n,) i32 the chain's
+        else:
+            src = self._out_dev[:n]                                   # (n,) i32 record 0's id
+        host = self._out_host[:src.size]
+        self.model.backend.download_step(src, host)
+        self._launched = self._chained = False
+        if src.size == n:
+            return StepOutput(host.copy(), (None,) * n)
+        return StepOutput.from_records(host.reshape(n, OUT_WORDS), rows)
+
+    def write_history(self, slot: int, tokens: Sequence[int]) -> None:
+        """hist[slot, :n] = tokens: the token history of positions whose KV rows a sequence
+        took from the prefix cache (the repetition penalty's window reads it)."""
+        n = len(tokens)
+        self.model.backend.upload_ints(np.asarray(tokens, np.int32), self.hist[slot, :n])
+
+    def set_block_table(self, host) -> None:
+        """The model's KV block table (n_slots, max_blocks) int32, for the next steps."""
+        self.model.set_block_table(host)
+
+    def move_kv(self, slots: Sequence[int], src: Sequence[int], dst: Sequence[int]) -> None:
+        """KV rows src[m] -> dst[m] of slot slots[m], for every layer, in order (one upload,
+        one kv_move op). At most max_tokens moves."""
+        n, M, h = len(src), self.model.max_tokens, self._mv_host
+        if not 0 < n <= M or len(slots) != n or len(dst) != n:
+            raise ValueError(f"{n} KV moves (at most {M}), {len(slots)} slots, {len(dst)} dst")
+        h[:n], h[M:M + n], h[2 * M:2 * M + n] = slots, src, dst
+        be = self.model.backend
+        be.upload_step(h, self._mv_dev)
+        be.kv_move(self.model.cache, self._mv_dev[:n], self._mv_dev[M:M + n],
+                   self._mv_dev[2 * M:2 * M + n])

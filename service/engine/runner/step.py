@@ -1,0 +1,101 @@
+"""The step ABI: what one model step holds (StepInput), how each of its logits rows chooses a
+token (RowSampling), and what comes back (StepOutput).
+
+The scheduler's plan and the drafters describe their steps in these types; the model runner
+(model_runner.py) pads, packs, runs and reads them back. A row chooses its token with a
+request's SamplingParams, its seed resolved, the draw's counter (the index of the token the row
+produces) and the log-probabilities asked; its parameter record is step_format.param_record's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from service.backends.step_format import TOP_MAX, param_record, read_output
+from service.engine.types import SamplingParams, TokenLogprob
+
+
+@dataclass(frozen=True)
+class RowSampling(SamplingParams):
+    """How one logits row chooses its token: the request's sampling (temperature 0 = greedy
+    argmax) with `seed` resolved (an int; None reads as 0), and the draw's place."""
+
+    token_index: int = 0          # the draw's counter: tokens generated before this one
+    n_top: int = -1               # -1: no log-probabilities; else chosen + n_top alternatives
+
+    @classmethod
+    def of(cls, p: SamplingParams, seed: int, token_index: int, n_top: int) -> RowSampling:
+        """Request sampling `p` with its resolved `seed`, for the draw `token_index`."""
+        given = {f.name: getattr(p, f.name) for f in fields(SamplingParams)}
+        return cls(**{**given, "seed": seed}, token_index=token_index, n_top=n_top)
+
+    def record(self, slot: int, position: int) -> list[int]:
+        """The sample op's parameter record (N_PARAMS int32) of this row, whose token history
+        is row `slot` of the history and whose own token is at `position`."""
+        return param_record(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            min_p=self.min_p, penalty=self.repetition_penalty,
+            repeat_last_n=self.repeat_last_n, seed=self.seed or 0,
+            token_index=self.token_index, n_top=min(self.n_top, TOP_MAX), slot=slot,
+            position=position)
+
+
+# every filter off: the argmax, the lowest id on ties
+GREEDY = RowSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                     repeat_last_n=0, seed=0)
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One step: n rows (1 <= n <= max tokens) and the rows that need a token chosen.
+
+    logit_rows must be the last rows, in order (the transformer computes logits for the last
+    rows of a step); sampling holds one RowSampling per logits row. kv_positions, attn_lo and
+    attn_mask (all three or none) describe tree verify rows (service/engine/spec/
+    tree_verify.py); None: ordinary causal rows."""
+
+    token_ids: Sequence[int]
+    positions: Sequence[int]
+    slots: Sequence[int]          # -1 = padding row
+    logit_rows: Sequence[int] = ()
+    sampling: Sequence[RowSampling] = ()
+    kv_positions: Sequence[int] | None = None     # KV row each row writes (default: position)
+    attn_lo: Sequence[int] | None = None          # sees rows [0, attn_lo) (default: position+1)
+    attn_mask: Sequence[int] | None = None        # ... and attn_lo + bit for each set bit
+
+    def check(self, max_tokens: int, max_logits: int) -> None:
+        n = len(self.token_ids)
+        if not 1 <= n <= max_tokens or len(self.positions) != n or len(self.slots) != n:
+            raise ValueError(f"step of {n} ids / {len(self.positions)} positions / "
+                             f"{len(self.slots)} slots (max {max_tokens})")
+        L = len(self.logit_rows)
+        if L > max_logits or list(self.logit_rows) != list(range(n - L, n)):
+            raise ValueError(f"logits rows {list(self.logit_rows)} must be the last rows of "
+                             f"the step (at most {max_logits})")
+        if len(self.sampling) != L:
+            raise ValueError(f"{len(self.sampling)} sampling records for {L} logits rows")
+        tree = (self.kv_positions, self.attn_lo, self.attn_mask)
+        if any(a is not None for a in tree) and any(a is None or len(a) != n for a in tree):
+            raise ValueError("kv_positions, attn_lo and attn_mask: all three, one per row")
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    token_ids: np.ndarray                      # (L,) int32, one per logits row
+    logprobs: tuple[TokenLogprob | None, ...]  # per row; None where not asked
+
+    @classmethod
+    def from_records(cls, rec: np.ndarray, rows: Sequence[RowSampling]) -> StepOutput:
+        """The output records (L, OUT_WORDS) int32 of rows chosen as `rows`."""
+        return cls(rec[:, 0].copy(), tuple(_logprob(r, s.n_top) for r, s in zip(rec, rows,
+                                                                                 strict=True)))
+
+
+def _logprob(rec: np.ndarray, n_top: int) -> TokenLogprob | None:
+    if n_top < 0:
+        return None
+    token, logprob, top = read_output(rec, n_top)
+    return TokenLogprob(token_id=token, logprob=logprob, top=top)

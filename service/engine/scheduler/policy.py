@@ -1,0 +1,212 @@
+"""The scheduling policy: continuous batching over a paged KV cache. `schedule()` returns the
+StepPlan of one engine iteration (plan.py); it runs on the engine thread with the engine's lock
+held, and does host bookkeeping only.
+
+Requests wait in a bounded FIFO (`max_queue` beyond the free slots, then RESOURCE_EXHAUSTED).
+The queue's head is admitted when one of `n_slots` slots is free AND the KV block pool
+(blocks.py) can give it the blocks of its whole prompt plus one token, counting the blocks its
+longest cached prefix already holds (prefix cache: whole blocks of identical earlier prompts,
+taken by reference; it computes only the rest); admission is strictly in arrival order. Each
+iteration then runs, under the step budget `max_step_tokens` (config.step_budget: decode rows
+R = min(64, B - 16), prefill chunk min(prefill_chunk, B - R); B = 0 means 64 rows and
+prefill_chunk):
+
+1. ONE decode step for the decoding sequences, decode first: every sequence's seed token plus
+   its drafted tokens (each sequence keeps its own draft length) are the rows of one step, at
+   most R rows in all. Steps of up to 64 rows are the backends' step-size-invariant path: each
+   row's logits are bit-identical whatever else is in the step, so a request gives the same
+   tokens alone and in any batch. When the rows wanted exceed R, draft lengths shrink first (the
+   longest draft loses a token, the youngest sequence's on a tie); only when the sequences
+   alone exceed R does a sequence sit a step out, in turns: the sequences that waited longest
+   since their last step go first, FIFO by start among equals. Every chosen sequence gets the
+   KV blocks its rows write (the drafter writes them too); when the pool lacks them, the most
+   recently submitted running sequence is PREEMPTED: its full committed blocks go to the prefix
+   cache, the rest back to the pool, and it waits again at the head of the queue; readmitted,
+   it recomputes its context (the prompt in the same chunks, its generated tokens in
+   decode-sized steps, choosing nothing) and goes on: its emitted tokens stand and, sampling
+   being keyed by token index, it continues exactly as it would have. How many tokens a
+   sequence drafts: `draft_length` (spec/chain.py) from its acceptance rate and the measured
+   verify cost `verify_alpha`; a tree uses its budget.
+2. then at most ONE prefill chunk of the oldest sequence still prefilling (or recomputing after
+   a preemption), as its own step: a fixed chunk size, so a prompt's KV rows never depend on the
+   load, and its own step, because a step wider than 64 rows takes another numeric path and
+   would change the batched rows' bits. A long prompt therefore delays running streams by at
+   most one chunk per token they receive, and running streams never starve a waiting prompt.
+   Its blocks are taken after the decode rows' (it may preempt one of them, which then sits
+   this step out).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import structlog
+
+from service.engine.scheduler.kv import KVManager
+from service.engine.scheduler.plan import DecodeRow, PrefillChunk, SlotChange, StepPlan
+from service.engine.scheduler.sequence import Sequence
+from service.engine.spec.chain import draft_length
+from service.errors import CapacityError
+
+log = structlog.get_logger("specstream.engine")
+
+PROBE_EVERY = 8   # plain steps after which a sequence that stopped drafting tries one draft
+
+
+class Scheduler:
+    def __init__(self, kv: KVManager, *, n_ctx: int, max_queue: int, step_rows: int,
+                 prefill_chunk: int):
+        self.kv = kv
+        self.n_ctx, self.max_queue = n_ctx, max_queue
+        self.step_rows, self.prefill_chunk = step_rows, prefill_chunk
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []       # in start order (FIFO admission)
+        # Cost of each extra verified token relative to a plain step (draft_length); the
+        # engine measures it before it serves anything.
+        self.verify_alpha = 0.0
+        self._turn = 0                          # decode steps planned so far
+        self._changes: list[SlotChange] = []
+        self._preempted = 0
+
+    # ------------------------------------------------------------------ the queue
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request; CapacityError when the queue is full."""
+        if len(self.waiting) >= self.max_queue + len(self.kv.free_slots):
+            raise CapacityError(f"{len(self.waiting)} requests are already waiting",
+                                retry_after_s=1.0)
+        self.waiting.append(seq)
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        """Every sequence waiting or running."""
+        return [*self.waiting, *self.running]
+
+    def drain(self) -> list[Sequence]:
+        """Take every sequence out (the engine failed: none will run)."""
+        out = self.sequences
+        self.waiting.clear()
+        self.running.clear()
+        return out
+
+    def drop_cancelled(self) -> list[Sequence]:
+        """The cancelled sequences still waiting, taken out of the queue."""
+        cancelled = [s for s in self.waiting if s.cancelled]
+        for seq in cancelled:
+            self.waiting.remove(seq)
+        return cancelled
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` ended (finished, failed or cancelled): its slot and blocks go back."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.kv.release(seq)
+
+    def prefilled(self, seq: Sequence) -> None:
+        """A prefill chunk of `seq` was committed: its full prompt blocks can be shared."""
+        self.kv.committed(seq, min(seq.n_past, len(seq.request.prompt_ids)))
+
+    # ------------------------------------------------------------------ planning
+    def schedule(self) -> StepPlan | None:
+        """Admit what fits, then plan the decode step and the prefill chunk, with their KV
+        blocks; None when nothing is running."""
+        cached = self._admit()
+        if not self.running:
+            return None
+        decoding = [s for s in self.running if s.seed is not None and not s.cancelled
+                    and not s.prefill_left]
+        prefilling = next((s for s in self.running if s.prefill_left and not s.cancelled), None)
+        rows = self._decode_rows(decoding) if decoding else []
+        chunk = self._prefill_chunk(prefilling) if prefilling is not None else None
+        rows = [r for r in rows if r.seq.slot >= 0]     # none preempted for the chunk's blocks
+        for r in rows:
+            if r.seq.speculative:
+                r.seq.steps_without_draft = 0 if r.n_draft else r.seq.steps_without_draft + 1
+        if rows:
+            self._turn += 1
+        plan = StepPlan(tuple(rows), chunk, self.kv.take_table(), tuple(self._changes),
+                        self._preempted, cached)
+        self._changes, self._preempted = [], 0
+        return plan
+
+    def _admit(self) -> int:
+        """FIFO admission; returns the positions taken from the prefix cache."""
+        cached = 0
+        while self.waiting:
+            n = self.kv.admit(self.waiting[0])
+            if n is None:
+                break
+            seq = self.waiting.popleft()
+            self.running.append(seq)
+            self._changes.append(SlotChange(seq.slot, seq, True, n))
+            cached += n
+        return cached
+
+    def _decode_rows(self, decoding: list[Sequence]) -> list[DecodeRow]:
+        """Which sequences step now and how many tokens each drafts, <= step_rows rows."""
+        # Turns: the sequences that waited longest go first; sorted() keeps start order on ties.
+        chosen = sorted(decoding, key=lambda s: s.last_turn)[:self.step_rows]
+        for seq in chosen:
+            seq.last_turn = self._turn
+        want = [self._draft_length(seq) for seq in chosen]
+        spare = self.step_rows - len(chosen)
+        while sum(want) > spare:        # shrink the longest draft (the later in turn on a tie)
+            i = max(range(len(want)), key=lambda j: (want[j], j))
+            want[i] -= 1
+        for i, seq in enumerate(chosen):     # blocks for every row; the drafter writes them too
+            if seq.slot >= 0 and not self._room(seq, seq.n_past + want[i] + 1):
+                want[i] = -1
+        return [DecodeRow(seq, k) for seq, k in zip(chosen, want, strict=True)
+                if k >= 0 and seq.slot >= 0]     # the others were preempted to make room
+
+    def _draft_length(self, seq: Sequence) -> int:
+        """How many tokens `seq` would like drafted this step (0: plain decoding)."""
+        if not seq.speculative:
+            return 0
+        room = min((seq.tree_budget or seq.verify_width) - 1, self.n_ctx - seq.n_past - 1,
+                   seq.request.stopping.max_new_tokens - len(seq.generated) - 1)
+        if seq.tree_budget:             # a tree uses its budget (spec/tree_verify.py)
+            return max(0, room)
+        k = draft_length(seq.accept_rate, self.verify_alpha, room)
+        if k == 0 and seq.steps_without_draft >= PROBE_EVERY:
+            k = min(1, room)            # keep measuring: the text may turn repetitive
+        return k
+
+    def _prefill_chunk(self, seq: Sequence) -> PrefillChunk | None:
+        """The next chunk of `seq` (chunks of prefill_chunk from where its prefill began; a
+        preempted sequence's generated tokens in decode-sized steps, so their KV rows get the
+        bits decoding gave them), with its blocks; None when `seq` was preempted."""
+        if seq.slot < 0:
+            return None
+        n_prompt = len(seq.request.prompt_ids)
+        if seq.n_past < n_prompt:
+            n = min(self.prefill_chunk, n_prompt - seq.n_past)
+        else:
+            n = min(self.step_rows, seq.prefill_left)
+        if not self._room(seq, seq.n_past + n):
+            return None
+        return PrefillChunk(seq, seq.n_past, list(seq.history[seq.n_past:seq.n_past + n]),
+                            seq.seed is None and seq.n_past + n == n_prompt)
+
+    def _room(self, seq: Sequence, n_positions: int) -> bool:
+        """Blocks for positions [0, n_positions) of `seq`, preempting the most recently
+        submitted running sequences while the pool lacks them; False when `seq` itself had to
+        go (it waits again at the head of the queue)."""
+        while not self.kv.ensure(seq, n_positions):
+            victim = max((s for s in self.running if s.slot >= 0 and not s.finished),
+                         key=lambda s: s.t_submit)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Take `seq`'s blocks back; it recomputes its context when admitted again (its
+        emitted tokens stand: sampling is keyed by token index, so it goes on as before)."""
+        log.info("preempted", request_id=seq.request.request_id, n_past=seq.n_past,
+                 generated=len(seq.generated), blocks_used=self.kv.pool.used_blocks)
+        self._changes.append(SlotChange(seq.slot, seq, False))
+        self.running.remove(seq)
+        self.kv.release(seq)
+        seq.preempt()
+        self.waiting.appendleft(seq)
+        self._preempted += 1

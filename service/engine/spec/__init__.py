@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters, chain and tree verification, and the options per request."""

@@ -1,0 +1,123 @@
+"""The speculative side of a decode step: each row's draft, the verify step's rows, and what
+each sequence commits from the step's choices.
+
+- drafting (`Speculator.draft`): a row of a speculating sequence with n_draft > 0 gets a chain
+  [seed, d1..dk] from the drafter, or with a tree budget a draft tree of n_draft + 1 nodes
+  (tree_verify.draft_tree); any other row is its seed alone.
+- rows (`verify_input`): every sequence's segment (chain rows, or tree rows with their KV rows
+  and attention masks) in ONE StepInput, every row choosing a token: a row at depth d of a
+  sequence's chain or tree exactly as plain decoding chooses the token d after its next one
+  (its own sampling, seed and token index, `choice`; in a chain the penalty window sees the
+  drafts before it, recorded into the token history by the same step).
+- committing (`commit`): a chain accepts with chain.accept_chain, a tree follows its path
+  (tree_verify.commit, which returns the KV rows to compact); the accepted tokens and the bonus
+  are emitted, exactly plain decoding's next tokens (chain.py and tree.py say why).
+
+The drafter's per-slot state follows the scheduler's slot changes (`slot_change`, `release`);
+a drafter with its own KV cache gets the target's block table (`set_block_table`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
+from service.engine.runner.step import RowSampling, StepInput, StepOutput
+from service.engine.scheduler.plan import DecodeRow, SlotChange
+from service.engine.scheduler.sequence import Sequence
+from service.engine.spec.chain import accept_chain
+from service.engine.spec.drafters import Drafter, SlotView
+from service.engine.spec.tree import Tree
+from service.engine.spec.tree_verify import commit as commit_tree
+from service.engine.spec.tree_verify import draft_tree, n_rows, rows, step_fields
+from service.engine.stepprofile import DRAFT, OTHER, StepTimer
+
+Draft = list[int] | Tree
+Move = tuple[int, np.ndarray, np.ndarray]   # (slot, KV rows written, rows they belong in)
+
+
+def choice(seq: Sequence, ahead: int = 0) -> RowSampling:
+    """How `seq` chooses the token `ahead` tokens after its next one (the draw's counter: the
+    index of the token the row produces, as plain decoding would count it)."""
+    return RowSampling.of(seq.request.sampling, seq.seed_value, len(seq.generated) + ahead,
+                          seq.request.top_logprobs or -1)
+
+
+class Speculator:
+    def __init__(self, drafter: Drafter | None):
+        self.drafter = drafter
+
+    def slot_change(self, change: SlotChange) -> None:
+        """A sequence took or left a slot (the scheduler's plan)."""
+        if self.drafter is not None:
+            view = SlotView(change.slot, change.seq.history)
+            (self.drafter.start if change.started else self.drafter.release)(view)
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` ended while holding its slot."""
+        if self.drafter is not None:
+            self.drafter.release(seq)
+
+    def set_block_table(self, table: np.ndarray) -> None:
+        if self.drafter is not None:
+            self.drafter.set_block_table(table)
+
+    def draft(self, plan: Seq[DecodeRow], timer: StepTimer | None = None
+              ) -> list[tuple[Sequence, Draft]]:
+        """Each row's sequence with what it verifies: [seed, drafts...] or a draft tree."""
+        batch: list[tuple[Sequence, Draft]] = []
+        for row in plan:
+            seq, draft = row.seq, [row.seq.seed]
+            if seq.speculative:
+                if timer is not None:
+                    timer.lap(OTHER)
+                draft = (draft_tree(self.drafter, seq, row.n_draft + 1) if seq.tree_budget
+                         else draft + self.drafter.propose(seq, row.n_draft))
+                if timer is not None:
+                    timer.lap(DRAFT)
+            batch.append((seq, draft))
+        return batch
+
+
+def verify_input(batch: list[tuple[Sequence, Draft]]) -> StepInput:
+    """Every row of the batch in one step; every row chooses a token."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    sampling: list[RowSampling] = []
+    segments = [rows(draft, seq.n_past) for seq, draft in batch]
+    for (seq, _), seg in zip(batch, segments, strict=True):
+        ids += seg.ids
+        positions += seg.positions
+        slots += [seq.slot] * len(seg.ids)
+        sampling += [choice(seq, p - seq.n_past) for p in seg.positions]
+    T = len(ids)
+    return StepInput(ids, positions, slots, range(T), sampling, **step_fields(segments))
+
+
+def split(batch: list[tuple[Sequence, Draft]], out: StepOutput) -> list[StepOutput]:
+    """The step's output cut into each sequence's segment."""
+    parts, o = [], 0
+    for _, draft in batch:
+        n = n_rows(draft)
+        parts.append(StepOutput(out.token_ids[o:o + n], out.logprobs[o:o + n]))
+        o += n
+    return parts
+
+
+def commit(seq: Sequence, draft: Draft, out: StepOutput) -> Move | None:
+    """Accept `seq`'s segment, emit and advance it; a tree returns its KV rows to move."""
+    if isinstance(draft, Tree):
+        return commit_tree(seq, draft, out)
+    if len(draft) == 1:
+        seq.n_past += 1
+        seq.count_step(1)
+        seq.emit([int(out.token_ids[0])], out.logprobs)
+        return None
+    n_acc, emitted = accept_chain(draft, [int(t) for t in out.token_ids])
+    seq.n_past += n_acc
+    seq.count_step(n_acc)
+    seq.record_verify(len(draft) - 1, n_acc - 1)
+    seq.emit(emitted, out.logprobs[:n_acc])
+    return None
