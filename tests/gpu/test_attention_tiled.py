@@ -47,8 +47,9 @@ def _caches(type_k, type_v, hkv, d, seed):
             slots = np.full(n, slot, np.int32)
             cpu.kv_write(caches[0], 0, k, v, slots, pos)
             for be, c in zip((tiled, split), caches[1:], strict=True):
-                be.kv_write(c, 0, cp.asarray(k), cp.asarray(v), cp.asarray(slots),
-                            cp.asarray(pos))
+                with be.stream:              # the copies ordered before the kernels that read them
+                    args = [cp.asarray(a) for a in (k, v, slots, pos)]
+                be.kv_write(c, 0, *args)
     for be in (tiled, split):
         be.prepare(max_tokens=256, n_head=32, head_dim_v=d, n_ctx=N_CTX, n_embd=64)
     return (cpu, tiled, split), caches
@@ -61,10 +62,13 @@ def _run(be, cache, q, slots, pos, window, scale):
         out = np.empty((T, H, D), np.float32)
         be.attention(q, cache, 0, slots, pos, N_CTX, window, scale, out)
         return out
+    # Inputs and the poison go on the backend's stream (non-blocking: the null stream's copies
+    # are not ordered before its kernels).
     out = be.zeros((T, H, D))
-    out.fill(np.nan)                                   # every row must be written
-    be.attention(cp.asarray(q), cache, 0, cp.asarray(slots), cp.asarray(pos), N_CTX, window,
-                 scale, out)
+    with be.stream:
+        out.fill(np.nan)                               # every row must be written
+        qd, sd, pd = cp.asarray(q), cp.asarray(slots), cp.asarray(pos)
+    be.attention(qd, cache, 0, sd, pd, N_CTX, window, scale, out)
     return be.to_host(out)
 
 
