@@ -245,9 +245,9 @@ class Engine:
         phase("warmup", t0)
 
     def _new_sequence(self, request: GenerationRequest, sink) -> Sequence:
-        spec = resolve_speculation(request.speculative, request.speculative_options,
-                                   self.config, self.drafter is not None,
-                                   request.sampling.repetition_penalty)
+        spec = request.speculation or resolve_speculation(
+            request.speculative, request.speculative_options, self.config,
+            self.drafter is not None, request.sampling.repetition_penalty)
         return Sequence(request=request, sink=sink,
                         seed_value=resolve_seed(request.sampling.seed),
                         text=TextStream(self.tokenizer, request.stopping.stop_sequences),

@@ -81,8 +81,7 @@ def load_model(model_path: str | Path, config: EngineConfig,
     spec = ModelSpec.from_gguf(gguf)
     t = phase("header", t0, path=str(path), n_tensors=len(gguf.tensors),
               n_metadata=len(gguf.metadata))
-    tokenizer = Tokenizer.from_metadata(gguf.metadata) if gguf.get(
-        "tokenizer.ggml.tokens") else Tokenizer.ids_only(spec.vocab_size)
+    tokenizer = _tokenizer(gguf, spec)
     t = phase("tokenizer", t, vocab_size=tokenizer.vocab_size, kind=tokenizer.kind.value)
     draft = None
     if config.drafter == "model":
@@ -90,10 +89,7 @@ def load_model(model_path: str | Path, config: EngineConfig,
         check_draft_vocabulary(gguf, spec, tokenizer, *draft,
                                n_ctx=min(config.n_ctx, spec.n_ctx_train))
     backend_name = resolve_backend_name(config.backend)
-    extra = ({"graphs": config.cuda_graphs, "gemv_mma": config.gemv_mma}
-             if backend_name == "cuda" else {})
-    backend = create_backend(backend_name, threads=config.threads,
-                             invariant_tokens=MAX_STEP_ROWS, **extra)
+    backend = new_backend(backend_name, config)
     pair = (config.kv_cache_type_k, config.kv_cache_type_v)
     if any(t not in backend.kv_types for t in pair):
         raise ConfigError([("kv_cache_type_k,kv_cache_type_v",
@@ -110,19 +106,7 @@ def load_model(model_path: str | Path, config: EngineConfig,
                         type_v=config.kv_cache_type_v, max_logits=MAX_STEP_ROWS,
                         kv_blocks=lambda: pool_blocks(config, backend, specs),
                         block_size=config.kv_block_size)
-    c = model.cache
-    log.info("kv_pool", blocks=c.n_blocks, block_size=c.block_size,
-             positions=c.n_blocks * c.block_size,
-             full_contexts=round(c.n_blocks / c.max_blocks, 1),
-             mib=round(c.n_blocks * c.block_size * kv_bytes(backend, specs, config) / 2**20, 1),
-             prefix_cache=config.prefix_cache)
-    # the Transformer loads the weights, then allocates the KV cache and its workspace
-    weights_s = model.weights.load_seconds
-    log.info("load_phase", phase="weights", seconds=round(weights_s, 3), backend=backend_name,
-             n_layer=spec.n_layer)
-    t = phase("kv_cache", t_model + weights_s, n_ctx=n_ctx, n_slots=config.n_slots,
-              kv_blocks=model.cache.n_blocks,
-              kv_type_k=config.kv_cache_type_k, kv_type_v=config.kv_cache_type_v)
+    t = _log_model(model, config, specs, t_model)
     log.info("model_loaded", path=str(path), arch=spec.arch, backend=backend_name,
              kv_type_k=config.kv_cache_type_k, kv_type_v=config.kv_cache_type_v,
              n_ctx=n_ctx, n_slots=config.n_slots, verify_width=config.verify_width,
@@ -132,6 +116,40 @@ def load_model(model_path: str | Path, config: EngineConfig,
                if draft is not None else None)
     return LoadedModel(path, gguf, spec, tokenizer, model, config, backend_name, template,
                        drafter)
+
+
+def _tokenizer(f: GGUFFile, spec: ModelSpec) -> Tokenizer:
+    """The file's tokenizer, or ids only when it has no vocabulary texts."""
+    if f.get("tokenizer.ggml.tokens"):
+        return Tokenizer.from_metadata(f.metadata)
+    return Tokenizer.ids_only(spec.vocab_size)
+
+
+def new_backend(backend_name: str, config: EngineConfig):
+    """A backend instance of kind `backend_name` with the configured options."""
+    extra = ({"graphs": config.cuda_graphs, "gemv_mma": config.gemv_mma}
+             if backend_name == "cuda" else {})
+    return create_backend(backend_name, threads=config.threads,
+                          invariant_tokens=MAX_STEP_ROWS, **extra)
+
+
+def _log_model(model: Transformer, config: EngineConfig, specs: list[ModelSpec],
+               t_model: float) -> float:
+    """Log the KV pool and the weights and KV cache phases of a Transformer whose construction
+    began at `t_model`; returns the time now."""
+    c, backend = model.cache, model.backend
+    log.info("kv_pool", blocks=c.n_blocks, block_size=c.block_size,
+             positions=c.n_blocks * c.block_size,
+             full_contexts=round(c.n_blocks / c.max_blocks, 1),
+             mib=round(c.n_blocks * c.block_size * kv_bytes(backend, specs, config) / 2**20, 1),
+             prefix_cache=config.prefix_cache)
+    # the Transformer loads the weights, then allocates the KV cache and its workspace
+    weights_s = model.weights.load_seconds
+    log.info("load_phase", phase="weights", seconds=round(weights_s, 3), backend=config.backend,
+             n_layer=model.spec.n_layer)
+    return phase("kv_cache", t_model + weights_s, n_ctx=config.n_ctx, n_slots=config.n_slots,
+                 kv_blocks=c.n_blocks, kv_type_k=config.kv_cache_type_k,
+                 kv_type_v=config.kv_cache_type_v)
 
 
 # ---------------------------------------------------------------- the KV pool
@@ -179,9 +197,7 @@ def _draft_header(path_text: str) -> tuple[GGUFFile, ModelSpec, Tokenizer]:
                                            "is resolved to its file before loading)")])
     f = GGUFFile(path)
     spec = ModelSpec.from_gguf(f)
-    tok = Tokenizer.from_metadata(f.metadata) if f.get("tokenizer.ggml.tokens") else \
-        Tokenizer.ids_only(spec.vocab_size)
-    return f, spec, tok
+    return f, spec, _tokenizer(f, spec)
 
 
 def check_draft_vocabulary(target: GGUFFile, spec: ModelSpec, tok: Tokenizer,
@@ -221,16 +237,13 @@ def check_draft_vocabulary(target: GGUFFile, spec: ModelSpec, tok: Tokenizer,
 def _load_drafter(draft: tuple[GGUFFile, ModelSpec, Tokenizer], config: EngineConfig,
                   backend_name: str, target_vocab: int, pool: tuple[int, int]) -> ModelDrafter:
     """The draft Transformer on its own backend instance of the target's kind and options
-    (service/engine/draft_model.py says why), same n_slots, n_ctx, KV types and KV pool
+    (service/engine/spec/draft_model.py says why), same n_slots, n_ctx, KV types and KV pool
     geometry `pool` = (blocks, block size) as the target (one block table serves both); with
     the file's DSpark Markov head when it has one of the target's vocabulary size, loaded first (the
     Transformer's `prepare` ends the backend's loading)."""
     f, dspec, _ = draft
     t = time.perf_counter()
-    extra = ({"graphs": config.cuda_graphs, "gemv_mma": config.gemv_mma}
-             if backend_name == "cuda" else {})
-    backend = create_backend(backend_name, threads=config.threads,
-                             invariant_tokens=MAX_STEP_ROWS, **extra)
+    backend = new_backend(backend_name, config)
     head = load_markov_head(f, target_vocab, backend)
     model = Transformer(dspec, f, backend, n_ctx=config.n_ctx, n_slots=config.n_slots,
                         max_tokens=max_tokens(config), type_k=config.kv_cache_type_k,

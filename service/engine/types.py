@@ -90,13 +90,23 @@ SPECULATIVE_MODES = ("chain", "tree", "off")
 
 @dataclass(frozen=True)
 class SpeculativeOptions:
-    """Per-request speculation within the server's limits (service/engine/spec_options.py
+    """Per-request speculation within the server's limits (service/engine/spec/options.py
     resolves and checks them); None: the server's default. `GenerationRequest.speculative`
     is the on/off switch beside these."""
 
     mode: str | None = None          # "chain" | "tree" | "off"
     width: int | None = None         # chain verify rows, 2..the server's verify_width
     tree_budget: int | None = None   # tree verify nodes, 2..the server's tree_budget
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """A request's speculation once resolved against the server's limits: what its sequence
+    runs with."""
+
+    on: bool                 # drafts are proposed and verified
+    verify_width: int        # rows of a chain verify step (seed + drafts)
+    tree_budget: int         # > 0: tree verify with this many nodes; 0: chain verify
 
 
 class FinishReason(enum.Enum):
@@ -118,6 +128,9 @@ class GenerationRequest:
     top_logprobs: int = 0            # alternatives reported per generated token, 0..20
     speculative: bool | None = None  # None: the server's default
     speculative_options: SpeculativeOptions = SpeculativeOptions()
+    # the two above resolved (spec/options.resolve) by the front end that built the request;
+    # None: the engine resolves them when the request is submitted
+    speculation: Speculation | None = None
 
     def validate(self, vocab_size: int, n_ctx: int) -> None:
         if not self.prompt_ids:

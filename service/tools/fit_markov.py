@@ -1,4 +1,5 @@
-"""`specstream fit-markov`: fit a DSpark Markov head (service/engine/markov_head.py) to a drafter.
+"""`specstream fit-markov`: fit a DSpark Markov head (service/engine/spec/markov_head.py) to a
+drafter.
 
 Over a corpus of N token ids x_0..x_{N-1}, the target and the drafter both run (chunked prefill
 with logits for every position, CPU backend); at position t the residual is

@@ -16,7 +16,7 @@ from service.config import ServerConfig
 from service.engine.types import Delta, Started
 from service.logging import configure_logging
 from service.serve import BackgroundServer
-from service.server import EventBuffer
+from service.server_generate import EventBuffer
 from tests.support.engines import wait_idle
 from tests.support.fake_engine import FakeEngine, burst
 from tests.support.grpc_harness import SERVE_FLAGS, serving

@@ -28,8 +28,8 @@ sampling accepts x with probability min(1, p(x) / q(x)) = p(x) and, on rejection
 normalize(max(0, p - q)) = p restricted to tokens other than x. Here x is accepted iff the row's
 draw y ~ p equals x, which happens with probability p(x); given y != x, y is distributed as p
 restricted to tokens other than x. Both match, so the output follows the target's distribution
-(service/engine/rejection.py has the general rule for a sampling drafter, and the chi-square
-tests; tests/engine/test_spec_sampling.py checks this rule through the engine's step).
+(rejection.py has the general rule for a sampling drafter, and the chi-square tests;
+tests/engine/test_spec_sampling.py checks this rule through the engine's step).
 """
 
 from __future__ import annotations

@@ -18,25 +18,20 @@ with, or raises InvalidRequestError naming the field:
 Unset options take the server's defaults: speculation on when it has a drafter, chain verify of
 verify_width rows, or tree verify of tree_budget nodes when tree_budget > 0. A tree budget given
 without a mode selects tree mode, as `--tree-budget` does on the command line. Whatever is
-chosen, the output is the same tokens as plain decoding (scheduler and speculative.py say why).
+chosen, the output is the same tokens as plain decoding (spec/chain.py says why).
+
+Each request is resolved once: the gRPC server resolves while converting it (so a refused request
+is never tokenized) and passes the result in GenerationRequest.speculation; the engine resolves
+at submit only a request that comes without it (the CLI, benchmarks, tests).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from service.config import EngineConfig
-from service.engine.types import SPECULATIVE_MODES, SpeculativeOptions
+from service.engine.types import SPECULATIVE_MODES, Speculation, SpeculativeOptions
 from service.errors import InvalidRequestError
 
-
-@dataclass(frozen=True)
-class Speculation:
-    """What one sequence runs with."""
-
-    on: bool                 # drafts are proposed and verified
-    verify_width: int        # rows of a chain verify step (seed + drafts)
-    tree_budget: int         # > 0: tree verify with this many nodes; 0: chain verify
+__all__ = ["Speculation", "resolve"]
 
 
 def _precondition(field: str, message: str) -> InvalidRequestError:
@@ -51,23 +46,8 @@ def resolve(enabled: bool | None, opts: SpeculativeOptions, config: EngineConfig
     history by position, which the nodes of one tree depth share. Asking for tree mode with a
     penalty is INVALID_ARGUMENT; a server default of tree verify falls back to chain."""
     mode, width, budget = opts.mode, opts.width, opts.tree_budget
-    if mode is not None and mode not in SPECULATIVE_MODES:
-        raise InvalidRequestError("speculative.mode", f"unknown mode {mode!r}; one of "
-                                  + ", ".join(SPECULATIVE_MODES))
-    if enabled is False and mode in ("chain", "tree"):
-        raise InvalidRequestError("speculative.mode", f"mode {mode} contradicts "
-                                  "speculative.enabled = false")
-    if enabled is True and mode == "off":
-        raise InvalidRequestError("speculative.mode", "mode off contradicts "
-                                  "speculative.enabled = true")
-    off = enabled is False or mode == "off"
-    if off:
-        for name, value in (("width", width), ("tree_budget", budget)):
-            if value is not None:
-                raise InvalidRequestError(f"speculative.{name}", f"set to {value} while "
-                                          "speculation is off")
+    if _switched_off(enabled, opts):
         return Speculation(False, config.verify_width, 0)
-
     asked = [name for name, given in (("enabled", enabled is True),
                                       ("mode", mode is not None), ("width", width is not None),
                                       ("tree_budget", budget is not None)) if given]
@@ -82,6 +62,40 @@ def resolve(enabled: bool | None, opts: SpeculativeOptions, config: EngineConfig
     if mode == "chain" and budget is not None:
         raise InvalidRequestError("speculative.tree_budget", "applies to tree mode, not to "
                                   "mode chain")
+    tree = _tree(opts, config, repetition_penalty)
+    if budget is not None and not 2 <= budget <= config.tree_budget:
+        raise InvalidRequestError("speculative.tree_budget", f"must be in [2, "
+                                  f"{config.tree_budget}] (the server's tree_budget), got "
+                                  f"{budget}")
+    return Speculation(able, width or config.verify_width,
+                       (budget or config.tree_budget) if tree else 0)
+
+
+def _switched_off(enabled: bool | None, opts: SpeculativeOptions) -> bool:
+    """Whether the request turns speculation off; refuses a mode that is unknown or contradicts
+    `enabled`, and a width or tree budget given with speculation off."""
+    mode = opts.mode
+    if mode is not None and mode not in SPECULATIVE_MODES:
+        raise InvalidRequestError("speculative.mode", f"unknown mode {mode!r}; one of "
+                                  + ", ".join(SPECULATIVE_MODES))
+    if enabled is False and mode in ("chain", "tree"):
+        raise InvalidRequestError("speculative.mode", f"mode {mode} contradicts "
+                                  "speculative.enabled = false")
+    if enabled is True and mode == "off":
+        raise InvalidRequestError("speculative.mode", "mode off contradicts "
+                                  "speculative.enabled = true")
+    if enabled is not False and mode != "off":
+        return False
+    for name, value in (("width", opts.width), ("tree_budget", opts.tree_budget)):
+        if value is not None:
+            raise InvalidRequestError(f"speculative.{name}", f"set to {value} while "
+                                      "speculation is off")
+    return True
+
+
+def _tree(opts: SpeculativeOptions, config: EngineConfig, repetition_penalty: float) -> bool:
+    """Whether the request verifies a tree (asked for, or the server's default)."""
+    mode, budget = opts.mode, opts.tree_budget
     tree = mode == "tree" or (mode is None and (budget is not None or config.tree_budget > 0))
     if tree and config.tree_budget == 0:
         raise _precondition("speculative.tree_budget" if budget is not None
@@ -95,10 +109,5 @@ def resolve(enabled: bool | None, opts: SpeculativeOptions, config: EngineConfig
                                       "sampling.repetition_penalty != 1 (the penalty reads the "
                                       "token history by position, which sibling nodes share); "
                                       "use mode chain")
-        tree = False
-    if budget is not None and not 2 <= budget <= config.tree_budget:
-        raise InvalidRequestError("speculative.tree_budget", f"must be in [2, "
-                                  f"{config.tree_budget}] (the server's tree_budget), got "
-                                  f"{budget}")
-    return Speculation(able, width or config.verify_width,
-                       (budget or config.tree_budget) if tree else 0)
+        return False
+    return tree

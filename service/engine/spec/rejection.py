@@ -3,7 +3,7 @@ distribution exactly. Pure numpy; every function works on any leading batch shap
 
 The engine's drafters are deterministic (point-mass proposals), for which the rule below
 reduces to what the engine runs: accept the draft iff the row's own plain-sampling draw equals
-it (service/engine/speculative.py gives the argument); that coupling also keeps the output
+it (service/engine/spec/chain.py gives the argument); that coupling also keeps the output
 equal to plain seeded sampling token for token. The general rule here is for a drafter that
 samples its proposals.
 
