@@ -43,7 +43,7 @@ from service.tools.synth import random_tensor  # noqa: E402
 L2_BYTES = 50 * 2**20
 COLUMNS = (16, 32, 64, 128, 256)
 GEMV_ONLY, GEMM_ALWAYS = None, 1     # values of prefill_gemm_min_tokens that force a path
-LLAMA_CPP_PP512 = 9050               # tok/s, ANCHORS.md (not measured in this run)
+LLAMA_CPP_PP512 = 9050               # tok/s, docs/design.md (not measured in this run)
 
 
 def eager_time(stream, call, copies: int, reps: int = 10) -> float:
@@ -126,7 +126,7 @@ def prefill(tokens: int, layers: int | None) -> None:
         s = float(np.median(runs[1:]))
         base = base or s
         print(f"{label:22} {s * 1e3:8.1f} {tokens / s:9.0f} {base / s:7.2f}x")
-    print(f"llama.cpp pp512 on this GPU (ANCHORS.md, not this run): {LLAMA_CPP_PP512} tok/s")
+    print(f"llama.cpp pp512 on this GPU (docs/design.md, not this run): {LLAMA_CPP_PP512} tok/s")
     be.prefill_gemm_min_tokens = 17
     _breakdown(be, lambda: tr.forward(ids, pos, slots, tokens, 1), tokens)
 

@@ -35,11 +35,11 @@ QUICK_TYPES, QUICK_SHAPES, QUICK_COLUMNS = ("Q4_K", "Q8_0"), ((4096, 14336),), (
 SYNTH = (("llama3-8b", "Q4_K_M"), ("llama3.2-1b", "Q4_K_M"))
 REAL = ("smollm2-135m", "gemma3-270m")
 PREFILL_MODEL, PREFILL_TOKENS = "llama3-8b", 512
-RECORDED = "llama.cpp (recorded in ANCHORS.md, not measured here)"
+RECORDED = "llama.cpp (recorded in docs/design.md, not measured here)"
 GROUP_GEMV, GROUP_ALL = "all GEMVs", "all kernel nodes"    # labels of bench/gpu_breakdown.py
 CUBLAS, UNLAUNCHED = "cuBLAS GEMM*", "outside launches and matmuls*"
 
-# llama.cpp on the project's H200 (ANCHORS.md, 2026-12-02): microseconds of one GEMV
+# llama.cpp on the project's H200 (docs/design.md, 2026-12-02): microseconds of one GEMV
 # (test-backend-ops perf) at 1, 2, 4, 8 columns, by (type, N, K).
 LLAMACPP_GEMV_US = {
     ("Q4_K", 4096, 14336): (15.8, 18.7, 27.3, 47.1),

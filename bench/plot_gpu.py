@@ -41,7 +41,7 @@ def decode_panel(ax, rows: list[dict], copy_bw: float) -> None:
     ref = [LLAMA_CPP.get(n, 0) for n in names]
     w = 0.27
     ax.bar([i - w for i in x], ours, w, label="specstream (CUDA graphs)")
-    ax.bar(list(x), ref, w, label="llama.cpp (recorded, ANCHORS.md)")
+    ax.bar(list(x), ref, w, label="llama.cpp (recorded, docs/design.md)")
     ax.bar([i + w for i in x], roof, w, label="roofline (weights / copy bw)")
     ax.set_yscale("log")
     ax.set_xticks(list(x), names, fontsize=8)

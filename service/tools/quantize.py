@@ -7,10 +7,11 @@ output head) at 4 bits.
 
 Types (`MODES`, one row per `--type`): every tensor of two or more dimensions is encoded as the
 mode's backbone type, except `dflash.*` tensors (a drafter's own, whose near-tie corrections need
-8 bits or more, SEED.md) which get the mode's dflash type. One-dimensional tensors (norms,
-biases) are written as F32. A tensor is copied unchanged (same type, same bytes) when it already
-has its target type, when its rows are not whole blocks of the target type, or when it is an MoE
-router (`ffn_gate_inp`: expert selection flips on small errors, and llama.cpp's quantizer leaves
+8 bits or more, docs/design.md#dspark-markov-head) which get the mode's dflash type.
+One-dimensional tensors (norms, biases) are written as F32. A tensor is copied unchanged (same
+type, same bytes) when it already has its target type, when its rows are not whole blocks of
+the target type, or when it is an MoE router (`ffn_gate_inp`: expert selection flips on small
+errors, and llama.cpp's quantizer leaves
 routers alone too). Otherwise it is decoded with `service.gguf.quants.dequantize` and encoded
 with `gguf.quants` through `service.gguf.quants.quantize`, a chunk of rows at a time.
 

@@ -200,13 +200,11 @@ def f16_cache_rows():
 
 # Centered top-8 logit difference (the f16 row's 8 best tokens, each row minus its mean
 # difference, as in tests/golden) against the f16 cache, teacher-forced on KV_CASES: measured
-# worst / mean q8_0+q8_0 0.32 / 0.034, q4_0+q4_0 5.1 / 0.52, f16+q8_0 0.07 / 0.010, printed by
-# `pytest -s -k quantized_kv tests/engine/test_engine.py` (an AVX-512 machine, this tree).
-# The worst is one row of 132: the same cache type measured 0.22 / 0.035 on the code of
-# ca3046f, so it moves with the float rounding of the model before the cache by a third while
-# the mean stays. q4_0 moves logits by units: its step is the block maximum / 8 against / 127
-# for q8_0. Bounds: the largest measured worst and mean with about 30% margin.
-KV_BOUNDS = {("q8_0", "q8_0"): (0.42, 0.05), ("q4_0", "q4_0"): (6.5, 0.7),
+# worst / mean q8_0+q8_0 0.23 / 0.035, q4_0+q4_0 5.1 / 0.53, f16+q8_0 0.07 / 0.010, printed by
+# `pytest -s -k quantized_kv tests/engine/test_engine.py`. q4_0 moves logits by units: its step
+# is the block maximum / 8 against / 127 for q8_0. Bounds: the measured worst and mean with
+# about 30% margin.
+KV_BOUNDS = {("q8_0", "q8_0"): (0.3, 0.05), ("q4_0", "q4_0"): (6.5, 0.7),
              ("f16", "q8_0"): (0.1, 0.015)}
 
 

@@ -205,7 +205,7 @@ def test_gpu_bench_report_and_no_cupy(gt):
     results = _results(gt, 600.0)
     text = bench.report(results, a)
     assert "torch bf16 GEMV: torch not here" in text
-    assert "Goals (issue 10)" in text and "recorded in ANCHORS.md" in text
+    assert "Goals (issue 10)" in text and "recorded in docs/design.md" in text
     assert [r["goal"] for r in results["goals"]] == list(gt.GOALS)
     if importlib.util.find_spec("cupy") is None:
         assert bench.main(["--quick"]) == 2          # says why instead of failing on import

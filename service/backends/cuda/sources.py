@@ -18,7 +18,8 @@ from service.backends.cuda import kernels
 CUDA_DIR = Path(__file__).resolve().parents[3] / "cuda"
 ARCH = "sm_90"   # the H200; the compile check targets it, the backend asks the device
 
-# One translation unit per op family (STYLE.md); each .cu includes the headers it needs.
+# One translation unit per op family (docs/design.md#one-file-per-op-family); each .cu includes
+# the headers it needs.
 SOURCES = ("gemv.cu", "gemv_mma.cu", "quantize.cu", "elementwise.cu", "rope_kv.cu",
            "attention.cu", "attention_tiled.cu", "sampling.cu", "dequant.cu")
 

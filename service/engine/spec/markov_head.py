@@ -1,4 +1,5 @@
-"""The DSpark Markov head: a low-rank previous-token correction of a drafter's logits (SEED.md).
+"""The DSpark Markov head: a low-rank previous-token correction of a drafter's logits
+(docs/design.md#dspark-markov-head).
 
     logits_i += W2 @ W1[prev_i]        prev_i = the input id of logits row i
 
@@ -36,7 +37,8 @@ log = structlog.get_logger("specstream.engine")
 W1_NAME = "dflash.dspark.markov.w1"
 W2_NAME = "dflash.dspark.markov.w2"
 # F16/F32 as fit-markov writes them; Q8_0 as `specstream quantize` re-encodes a head whose rank
-# is a multiple of 32 (its near-tie corrections need 8 bits or more, SEED.md: 4-bit is refused)
+# is a multiple of 32 (its near-tie corrections need 8 bits or more; 4-bit is refused:
+# docs/design.md#dspark-markov-head)
 HEAD_TYPES = (QuantType.F16, QuantType.F32, QuantType.Q8_0)
 
 
