@@ -16,6 +16,11 @@
 //   records, so a draft chain feeds each step's choice to the next step's input on the device.
 //   records (L, ld) int32 (ld = OUT_WORDS); out (L,) int32. Launch: grid ceil(L / 128), block 128.
 //
+// feed_ids: ids[t] = records[src[t] * ld] where 0 <= src[t] < L, else ids[t] unchanged: a step's
+//   input ids taken from the previous step's choices before the host has read them (the
+//   overlapped engine loop). records (L, ld) int32; src, ids (T,) int32.
+//   Launch: grid ceil(T / 128), block 128.
+//
 // sample_rows: one token per logits row, exactly the chain of service/backends/cpu_sampling.py
 //   (its docstring is the specification; ties and orders as there):
 //     l = logits with penalty r on hist[slot, max(0, pos - n + 1) .. pos]: l/r if l > 0 else l*r
@@ -90,6 +95,16 @@ extern "C" __global__ void chosen_ids(const int* __restrict__ records, int ld, i
     PDL_ENTRY();
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r < L) out[r] = records[(size_t)r * ld];
+}
+
+// ---------------------------------------------------------------- fed ids
+extern "C" __global__ void feed_ids(const int* __restrict__ records, int ld, int L,
+                                    const int* __restrict__ src, int T, int* __restrict__ ids) {
+    PDL_ENTRY();
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= T) return;
+    const int r = src[t];
+    if (r >= 0 && r < L) ids[t] = records[(size_t)r * ld];
 }
 
 // ---------------------------------------------------------------- sampling

@@ -133,6 +133,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-profile", action="store_true",
                    help="time every decode step's draft / heads / verify / other parts (per "
                         "step in the debug log; summed into the timings)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="run plain decode steps one at a time instead of submitting each "
+                        "before the last one is read back (for debugging)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="CUDA backend: launch every kernel eagerly instead of replaying a "
                         "captured graph per step shape (for debugging)")
@@ -193,7 +196,7 @@ def cmd_generate(args) -> int:
                           draft_model=str(_resolve(args.draft_model)) if args.draft_model else "",
                           backend=args.backend, n_ctx=args.n_ctx, threads=args.threads,
                           cuda_graphs=args.cuda_graphs, step_profile=args.step_profile,
-                          n_slots=1)
+                          overlap=args.overlap, n_slots=1)
     engine = Engine.load(_resolve(args.model), config, chat_template=args.chat_template)
     if args.chat and args.prompt is not None and engine.chat_template is None:
         from service.model.chat import missing_template

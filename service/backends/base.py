@@ -341,10 +341,19 @@ class Backend(abc.ABC):
         """Copy host (n,) int32 into device[:n] with one (asynchronous) copy. The host buffer
         must stay untouched until the step's `download_step` has returned."""
 
-    @abc.abstractmethod
     def download_step(self, device: Array, host: Any) -> None:
         """Copy device (n,) int32 into host[:n] with one copy queued after the step's work, and
         wait for it (n may be 0: then it only waits)."""
+        self.wait_download(self.queue_download(device, host))
+
+    @abc.abstractmethod
+    def queue_download(self, device: Array, host: Any) -> Any:
+        """Queue the copy of device (n,) int32 into host[:n] after the work queued so far and
+        return a ticket for `wait_download`; work queued later runs on (the overlapped loop
+        reads step k back while step k + 1 runs). host[:n] is unspecified until the wait."""
+
+    def wait_download(self, ticket: Any) -> None:  # noqa: B027 - a no-op on synchronous backends
+        """Wait for the copy `queue_download` returned `ticket` for (and the work before it)."""
 
     def prepare_sampling(self, rows: int, vocab: int) -> None:  # noqa: B027 - no-op default
         """Size the sample op's per-row scratch for up to `rows` logits rows of `vocab`."""
@@ -359,6 +368,12 @@ class Backend(abc.ABC):
         """out[r] = records[r, 0]: the chosen ids of `sample`'s output records (L, OUT_WORDS)
         int32 into out (L,) int32, on the backend (how a draft chain feeds each step's choice to
         the next step's input without a host round trip)."""
+
+    @abc.abstractmethod
+    def feed_ids(self, records: Array, src: Array, ids: Array) -> None:
+        """ids[t] = records[src[t], 0] where src[t] >= 0, else ids[t] unchanged: a step's input
+        ids taken from the previous step's output records (L, OUT_WORDS) int32 on the backend,
+        before that step is read back (the overlapped loop). src, ids (T,) int32."""
 
     @abc.abstractmethod
     def sample(self, logits: Array, params: Array, hist: Array, out: Array) -> None:

@@ -93,6 +93,8 @@ _HELP = {
                    "launch every kernel eagerly, for debugging)",
     "step_profile": "time every decode step's draft / heads / verify / other parts: logged per "
                     "step at debug level, summed per request into Finished timings",
+    "overlap": "submit each plain decode step before the last one is read back, so the host's "
+               "work hides behind the device's (false: one step at a time, for debugging)",
 }
 
 

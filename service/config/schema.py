@@ -52,6 +52,7 @@ class EngineConfig:
     threads: int = 0                 # CPU backend threads; 0 = all cores
     cuda_graphs: bool = True         # CUDA backend: capture each step shape once and replay it
     step_profile: bool = False       # time each decode step's parts (log + Finished timings)
+    overlap: bool = True             # submit each plain decode step before reading the last
     gemv_mma: bool = False           # CUDA: Q4_K/Q6_K GEMVs on int8 tensor cores at every width
 
     def problems(self) -> list[tuple[str, str]]:

@@ -16,6 +16,10 @@ One iteration of the engine thread, under its lock until the plan is made:
     KV rows compacted with one runner.move_kv) -> prefill: the chunk as its own runner step ->
     finished sequences give their slot back.
 
+When every row of the decode step is plain (no speculation), OverlappedDecode (overlap.py)
+runs it and the steps after it, each submitted before the previous one is read back, for as
+long as nothing else wants a step (config `overlap`; off under the step profiler).
+
 The policy is scheduler/policy.py's docstring. Every row chooses its token with the request's
 own sampling keyed by (request seed, token index), never by its row in a step: a request's
 tokens do not depend on its batch, and speculative output equals plain output (spec/chain.py).
@@ -38,6 +42,7 @@ import structlog
 
 from service.config import EngineConfig, step_budget
 from service.engine.loader import ModelInfo, load_model, phase
+from service.engine.overlap import OverlappedDecode
 from service.engine.runner.model_runner import ModelRunner
 from service.engine.runner.step import RowSampling, StepInput, StepOutput
 from service.engine.sampling import resolve_seed
@@ -119,6 +124,8 @@ class Engine:
                                    max_queue=config.max_queue, prefill_chunk=chunk,
                                    step_rows=min(rows, model.max_tokens, model.max_logits))
         self.stats = StepStats()
+        self.overlapped = OverlappedDecode(self.runner, self.scheduler, self._lock,
+                                           lambda: self.stats, self._release)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -341,6 +348,10 @@ class Engine:
     def _decode(self, rows: tuple[DecodeRow, ...], timer: StepTimer | None) -> None:
         """The decode step: drafts, ONE verify step, each sequence's commit. A step that fails
         is retried one sequence at a time (nothing was committed)."""
+        if (self.config.overlap and timer is None
+                and all(not r.seq.speculative and r.n_draft == 0 for r in rows)):
+            self.overlapped.run([r.seq for r in rows])
+            return
         batch = self.speculator.draft(rows, timer)
         try:
             outs: list[StepOutput | None] = self._verify(batch, timer)
@@ -397,3 +408,4 @@ class Engine:
         T, L = len(tokens), len(rows)
         return self.runner.step(StepInput(tokens, range(start, start + T), [seq.slot] * T,
                                           range(T - L, T), rows))
+

@@ -152,6 +152,21 @@ class Driver:
                         **tree)
         return self._marked(label, lambda: self.runner.step(inp), L)
 
+    def overlapped(self, label: str, ids, positions, slots) -> list:
+        """Two plain steps the overlapped loop's way (runner.submit): the second submitted
+        before the first is collected, its ids fed from the first's choices on the device."""
+        n = len(ids)
+
+        def run():
+            first = self.runner.submit(StepInput(list(ids), list(positions), list(slots),
+                                                 range(n), [GREEDY] * n))
+            nxt = self.runner.submit(StepInput([0] * n, [p + 1 for p in positions],
+                                               list(slots), range(n), [GREEDY] * n),
+                                     list(range(n)))
+            return [self.runner.collect(first), self.runner.collect(nxt)]
+
+        return self._marked(label, run, n)
+
     def repeat(self, times: int, label: str, *args, **kw) -> None:
         """`times` equal steps: eager, captured, then replayed (graphs on)."""
         for _ in range(times):
@@ -228,6 +243,8 @@ def widths(d: Driver) -> None:
 def decode(d: Driver) -> None:
     d.step("prefill-8", range(8), range(8), [0] * 8, [GREEDY])
     d.repeat(3, "decode", [3], [8], [0], [GREEDY])
+    for i in range(3):
+        d.overlapped("overlapped", [3, 4], [9 + 2 * i, 9 + 2 * i], [0, 1])
 
 
 def kv(d: Driver) -> None:

@@ -187,6 +187,25 @@ def test_a_runner_step_is_one_pinned_upload_one_pinned_readback_and_one_wait(res
         assert r.dev.syncs[slice(*m.syncs)] == ["event"], m.label
 
 
+def test_overlapped_steps_queue_both_readbacks_and_feed_ids_before_the_second_step(results):
+    """runner.submit: each step is one pinned upload and one pinned readback queued behind it;
+    the host waits only in collect (two event waits for two steps); the second step's ids are
+    fed on the device (feed_ids) after its upload and before its first kernel."""
+    r = results(Scenario("qwen3", script="decode"))
+    marks = [m for m in r.marks if m.label == "overlapped"]
+    assert len(marks) == 3
+    for m in marks:
+        copies = r.dev.copies[slice(*m.copies)]
+        assert [(c.direction, c.pinned) for c in copies] == [("h2d", True), ("d2h", True)] * 2
+        assert r.dev.syncs[slice(*m.syncs)] == ["event", "event"], m.label
+        names = [x.kernel for x in r.dev.launches[slice(*m.launches)]]
+        if m.rep == 0:                    # eager: the first step's kernels, then the feed
+            assert names.count("feed_ids") == 1 and names.index("feed_ids") > 0
+            assert names[names.index("feed_ids") + 1] != "sample_rows"
+        else:                             # replayed graphs: the feed is the one eager launch
+            assert names == ["feed_ids"], names
+
+
 def test_sampling_launches_one_block_per_logits_row(results):
     r = results(Scenario("qwen3"))
     for m in (m for m in r.marks if m.logits and m.launches[0] != m.launches[1]):

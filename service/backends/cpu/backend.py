@@ -146,8 +146,8 @@ class CpuBackend(Backend):
     def upload_step(self, host, device) -> None:
         device[: host.size] = host
 
-    def download_step(self, device, host) -> None:
-        host[: device.size] = device
+    def queue_download(self, device, host) -> None:
+        host[: device.size] = device        # the step already ran: nothing is left to wait for
 
     def record_tokens(self, ids, slots, positions, hist) -> None:
         real = slots >= 0
@@ -155,6 +155,10 @@ class CpuBackend(Backend):
 
     def chosen_ids(self, records, out) -> None:
         out[:] = records[:, 0]
+
+    def feed_ids(self, records, src, ids) -> None:
+        fed = src >= 0
+        ids[fed] = records[src[fed], 0]
 
     def sample(self, logits, params, hist, out) -> None:
         sampling.sample_rows(logits, params, hist, out)

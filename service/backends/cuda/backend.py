@@ -218,12 +218,14 @@ class CudaBackend(Backend):
     # ---------------------------------------------------------------- step I/O and sampling
     def host_buffer(self, n: int): return self._memory.host_buffer(n)
     def upload_step(self, host, device) -> None: self._memory.upload_step(host, device)
-    def download_step(self, device, host) -> None: self._memory.download_step(device, host)
+    def queue_download(self, device, host): return self._memory.queue_download(device, host)
+    def wait_download(self, ticket) -> None: self._memory.wait_download(ticket)
     def prepare_sampling(self, rows, vocab): self._sampling.prepare(self._memory, rows, vocab)
     def argmax(self, logits, out): self._sampling.argmax(logits, out)
     def record_tokens(self, ids, slots, positions, hist):
         self._sampling.record_tokens(ids, slots, positions, hist)
     def chosen_ids(self, records, out): self._sampling.chosen_ids(records, out)
+    def feed_ids(self, records, src, ids): self._sampling.feed_ids(records, src, ids)
     def sample(self, logits, params, hist, out): self._sampling.sample(logits, params, hist, out)
 
     # ---------------------------------------------------------------- parts' state by old names

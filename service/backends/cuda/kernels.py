@@ -227,6 +227,7 @@ FAMILIES = (
     Family("argmax_rows", "sampling.cu", "logits:ptr ld,V:i32 out:ptr"),
     Family("record_tokens", "sampling.cu", "ids,slots,positions:ptr T,n_slots,n_ctx:i32 hist:ptr"),
     Family("chosen_ids", "sampling.cu", "records:ptr ld,L:i32 out:ptr"),
+    Family("feed_ids", "sampling.cu", "records:ptr ld,L:i32 src:ptr T:i32 ids:ptr"),
     Family("sample_rows", "sampling.cu", "logits:ptr ld,V:i32 params,hist:ptr n_ctx:i32 "
                                          "work,out:ptr"),
     # dequant.cu

@@ -1,7 +1,8 @@
 """Device memory and host transfers of the CUDA backend: allocation on the backend's stream,
 readback, host-to-device copies of small int32 arrays, and the step I/O of the model runner's
-contract (service/engine/runner.py): one packed int32 upload per step from pinned memory, one
-int32 readback into pinned memory and one event wait.
+contract (service/engine/runner/model_runner.py): one packed int32 upload per step from pinned
+memory, one int32 readback into pinned memory queued after the step and one event wait (the
+overlapped loop waits for step k after queueing step k + 1).
 
 An allocation or a host copy into a device array may reuse or overwrite the memory of a view
 whose 8-bit blocks the scratch holds, so both forget them (launcher.ActivationBlocks).
@@ -22,8 +23,9 @@ class DeviceMemory:
     def __init__(self, stream: Any, blocks: ActivationBlocks) -> None:
         self.stream = stream
         self._blocks = blocks
-        self._staging: dict[int, np.ndarray] = {}     # pinned upload buffers per destination
-        self._step_done: Any = None                   # the event download_step waits on
+        # pinned upload buffer per destination, with the event recorded after its last copy
+        self._staging: dict[int, tuple[np.ndarray, Any]] = {}
+        self._events: list[Any] = []                  # events no queued download holds
 
     def zeros(self, shape, dtype="float32") -> Any:
         self._blocks.forget()        # the new array may reuse a freed view's memory
@@ -39,15 +41,19 @@ class DeviceMemory:
         self._blocks.forget()
         host = np.asarray(host, dtype=out.dtype)
         key = out.data.ptr
-        stage = self._staging.get(key)
+        stage, copied = self._staging.get(key, (None, None))
         if stage is None or stage.size < host.size:
             mem = cp.cuda.alloc_pinned_memory(max(host.size, out.size) * out.itemsize)
             stage = np.frombuffer(mem, out.dtype, max(host.size, out.size))
-            self._staging[key] = stage
-        # The previous step has been read back (to_host synchronizes) before the next upload,
-        # so the staging buffer is free to overwrite.
+            copied = cp.cuda.Event(block=False, disable_timing=True)
+        else:
+            # the overlapped loop queues work ahead of the host: the last copy from this buffer
+            # may still be waiting its turn on the stream
+            copied.synchronize()
         stage[: host.size] = host
         out[: host.size].set(stage[: host.size], stream=self.stream)
+        copied.record(self.stream)
+        self._staging[key] = (stage, copied)
 
     def synchronize(self) -> None:
         self.stream.synchronize()
@@ -81,14 +87,18 @@ class DeviceMemory:
         cp.cuda.runtime.memcpyAsync(device.data.ptr, host.ctypes.data, n * 4,
                                     cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
 
-    def download_step(self, device, host) -> None:
-        n = self._check_words(host, device, "download_step")
+    def queue_download(self, device, host) -> Any:
+        n = self._check_words(host, device, "queue_download")
         if n != device.size:
-            raise ValueError(f"download_step: {device.size} words into {host.size}")
+            raise ValueError(f"queue_download: {device.size} words into {host.size}")
         if n:
             cp.cuda.runtime.memcpyAsync(host.ctypes.data, device.data.ptr, n * 4,
                                         cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
-        if self._step_done is None:
-            self._step_done = cp.cuda.Event(block=False, disable_timing=True)
-        self._step_done.record(self.stream)
-        self._step_done.synchronize()
+        done = self._events.pop() if self._events else cp.cuda.Event(block=False,
+                                                                       disable_timing=True)
+        done.record(self.stream)
+        return done
+
+    def wait_download(self, ticket) -> None:
+        ticket.synchronize()
+        self._events.append(ticket)

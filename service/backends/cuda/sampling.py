@@ -1,7 +1,8 @@
 """Token choice of the CUDA backend (cuda/sampling.cu), so only int32 ids (and log-probabilities
 when asked) cross PCIe: argmax rows, the token history the repetition penalty reads, the chosen
-ids of a draft chain, and the sample op (service/backends/cpu_sampling.py is its specification;
-the records' layout is step_format.py's).
+ids of a draft chain, a step's input ids fed from the previous step's choices, and the sample
+op (service/backends/cpu/sampling.py is its specification; the records' layout is
+step_format.py's).
 
 `SamplingOps` owns the sample op's per-row scratch (the penalised logits), sized once by
 prepare for up to `rows` rows of `vocab` logits.
@@ -62,6 +63,21 @@ class SamplingOps:
         if L:
             self._launcher.launch("chosen_ids", (ceil_div(L, 128),), (128,),
                                   [records, I32(OUT_WORDS), I32(L), out])
+
+    def feed_ids(self, records, src, ids) -> None:
+        T = ids.shape[0]
+        check_dtype(records, np.int32, "feed_ids records")
+        if records.ndim != 2 or records.shape[1] != OUT_WORDS or not records.flags.c_contiguous:
+            raise ValueError(f"feed_ids records: {records.shape}, expected contiguous "
+                             f"(L, {OUT_WORDS})")
+        for a, what in ((src, "src"), (ids, "ids")):
+            check_dtype(a, np.int32, f"feed_ids {what}")
+            if a.shape != (T,) or not a.flags.c_contiguous:
+                raise ValueError(f"feed_ids {what}: {a.shape}, expected contiguous ({T},)")
+        if T:
+            self._launcher.launch("feed_ids", (ceil_div(T, 128),), (128,),
+                                  [records, I32(OUT_WORDS), I32(records.shape[0]), src, I32(T),
+                                   ids])
 
     def sample(self, logits, params, hist, out) -> None:
         L, _, ld, _, V = view_rows(logits)

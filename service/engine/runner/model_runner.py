@@ -16,11 +16,19 @@ which rows need a token chosen and how); the runner decides *how*:
    `launch` then `read`): the whole records where log-probabilities are asked or a step chose
    several rows, else only the chosen ids.
 
+The overlapped loop (engine.py) uses `submit` and `collect` instead: `submit` queues the step's
+readback right behind it and returns at once, so step k + 1 can be submitted before step k is
+collected, its rows' ids fed on the device from step k's choices (`feed`: the output record
+each row reads its id from, backends' feed_ids, before the step runs). At most two submitted
+steps are outstanding; they alternate between two host input buffers and two host output
+buffers, so the host never rewrites a buffer a queued copy still reads.
+
 Layout of the packed step buffer (int32 words; M = max tokens, L = max logits rows):
     [0, M) ids | [M, 2M) positions | [2M, 3M) slots | [3M, 4M) KV rows written | [4M, 5M)
     attn_lo | [5M, 6M) attn_mask (tree verify rows, backends/base.py; an ordinary row has KV row
     = position, attn_lo = position + 1, mask 0) | [6M, 6M + L) logits rows (indices into the
     padded step) | [6M + L, 6M + L + L * N_PARAMS) per-row sampling records (step_format.Param)
+    | then M words: each row's fed id source (written and read only for a fed step; -1 = its id)
 
 A runner's kind (RunnerKind) says what its model's steps need. The target's (TARGET) records
 every step's ids in the token history (the repetition penalty's window) and passes every row's
@@ -37,8 +45,10 @@ KV row moves (tree compaction, `move_kv`) go through a second small host buffer 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -60,6 +70,15 @@ TARGET = RunnerKind()
 DRAFT = RunnerKind(history=False, explicit_rows=False, chains=True)
 
 
+@dataclass(frozen=True)
+class Pending:
+    """A submitted step whose choices are on their way to the host (`collect` them)."""
+
+    rows: tuple[RowSampling, ...]
+    host: np.ndarray          # its output words (whole records, or the chosen ids)
+    ticket: Any               # the backend's queued download
+
+
 class ModelRunner:
     def __init__(self, model: Transformer, n_slots: int, n_ctx: int, kind: RunnerKind = TARGET,
                  logits_hook: Callable | None = None):
@@ -67,16 +86,21 @@ class ModelRunner:
         be, M, L = model.backend, model.max_tokens, model.max_logits
         self.sizes = be.step_sizes(M)
         self._o_rows, self._o_par = 6 * M, 6 * M + L
-        n_words = 6 * M + L + L * N_PARAMS
-        self._host = be.host_buffer(n_words)                      # (W,) i32 pinned on CUDA
+        self._o_feed = 6 * M + L + L * N_PARAMS
+        n_words = self._o_feed + M
+        # (W,) i32 pinned on CUDA, two of each: a submitted step's and the next one's
+        self._hosts = (be.host_buffer(n_words), be.host_buffer(n_words))
         self._dev = be.zeros((n_words,), "int32")                 # (W,) i32
         n_out = max(L, M) if kind.chains else L                   # a chain chooses up to M
-        self._out_host = be.host_buffer(n_out * OUT_WORDS)        # (n_out * OUT_WORDS,) i32
+        self._out_hosts = (be.host_buffer(n_out * OUT_WORDS),     # (n_out * OUT_WORDS,) i32
+                           be.host_buffer(n_out * OUT_WORDS))
+        self._flip = 0                # which pair the next submitted step uses
+        self._pending: deque[Pending] = deque()
         self._out_dev = be.zeros((n_out * OUT_WORDS,), "int32")   # (n_out * OUT_WORDS,) i32
         self._out = self._out_dev.reshape(n_out, OUT_WORDS)       # (n_out, OUT_WORDS) i32
         # (n_slots, n_ctx) i32 token history; without history one entry no record reads
         self.hist = be.zeros((n_slots, n_ctx) if kind.history else (1, 1), "int32")
-        self._params = self._dev[self._o_par:].reshape(L, N_PARAMS)   # (L, N_PARAMS) i32
+        self._params = self._dev[self._o_par:self._o_feed].reshape(L, N_PARAMS)   # (L, N_PARAMS)
         self._mv_host = be.host_buffer(3 * M)                     # (3M,) i32 pinned on CUDA
         self._mv_dev = be.zeros((3 * M,), "int32")                # (3M,) i32
         if kind.chains:
@@ -95,8 +119,8 @@ class ModelRunner:
     def _explicit(self, inp: StepInput) -> bool:
         return self.kind.explicit_rows or inp.kv_positions is not None
 
-    def _pack(self, inp: StepInput, T: int) -> None:
-        n, h, M = len(inp.token_ids), self._host, self.model.max_tokens
+    def _pack(self, inp: StepInput, T: int, h, feed: Sequence[int] | None) -> None:
+        n, M = len(inp.token_ids), self.model.max_tokens
         pad = T - n
         h[:T] = 0
         h[pad:T] = inp.token_ids
@@ -122,6 +146,10 @@ class ModelRunner:
             where = (int(inp.slots[row]), int(inp.positions[row])) if self.kind.history \
                 else (0, 0)
             h[o:o + N_PARAMS] = s.record(*where)
+        if feed is not None:
+            f = self._o_feed
+            h[f:f + T] = -1
+            h[f + pad:f + T] = feed
 
     def step(self, inp: StepInput) -> StepOutput:
         """Run one step and read its choices back."""
@@ -131,15 +159,63 @@ class ModelRunner:
     def launch(self, inp: StepInput) -> None:
         """Pack, upload and run one step; its choices stay on the device until `read` (a step
         launched after another waits for it first: both use one host buffer)."""
+        if self._pending:
+            raise RuntimeError(f"launch with {len(self._pending)} submitted steps not collected")
+        if self._launched:
+            self.read(())
+        self._run(inp, self._hosts[self._flip], None)
+        self._launched = True
+
+    def submit(self, inp: StepInput, feed: Sequence[int] | None = None) -> Pending:
+        """Run one step and queue its readback; returns at once (`collect` waits). feed[r] >= 0:
+        row r's id is the choice of output record feed[r] of the step submitted just before
+        (still uncollected or not), taken on the device; -1: inp.token_ids[r]."""
+        if self._launched:
+            raise RuntimeError("submit after a launched step that was not read")
+        if len(self._pending) > 1:
+            raise RuntimeError("two submitted steps are already outstanding: collect one")
+        if feed is not None and len(feed) != len(inp.token_ids):
+            raise ValueError(f"{len(feed)} fed rows for a step of {len(inp.token_ids)}")
+        self._flip ^= 1
+        self._run(inp, self._hosts[self._flip], feed)
+        rows = tuple(inp.sampling)
+        n = len(rows)
+        src = (self._out_dev[:n * OUT_WORDS] if any(r.n_top >= 0 for r in rows) or n > 1
+               else self._out_dev[:n])                               # (n * W or n,) i32
+        host = self._out_hosts[self._flip][:src.size]
+        pending = Pending(rows, host, self.model.backend.queue_download(src, host))
+        self._pending.append(pending)
+        return pending
+
+    def collect(self, pending: Pending) -> StepOutput:
+        """Wait for the oldest submitted step (`pending`) and return its choices."""
+        if not self._pending or self._pending[0] is not pending:
+            raise RuntimeError("collect the submitted steps in the order they were submitted")
+        self._pending.popleft()
+        self.model.backend.wait_download(pending.ticket)
+        return self._output(pending.host, pending.rows)
+
+    def abandon(self) -> None:
+        """Forget the submitted steps (a step failed): wait for the queued work, read nothing."""
+        while self._pending:
+            self.model.backend.wait_download(self._pending.popleft().ticket)
+
+    @property
+    def outstanding(self) -> int:
+        """Submitted steps not collected yet."""
+        return len(self._pending)
+
+    def _run(self, inp: StepInput, h, feed: Sequence[int] | None) -> None:
+        """Pack `inp` into host buffer h, upload it, feed its ids, run the model and sample."""
         model, be = self.model, self.model.backend
         M = model.max_tokens
         inp.check(M, model.max_logits)
-        if self._launched:
-            self.read(())
         T, L = self.padded(len(inp.token_ids)), len(inp.logit_rows)
-        self._pack(inp, T)
-        be.upload_step(self._host, self._dev)
+        self._pack(inp, T, h, feed)
+        be.upload_step(h, self._dev)
         ids, pos = self._dev[:T], self._dev[M:M + T]                  # (T,) i32 each
+        if feed is not None:
+            be.feed_ids(self._out, self._dev[self._o_feed:self._o_feed + T], ids)
         slots = self._dev[2 * M:2 * M + T]                            # (T,) i32
         tree = ([self._dev[o * M:o * M + T] for o in (3, 4, 5)]       # 3 x (T,) i32
                 if self._explicit(inp) else [])
@@ -157,7 +233,6 @@ class ModelRunner:
         kv_rows = inp.kv_positions if inp.kv_positions is not None else inp.positions
         kv_len = max(max(inp.positions), max(kv_rows)) + 1
         model.forward(ids, pos, slots, kv_len, L, choose if history or L else None, *tree)
-        self._launched = True
 
     def chain(self, start: int, n: int, slot: int, row: RowSampling) -> None:
         """After a launched step whose last row chose d1 (output record 0, on the device): n
@@ -199,10 +274,15 @@ class ModelRunner:
             src = self._chain_ids[:n]                                 # (n,) i32 the chain's
         else:
             src = self._out_dev[:n]                                   # (n,) i32 record 0's id
-        host = self._out_host[:src.size]
+        host = self._out_hosts[self._flip][:src.size]
         self.model.backend.download_step(src, host)
         self._launched = self._chained = False
-        if src.size == n:
+        return self._output(host, rows)
+
+    @staticmethod
+    def _output(host, rows: Sequence[RowSampling]) -> StepOutput:
+        n = len(rows)
+        if host.size == n:
             return StepOutput(host.copy(), (None,) * n)
         return StepOutput.from_records(host.reshape(n, OUT_WORDS), rows)
 

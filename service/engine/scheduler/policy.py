@@ -158,6 +158,35 @@ class Scheduler:
         return [DecodeRow(seq, k) for seq, k in zip(chosen, want, strict=True)
                 if k >= 0 and seq.slot >= 0]     # the others were preempted to make room
 
+    def continuing(self, seqs: list[Sequence]) -> list[Sequence] | None:
+        """The rows of the next plain decode step, planned while the current one (`seqs`, each
+        with one row in flight: its n_past already counts that row) still runs (the overlapped
+        loop, engine.py): `seqs` again in the same order, less those the in-flight token ends
+        for certain (their length or context limit). None, and the loop reads back and plans
+        afresh, when anything else wants this iteration: a queued request, a running sequence
+        outside `seqs` (prefilling or sitting out), a cancelled one, a speculating one, or a
+        row whose next KV block the pool cannot give without preempting."""
+        live = [s for s in seqs if not s.finished]
+        if self.waiting:
+            return None
+        if (any(s.cancelled or s.speculative or s.slot < 0 for s in live)
+                or {id(s) for s in live} != {id(s) for s in self.running}):
+            return None
+        nxt = [s for s in live if self._continues(s)]
+        if not nxt or not all(self.kv.ensure(s, s.n_past + 1) for s in nxt):
+            return None
+        self._turn += 1
+        for seq in nxt:
+            seq.last_turn = self._turn
+        return nxt
+
+    def _continues(self, seq: Sequence) -> bool:
+        """Whether `seq` may still decode after the token in flight (not yet emitted)."""
+        stop = seq.request.stopping
+        n = len(seq.generated) + 1
+        return (n < stop.max_new_tokens and len(seq.request.prompt_ids) + n < self.n_ctx
+                and seq.n_past < self.n_ctx)
+
     def _draft_length(self, seq: Sequence) -> int:
         """How many tokens `seq` would like drafted this step (0: plain decoding)."""
         if not seq.speculative:

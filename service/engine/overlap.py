@@ -1,0 +1,89 @@
+"""The overlapped decode loop: plain decode steps, each submitted before the previous one is read
+back, so the host's work (reading back, emitting, detokenizing, planning, packing) runs while
+the device computes the next step instead of between steps.
+
+While the device runs step k + 1, whose rows' ids the runner feeds on the device from step k's
+choices (ModelRunner.submit with `feed`), the host commits step k. Step k + 1 holds the
+sequences of step k that the scheduler lets go on (Scheduler.continuing: the same rows in the
+same order, less those whose in-flight token ends them for certain by length or context, and
+only while nothing else wants a step). Each row chooses its token exactly as the one-step loop
+would (its own sampling keyed by request seed and token index; the repetition penalty reads
+the token history the step itself records on the device), so the streams are the same.
+
+A sequence's n_past counts a row when it is submitted. A sequence that step k ends (a stop id,
+a stop text, the end token) while its row of step k + 1 is in flight has that row discarded,
+never streamed, and its n_past set back to its committed rows before its slot and blocks go
+back (the row's KV, written by a step queued before any later owner's, is simply overwritten).
+A cancel, a new request or a speculating sequence ends the overlap at the next step: the loop
+reads back what is in flight and the engine plans afresh, so a cancelled stream's slot is free
+within one step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from service.engine.runner.model_runner import ModelRunner
+from service.engine.runner.step import StepInput, StepOutput
+from service.engine.scheduler.policy import Scheduler
+from service.engine.scheduler.sequence import Sequence
+from service.engine.spec.decode import choice, verify_input
+from service.engine.stepprofile import StepStats
+
+
+class OverlappedDecode:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, lock: Any,
+                 stats: Callable[[], StepStats], release: Callable[[Sequence], None]):
+        self.runner, self.scheduler, self._lock = runner, scheduler, lock
+        self._stats, self._release = stats, release
+
+    def run(self, seqs: list[Sequence]) -> None:
+        """Decode `seqs` (plain rows, their seeds on the host) until the scheduler stops
+        letting them go on; returns with nothing in flight."""
+        runner = self.runner
+        pending = runner.submit(verify_input([(s, [s.seed]) for s in seqs]))
+        try:
+            for seq in seqs:
+                seq.n_past += 1
+            while True:
+                with self._lock:
+                    nxt = self.scheduler.continuing(seqs)
+                    table = self.scheduler.kv.take_table() if nxt else None
+                if nxt:
+                    if table is not None:
+                        runner.set_block_table(table)
+                    at = {id(s): r for r, s in enumerate(seqs)}
+                    ahead = runner.submit(fed_input(nxt), [at[id(s)] for s in nxt])
+                    for seq in nxt:
+                        seq.n_past += 1
+                out = runner.collect(pending)
+                self._stats().count_decode(len(seqs), len(seqs))
+                self._commit(seqs, out, nxt or [])
+                if not nxt:
+                    return
+                seqs, pending = nxt, ahead
+        except Exception:
+            runner.abandon()
+            raise
+
+    def _commit(self, seqs: list[Sequence], out: StepOutput, ahead: list[Sequence]) -> None:
+        """Each sequence's token of a plain step (its row already counted in n_past); a
+        sequence that ends here while a later row of it is in flight gives that row back."""
+        later = {id(s) for s in ahead}
+        for r, seq in enumerate(seqs):
+            if seq.finished:            # cancelled or failed while its row was in flight
+                continue
+            seq.count_step(1)
+            seq.emit([int(out.token_ids[r])], out.logprobs[r:r + 1])
+            if seq.finished:
+                if id(seq) in later:
+                    seq.n_past -= 1     # that row is not part of its committed context
+                self._release(seq)
+
+
+def fed_input(seqs: list[Sequence]) -> StepInput:
+    """A plain step whose ids the previous step chooses on the device (fed): each sequence's
+    row at its next position, choosing the token after the one still in flight."""
+    return StepInput([0] * len(seqs), [s.n_past for s in seqs], [s.slot for s in seqs],
+                     range(len(seqs)), [choice(s, 1) for s in seqs])

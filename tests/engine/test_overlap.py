@@ -1,0 +1,194 @@
+"""The overlapped decode loop (engine.py `_decode_overlapped`, runner `submit`/`collect`): each
+plain step is submitted before the previous one is read back, its ids fed on the backend from
+the previous step's choices. It must stream exactly what the one-step-at-a-time loop streams:
+the same ids, text, log-probabilities and finish reasons for greedy and seeded sampling (the
+penalty reading the token history), stops by token, by text and by length, alone and in a
+batch whose members finish at different steps; a sequence that ends keeps no row of the step
+in flight (its KV blocks enter the prefix cache with its committed rows only), and a cancel
+frees the slot within a step. Each test also checks that fed steps really ran."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from service.engine.runner.step import GREEDY, StepInput
+from service.engine.types import (
+    Delta,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    StoppingCriteria,
+)
+from tests.support.batching import Streams, same_output, sampled, smollm2_prompts, together
+from tests.support.engines import Result, running_engine, wait_idle
+from tests.support.models import build_model
+
+
+class FedSteps:
+    """Counts the runner's steps submitted with fed ids (wrapping `submit`)."""
+
+    def __init__(self, engine) -> None:
+        self.n = 0
+        runner, inner = engine.runner, engine.runner.submit
+
+        def submit(inp, feed=None):
+            self.n += feed is not None
+            return inner(inp, feed)
+
+        runner.submit = submit
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """SmolLM2 with the overlapped loop and without it, 8 slots each, speculation off."""
+    with running_engine("smollm2", n_slots=8, verify_width=1) as on, \
+            running_engine("smollm2", n_slots=8, verify_width=1, overlap=False) as off:
+        yield on, off
+
+
+def request(i: int, sampling: SamplingParams, **stopping) -> GenerationRequest:
+    prompt = tuple(smollm2_prompts()[i % 4]) + (i + 5,)
+    return GenerationRequest(f"r{i}", prompt, sampling,
+                             StoppingCriteria(**{"max_new_tokens": 24, **stopping}),
+                             top_logprobs=2 if i % 3 == 1 else 0)
+
+
+def both(engines, reqs: list[GenerationRequest]) -> tuple[list[Result], list[Result], int]:
+    on, off = engines
+    fed = FedSteps(on)
+    got, _ = together(on, reqs)
+    ref, _ = together(off, reqs)
+    return got, ref, fed.n
+
+
+def mismatches(got: list[Result], ref: list[Result]) -> list:
+    return [(a.token_ids, b.token_ids, a.finished.reason, b.finished.reason)
+            for a, b in zip(got, ref, strict=True) if not same_output(a, b)]
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_overlapped_streams_equal_one_step_at_a_time(engines, kind):
+    """Eight streams of different lengths (they leave the batch at different steps)."""
+    reqs = [request(i, SamplingParams(temperature=0.0) if kind == "greedy" else sampled(i),
+                    max_new_tokens=6 + 3 * i, ignore_eos=True) for i in range(8)]
+    got, ref, fed = both(engines, reqs)
+    assert not mismatches(got, ref)
+    assert fed >= 20, f"only {fed} fed steps: the overlapped loop did not run"
+    assert [len(r.token_ids) for r in got] == [6 + 3 * i for i in range(8)]
+
+
+def test_stops_inside_the_overlap_stream_nothing_after_them(engines):
+    """Stops the host sees one step late (a stop id, a stop text, the end token): the row in
+    flight for the stopped sequence is dropped, so every stream ends exactly where the
+    one-step loop ends it."""
+    on, off = engines
+    free = [request(i, GREEDY, max_new_tokens=40, ignore_eos=True) for i in range(4)]
+    long_ref, _ = together(off, free)
+    stop_ids = [r.token_ids[7] for r in long_ref]
+    stop_text = long_ref[1].text[len(long_ref[1].text) // 2:][:6]
+    reqs = [request(0, GREEDY, max_new_tokens=40, stop_token_ids=(stop_ids[0],)),
+            request(1, GREEDY, max_new_tokens=40, stop_sequences=(stop_text,)),
+            request(2, GREEDY, max_new_tokens=40, stop_token_ids=(stop_ids[2],)),
+            request(3, GREEDY, max_new_tokens=200)]            # may end on the end token
+    got, ref, fed = both(engines, reqs)
+    assert not mismatches(got, ref)
+    assert fed > 0
+    assert got[0].finished.reason is FinishReason.STOP_TOKEN
+    assert got[0].token_ids[-1] == stop_ids[0] and len(got[0].token_ids) <= 8
+    assert got[1].finished.reason is FinishReason.STOP_SEQUENCE
+    assert len(got[1].token_ids) < 40
+
+
+def test_ended_sequences_cache_only_their_committed_rows(engines):
+    """A stream ends while its next row is in flight; its blocks go to the prefix cache. A
+    second request continuing its text reuses those blocks and must give what a fresh
+    computation gives."""
+    on, off = engines
+    first = request(0, GREEDY, max_new_tokens=37, ignore_eos=True)     # 16-row blocks: ends
+    a = Streams(on)                                                    # mid-block
+    a.submit(first)
+    r0 = a.wait()[0]
+    wait_idle(on)
+    follow = GenerationRequest("follow", first.prompt_ids + tuple(r0.token_ids), GREEDY,
+                               StoppingCriteria(max_new_tokens=12, ignore_eos=True))
+    got, ref, _ = both(engines, [follow])
+    assert got[0].started is not None
+    assert same_output(got[0], ref[0]), (got[0].token_ids, ref[0].token_ids)
+    assert on.stats.cached_tokens > 0, "the follow-up did not reuse the cached prefix"
+
+
+def test_cancel_frees_the_slot_within_a_step(engines):
+    on, _ = engines
+    fed = FedSteps(on)
+    streams = Streams(on)
+    res = streams.submit(request(0, GREEDY, max_new_tokens=100_000, ignore_eos=True))
+    assert streams.wait_until(lambda: len(res.token_ids) >= 5, 120)
+    n_at_cancel = len(res.token_ids)
+    streams.handles[0].cancel()
+    assert streams.wait_until(lambda: res.finished is not None, 30)
+    assert res.finished.reason is FinishReason.CANCELLED
+    assert len(res.token_ids) <= n_at_cancel + 3
+    wait_idle(on, 10)
+    assert len(on._free_slots) == 8 and not on.pool.owned
+    assert fed.n > 0
+
+
+def test_a_request_joining_ends_the_overlap_and_runs_as_it_would_alone(engines):
+    """A request arriving while others decode overlapped: the loop returns to the full plan
+    (admission, prefill), and every stream still equals its solo run."""
+    on, off = engines
+    streams = Streams(on)
+    early = streams.submit(request(0, GREEDY, max_new_tokens=30, ignore_eos=True))
+    assert streams.wait_until(lambda: len(early.token_ids) >= 4, 120)
+    late_req = request(5, sampled(5), max_new_tokens=12, ignore_eos=True)
+    late = streams.submit(late_req)
+    streams.wait()
+    ref_early, _ = together(off, [request(0, GREEDY, max_new_tokens=30, ignore_eos=True)])
+    ref_late, _ = together(off, [late_req])
+    assert same_output(early, ref_early[0]) and same_output(late, ref_late[0])
+
+
+def test_runner_feeds_ids_from_the_previous_step():
+    """Runner level: a step fed from the previous step's choices computes what the same step
+    given those ids from the host computes, and collect returns steps in submit order."""
+    from service.engine.runner.model_runner import ModelRunner
+
+    model = build_model("tiny-qwen3", n_ctx=64, n_slots=2)
+    runner = ModelRunner(model, 2, 64)
+
+    def plain(ids, pos):
+        return StepInput(ids, pos, [0, 1], range(2), [GREEDY, GREEDY])
+
+    first = runner.submit(plain([3, 4], [0, 0]))
+    fed = runner.submit(plain([0, 0], [1, 1]), [1, 0])        # swapped: row 0 reads record 1
+    with pytest.raises(RuntimeError, match="order"):
+        runner.collect(fed)
+    a = runner.collect(first)
+    b = runner.collect(fed)
+    assert runner.outstanding == 0
+    model2 = build_model("tiny-qwen3", n_ctx=64, n_slots=2)
+    ref = ModelRunner(model2, 2, 64)
+    ref.step(plain([3, 4], [0, 0]))
+    want = ref.step(plain([int(a.token_ids[1]), int(a.token_ids[0])], [1, 1]))
+    assert np.array_equal(b.token_ids, want.token_ids)
+
+
+def test_deltas_arrive_while_the_next_step_runs(engines):
+    """The host emits step k's token after submitting step k + 1: a sink sees each Delta
+    with at most one step of the same stream not yet emitted."""
+    on, _ = engines
+    seen: list[int] = []
+    done = threading.Event()
+
+    def sink(ev):
+        if isinstance(ev, Delta):
+            seen.append(on.runner.outstanding)
+        if getattr(ev, "reason", None) is not None:
+            done.set()
+
+    on.submit(request(2, GREEDY, max_new_tokens=20, ignore_eos=True), sink)
+    assert done.wait(120)
+    assert max(seen) == 1 and seen.count(1) >= 10, seen
