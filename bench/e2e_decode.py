@@ -1,0 +1,162 @@
+"""One stream's decode speed three ways, side by side, as users get it and as the step allows:
+
+    python bench/e2e_decode.py [--models synth-1b,synth-8b,smollm2-135m] [--tokens 256]
+                               [--rounds 2] [--backend cuda] [--json PATH]
+
+- step: the graph-replayed decode step back to back (bench/gpu_decode.py `_decode_rate`: the
+  position uploaded, the step replayed, the argmax fed back on the device, the id read), the
+  ceiling the engine loop is held to (CUDA only);
+- engine: `Engine.generate` of `--tokens` greedy tokens (speculation off, end token ignored)
+  after a 16-token prompt, tok/s = 1000 / Finished.timings.per_token_decode_ms, with the
+  overlapped loop (config `overlap`) and without it, alternating `--rounds` times;
+- grpc: the same request through the gRPC server (in this process, on a localhost socket) to
+  a real client, tok/s over the tokens after the first as the client receives them.
+
+Synthetic models (synth-1b = llama3.2-1b, synth-8b = llama3-8b, Q4_K_M, seed 0) are generated
+into --synth-dir and reused; real models come from $SPECSTREAM_MODELS_DIR. The last lines are a
+table with each figure and its ratio to the step rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from synth_model import DEFAULT_DIR, synth_model  # noqa: E402
+
+SYNTH = {"synth-1b": "llama3.2-1b", "synth-8b": "llama3-8b"}
+PROMPT = tuple(range(1000, 1016))
+
+
+def model_file(name: str, synth_dir: str) -> Path | None:
+    from service.config import models_dir_from_env
+
+    if name in SYNTH:
+        return synth_model(synth_dir, SYNTH[name])[0]
+    path = models_dir_from_env() / f"{name}.gguf"
+    return path if path.is_file() else None
+
+
+def step_rate(path: Path, tokens: int) -> float:
+    from gpu_decode import _decode_rate
+
+    from service.backends.cuda.backend import CudaBackend
+    from service.gguf.reader import GGUFFile
+    from service.model.spec import ModelSpec
+    from service.model.transformer import Transformer
+
+    f = GGUFFile(path)
+    be = CudaBackend(graphs=True)
+    tr = Transformer(ModelSpec.from_gguf(f), f, be, n_ctx=512, n_slots=1, max_tokens=32)
+    rate = _decode_rate(be, tr, tokens)
+    del tr, be
+    return rate
+
+
+def request(tokens: int):
+    from service.engine.types import GenerationRequest, SamplingParams, StoppingCriteria
+
+    return GenerationRequest("bench", PROMPT, SamplingParams(temperature=0.0),
+                             StoppingCriteria(max_new_tokens=tokens, ignore_eos=True),
+                             speculative=False)
+
+
+def engine_rate(engine, tokens: int) -> float:
+    from service.engine.types import Finished
+
+    fin = [e for e in engine.generate(request(tokens), timeout=600) if isinstance(e, Finished)]
+    return 1000.0 / fin[0].timings.per_token_decode_ms
+
+
+def grpc_rate(engine, tokens: int) -> float:
+    from clients import SpecstreamClient
+    from service.serve import BackgroundServer
+
+    with BackgroundServer(engine) as srv, SpecstreamClient(srv.target, timeout=600) as client:
+        best = 0.0
+        for _ in range(2):              # the first call warms the channel and the server path
+            got, t_first, t_last = 0, 0.0, 0.0
+            for r in client.generate(tokens=PROMPT, temperature=0.0, max_new_tokens=tokens,
+                                     ignore_eos=True, speculative=False):
+                if r.WhichOneof("event") == "delta" and r.delta.token_ids:
+                    now = time.perf_counter()
+                    if not got:
+                        t_first = now
+                    got += len(r.delta.token_ids)
+                    t_last = now
+            best = max(best, (got - 1) / (t_last - t_first))
+        return best
+
+
+def bench(name: str, path: Path, a) -> dict:
+    from service.config import EngineConfig
+    from service.engine.engine import Engine
+
+    row: dict = {"model": name, "file": str(path)}
+    if a.backend == "cuda":
+        row["step"] = step_rate(path, a.tokens)
+    for overlap in (True, False):
+        cfg = EngineConfig(backend=a.backend, n_ctx=1024, n_slots=4, verify_width=1,
+                           drafter="none", overlap=overlap)
+        eng = Engine.load(path, cfg)
+        eng.start()
+        try:
+            engine_rate(eng, 32)                                    # warm every step shape
+            key = "engine" if overlap else "engine_no_overlap"
+            row[key] = max(engine_rate(eng, a.tokens) for _ in range(a.rounds))
+            if overlap:
+                row["grpc"] = grpc_rate(eng, a.tokens)
+        finally:
+            eng.stop(30)
+    print(f"  {name}: " + ", ".join(f"{k} {v:.0f}" for k, v in row.items()
+                                     if isinstance(v, float)), flush=True)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| model | step (graph) | engine, overlapped | engine, one step at a time | "
+            "gRPC, overlapped | engine/step | gRPC/step |")
+    lines = [head, "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        step = r.get("step")
+
+        def ratio(k: str) -> str:
+            return f"{r[k] / step:.2f}" if step else "n/a"
+
+        lines.append(f"| {r['model']} | {step or 0:.0f} | {r['engine']:.0f} | "
+                     f"{r['engine_no_overlap']:.0f} | {r['grpc']:.0f} | {ratio('engine')} | "
+                     f"{ratio('grpc')} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="synth-1b,synth-8b,smollm2-135m")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--synth-dir", default=DEFAULT_DIR)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    rows = []
+    for name in a.models.split(","):
+        path = model_file(name, a.synth_dir)
+        if path is None:
+            print(f"  {name}: not present, skipped")
+            continue
+        rows.append(bench(name, path, a))
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    print(f"\nDecode tok/s, one stream, greedy, {a.tokens} tokens after a 16-token prompt "
+          f"({a.backend})")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
