@@ -23,7 +23,9 @@ help:
 	@echo "make check-cuda  compile the CUDA kernels for sm_90 with NVRTC (no GPU needed)"
 	@echo "make bench       CPU decode benchmark and server overhead benchmark"
 	@echo "make bench-gpu   GPU GEMV and decode benchmark, goals met/missed (needs CUDA and CuPy;"
-	@echo "                 BENCH_ARGS='--quick' or '--only gemv|decode', BENCH_JSON=path)"
+	@echo "                 BENCH_ARGS='--quick' or '--only gemv|decode', BENCH_JSON=path), then"
+	@echo "                 one stream end to end: graph step, engine loop, gRPC (E2E_ARGS="
+	@echo "                 '--llama-bench PATH' adds llama.cpp, see bench/llamacpp_cuda.sh)"
 	@echo "make bench-spec  speculative decoding: real drafters, verify steps and an oracle"
 	@echo "                 drafter on synthetic 8B/1B (GPU when CuPy is present, else CPU;"
 	@echo "                 SPEC_ARGS='--part real|synth ...', SPEC_JSON=path)"
@@ -78,8 +80,11 @@ bench: setup models
 BENCH_JSON ?= docs/bench-gpu.json
 BENCH_ARGS ?=
 
+E2E_ARGS ?=
+
 bench-gpu:
 	$(GPU_RUN_PY) bench/gpu_bench.py --json $(BENCH_JSON) $(BENCH_ARGS)
+	$(GPU_RUN_PY) bench/e2e_decode.py $(E2E_ARGS)
 
 SPEC_JSON ?= docs/bench-spec.json
 SPEC_ARGS ?=

@@ -28,8 +28,8 @@ Engine settings: --n-ctx (default: long enough for the streams and the prefix re
         [--backend cpu|cuda|auto] [--levels 1,4,16,64] [--tokens 256] [--sampled]
         [--prompts text|ids] [--prompt-tokens 32] [--prefix-tokens 2000] [--rounds 1]
         [--n-ctx N] [--n-slots N] [--kv-cache-memory 8GiB] [--max-step-tokens N]
-        [--no-prefix-cache] [--gemv-mma] [--speculative] [--threads 0] [--synth-dir DIR] [--seed 0]
-        [--json PATH] [--plot PNG]
+        [--no-prefix-cache] [--gemv-mma] [--no-overlap] [--speculative] [--threads 0]
+        [--synth-dir DIR] [--seed 0] [--json PATH] [--plot PNG]
     python bench/plot_concurrency.py RESULT.json [MORE.json ...] OUT.png   (redraw from JSON)
 """
 
@@ -224,6 +224,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--no-prefix-cache", action="store_true", help="EngineConfig.prefix_cache=False")
     g.add_argument("--gemv-mma", action="store_true",
                    help="EngineConfig.gemv_mma=True (CUDA: Q4_K/Q6_K GEMVs on tensor cores)")
+    g.add_argument("--no-overlap", action="store_true",
+                   help="EngineConfig.overlap=False (plain decode steps one at a time)")
     g.add_argument("--threads", type=int, default=0, help="CPU backend threads (0 = all)")
     g = p.add_argument_group("synthetic models")
     g.add_argument("--synth-dir", default=DEFAULT_DIR)
@@ -253,6 +255,8 @@ def engine_fields(a, backend: str, levels: list[int]) -> dict:
         fields["prefix_cache"] = False
     if a.gemv_mma:
         fields["gemv_mma"] = True
+    if a.no_overlap:
+        fields["overlap"] = False
     return fields
 
 

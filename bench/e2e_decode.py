@@ -10,7 +10,12 @@
   after a 16-token prompt, tok/s = 1000 / Finished.timings.per_token_decode_ms, with the
   overlapped loop (config `overlap`) and without it, alternating `--rounds` times;
 - grpc: the same request through the gRPC server (in this process, on a localhost socket) to
-  a real client, tok/s over the tokens after the first as the client receives them.
+  a real client, tok/s over the tokens after the first as the client receives them;
+- default: the engine with the server's default speculation (n-gram drafter, verify width 4)
+  and the request's speculation left at its default, overlapped: what a user of the default
+  server gets on text the drafter rarely matches;
+- llama.cpp: `llama-bench -n 128 -p 0 -fa 1 -r 3` on the same file, when --llama-bench names
+  the binary (bench/llamacpp_cuda.sh builds it from the vendored source), with the ratios.
 
 Synthetic models (synth-1b = llama3.2-1b, synth-8b = llama3-8b, Q4_K_M, seed 0) are generated
 into --synth-dir and reused; real models come from $SPECSTREAM_MODELS_DIR. The last lines are a
@@ -59,19 +64,33 @@ def step_rate(path: Path, tokens: int) -> float:
     return rate
 
 
-def request(tokens: int):
+def request(tokens: int, speculative: bool | None = False):
     from service.engine.types import GenerationRequest, SamplingParams, StoppingCriteria
 
     return GenerationRequest("bench", PROMPT, SamplingParams(temperature=0.0),
                              StoppingCriteria(max_new_tokens=tokens, ignore_eos=True),
-                             speculative=False)
+                             speculative=speculative)
 
 
-def engine_rate(engine, tokens: int) -> float:
+def engine_rate(engine, tokens: int, speculative: bool | None = False) -> float:
     from service.engine.types import Finished
 
-    fin = [e for e in engine.generate(request(tokens), timeout=600) if isinstance(e, Finished)]
+    fin = [e for e in engine.generate(request(tokens, speculative), timeout=600)
+           if isinstance(e, Finished)]
     return 1000.0 / fin[0].timings.per_token_decode_ms
+
+
+def llamacpp_rate(binary: str, path: Path) -> float | None:
+    """llama-bench's tg128 tok/s on `path` (flash attention on, 3 repetitions)."""
+    import subprocess
+
+    out = subprocess.run([binary, "-m", str(path), "-p", "0", "-n", "128", "-fa", "1",
+                          "-r", "3", "-o", "json"], capture_output=True, text=True,
+                         timeout=600)
+    if out.returncode != 0:
+        print(f"  llama-bench failed on {path.name}: {out.stderr[-300:]}")
+        return None
+    return float(json.loads(out.stdout)[0]["avg_ts"])
 
 
 def grpc_rate(engine, tokens: int) -> float:
@@ -99,8 +118,17 @@ def bench(name: str, path: Path, a) -> dict:
     from service.engine.engine import Engine
 
     row: dict = {"model": name, "file": str(path)}
+    if a.llama_bench:
+        row["llamacpp"] = llamacpp_rate(a.llama_bench, path)
     if a.backend == "cuda":
         row["step"] = step_rate(path, a.tokens)
+    eng = Engine.load(path, EngineConfig(backend=a.backend, n_ctx=1024, n_slots=4))
+    eng.start()
+    try:
+        engine_rate(eng, 32, None)
+        row["default"] = max(engine_rate(eng, a.tokens, None) for _ in range(a.rounds))
+    finally:
+        eng.stop(30)
     for overlap in (True, False):
         cfg = EngineConfig(backend=a.backend, n_ctx=1024, n_slots=4, verify_width=1,
                            drafter="none", overlap=overlap)
@@ -120,18 +148,24 @@ def bench(name: str, path: Path, a) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| model | step (graph) | engine, overlapped | engine, one step at a time | "
-            "gRPC, overlapped | engine/step | gRPC/step |")
-    lines = [head, "| --- | --- | --- | --- | --- | --- | --- |"]
+    head = ("| model | llama.cpp tg128 | step (graph) | engine, overlapped | engine, one step "
+            "at a time | gRPC, overlapped | default server config | engine/step | "
+            "engine/llama.cpp | gRPC/llama.cpp |")
+    lines = [head, "|" + " --- |" * 10]
+
+    def cell(v) -> str:
+        return f"{v:.0f}" if v else "-"
+
     for r in rows:
-        step = r.get("step")
+        step, base = r.get("step"), r.get("llamacpp")
 
-        def ratio(k: str) -> str:
-            return f"{r[k] / step:.2f}" if step else "n/a"
+        def ratio(k: str, over, r=r) -> str:
+            return f"{r[k] / over:.2f}x" if over else "-"
 
-        lines.append(f"| {r['model']} | {step or 0:.0f} | {r['engine']:.0f} | "
-                     f"{r['engine_no_overlap']:.0f} | {r['grpc']:.0f} | {ratio('engine')} | "
-                     f"{ratio('grpc')} |")
+        lines.append(f"| {r['model']} | {cell(base)} | {cell(step)} | {cell(r['engine'])} | "
+                     f"{cell(r['engine_no_overlap'])} | {cell(r['grpc'])} | "
+                     f"{cell(r['default'])} | {ratio('engine', step)} | "
+                     f"{ratio('engine', base)} | {ratio('grpc', base)} |")
     return "\n".join(lines)
 
 
@@ -143,6 +177,8 @@ def main() -> None:
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--synth-dir", default=DEFAULT_DIR)
     ap.add_argument("--json", default="")
+    ap.add_argument("--llama-bench", default="", metavar="BINARY",
+                    help="llama.cpp's llama-bench: its tg128 on the same files, side by side")
     a = ap.parse_args()
     rows = []
     for name in a.models.split(","):

@@ -45,6 +45,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/gpu_bench.py --json "${BENCH_JSON:-/tmp/bench-gpu.json}" ${BENCH_ARGS:-} || status=1
+  python3 bench/e2e_decode.py ${E2E_ARGS:-} || status=1
 fi
 # Weight upload (pinned vs pageable) and prefill (GEMV chunks vs GEMM) on a synthetic 8B file,
 # generated on first use into $TMPDIR/specstream-bench (keep the machine warm to reuse it).

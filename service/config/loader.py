@@ -183,6 +183,8 @@ def build_serve_parser() -> argparse.ArgumentParser:
             p.add_argument(s.flag, dest=s.name, metavar=s.kind.__name__.upper(), help=help_text)
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const="false",
                    help="the same as --cuda-graphs false")
+    p.add_argument("--no-overlap", dest="overlap", action="store_const", const="false",
+                   help="the same as --overlap false")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const",
                    const="false", help="the same as --prefix-cache false")
     return p

@@ -16,9 +16,10 @@ One iteration of the engine thread, under its lock until the plan is made:
     KV rows compacted with one runner.move_kv) -> prefill: the chunk as its own runner step ->
     finished sequences give their slot back.
 
-When every row of the decode step is plain (no speculation), OverlappedDecode (overlap.py)
+When every row of the decode step is plain (nothing drafted), OverlappedDecode (overlap.py)
 runs it and the steps after it, each submitted before the previous one is read back, for as
-long as nothing else wants a step (config `overlap`; off under the step profiler).
+long as nothing else wants a step and no row would draft (config `overlap`; off under the step
+profiler).
 
 The policy is scheduler/policy.py's docstring. Every row chooses its token with the request's
 own sampling keyed by (request seed, token index), never by its row in a step: a request's
@@ -124,8 +125,8 @@ class Engine:
                                    max_queue=config.max_queue, prefill_chunk=chunk,
                                    step_rows=min(rows, model.max_tokens, model.max_logits))
         self.stats = StepStats()
-        self.overlapped = OverlappedDecode(self.runner, self.scheduler, self._lock,
-                                           lambda: self.stats, self._release)
+        self.overlapped = OverlappedDecode(self.runner, self.scheduler, self.speculator,
+                                           self._lock, lambda: self.stats, self._release)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -348,11 +349,12 @@ class Engine:
     def _decode(self, rows: tuple[DecodeRow, ...], timer: StepTimer | None) -> None:
         """The decode step: drafts, ONE verify step, each sequence's commit. A step that fails
         is retried one sequence at a time (nothing was committed)."""
-        if (self.config.overlap and timer is None
-                and all(not r.seq.speculative and r.n_draft == 0 for r in rows)):
-            self.overlapped.run([r.seq for r in rows])
-            return
         batch = self.speculator.draft(rows, timer)
+        if (self.config.overlap and timer is None
+                and all(isinstance(d, list) and len(d) == 1 for _, d in batch)
+                and self.speculator.overlaps([seq for seq, _ in batch])):
+            self.overlapped.run([seq for seq, _ in batch])     # plain rows (overlap.py)
+            return
         try:
             outs: list[StepOutput | None] = self._verify(batch, timer)
         except Exception as exc:

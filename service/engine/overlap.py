@@ -14,9 +14,16 @@ A sequence's n_past counts a row when it is submitted. A sequence that step k en
 a stop text, the end token) while its row of step k + 1 is in flight has that row discarded,
 never streamed, and its n_past set back to its committed rows before its slot and blocks go
 back (the row's KV, written by a step queued before any later owner's, is simply overwritten).
-A cancel, a new request or a speculating sequence ends the overlap at the next step: the loop
-reads back what is in flight and the engine plans afresh, so a cancelled stream's slot is free
-within one step.
+A cancel or a new request ends the overlap at the next step: the loop reads back what is in
+flight and the engine plans afresh, so a cancelled stream's slot is free within one step.
+
+Speculating sequences take part when their drafter is pure (a cheap function of the history on
+the host: the n-gram lookup), along chains: a step planned before its seed is known cannot
+carry drafts, so after committing each step the loop asks the drafter whether it would draft
+for the next one (with the scheduler's draft length); when any sequence would, the overlap
+ends after the step in flight and the engine's next plan drafts. Speculation stays exact (a
+plain step is what speculation's output equals); it only starts one step later than it would
+without the overlap.
 """
 
 from __future__ import annotations
@@ -28,27 +35,29 @@ from service.engine.runner.model_runner import ModelRunner
 from service.engine.runner.step import StepInput, StepOutput
 from service.engine.scheduler.policy import Scheduler
 from service.engine.scheduler.sequence import Sequence
-from service.engine.spec.decode import choice, verify_input
+from service.engine.spec.decode import Speculator, choice, verify_input
 from service.engine.stepprofile import StepStats
 
 
 class OverlappedDecode:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, lock: Any,
-                 stats: Callable[[], StepStats], release: Callable[[Sequence], None]):
-        self.runner, self.scheduler, self._lock = runner, scheduler, lock
-        self._stats, self._release = stats, release
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, speculator: Speculator,
+                 lock: Any, stats: Callable[[], StepStats],
+                 release: Callable[[Sequence], None]):
+        self.runner, self.scheduler, self.speculator = runner, scheduler, speculator
+        self._lock, self._stats, self._release = lock, stats, release
 
     def run(self, seqs: list[Sequence]) -> None:
         """Decode `seqs` (plain rows, their seeds on the host) until the scheduler stops
-        letting them go on; returns with nothing in flight."""
+        letting them go on or one of them would draft; returns with nothing in flight."""
         runner = self.runner
         pending = runner.submit(verify_input([(s, [s.seed]) for s in seqs]))
+        drafting = False
         try:
             for seq in seqs:
                 seq.n_past += 1
             while True:
                 with self._lock:
-                    nxt = self.scheduler.continuing(seqs)
+                    nxt = None if drafting else self.scheduler.continuing(seqs)
                     table = self.scheduler.kv.take_table() if nxt else None
                 if nxt:
                     if table is not None:
@@ -62,10 +71,17 @@ class OverlappedDecode:
                 self._commit(seqs, out, nxt or [])
                 if not nxt:
                     return
+                drafting = self._would_draft(nxt)
                 seqs, pending = nxt, ahead
         except Exception:
             runner.abandon()
             raise
+
+    def _would_draft(self, seqs: list[Sequence]) -> bool:
+        """Whether a speculating sequence's drafter has drafts for its next step."""
+        return any(s.speculative and not s.finished
+                   and self.speculator.would_draft(s, self.scheduler.draft_length(s))
+                   for s in seqs)
 
     def _commit(self, seqs: list[Sequence], out: StepOutput, ahead: list[Sequence]) -> None:
         """Each sequence's token of a plain step (its row already counted in n_past); a

@@ -192,3 +192,33 @@ def test_deltas_arrive_while_the_next_step_runs(engines):
     on.submit(request(2, GREEDY, max_new_tokens=20, ignore_eos=True), sink)
     assert done.wait(120)
     assert max(seen) == 1 and seen.count(1) >= 10, seen
+
+
+@pytest.fixture(scope="module")
+def speculating():
+    """SmolLM2 with the n-gram drafter (the server's default speculation), overlapped and not;
+    verification taken as free so that every row with a match drafts in full."""
+    with running_engine("smollm2", n_slots=4, draft_in_full=True) as on, \
+            running_engine("smollm2", n_slots=4, draft_in_full=True, overlap=False) as off:
+        yield on, off
+
+
+def test_speculating_streams_overlap_between_drafts_and_equal_the_one_step_loop(speculating):
+    """Speculating requests (n-gram drafter): plain steps run overlapped while the drafter has
+    nothing, drafts resume when it has (the overlap ends one step later), and every stream
+    equals the one-step loop's, greedy and sampled, repetitive text and not."""
+    on, off = speculating
+    texts = ["one two three four five one two three four five one two three",
+             "The history of the printing press begins"]
+    reqs = []
+    for i, text in enumerate(texts * 2):
+        sampling = SamplingParams(temperature=0.0) if i < 2 else sampled(i)
+        reqs.append(GenerationRequest(f"s{i}", tuple(on.text_prompt_ids(text)), sampling,
+                                      StoppingCriteria(max_new_tokens=40, ignore_eos=True)))
+    fed = FedSteps(on)
+    got, _ = together(on, reqs)
+    ref, _ = together(off, reqs)
+    assert not mismatches(got, ref)
+    assert fed.n >= 10, f"only {fed.n} fed steps"
+    assert got[0].finished.usage.draft_tokens > 0, "the repetitive greedy stream never drafted"
+    assert got[0].finished.usage.accepted_draft_tokens > 0

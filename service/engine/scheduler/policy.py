@@ -147,7 +147,7 @@ class Scheduler:
         chosen = sorted(decoding, key=lambda s: s.last_turn)[:self.step_rows]
         for seq in chosen:
             seq.last_turn = self._turn
-        want = [self._draft_length(seq) for seq in chosen]
+        want = [self.draft_length(seq) for seq in chosen]
         spare = self.step_rows - len(chosen)
         while sum(want) > spare:        # shrink the longest draft (the later in turn on a tie)
             i = max(range(len(want)), key=lambda j: (want[j], j))
@@ -161,15 +161,16 @@ class Scheduler:
     def continuing(self, seqs: list[Sequence]) -> list[Sequence] | None:
         """The rows of the next plain decode step, planned while the current one (`seqs`, each
         with one row in flight: its n_past already counts that row) still runs (the overlapped
-        loop, engine.py): `seqs` again in the same order, less those the in-flight token ends
-        for certain (their length or context limit). None, and the loop reads back and plans
-        afresh, when anything else wants this iteration: a queued request, a running sequence
-        outside `seqs` (prefilling or sitting out), a cancelled one, a speculating one, or a
-        row whose next KV block the pool cannot give without preempting."""
+        loop, engine/overlap.py): `seqs` again in the same order, less those the in-flight
+        token ends for certain (their length or context limit). None, and the loop reads back
+        and plans afresh, when anything else wants this iteration: a queued request, a running
+        sequence outside `seqs` (prefilling or sitting out), a cancelled one, or a row whose
+        next KV block the pool cannot give without preempting. (Whether a speculating row
+        would rather draft is the loop's to ask its drafter.)"""
         live = [s for s in seqs if not s.finished]
         if self.waiting:
             return None
-        if (any(s.cancelled or s.speculative or s.slot < 0 for s in live)
+        if (any(s.cancelled or s.slot < 0 for s in live)
                 or {id(s) for s in live} != {id(s) for s in self.running}):
             return None
         nxt = [s for s in live if self._continues(s)]
@@ -178,6 +179,8 @@ class Scheduler:
         self._turn += 1
         for seq in nxt:
             seq.last_turn = self._turn
+            if seq.speculative:
+                seq.steps_without_draft += 1
         return nxt
 
     def _continues(self, seq: Sequence) -> bool:
@@ -187,7 +190,7 @@ class Scheduler:
         return (n < stop.max_new_tokens and len(seq.request.prompt_ids) + n < self.n_ctx
                 and seq.n_past < self.n_ctx)
 
-    def _draft_length(self, seq: Sequence) -> int:
+    def draft_length(self, seq: Sequence) -> int:
         """How many tokens `seq` would like drafted this step (0: plain decoding)."""
         if not seq.speculative:
             return 0

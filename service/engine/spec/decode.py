@@ -59,6 +59,17 @@ class Speculator:
         if self.drafter is not None:
             self.drafter.release(seq)
 
+    def overlaps(self, seqs: Seq[Sequence]) -> bool:
+        """Whether plain steps of `seqs` may run overlapped (engine/overlap.py): none of them
+        speculates, or they speculate with a pure drafter along chains (not trees)."""
+        return all(not s.speculative for s in seqs) or (
+            self.drafter is not None and self.drafter.pure
+            and not any(s.tree_budget for s in seqs))
+
+    def would_draft(self, seq: Sequence, n: int) -> bool:
+        """Whether a pure drafter proposes anything for `seq`'s next step of n drafts."""
+        return n > 0 and self.drafter is not None and bool(self.drafter.propose(seq, n))
+
     def set_block_table(self, table: np.ndarray) -> None:
         if self.drafter is not None:
             self.drafter.set_block_table(table)

@@ -47,6 +47,9 @@ class SlotView:
 class Drafter(abc.ABC):
     name: str
     model_name: str = ""         # the draft model's name, for ModelInfo ("" = no model)
+    # propose is a cheap pure function of the history on the host: the overlapped loop may ask
+    # it whether it would draft (engine/overlap.py) and decode plain steps while it would not
+    pure: bool = False
 
     def start(self, seq: DraftState) -> None:  # noqa: B027 - stateless drafters keep nothing
         """`seq` now holds slot seq.slot."""
@@ -64,6 +67,7 @@ class Drafter(abc.ABC):
 
 class NgramDrafter(Drafter):
     name = "ngram"
+    pure = True
 
     def __init__(self, ngram_size: int = 3, max_lookback: int = 4096, min_match: int = 2):
         self.ngram_size = ngram_size
