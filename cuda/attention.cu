@@ -26,9 +26,10 @@
 //   elements per vector load), Dv <= 256, S = gridDim.x = ceil(n_ctx / chunk).
 //   The number of splits is fixed by n_ctx: a step never needs the host to know a KV length,
 //   so one captured graph serves every position.
-// The combine runs in the same launch: each block adds 1 to counters[t, h] after writing its
-//   partials; the block that brings it to S (whichever it is) merges the S partials in split
-//   order and resets the counter to 0 for the next step:
+// The combine runs in the same launch: each of the row's S_t = ceil(hi / chunk) splits (keys
+//   [0, hi); 1 for a padding row) adds 1 to counters[t, h] after writing its partials, and
+//   blocks s >= S_t return at once; the block that brings it to S_t (whichever it is) merges
+//   the S_t partials in split order and resets the counter to 0 for the next step:
 //   out[t, h, d] = sum_s acc_s[d] e^(m_s - M) / sum_s l_s e^(m_s - M), M = max m_s over
 //   splits with l_s > 0. out (T, H, Dv) view (strides o0, o1, 1); rows with slot < 0 get 0.
 //   When qa is not null the same block also writes the 8-bit blocks of out (act_quant.cuh) as
@@ -233,8 +234,16 @@ __device__ __forceinline__ void attn_fused(
         int chunk, float2* __restrict__ part_ml,
         float* __restrict__ part_acc, int* __restrict__ counters, float* __restrict__ out,
         int o0, int o1, signed char* __restrict__ qa, float2* __restrict__ ads) {
-    const int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z, S = gridDim.x;
-    const size_t part = ((size_t)t * H + h) * S + s;
+    const int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z;
+    // The row's splits: those that can hold one of its keys [0, hi) (one for a padding row,
+    // whose merge writes zeros). The others return at once and take no part in the count, so
+    // a short row pays for its own splits, not for n_ctx's; the merge skips splits without
+    // keys anyway, so the bits are the same.
+    const int hi = (attn_lo != nullptr ? attn_lo[t] : positions[t] + 1)
+                   + (attn_mask != nullptr ? __popc((u32)attn_mask[t]) : 0);
+    const int S = slots[t] < 0 ? 1 : min((int)gridDim.x, max(1, (hi + chunk - 1) / chunk));
+    if (s >= S) return;
+    const size_t part = ((size_t)t * H + h) * gridDim.x + s;
     attn_split<KT, VT, NV>(q, q0, q1, H, Hkv, D, Dv, kq, kd, vq, vd, slots, positions,
                            attn_lo, attn_mask, table, max_blocks, lb, window, scale, chunk,
                            part_ml + part, part_acc + part * Dv);
