@@ -7,7 +7,8 @@
   position uploaded, the step replayed, the argmax fed back on the device, the id read), the
   ceiling the engine loop is held to (CUDA only);
 - engine: `Engine.generate` of `--tokens` greedy tokens (speculation off, end token ignored)
-  after a 16-token prompt, tok/s = 1000 / Finished.timings.per_token_decode_ms, with the
+  after a 16-token prompt (the server's default n_ctx, 4096), tok/s = 1000 /
+  Finished.timings.per_token_decode_ms, with the
   overlapped loop (config `overlap`) and without it, alternating `--rounds` times;
 - grpc: the same request through the gRPC server (in this process, on a localhost socket) to
   a real client, tok/s over the tokens after the first as the client receives them;
@@ -122,7 +123,7 @@ def bench(name: str, path: Path, a) -> dict:
         row["llamacpp"] = llamacpp_rate(a.llama_bench, path)
     if a.backend == "cuda":
         row["step"] = step_rate(path, a.tokens)
-    eng = Engine.load(path, EngineConfig(backend=a.backend, n_ctx=1024, n_slots=4))
+    eng = Engine.load(path, EngineConfig(backend=a.backend, n_slots=4))
     eng.start()
     try:
         engine_rate(eng, 32, None)
@@ -130,7 +131,7 @@ def bench(name: str, path: Path, a) -> dict:
     finally:
         eng.stop(30)
     for overlap in (True, False):
-        cfg = EngineConfig(backend=a.backend, n_ctx=1024, n_slots=4, verify_width=1,
+        cfg = EngineConfig(backend=a.backend, n_slots=4, verify_width=1,
                            drafter="none", overlap=overlap)
         eng = Engine.load(path, cfg)
         eng.start()
