@@ -225,7 +225,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--gemv-mma", action="store_true",
                    help="EngineConfig.gemv_mma=True (CUDA: Q4_K/Q6_K GEMVs on tensor cores)")
     g.add_argument("--no-overlap", action="store_true",
-                   help="EngineConfig.overlap=False (plain decode steps one at a time)")
+                   help="EngineConfig.overlap='off' (plain decode steps one at a time)")
     g.add_argument("--threads", type=int, default=0, help="CPU backend threads (0 = all)")
     g = p.add_argument_group("synthetic models")
     g.add_argument("--synth-dir", default=DEFAULT_DIR)
@@ -256,7 +256,7 @@ def engine_fields(a, backend: str, levels: list[int]) -> dict:
     if a.gemv_mma:
         fields["gemv_mma"] = True
     if a.no_overlap:
-        fields["overlap"] = False
+        fields["overlap"] = "off"
     return fields
 
 

@@ -133,7 +133,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-profile", action="store_true",
                    help="time every decode step's draft / heads / verify / other parts (per "
                         "step in the debug log; summed into the timings)")
-    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+    p.add_argument("--no-overlap", dest="overlap", action="store_const", const="off",
+                   default="auto",
                    help="run plain decode steps one at a time instead of submitting each "
                         "before the last one is read back (for debugging)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",

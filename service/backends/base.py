@@ -107,6 +107,9 @@ def checked_block_table(cache: KVCache, host: Any) -> np.ndarray:
 
 class Backend(abc.ABC):
     name: str
+    # steps run asynchronously to the host (queued on a device): the engine's overlapped loop
+    # hides its host work behind them (config overlap "auto")
+    asynchronous: bool = False
 
     # ---------------------------------------------------------------- memory
     @abc.abstractmethod

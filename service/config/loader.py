@@ -93,8 +93,9 @@ _HELP = {
                    "launch every kernel eagerly, for debugging)",
     "step_profile": "time every decode step's draft / heads / verify / other parts: logged per "
                     "step at debug level, summed per request into Finished timings",
-    "overlap": "submit each plain decode step before the last one is read back, so the host's "
-               "work hides behind the device's (false: one step at a time, for debugging)",
+    "overlap": "auto, on or off: submit each plain decode step before the last one is read "
+               "back, so the host's work hides behind the device's (auto: on where the backend "
+               "runs steps asynchronously, the CUDA backend; off: one step at a time)",
 }
 
 
@@ -183,8 +184,8 @@ def build_serve_parser() -> argparse.ArgumentParser:
             p.add_argument(s.flag, dest=s.name, metavar=s.kind.__name__.upper(), help=help_text)
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const="false",
                    help="the same as --cuda-graphs false")
-    p.add_argument("--no-overlap", dest="overlap", action="store_const", const="false",
-                   help="the same as --overlap false")
+    p.add_argument("--no-overlap", dest="overlap", action="store_const", const="off",
+                   help="the same as --overlap off")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const",
                    const="false", help="the same as --prefix-cache false")
     return p

@@ -31,6 +31,9 @@ def supported_pairs_listing() -> str:
     return "\n".join(lines)
 
 
+OVERLAP_MODES = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     kv_cache_type_k: str = "f16"
@@ -52,7 +55,8 @@ class EngineConfig:
     threads: int = 0                 # CPU backend threads; 0 = all cores
     cuda_graphs: bool = True         # CUDA backend: capture each step shape once and replay it
     step_profile: bool = False       # time each decode step's parts (log + Finished timings)
-    overlap: bool = True             # submit each plain decode step before reading the last
+    overlap: str = "auto"           # auto | on | off: submit each plain decode step before the
+                                     # last is read back (auto: on asynchronous backends, CUDA)
     gemv_mma: bool = False           # CUDA: Q4_K/Q6_K GEMVs on int8 tensor cores at every width
 
     def problems(self) -> list[tuple[str, str]]:
@@ -86,6 +90,9 @@ class EngineConfig:
                                        f"verify) or 2..{MAX_TREE_BUDGET}"))
         if not 1 <= self.ngram_size <= 8:
             out.append(("ngram_size", f"{self.ngram_size} is out of range; allowed 1..8"))
+        if self.overlap not in OVERLAP_MODES:
+            out.append(("overlap", f"unknown overlap mode {self.overlap!r}; one of "
+                                   + ", ".join(OVERLAP_MODES)))
         if self.backend not in BACKENDS:
             out.append(("backend", f"unknown backend {self.backend!r}; one of "
                                    + ", ".join(BACKENDS)))

@@ -18,8 +18,8 @@ One iteration of the engine thread, under its lock until the plan is made:
 
 When every row of the decode step is plain (nothing drafted), OverlappedDecode (overlap.py)
 runs it and the steps after it, each submitted before the previous one is read back, for as
-long as nothing else wants a step and no row would draft (config `overlap`; off under the step
-profiler).
+long as nothing else wants a step and no row would draft (config `overlap`: by default on
+asynchronous backends; off under the step profiler).
 
 The policy is scheduler/policy.py's docstring. Every row chooses its token with the request's
 own sampling keyed by (request seed, token index), never by its row in a step: a request's
@@ -125,6 +125,9 @@ class Engine:
                                    max_queue=config.max_queue, prefill_chunk=chunk,
                                    step_rows=min(rows, model.max_tokens, model.max_logits))
         self.stats = StepStats()
+        # the overlap pays where steps run asynchronously (a GPU); "on" forces it (tests)
+        self.overlap = config.overlap == "on" or (config.overlap == "auto"
+                                                  and model.backend.asynchronous)
         self.overlapped = OverlappedDecode(self.runner, self.scheduler, self.speculator,
                                            self._lock, lambda: self.stats, self._release)
 
@@ -350,7 +353,7 @@ class Engine:
         """The decode step: drafts, ONE verify step, each sequence's commit. A step that fails
         is retried one sequence at a time (nothing was committed)."""
         batch = self.speculator.draft(rows, timer)
-        if (self.config.overlap and timer is None
+        if (self.overlap and timer is None
                 and all(isinstance(d, list) and len(d) == 1 for _, d in batch)
                 and self.speculator.overlaps([seq for seq, _ in batch])):
             self.overlapped.run([seq for seq, _ in batch])     # plain rows (overlap.py)

@@ -20,10 +20,12 @@ flight and the engine plans afresh, so a cancelled stream's slot is free within 
 Speculating sequences take part when their drafter is pure (a cheap function of the history on
 the host: the n-gram lookup), along chains: a step planned before its seed is known cannot
 carry drafts, so after committing each step the loop asks the drafter whether it would draft
-for the next one (with the scheduler's draft length); when any sequence would, the overlap
-ends after the step in flight and the engine's next plan drafts. Speculation stays exact (a
-plain step is what speculation's output equals); it only starts one step later than it would
-without the overlap.
+for the next one (with the scheduler's draft length), and the scheduler whether a probe is due
+(a sequence whose drafts stopped paying tries one every PROBE_EVERY plain steps); when either
+holds for any sequence, the overlap ends after the step in flight and the engine's next plan
+drafts with the history as it then is. Speculation stays exact (a plain step is what
+speculation's output equals); drafts only start one step later than without the overlap, and
+a speculating sequence whose drafter finds nothing runs one step in PROBE_EVERY unoverlapped.
 """
 
 from __future__ import annotations
@@ -78,9 +80,11 @@ class OverlappedDecode:
             raise
 
     def _would_draft(self, seqs: list[Sequence]) -> bool:
-        """Whether a speculating sequence's drafter has drafts for its next step."""
+        """Whether a speculating sequence wants its next step planned afresh: a probe is due
+        (the plan drafts with the history as it then is), or its drafter has drafts now."""
         return any(s.speculative and not s.finished
-                   and self.speculator.would_draft(s, self.scheduler.draft_length(s))
+                   and (self.scheduler.probe_due(s)
+                        or self.speculator.would_draft(s, self.scheduler.draft_length(s)))
                    for s in seqs)
 
     def _commit(self, seqs: list[Sequence], out: StepOutput, ahead: list[Sequence]) -> None:

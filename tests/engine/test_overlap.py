@@ -44,8 +44,8 @@ class FedSteps:
 @pytest.fixture(scope="module")
 def engines():
     """SmolLM2 with the overlapped loop and without it, 8 slots each, speculation off."""
-    with running_engine("smollm2", n_slots=8, verify_width=1) as on, \
-            running_engine("smollm2", n_slots=8, verify_width=1, overlap=False) as off:
+    with running_engine("smollm2", n_slots=8, verify_width=1, overlap="on") as on, \
+            running_engine("smollm2", n_slots=8, verify_width=1, overlap="off") as off:
         yield on, off
 
 
@@ -198,8 +198,8 @@ def test_deltas_arrive_while_the_next_step_runs(engines):
 def speculating():
     """SmolLM2 with the n-gram drafter (the server's default speculation), overlapped and not;
     verification taken as free so that every row with a match drafts in full."""
-    with running_engine("smollm2", n_slots=4, draft_in_full=True) as on, \
-            running_engine("smollm2", n_slots=4, draft_in_full=True, overlap=False) as off:
+    with running_engine("smollm2", n_slots=4, draft_in_full=True, overlap="on") as on, \
+            running_engine("smollm2", n_slots=4, draft_in_full=True, overlap="off") as off:
         yield on, off
 
 

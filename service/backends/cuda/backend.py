@@ -54,6 +54,7 @@ class _Of:
 class CudaBackend(Backend):
     name = "cuda"
     kv_types = KV_TYPES
+    asynchronous = True
 
     def __init__(self, threads: int = 0, graphs: bool = True, device: int = 0,
                  invariant_tokens: int = 16, gemv_rows: int = 2, upload: str = "pinned",

@@ -183,6 +183,11 @@ class Scheduler:
                 seq.steps_without_draft += 1
         return nxt
 
+    def probe_due(self, seq: Sequence) -> bool:
+        """Whether `seq` has gone PROBE_EVERY plain steps without a draft (its next planned
+        step tries one, whatever its acceptance says)."""
+        return seq.speculative and seq.steps_without_draft >= PROBE_EVERY
+
     def _continues(self, seq: Sequence) -> bool:
         """Whether `seq` may still decode after the token in flight (not yet emitted)."""
         stop = seq.request.stopping
