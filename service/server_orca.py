@@ -15,7 +15,8 @@ and its trailer carries the report in that format (Envoy's ORCA header forms):
           named_metrics.queue=0, named_metrics.running=2, named_metrics.kv_usage=0.25
     JSON  endpoint-load-metrics: JSON {"cpu_utilization": 0.12, ..., "named_metrics": {...}}
 
-What is reported (read when the call ends, after its own request has left the engine):
+What is reported (read as the call's last message goes out; its own sequence may still count
+as running):
 
     cpu_utilization          this process's CPU time over the last sampling interval (>= 1 s),
                              as a fraction of the CPUs it may use (affinity, cgroup quota)
