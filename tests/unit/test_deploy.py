@@ -352,4 +352,4 @@ def test_docs_show_the_commands_of_the_recipes():
     for path in (WORKER_DOCKERFILE, GATEWAY_DOCKERFILE):
         build = re.search(r"^#\s+(docker build .*)$", path.read_text(), re.M).group(1)
         assert build in page, build
-        assert shlex.split(build)[2] == f"deploy/{path.name}"
+        assert shlex.split(build)[3] == f"deploy/{path.name}"
