@@ -338,7 +338,7 @@ def test_worker_dockerfile_default_command_is_a_valid_serve_command():
     (lambda t: t.replace('"--host", "0.0.0.0", ', ""), "--host 0.0.0.0"),
     (lambda t: t.replace("clients.probe", "clients.cli"), "HEALTHCHECK"),
     (lambda t: t.replace("COPY cuda/ cuda/\n", ""), "cuda/"),
-    (lambda t: t.replace("nvidia/cuda:13.0.0-runtime-ubuntu24.04", "nvidia/cuda:latest")
+    (lambda t: t.replace("nvidia/cuda:13.1.1-runtime-ubuntu24.04", "nvidia/cuda:latest")
      .replace("FROM ${CUDA_IMAGE}\n", "FROM nvidia/cuda:latest\n"), "pin a tag"),
 ])
 def test_the_recipe_rules_catch_a_broken_recipe(change, problem):
