@@ -44,7 +44,7 @@ def one(kind: str, name: str) -> dict:
 
 
 def validate(doc: dict) -> None:
-    import kubernetes_validate          # a pinned dev dependency: missing is a failure, not a skip
+    import kubernetes_validate  # a pinned dev dependency: missing is a failure, not a skip
 
     kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
@@ -194,7 +194,7 @@ def test_worker_service_and_pdb_select_the_worker_pods():
 
 # ------------------------------------------------------------------ the gateway
 def gateway_args():
-    from smg.launch_router import parse_router_args   # smg: a pinned dev dependency
+    from smg.launch_router import parse_router_args  # smg: a pinned dev dependency
 
     dep = one("Deployment", "specstream-gateway")
     c = dep["spec"]["template"]["spec"]["containers"][0]
