@@ -32,7 +32,7 @@ help:
 	@echo "make bench-concurrency  streams 1..64 through the gRPC server on the CPU, goals and"
 	@echo "                 the prefix-cache TTFT (CONC_JSON=path, CONC_ARGS='--levels 1,4"
 	@echo "                 --tokens 64 --plot PNG ...'; the plot needs matplotlib)"
-	@echo "make lint        ruff"
+	@echo "make lint        ruff, hadolint (deploy/*Dockerfile), kubernetes-validate (deploy/k8s)"
 	@echo "make wheelhouse  wheels for an offline GPU host (Python $(GPU_PY))"
 
 $(BIN)/specstream: pyproject.toml
@@ -100,6 +100,8 @@ bench-concurrency: setup models
 
 lint: $(BIN)/specstream
 	$(BIN)/ruff check service clients tests bench
+	$(BIN)/hadolint --config deploy/hadolint.yaml deploy/Dockerfile deploy/gateway.Dockerfile
+	$(BIN)/kubernetes-validate --strict -k 1.31 --quiet deploy/k8s/*.yaml
 
 wheelhouse:
 	$(PYTHON) -m pip download --dest wheelhouse --only-binary=:all: \

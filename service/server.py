@@ -2,6 +2,7 @@
 
 The servicers are the only place that converts protobuf <-> domain types:
     server_generate.py   GenerationService (Generate, Tokenize, Detokenize) and the event stream
+    server_orca.py       the ORCA load report a Generate call may ask for in its trailer
     server_config.py     ConfigService (GetModelInfo, GetConfig, ValidateConfig)
     server_requests.py   a GenerateRequest (or TokenizeRequest) as the engine's GenerationRequest
 One interceptor (service/interceptors.py) maps every exception to its status code.
@@ -31,6 +32,7 @@ from service.metrics import Metrics
 from service.proto_build import DocumentedPool, stubs
 from service.server_config import ConfigServicer
 from service.server_generate import GenerationServicer
+from service.server_orca import LoadReporter
 
 PROMPT_WORKERS = 2               # prompts rendered/tokenized at once; more wait their turn
 
@@ -50,6 +52,7 @@ class ServingState:
     engine_config: EngineConfig
     server_config: ServerConfig = field(default_factory=ServerConfig)
     metrics: Metrics = field(default_factory=Metrics)
+    load: LoadReporter = field(default_factory=LoadReporter)  # ORCA reports (server_orca.py)
     health: health.aio.HealthServicer = field(default_factory=health.aio.HealthServicer)
     engine: Any = None               # service.engine.engine.Engine once loaded and warmed up
     draining: bool = False

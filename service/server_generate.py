@@ -134,6 +134,7 @@ class GenerationServicer:
         domain = await request_from_proto(state, engine, request)
         buffer = EventBuffer(asyncio.get_running_loop(), state.server_config.stream_buffer)
         handle = engine.submit(domain, buffer.sink)
+        state.load.admitted()
         state.metrics.streams.inc()
         finished = False
         try:
@@ -150,6 +151,8 @@ class GenerationServicer:
                              completion_tokens=event.usage.completion_tokens,
                              ttft_ms=round(event.timings.time_to_first_token_ms, 3),
                              merged_deltas=buffer.merged)
+                if finished:     # the trailer goes out with the status, after this message
+                    state.load.attach(context, engine)
                 await context.write(response_from_event(rid, event))
         finally:
             state.metrics.streams.dec()
