@@ -12,6 +12,9 @@ Mapping (google.rpc details ride in the `grpc-status-details-bin` trailer via gr
     ConfigError           FAILED_PRECONDITION  PreconditionFailure per problem + ErrorInfo
     FetchError            UNAVAILABLE          ErrorInfo(MODEL_UNAVAILABLE)
     ModelFormatError      FAILED_PRECONDITION  ErrorInfo(MODEL_FORMAT)
+    UnauthenticatedError  UNAUTHENTICATED      ErrorInfo(UNAUTHENTICATED)
+    PermissionDeniedError PERMISSION_DENIED    ErrorInfo(PERMISSION_DENIED)
+    NotServedError        UNIMPLEMENTED        ErrorInfo(DISABLED)
     anything else         INTERNAL             ErrorInfo(INTERNAL); the message names the request
                                                id only, the stack trace goes to the server log
 
@@ -41,6 +44,9 @@ from service.errors import (
     FetchError,
     InvalidRequestError,
     ModelFormatError,
+    NotServedError,
+    PermissionDeniedError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from service.logging import bind_request_id
@@ -100,6 +106,12 @@ def status_for(exc: BaseException, request_id: str = "") -> status_pb2.Status:
                      _info("SERVER_CONFIG"))
     if isinstance(exc, ModelFormatError):
         return _pack(code_pb2.FAILED_PRECONDITION, str(exc), _info("MODEL_FORMAT"))
+    if isinstance(exc, UnauthenticatedError):
+        return _pack(code_pb2.UNAUTHENTICATED, str(exc), _info("UNAUTHENTICATED"))
+    if isinstance(exc, PermissionDeniedError):
+        return _pack(code_pb2.PERMISSION_DENIED, str(exc), _info("PERMISSION_DENIED"))
+    if isinstance(exc, NotServedError):
+        return _pack(code_pb2.UNIMPLEMENTED, str(exc), _info("DISABLED"))
     rid = f" (request id {request_id})" if request_id else ""
     return _pack(code_pb2.INTERNAL, f"internal error{rid}", _info("INTERNAL"))
 

@@ -4,6 +4,8 @@
     bind gRPC + metrics ports, health NOT_SERVING  ->  resolve/fetch model, Engine.load,
     warmup, start  ->  health SERVING  ->  SIGTERM: health NOT_SERVING, Generate refused with
     UNAVAILABLE, in-flight streams get grace_period_s, engine stopped, exit 0
+    SIGHUP (any time): the TLS certificate files and the token file are read again; open
+    streams go on, new connections and calls get the new ones
 
 The gRPC server answers (health, reflection, GetConfig, ValidateConfig) while the model loads;
 Generate, Tokenize and GetModelInfo answer UNAVAILABLE until it is ready.
@@ -22,9 +24,12 @@ from typing import Any
 import structlog
 
 from service.config import EngineConfig, ServerConfig, format_problems, load_config
+from service.config.schema import is_loopback
 from service.errors import ConfigError, SpecstreamError
 from service.logging import configure_logging
 from service.server import ServingState, build_server
+from service.server_auth import TokenAuthenticator
+from service.server_tls import CertificateStore
 
 log = structlog.get_logger(__name__)
 ENGINE_STOP_TIMEOUT_S = 10.0
@@ -72,7 +77,11 @@ class Service:
 
     def __init__(self, server_cfg: ServerConfig, engine_cfg: EngineConfig) -> None:
         self.state = ServingState(engine_config=engine_cfg, server_config=server_cfg)
-        self.server = build_server(self.state)
+        cfg = server_cfg
+        self.auth = TokenAuthenticator(cfg.auth_token_file) if cfg.auth_token_file else None
+        self.tls = (CertificateStore(cfg.tls_cert_file, cfg.tls_key_file,
+                                     cfg.tls_client_ca_file) if cfg.tls else None)
+        self.server = build_server(self.state, self.auth)
         self.port = 0
         self.metrics_port: int | None = None
         self._watch: asyncio.Future | None = None
@@ -80,11 +89,38 @@ class Service:
     async def start(self) -> None:
         cfg = self.state.server_config
         await self.state.set_serving(False)
-        self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        address = f"{cfg.host}:{cfg.port}"
+        self.port = (self.server.add_secure_port(address, self.tls.credentials())
+                     if self.tls is not None else self.server.add_insecure_port(address))
         await self.server.start()
         if cfg.metrics_port >= 0:
             self.metrics_port = self.state.metrics.serve(cfg.metrics_host, cfg.metrics_port)
-        log.info("listening", host=cfg.host, port=self.port, metrics_port=self.metrics_port)
+        security = ("mtls" if self.tls is not None and self.tls.mutual
+                    else "tls" if self.tls is not None else "plaintext")
+        log.info("listening", host=cfg.host, port=self.port, metrics_port=self.metrics_port,
+                 transport=security, tokens=self.auth.count if self.auth else 0,
+                 reflection=cfg.reflection, config_rpcs=cfg.config_rpcs)
+        if self.auth is None and not is_loopback(cfg.host):
+            log.warning("no_authentication", host=cfg.host,
+                        hint="any client that reaches this address may call every RPC; "
+                             "set --auth-token-file")
+
+    def reload(self) -> bool:
+        """SIGHUP: the certificate and token files read again. A file with a problem is
+        logged and the server keeps what it had; True when everything reloaded."""
+        ok = True
+        for name, part in (("tls", self.tls), ("auth_tokens", self.auth)):
+            if part is None:
+                continue
+            try:
+                part.reload()
+            except ConfigError as e:
+                ok = False
+                log.error("reload_failed", part=name, problems=[f"{f}: {m}"
+                                                                 for f, m in e.problems])
+        log.info("reloaded", ok=ok, tls=self.tls is not None, auth=self.auth is not None,
+                 tokens=self.auth.count if self.auth else 0)
+        return ok
 
     async def attach(self, engine: Any) -> None:
         """Serves `engine` (loaded, warmed up, started): health goes SERVING."""
@@ -148,13 +184,6 @@ class Service:
 
 async def _serve(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int:
     svc = Service(server_cfg, engine_cfg)
-    try:
-        await svc.start()
-    except (RuntimeError, OSError) as e:
-        log.error("bind_failed", host=server_cfg.host, port=server_cfg.port,
-                  metrics_port=server_cfg.metrics_port, error=str(e))
-        await svc.server.stop(0)
-        return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -165,8 +194,17 @@ async def _serve(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int:
             asyncio.ensure_future(svc.server.stop(None))
         stop.set()
 
+    # before the port opens: a signal sent as soon as "listening" is logged finds its handler
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    loop.add_signal_handler(signal.SIGHUP, svc.reload)
+    try:
+        await svc.start()
+    except (RuntimeError, OSError) as e:
+        log.error("bind_failed", host=server_cfg.host, port=server_cfg.port,
+                  metrics_port=server_cfg.metrics_port, error=str(e))
+        await svc.server.stop(0)
+        return 1
     loading = asyncio.create_task(svc.load())
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
