@@ -115,5 +115,5 @@ def test_readme_is_the_front_door():
 
 
 def test_readme_documents_the_make_serve_variables():
-    for var in ("PORT=", "METRICS_PORT=", "METRICS_HOST="):
+    for var in ("PORT=", "METRICS_PORT=", "METRICS_HOST=", "HOST="):
         assert f"make serve {var}" in README or re.search(rf"make serve [^`\n]*{var}", README)
