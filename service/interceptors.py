@@ -56,6 +56,7 @@ log = structlog.get_logger(__name__)
 
 ERROR_DOMAIN = "specstream.v1"
 REQUEST_ID_METADATA = "x-request-id"
+MAX_REQUEST_ID = 128             # characters; an id is echoed in every response and log line
 _QUIET_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")  # probes: debug-level access log
 
 
@@ -123,11 +124,11 @@ def request_id_of(request: object, context: grpc.aio.ServicerContext) -> str:
     A minted id is written back into the request (when it has a request_id field) so the
     servicer, the access log and the responses all carry the same id.
     """
-    rid = getattr(request, "request_id", "") or ""
+    rid = (getattr(request, "request_id", "") or "")[:MAX_REQUEST_ID]  # longer: refused
     if not rid:
         for key, value in context.invocation_metadata() or ():
             if key == REQUEST_ID_METADATA and isinstance(value, str):
-                rid = value[:128]
+                rid = value[:MAX_REQUEST_ID]
                 break
     if not rid:
         rid = uuid.uuid4().hex
@@ -161,6 +162,9 @@ def _check_decoded(request: object) -> None:
     if isinstance(request, _Undecodable):
         raise InvalidRequestError("request", f"the request bytes do not parse: {request.error}",
                                   reason="MALFORMED_REQUEST")
+    n = len(getattr(request, "request_id", "") or "")
+    if n > MAX_REQUEST_ID:       # echoed in every response and logged: refused, never cut
+        raise InvalidRequestError("request_id", f"{n} characters; at most {MAX_REQUEST_ID}")
 
 
 # ------------------------------------------------------------------------- the interceptor
