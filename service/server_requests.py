@@ -9,10 +9,12 @@ delays other calls nor costs more than a context's worth of work.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from service.chat_templates import RenderWatch, watching
 from service.engine.spec.options import resolve as resolve_speculation
 from service.engine.types import (
     GenerationRequest,
@@ -101,13 +103,16 @@ def encode_text(engine: Any, text: str, add_bos: bool | None, parse_special: boo
     return engine.tokenizer.encode(text, add_bos=add_bos, parse_special=parse_special)
 
 
-def encode_chat(engine: Any, messages: list[dict[str, str]]) -> list[int]:
+def encode_chat(engine: Any, messages: list[dict[str, str]],
+                watch: RenderWatch | None = None) -> list[int]:
     """Role/content messages rendered with the model's template (or the built-in fallback),
     tokenized with special tokens parsed, as Engine.chat_prompt_ids; Generate and Tokenize
-    both use this. The rendered text is checked against the context before tokenizing."""
+    both use this. The render runs under `watch` (its bounds, and a cancelled call stops it);
+    the rendered text is checked against the context before tokenizing."""
     if not messages:
         raise InvalidRequestError("input.chat.messages", "the conversation is empty")
-    text = engine.chat_prompt_text(messages)
+    with watching(watch or RenderWatch()):
+        text = engine.chat_prompt_text(messages)
     check_fits(engine.tokenizer, text, engine.config.n_ctx, "input.chat")
     return engine.tokenizer.encode(text, parse_special=True)
 
@@ -131,7 +136,12 @@ async def prompt_ids(state: ServingState, engine: Any, msg: Any) -> tuple[int, .
                                    optional(msg, "parse_special", True, bool))
     elif which == "chat":
         messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
-        ids = await state.off_loop(encode_chat, engine, messages)
+        watch = RenderWatch()
+        try:
+            ids = await state.off_loop(encode_chat, engine, messages, watch)
+        except asyncio.CancelledError:   # the call ended: free the prompt worker now
+            watch.interrupt("the call was cancelled")
+            raise
     elif which == "tokens":
         return token_ids(engine, msg.tokens.ids)
     else:

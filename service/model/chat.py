@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from service.chat_templates import BUILTIN_TEMPLATES, compile_template
+from service.chat_templates import BUILTIN_TEMPLATES, RenderStopped, render_bounded
 from service.chat_templates import CHATML as CHATML
 from service.chat_templates import GEMMA_TURNS as GEMMA_TURNS
 from service.chat_templates import load_template as load_template
@@ -58,9 +58,12 @@ def render_chat(template: str, messages: Sequence[Mapping[str, str]], bos_token:
     if not checked:
         raise InvalidRequestError(FIELD, "no messages")
     try:
-        return compile_template(template).render(
-            messages=checked, bos_token=bos_token, eos_token=eos_token,
-            add_generation_prompt=add_generation_prompt)
+        return render_bounded(template, messages=checked, bos_token=bos_token,
+                              eos_token=eos_token, add_generation_prompt=add_generation_prompt)
+    except RenderStopped as exc:  # its work bound, its deadline, or the call was cancelled
+        raise InvalidRequestError(FIELD, f"chat template stopped: {exc}") from None
+    except RecursionError:
+        raise InvalidRequestError(FIELD, "chat template failed: recursion too deep") from None
     except Exception as exc:  # syntax, sandbox, raise_exception, type errors inside the template
         raise InvalidRequestError(FIELD, f"chat template failed: {exc}") from exc
 

@@ -4,15 +4,17 @@ its docs name, costs bounded work, and leaves the server serving everyone else."
 from __future__ import annotations
 
 import io
+import threading
+import time
 
 import grpc
 import pytest
 
-from clients import error_details
+from clients import SpecstreamClient, error_details
 from service.engine.types import Delta, Started
 from service.logging import configure_logging
 from tests.support.fake_engine import FakeEngine, finished
-from tests.support.grpc_harness import TEST_ENGINE, serving
+from tests.support.grpc_harness import SERVE_FLAGS, TEST_ENGINE, serving
 
 GEN = "/specstream.v1.GenerationService"
 
@@ -44,3 +46,57 @@ def test_request_id_in_the_body_is_bounded_like_the_metadata_form():
     finally:
         configure_logging("warning")
     assert "x" * 200 not in log.getvalue()                         # not logged in full
+
+
+# ------------------------------------------------------------------ chat templates
+HEAVY = ("{% for i in range(99999) %}{% for j in range(99999) %}{% for k in range(99999) %}"
+         "{% endfor %}{% endfor %}{% endfor %}")
+CHAT = [("user", "hi")]
+
+
+def test_a_heavy_template_fails_its_request_and_cancel_frees_the_worker(
+        server, client, engine, monkeypatch):
+    """The template of the issue: the request fails alone; with a deadline too far away to
+    matter, cancelled calls still free both prompt workers at once, so text is served."""
+    from service import chat_templates
+
+    monkeypatch.setattr(engine, "chat_template", HEAVY)
+    e = _error(lambda: client.complete(chat=CHAT, max_new_tokens=2))
+    assert (e.code, [f for f, _ in e.field_violations]) == ("INVALID_ARGUMENT", ["input.chat"])
+    assert "work bound" in e.message
+    monkeypatch.setattr(chat_templates, "RENDER_DEADLINE_S", 600.0)
+    monkeypatch.setattr(chat_templates, "MAX_RENDER_STEPS", 10**18)
+    for _ in range(2):                   # both prompt workers, for good without the fix
+        with pytest.raises(grpc.RpcError) as ei:
+            client.complete(chat=CHAT, max_new_tokens=2, timeout=0.5)
+        assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    done = client.complete("Hi", max_new_tokens=2, temperature=0.0, timeout=60)
+    assert done.usage.completion_tokens == 2
+    assert client.health() == "SERVING"
+
+
+def _consume(client: SpecstreamClient) -> None:
+    try:
+        list(client.generate(chat=CHAT))
+    except grpc.RpcError:
+        pass                             # UNAVAILABLE or CANCELLED once the server stops
+
+
+def test_one_sigterm_stops_a_server_rendering_a_heavy_template(serve_subprocess, model_path,
+                                                                 tmp_path):
+    """Both prompt workers render the template when SIGTERM comes: the server still exits, at
+    the first signal."""
+    heavy = tmp_path / "heavy.jinja"
+    heavy.write_text(HEAVY)
+    srv = serve_subprocess([str(model_path), *SERVE_FLAGS, "--chat-template", str(heavy),
+                            "--grace-period", "1"])
+    srv.wait_listening()
+    with SpecstreamClient(srv.target, timeout=120) as c:
+        c.wait_ready(120)
+        for _ in range(2):
+            threading.Thread(target=_consume, args=(c,), daemon=True).start()
+        time.sleep(1.0)                  # both renders are running
+        srv.terminate()                  # once
+        code, log = srv.wait(60)
+    assert code == 0, log
+    assert '"stopped"' in log and "forced_stop" not in log

@@ -220,3 +220,46 @@ def test_bos_and_eos_once_whoever_writes_them(add_bos, add_eos, template):
     ids = chat_prompt_ids(tok, template, [{"role": "user", "content": "hi"}])
     hi = [ord("h"), ord("i")]
     assert ids == [256] * (writes or add_bos) + hi + [257] * (writes or add_eos)
+
+
+# ------------------------------------------------------------------ bounded work
+HEAVY = [
+    # three nested loops of range(99999): 10^15 iterations, as found in a GGUF's template
+    "{% for i in range(99999) %}{% for j in range(99999) %}{% for k in range(99999) %}"
+    "{% endfor %}{% endfor %}{% endfor %}",
+    # nested loops over a name set outside them: nothing is called inside
+    "{% set s = 'x' * 50000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
+    # huge values in one operation
+    "{{ 'x' * 10**10 }}",
+    "{{ (10 ** (10 ** 9)) | string | length }}",
+    # a recursive macro
+    "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "{{ lipsum(99999) | length }}",
+]
+
+
+@pytest.mark.parametrize("template", HEAVY)
+def test_heavy_templates_fail_the_request_with_a_bounded_cost(template):
+    with pytest.raises(InvalidRequestError) as err:
+        render_chat(template, USER, "", "")
+    assert err.value.field == "input.chat"
+
+
+def test_a_render_can_be_stopped_from_another_thread():
+    import threading
+
+    from service.chat_templates import RenderWatch, watching
+
+    watch = RenderWatch(deadline_s=600)
+    threading.Timer(0.3, watch.interrupt, ("the call was cancelled",)).start()
+    with pytest.raises(InvalidRequestError, match="the call was cancelled"), watching(watch):
+        render_chat(HEAVY[1], USER, "", "")
+    assert render_chat(CHATML, USER, "", "").startswith("<|im_start|>user")   # thread is fine
+
+
+def test_templates_of_real_size_render_within_the_bounds():
+    many = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i} " * 50}
+            for i in range(2000)]
+    assert render_chat(CHATML, many, "", "").count("<|im_start|>") == 2001
+    md = read_metadata("smollm2")
+    assert render_chat(template_for(md), many, "", "").count("<|im_start|>") >= 2001
