@@ -63,3 +63,7 @@ class PermissionDeniedError(SpecstreamError):
 
 class NotServedError(SpecstreamError):
     """The method exists but this server's configuration turned it off."""
+
+
+class ResponseTooLargeError(SpecstreamError):
+    """An answer larger than the server may send (max_send_message_bytes)."""

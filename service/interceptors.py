@@ -15,6 +15,7 @@ Mapping (google.rpc details ride in the `grpc-status-details-bin` trailer via gr
     UnauthenticatedError  UNAUTHENTICATED      ErrorInfo(UNAUTHENTICATED)
     PermissionDeniedError PERMISSION_DENIED    ErrorInfo(PERMISSION_DENIED)
     NotServedError        UNIMPLEMENTED        ErrorInfo(DISABLED)
+    ResponseTooLargeError RESOURCE_EXHAUSTED   ErrorInfo(RESPONSE_TOO_LARGE)
     anything else         INTERNAL             ErrorInfo(INTERNAL); the message names the request
                                                id only, the stack trace goes to the server log
 
@@ -46,6 +47,7 @@ from service.errors import (
     ModelFormatError,
     NotServedError,
     PermissionDeniedError,
+    ResponseTooLargeError,
     UnauthenticatedError,
     UnavailableError,
 )
@@ -113,6 +115,8 @@ def status_for(exc: BaseException, request_id: str = "") -> status_pb2.Status:
         return _pack(code_pb2.PERMISSION_DENIED, str(exc), _info("PERMISSION_DENIED"))
     if isinstance(exc, NotServedError):
         return _pack(code_pb2.UNIMPLEMENTED, str(exc), _info("DISABLED"))
+    if isinstance(exc, ResponseTooLargeError):
+        return _pack(code_pb2.RESOURCE_EXHAUSTED, str(exc), _info("RESPONSE_TOO_LARGE"))
     rid = f" (request id {request_id})" if request_id else ""
     return _pack(code_pb2.INTERNAL, f"internal error{rid}", _info("INTERNAL"))
 
@@ -173,9 +177,11 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
     server-streaming methods (the only kinds our services and health use)."""
 
     def __init__(self, metrics: Metrics | None = None,
-                 cut_off: Callable[[], bool] = lambda: False) -> None:
+                 cut_off: Callable[[], bool] = lambda: False,
+                 max_send_bytes: int | None = None) -> None:
         self._metrics = metrics
         self._cut_off = cut_off      # True once the shutdown grace period has run out
+        self._max_send = max_send_bytes  # gRPC fails larger answers after the handler returned
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -204,7 +210,9 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
             code = "OK"
             try:
                 _check_decoded(request)
-                return await behavior(request, context)
+                response = await behavior(request, context)
+                self._check_size(response)
+                return response
             except (asyncio.CancelledError, GeneratorExit):
                 code = self._cancelled_code(context)
                 raise                 # the servicer's finally freed the work
@@ -232,6 +240,15 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         return stream
 
     # -- helpers
+    def _check_size(self, response: object) -> None:
+        """An answer gRPC would refuse to send fails here, as RESOURCE_EXHAUSTED with the
+        limit named, so the access log and metrics record what the client gets."""
+        size = getattr(response, "ByteSize", None)
+        if self._max_send is not None and size is not None and size() > self._max_send:
+            raise ResponseTooLargeError(
+                f"the answer is {size()} bytes; this server sends at most {self._max_send} "
+                "(max_send_message_bytes): ask for less per call")
+
     def _begin(self, request, context) -> tuple[str, float]:
         rid = request_id_of(request, context)
         bind_request_id(rid)

@@ -108,7 +108,8 @@ def build_server(state: ServingState, auth: TokenAuthenticator | None = None
     pb = stubs()
     cfg = state.server_config
     interceptors: list[grpc.aio.ServerInterceptor] = [
-        ServiceInterceptor(state.metrics, cut_off=lambda: state.cut_off)]
+        ServiceInterceptor(state.metrics, cut_off=lambda: state.cut_off,
+                           max_send_bytes=cfg.max_send_message_bytes)]
     if auth is not None:
         interceptors.append(AuthInterceptor(auth, status_for))
     server = grpc.aio.server(interceptors=interceptors, options=server_options(cfg),

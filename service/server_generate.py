@@ -29,6 +29,7 @@ if TYPE_CHECKING:                # generated on first use (service.proto_build.s
     from service.server import ServingState
 
 log = structlog.get_logger(__name__)
+MAX_DETOKENIZE_IDS = 1 << 18     # ids per Detokenize call: far beyond any context, bounded work
 
 
 # ------------------------------------------------------------------------- engine -> stream
@@ -170,5 +171,8 @@ class GenerationServicer:
                          context: grpc.aio.ServicerContext) -> generation_pb2.DetokenizeResponse:
         state = self._state
         engine = state.require_engine()
+        n = len(request.ids)
+        if n > MAX_DETOKENIZE_IDS:       # refused before a copy or a lookup is made
+            raise InvalidRequestError("ids", f"{n} ids; at most {MAX_DETOKENIZE_IDS} per call")
         return await state.off_loop(detokenize_response, engine, list(request.ids),
                                     optional(request, "skip_special", False, bool))

@@ -58,7 +58,14 @@ def speculative_from_proto(msg: generation_pb2.SpeculativeOptions
         tree_budget=optional(msg, "tree_budget", None, int))
 
 
+MAX_STOP_TOKEN_IDS = 1024        # each is checked against the vocabulary at every step's end
+
+
 def stopping_from_proto(msg: generation_pb2.StoppingCriteria) -> StoppingCriteria:
+    n = len(msg.stop_token_ids)
+    if n > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError("stopping.stop_token_ids",
+                                  f"{n} ids; at most {MAX_STOP_TOKEN_IDS}")
     d = StoppingCriteria()
     return StoppingCriteria(
         max_new_tokens=optional(msg, "max_new_tokens", d.max_new_tokens, int),

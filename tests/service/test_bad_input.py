@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from clients import SpecstreamClient, error_details
+from service.config import ServerConfig
 from service.engine.types import Delta, Started
 from service.logging import configure_logging
 from tests.support.fake_engine import FakeEngine, finished
@@ -100,3 +101,46 @@ def test_one_sigterm_stops_a_server_rendering_a_heavy_template(serve_subprocess,
         code, log = srv.wait(60)
     assert code == 0, log
     assert '"stopped"' in log and "forced_stop" not in log
+
+
+# ------------------------------------------------------------------ sizes of id lists
+def _count(srv, method: str, code: str) -> float:
+    return srv.service.state.metrics.registry.get_sample_value(
+        "specstream_rpcs_total", {"method": method, "code": code}) or 0.0
+
+
+def test_detokenize_is_bounded_and_counted_with_its_code(server, client):
+    from service.server_generate import MAX_DETOKENIZE_IDS
+
+    method = f"{GEN}/Detokenize"
+    before = {code: _count(server, method, code) for code in ("OK", "INVALID_ARGUMENT")}
+    e = _error(lambda: client.detokenize([1] * (MAX_DETOKENIZE_IDS + 1)))
+    assert (e.code, [f for f, _ in e.field_violations]) == ("INVALID_ARGUMENT", ["ids"])
+    e = _error(lambda: client.detokenize([1, 10**9]))
+    assert [f for f, _ in e.field_violations] == ["ids[1]"]
+    assert client.detokenize([1] * 4) is not None
+    time.sleep(0.2)                      # the access log and metrics follow the status
+    assert _count(server, method, "INVALID_ARGUMENT") - before["INVALID_ARGUMENT"] == 2
+    assert _count(server, method, "OK") - before["OK"] == 1
+
+
+def test_stop_token_ids_are_bounded(fake_client):
+    from service.server_requests import MAX_STOP_TOKEN_IDS
+
+    e = _error(lambda: fake_client.complete(tokens=[1],
+                                            stop_token_ids=[2] * (MAX_STOP_TOKEN_IDS + 1)))
+    assert (e.code, [f for f, _ in e.field_violations]) == (
+        "INVALID_ARGUMENT", ["stopping.stop_token_ids"])
+    assert fake_client.complete(tokens=[1], stop_token_ids=[2] * MAX_STOP_TOKEN_IDS)
+
+
+def test_a_response_over_the_send_limit_is_counted_with_the_code_the_client_sees(engine):
+    """A Detokenize answer larger than --max-send-message-bytes: the client gets
+    RESOURCE_EXHAUSTED, and the access log and metrics say the same, not OK."""
+    cfg = ServerConfig(port=0, metrics_port=0, max_send_message_bytes=1024)
+    with serving(engine, server_cfg=cfg) as (srv, c):
+        e = _error(lambda: c.detokenize([28120] * 2000))
+        assert e.code == "RESOURCE_EXHAUSTED" and "1024" in e.message
+        time.sleep(0.2)
+        assert _count(srv, f"{GEN}/Detokenize", "RESOURCE_EXHAUSTED") == 1
+        assert _count(srv, f"{GEN}/Detokenize", "OK") == 0
