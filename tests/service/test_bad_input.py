@@ -4,6 +4,7 @@ its docs name, costs bounded work, and leaves the server serving everyone else."
 from __future__ import annotations
 
 import io
+import json
 import threading
 import time
 
@@ -144,3 +145,36 @@ def test_a_response_over_the_send_limit_is_counted_with_the_code_the_client_sees
         time.sleep(0.2)
         assert _count(srv, f"{GEN}/Detokenize", "RESOURCE_EXHAUSTED") == 1
         assert _count(srv, f"{GEN}/Detokenize", "OK") == 0
+
+
+# ------------------------------------------------------------------ deadlines mid-stream
+def _slow(request, sink, handle) -> None:
+    sink(Started(prompt_tokens=1, seed=1))
+    while not handle.cancelled.is_set():
+        sink(Delta((1,), "x"))
+        time.sleep(0.01)
+
+
+def test_deadlines_passing_mid_stream_are_recorded_as_deadline_exceeded():
+    log = io.StringIO()
+    configure_logging("info", stream=log)
+    try:
+        with serving(FakeEngine(_slow, config=TEST_ENGINE)) as (srv, c):
+            for timeout in (0.3, 0.5, 0.8, 1.0, 1.3, 2.0):
+                got = []
+                with pytest.raises(grpc.RpcError) as ei:
+                    for r in c.generate(tokens=[1], timeout=timeout):
+                        got.append(r)
+                assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert len(got) > 2                       # it ended mid-stream
+            deadline = time.monotonic() + 10
+            while _count(srv, f"{GEN}/Generate", "DEADLINE_EXCEEDED") + _count(
+                    srv, f"{GEN}/Generate", "CANCELLED") < 6 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _count(srv, f"{GEN}/Generate", "CANCELLED") == 0
+            assert _count(srv, f"{GEN}/Generate", "DEADLINE_EXCEEDED") == 6
+    finally:
+        configure_logging("warning")
+    codes = [e["code"] for e in map(json.loads, log.getvalue().splitlines())
+             if e.get("event") == "rpc"]
+    assert codes == ["DEADLINE_EXCEEDED"] * 6
