@@ -111,17 +111,18 @@ def encode_text(engine: Any, text: str, add_bos: bool | None, parse_special: boo
 
 
 def encode_chat(engine: Any, messages: list[dict[str, str]],
-                watch: RenderWatch | None = None) -> list[int]:
+                watch: RenderWatch | None = None, content_special: bool = False) -> list[int]:
     """Role/content messages rendered with the model's template (or the built-in fallback),
-    tokenized with special tokens parsed, as Engine.chat_prompt_ids; Generate and Tokenize
-    both use this. The render runs under `watch` (its bounds, and a cancelled call stops it);
-    the rendered text is checked against the context before tokenizing."""
+    tokenized as Engine.chat_prompt_ids: the template's markers as control tokens, message
+    content as text unless `content_special`; Generate and Tokenize both use this. The render
+    runs under `watch` (its bounds, and a cancelled call stops it); the rendered text is
+    checked against the context before tokenizing."""
     if not messages:
         raise InvalidRequestError("input.chat.messages", "the conversation is empty")
     with watching(watch or RenderWatch()):
-        text = engine.chat_prompt_text(messages)
-    check_fits(engine.tokenizer, text, engine.config.n_ctx, "input.chat")
-    return engine.tokenizer.encode(text, parse_special=True)
+        prompt = engine.chat_prompt(messages, content_special)
+    check_fits(engine.tokenizer, prompt.plain, engine.config.n_ctx, "input.chat")
+    return prompt.ids(engine.tokenizer)
 
 
 def token_ids(engine: Any, ids: Sequence[int]) -> tuple[int, ...]:
@@ -145,7 +146,8 @@ async def prompt_ids(state: ServingState, engine: Any, msg: Any) -> tuple[int, .
         messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
         watch = RenderWatch()
         try:
-            ids = await state.off_loop(encode_chat, engine, messages, watch)
+            ids = await state.off_loop(encode_chat, engine, messages, watch,
+                                       state.server_config.chat_special_tokens)
         except asyncio.CancelledError:   # the call ended: free the prompt worker now
             watch.interrupt("the call was cancelled")
             raise
