@@ -53,6 +53,7 @@ from service.errors import (
 )
 from service.logging import bind_request_id
 from service.metrics import Metrics
+from service.server_wire import invalid_utf8_field
 
 log = structlog.get_logger(__name__)
 
@@ -144,26 +145,33 @@ def request_id_of(request: object, context: grpc.aio.ServicerContext) -> str:
 # ------------------------------------------------------------------------- undecodable bytes
 class _Undecodable:
     """Stands in for a request whose bytes do not parse, so the RPC can answer
-    INVALID_ARGUMENT instead of gRPC's default UNKNOWN (with a logged traceback)."""
+    INVALID_ARGUMENT instead of gRPC's default UNKNOWN (with a logged traceback), naming the
+    field when it is a string that is not UTF-8."""
 
-    def __init__(self, error: str) -> None:
-        self.error = error
+    def __init__(self, error: str, field: str | None = None) -> None:
+        self.error, self.field = error, field
 
 
 def _tolerant(deserializer: Callable | None) -> Callable | None:
     if deserializer is None:
         return None
+    message_class = getattr(deserializer, "__self__", None)     # Message.FromString's class
+    descriptor = getattr(message_class, "DESCRIPTOR", None)
 
     def load(data: bytes) -> object:
         try:
             return deserializer(data)
         except Exception as e:  # noqa: BLE001 - any parse failure is the caller's malformed input
-            return _Undecodable(str(e))
+            field = invalid_utf8_field(descriptor, data) if descriptor is not None else None
+            return _Undecodable(str(e), field)
     return load
 
 
 def _check_decoded(request: object) -> None:
     if isinstance(request, _Undecodable):
+        if request.field is not None:
+            raise InvalidRequestError(request.field, "not valid UTF-8 (string fields must be)",
+                                      reason="MALFORMED_REQUEST")
         raise InvalidRequestError("request", f"the request bytes do not parse: {request.error}",
                                   reason="MALFORMED_REQUEST")
     n = len(getattr(request, "request_id", "") or "")

@@ -200,3 +200,42 @@ def test_chat_content_is_text_unless_the_server_allows_special_tokens(server, cl
         parsed = list(allowing.tokenize(chat=[("user", INJECTION)]).ids)
     assert parsed.count(im_start[0]) == turns + 1      # the operator asked for it
     assert tok.decode(parsed) == tok.decode(ids)       # the same text either way
+
+
+# ------------------------------------------------------------------ invalid UTF-8
+def _ld(field: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (wire type 2), written by hand: the protobuf library
+    will not put invalid UTF-8 into a string field."""
+    n, size = len(payload), b""
+    while True:
+        size += bytes([(n & 0x7F) | (0x80 if n > 0x7F else 0)])
+        n >>= 7
+        if not n:
+            break
+    return bytes([field << 3 | 2]) + size + payload
+
+
+BAD = b"ab\xff\xfe"
+
+
+@pytest.mark.parametrize("raw, field", [
+    (_ld(2, BAD), "input.text"),
+    (_ld(1, BAD) + _ld(2, b"hi"), "request_id"),
+    (_ld(2, b"hi") + _ld(6, _ld(2, b"ok") + _ld(2, BAD)), "stopping.stop_sequences[1]"),
+    (_ld(4, _ld(1, _ld(1, b"user") + _ld(2, BAD))), "input.chat.messages[0].content"),
+])
+def test_invalid_utf8_names_the_field(fake_client, raw, field):
+    call = fake_client.channel.unary_stream(f"{GEN}/Generate")
+    with pytest.raises(grpc.RpcError) as ei:
+        list(call(raw, timeout=10))
+    e = error_details(ei.value)
+    assert (e.code, e.reason) == ("INVALID_ARGUMENT", "MALFORMED_REQUEST")
+    assert [f for f, _ in e.field_violations] == [field]
+    assert "UTF-8" in e.message
+
+
+def test_bytes_that_do_not_parse_still_name_the_request(fake_client):
+    call = fake_client.channel.unary_stream(f"{GEN}/Generate")
+    with pytest.raises(grpc.RpcError) as ei:
+        list(call(b"\xff\xff\xff", timeout=10))
+    assert [f for f, _ in error_details(ei.value).field_violations] == ["request"]
