@@ -33,6 +33,7 @@ from service.server_tls import CertificateStore
 
 log = structlog.get_logger(__name__)
 ENGINE_STOP_TIMEOUT_S = 10.0
+FINISH_TIMEOUT_S = 2.0           # after the grace period: cancelled streams write Finished
 
 
 def load_engine(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> Any:
@@ -167,19 +168,28 @@ class Service:
         log.info("stopped")
 
     async def _stop_server(self, grace_s: float) -> None:
-        """Stops accepting calls and gives open ones grace_s to finish. Calls still open then
-        are cancelled, marked cut off first, so that the access log and metrics record the
-        UNAVAILABLE their clients see."""
-        if grace_s > 0:
-            # A later deadline than ours: the stop(None) below is what cancels.
-            stopping = asyncio.ensure_future(self.server.stop(2 * grace_s))
-            done, _ = await asyncio.wait({stopping}, timeout=grace_s)
+        """Stops accepting calls and gives open ones grace_s to finish. Then the engine
+        requests of the streams still open are cancelled: each stream ends as the proto says,
+        with Finished(FINISH_REASON_CANCELLED) and status OK, within an engine step or two.
+        Calls still open after FINISH_TIMEOUT_S more (a prompt still rendering, an engine that
+        does not answer) are cancelled by gRPC, marked cut off first, so that the access log
+        and metrics record the UNAVAILABLE their clients see."""
+        st = self.state
+        # A later deadline than ours: the stop(None) below is what cancels.
+        stopping = asyncio.ensure_future(self.server.stop(2 * grace_s + FINISH_TIMEOUT_S))
+        done, _ = await asyncio.wait({stopping}, timeout=grace_s)
+        if done:
+            return await stopping
+        if st.open_requests:
+            log.info("finishing_streams", open=len(st.open_requests))
+            for handle in list(st.open_requests):
+                handle.cancel()
+            done, _ = await asyncio.wait({stopping}, timeout=FINISH_TIMEOUT_S)
             if done:
                 return await stopping
-        self.state.cut_off = True
+        st.cut_off = True
         await self.server.stop(None)
-        if grace_s > 0:
-            await stopping
+        await stopping
 
 
 async def _serve(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int:

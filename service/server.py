@@ -55,6 +55,7 @@ class ServingState:
     engine: Any = None               # service.engine.engine.Engine once loaded and warmed up
     draining: bool = False
     cut_off: bool = False            # the grace period ran out: calls still open are cancelled
+    open_requests: set[Any] = field(default_factory=set)  # engine handles of open streams
     prompt_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         PROMPT_WORKERS, thread_name_prefix="prompt"))
 

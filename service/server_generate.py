@@ -136,6 +136,7 @@ class GenerationServicer:
         buffer = EventBuffer(asyncio.get_running_loop(), state.server_config.stream_buffer)
         handle = engine.submit(domain, buffer.sink)
         state.metrics.streams.inc()
+        state.open_requests.add(handle)  # shutdown cancels it: Finished(CANCELLED) ends the stream
         finished = False
         try:
             while not finished:
@@ -154,6 +155,7 @@ class GenerationServicer:
                 await context.write(response_from_event(rid, event))
         finally:
             state.metrics.streams.dec()
+            state.open_requests.discard(handle)
             if not finished:         # cancel, deadline, broken connection, shutdown
                 handle.cancel()
                 log.info("generate_cancelled")

@@ -255,7 +255,8 @@ class Engine:
             request.speculative, request.speculative_options, self.config,
             self.drafter is not None, request.sampling.repetition_penalty)
         return Sequence(request=request, sink=sink,
-                        seed_value=resolve_seed(request.sampling.seed),
+                        seed_value=resolve_seed(request.sampling.seed,
+                                                request.sampling.greedy),
                         text=TextStream(self.tokenizer, request.stopping.stop_sequences),
                         eog_ids=frozenset(self.tokenizer.eog_ids), n_ctx=self.config.n_ctx,
                         speculative=spec.on, verify_width=spec.verify_width,

@@ -239,3 +239,52 @@ def test_bytes_that_do_not_parse_still_name_the_request(fake_client):
     with pytest.raises(grpc.RpcError) as ei:
         list(call(b"\xff\xff\xff", timeout=10))
     assert [f for f, _ in error_details(ei.value).field_violations] == ["request"]
+
+
+# ------------------------------------------------------------------ what the proto promises
+def test_a_stream_cut_by_shutdown_finishes_with_finish_reason_cancelled(engine):
+    """The proto: FINISH_REASON_CANCELLED when "the server shut down before it finished"."""
+    from service.proto_build import stubs
+    from service.serve import BackgroundServer
+    from tests.support.engines import wait_idle
+
+    cfg = ServerConfig(port=0, metrics_port=0, grace_period_s=0.5)
+    srv = BackgroundServer(engine, cfg).start()
+    with SpecstreamClient(srv.target, timeout=120) as c:
+        stream = c.generate("Once upon a time", max_new_tokens=400, ignore_eos=True,
+                            temperature=0.0)
+        first = [next(stream), next(stream)]
+        assert first[0].HasField("started")
+        srv.stop()                                   # the grace period runs out
+        rest = list(stream)                          # no error: the stream ends normally
+    fin = rest[-1].finished
+    assert fin.reason == stubs().generation_pb2.FINISH_REASON_CANCELLED
+    n = sum(len(r.delta.token_ids) for r in first + rest if r.HasField("delta"))
+    assert 0 < n < 400 and fin.usage.completion_tokens == n
+    assert _count(srv, f"{GEN}/Generate", "OK") == 1
+    wait_idle(engine)
+
+
+def test_a_greedy_request_reports_the_seed_it_uses(client):
+    """Greedy decoding draws nothing: without a seed it reports 0, not a random number."""
+    def seed(**kw) -> int:
+        return next(iter(client.generate("Hi", max_new_tokens=1, **kw))).started.seed
+
+    assert seed(temperature=0.0) == 0
+    assert seed(temperature=0.0, seed=5) == 5
+    assert seed(temperature=0.7, seed=5) == 5
+    assert len({seed(temperature=0.7) for _ in range(3)}) == 3      # picked, reported
+
+
+def test_the_proto_says_when_started_comes():
+    """Started is sent when the request takes an engine slot, before prefill (the engine's
+    Sequence.start): the proto and api.md must not promise a processed prompt."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proto = (root / "protos/specstream/v1/generation.proto").read_text()
+    comment = proto[:proto.index("Started started = 2;")].rsplit("{", 1)[1]
+    assert "before its prompt is processed" in comment, comment
+    assert "prompt processed" not in comment.replace("before its prompt is processed", "")
+    api = (root / "docs/api.md").read_text()
+    assert "before its prompt is processed" in api
