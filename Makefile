@@ -15,7 +15,7 @@ GPU_PY ?= 3.12
         bench-spec bench-concurrency lint wheelhouse clean
 
 help:
-	@echo "make serve       set up, fetch the default model, start the gRPC server on :$(PORT)"
+	@echo "make serve       set up, start the gRPC server on :$(PORT) (it fetches the model first)"
 	@echo "                 (MODEL=..., HOST=... (default 127.0.0.1: this machine only), PORT=...,"
 	@echo "                 METRICS_HOST=..., METRICS_PORT=... (-1 = off), SERVE_ARGS='...')"
 	@echo "make test        set up, fetch the test models, run the CPU test suite"
@@ -50,8 +50,8 @@ models: $(BIN)/specstream
 	$(BIN)/specstream models fetch smollm2-135m
 	$(BIN)/specstream models fetch gemma3-270m
 
+# serve fetches the model itself (on first use), so one process logs, in one format
 serve: setup
-	$(BIN)/specstream models fetch $(MODEL)
 	$(BIN)/specstream serve $(MODEL) --host $(HOST) --port $(PORT) \
 	  --metrics-port $(METRICS_PORT) --metrics-host $(METRICS_HOST) $(SERVE_ARGS)
 

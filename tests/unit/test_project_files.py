@@ -117,3 +117,12 @@ def test_readme_is_the_front_door():
 def test_readme_documents_the_make_serve_variables():
     for var in ("PORT=", "METRICS_PORT=", "METRICS_HOST=", "HOST="):
         assert f"make serve {var}" in README or re.search(rf"make serve [^`\n]*{var}", README)
+
+
+def test_make_serve_logs_in_one_format():
+    """Every line `make serve` logs comes from one process configured once: the server
+    fetches its model itself (JSON log lines), no separate `models fetch` logging console text
+    first."""
+    commands = [line for line in _dry_run("serve").splitlines()
+                if ".venv/bin/specstream " in line]
+    assert len(commands) == 1 and " serve " in commands[0], commands
