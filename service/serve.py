@@ -193,7 +193,10 @@ class Service:
 
 
 async def _serve(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int:
-    svc = Service(server_cfg, engine_cfg)
+    try:
+        svc = Service(server_cfg, engine_cfg)
+    except ConfigError as e:     # a certificate or token file changed since it was checked
+        return _report_load_failure(e)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
