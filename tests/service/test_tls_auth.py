@@ -307,3 +307,22 @@ def test_sighup_reloads_the_running_server(serve_subprocess, model_path, pki, to
     code, _ = srv.wait(60)
     assert code == 0
 
+
+
+# ------------------------------------------------------------------ the client and its CLI
+def test_client_library_and_cli_speak_mutual_tls_with_a_token(pki, tokens, capsys):
+    from clients import tls_credentials
+    from clients.cli import main
+
+    with tls_server(tls_cert_file=str(pki.server.cert), tls_key_file=str(pki.server.key),
+                    tls_client_ca_file=str(pki.ca.cert), auth_token_file=str(tokens)) as srv:
+        creds = tls_credentials(str(pki.ca.cert), str(pki.client.cert), str(pki.client.key))
+        with SpecstreamClient(srv.target, credentials=creds, token=TOKEN, timeout=10) as c:
+            assert c.complete(tokens=[1]).text == "five"
+        tls = ["--target", srv.target, "--ca-cert", str(pki.ca.cert), "--client-cert",
+               str(pki.client.cert), "--client-key", str(pki.client.key)]
+        assert main([*tls, "--token-file", str(tokens), "generate", "-q", "--tokens",
+                     "1,2"]) == 0
+        assert capsys.readouterr().out.splitlines()[-1] == "five"
+        assert main([*tls, "generate", "-q", "--tokens", "1,2"]) == 1
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
