@@ -5,7 +5,8 @@ BIN    := $(VENV)/bin
 PY     := $(BIN)/python
 PORT   ?= 50051
 METRICS_PORT ?= 9464
-METRICS_HOST ?= 0.0.0.0
+HOST   ?= 127.0.0.1
+METRICS_HOST ?= 127.0.0.1
 MODEL  ?= smollm2-135m
 PROMPT ?= The capital of France is
 GPU_PY ?= 3.12
@@ -14,8 +15,9 @@ GPU_PY ?= 3.12
         bench-spec bench-concurrency lint wheelhouse clean
 
 help:
-	@echo "make serve       set up, fetch the default model, start the gRPC server on :$(PORT)"
-	@echo "                 (MODEL=..., PORT=..., METRICS_PORT=... (-1 = off), METRICS_HOST=...)"
+	@echo "make serve       set up, start the gRPC server on :$(PORT) (it fetches the model first)"
+	@echo "                 (MODEL=..., HOST=... (default 127.0.0.1: this machine only), PORT=...,"
+	@echo "                 METRICS_HOST=..., METRICS_PORT=... (-1 = off), SERVE_ARGS='...')"
 	@echo "make test        set up, fetch the test models, run the CPU test suite"
 	@echo "make generate    stream a completion from the CLI (PROMPT=..., MODEL=...)"
 	@echo "make models      fetch smollm2-135m and gemma3-270m into ./models"
@@ -50,10 +52,10 @@ models: $(BIN)/specstream
 	$(BIN)/specstream models fetch smollm2-135m
 	$(BIN)/specstream models fetch gemma3-270m
 
+# serve fetches the model itself (on first use), so one process logs, in one format
 serve: setup
-	$(BIN)/specstream models fetch $(MODEL)
-	$(BIN)/specstream serve $(MODEL) --port $(PORT) \
-	  --metrics-port $(METRICS_PORT) --metrics-host $(METRICS_HOST)
+	$(BIN)/specstream serve $(MODEL) --host $(HOST) --port $(PORT) \
+	  --metrics-port $(METRICS_PORT) --metrics-host $(METRICS_HOST) $(SERVE_ARGS)
 
 generate: setup
 	$(BIN)/specstream generate $(MODEL) --prompt "$(PROMPT)" --max-new-tokens 64

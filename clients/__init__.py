@@ -9,6 +9,7 @@ from clients.client import (
     build_generate_request,
     default_target,
     error_details,
+    tls_credentials,
 )
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "build_generate_request",
     "default_target",
     "error_details",
+    "tls_credentials",
 ]

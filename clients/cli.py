@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -27,6 +29,7 @@ from clients.client import (
     build_generate_request,
     default_target,
     error_details,
+    tls_credentials,
 )
 from service.proto_build import stubs
 
@@ -165,6 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=default_target(),
                    help="server host:port (env SPECSTREAM_TARGET; default %(default)s)")
     p.add_argument("--timeout", type=float, default=None, help="deadline per call, seconds")
+    p.add_argument("--tls", action="store_true",
+                   help="connect with TLS, verifying the server against the system's CAs")
+    p.add_argument("--ca-cert", metavar="PEM", help="connect with TLS, verifying the server "
+                                                    "against this CA bundle")
+    p.add_argument("--client-cert", metavar="PEM", help="mutual TLS: this client's certificate")
+    p.add_argument("--client-key", metavar="PEM", help="mutual TLS: its private key")
+    p.add_argument("--token-file", metavar="FILE", default=os.environ.get(TOKEN_FILE_ENV),
+                   help="send the bearer token on this file's first line (env "
+                        f"{TOKEN_FILE_ENV})")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="stream a completion, printing tokens as they arrive")
@@ -227,10 +239,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+TOKEN_FILE_ENV = "SPECSTREAM_TOKEN_FILE"
+
+
+def _security(a: argparse.Namespace) -> dict:
+    """The client's TLS credentials and bearer token, as the flags ask."""
+    out: dict = {}
+    if a.tls or a.ca_cert or a.client_cert or a.client_key:
+        out["credentials"] = tls_credentials(a.ca_cert, a.client_cert, a.client_key)
+    if a.token_file:
+        try:
+            text = Path(a.token_file).expanduser().read_text()
+        except OSError as e:
+            raise ValueError(f"cannot read the token file {a.token_file!r}: {e}") from e
+        # the first token of the file, written as a server's token file writes it
+        words = [w for line in text.splitlines() for w in line.split("#", 1)[0].split()[:1]]
+        if not words:
+            raise ValueError(f"the token file {a.token_file!r} holds no token")
+        out["token"] = words[0]
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     try:
-        with SpecstreamClient(a.target, timeout=a.timeout) as c:
+        with SpecstreamClient(a.target, timeout=a.timeout, **_security(a)) as c:
             return a.func(c, a)
     except grpc.RpcError as err:
         e = error_details(err)

@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -208,16 +209,38 @@ def _status_name(status: int) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
 
 
+# ------------------------------------------------------------------------- TLS and tokens
+def tls_credentials(ca_cert: str | None = None, client_cert: str | None = None,
+                    client_key: str | None = None) -> grpc.ChannelCredentials:
+    """Credentials of a TLS channel: the server verified against `ca_cert` (PEM file; None: the
+    system's roots), and for mutual TLS this client's certificate and key (PEM files)."""
+    def read(path: str | None) -> bytes | None:
+        return Path(path).expanduser().read_bytes() if path else None
+
+    return grpc.ssl_channel_credentials(read(ca_cert), read(client_key), read(client_cert))
+
+
+def _with_token(metadata: Sequence[tuple[str, str]], token: str | None
+                ) -> tuple[tuple[str, str], ...]:
+    return (*metadata, ("authorization", f"Bearer {token}")) if token else tuple(metadata)
+
+
 # ------------------------------------------------------------------------- blocking client
 class SpecstreamClient:
     def __init__(self, target: str | None = None, *, timeout: float | None = None,
                  metadata: Sequence[tuple[str, str]] = (), channel: grpc.Channel | None = None,
-                 options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS) -> None:
-        """target None: default_target(). The first client generates the stubs if needed."""
+                 options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 token: str | None = None) -> None:
+        """target None: default_target(). `credentials` (tls_credentials()): a TLS channel;
+        `token`: sent as `authorization: Bearer TOKEN` with every call. The first client
+        generates the stubs if needed."""
         pb = stubs()
-        self.channel = channel or grpc.insecure_channel(target or default_target(),
-                                                        options=list(options))
-        self.timeout, self.metadata = timeout, tuple(metadata)
+        target = target or default_target()
+        self.channel = channel or (
+            grpc.secure_channel(target, credentials, options=list(options)) if credentials
+            else grpc.insecure_channel(target, options=list(options)))
+        self.timeout, self.metadata = timeout, _with_token(metadata, token)
         self._gen = pb.generation_pb2_grpc.GenerationServiceStub(self.channel)
         self._cfg = pb.config_pb2_grpc.ConfigServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
@@ -301,11 +324,15 @@ class AsyncSpecstreamClient:
     def __init__(self, target: str | None = None, *, timeout: float | None = None,
                  metadata: Sequence[tuple[str, str]] = (),
                  channel: grpc.aio.Channel | None = None,
-                 options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS) -> None:
+                 options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 token: str | None = None) -> None:
         pb = stubs()
-        self.channel = channel or grpc.aio.insecure_channel(target or default_target(),
-                                                            options=list(options))
-        self.timeout, self.metadata = timeout, tuple(metadata)
+        target = target or default_target()
+        self.channel = channel or (
+            grpc.aio.secure_channel(target, credentials, options=list(options)) if credentials
+            else grpc.aio.insecure_channel(target, options=list(options)))
+        self.timeout, self.metadata = timeout, _with_token(metadata, token)
         self._gen = pb.generation_pb2_grpc.GenerationServiceStub(self.channel)
         self._cfg = pb.config_pb2_grpc.ConfigServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)

@@ -173,10 +173,12 @@ def cmd_models(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from service.tools.inspect import describe
+    from service.gguf.reader import GGUFFile
+    from service.tools.inspect import describe, serving_problem
 
-    print(describe(_resolve(args.model)))
-    return 0
+    path = _resolve(args.model)
+    print(describe(path))
+    return 0 if serving_problem(GGUFFile(path)) is None else 1   # generate would refuse it
 
 
 def cmd_generate(args) -> int:

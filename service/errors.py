@@ -51,3 +51,19 @@ class FetchError(SpecstreamError):
 
 class UnavailableError(SpecstreamError):
     """The service is loading, draining or its engine has stopped."""
+
+
+class UnauthenticatedError(SpecstreamError):
+    """The call carries no bearer token, or one the server does not know."""
+
+
+class PermissionDeniedError(SpecstreamError):
+    """The call's token is known but not granted the method called."""
+
+
+class NotServedError(SpecstreamError):
+    """The method exists but this server's configuration turned it off."""
+
+
+class ResponseTooLargeError(SpecstreamError):
+    """An answer larger than the server may send (max_send_message_bytes)."""

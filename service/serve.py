@@ -4,6 +4,8 @@
     bind gRPC + metrics ports, health NOT_SERVING  ->  resolve/fetch model, Engine.load,
     warmup, start  ->  health SERVING  ->  SIGTERM: health NOT_SERVING, Generate refused with
     UNAVAILABLE, in-flight streams get grace_period_s, engine stopped, exit 0
+    SIGHUP (any time): the TLS certificate files and the token file are read again; open
+    streams go on, new connections and calls get the new ones
 
 The gRPC server answers (health, reflection, GetConfig, ValidateConfig) while the model loads;
 Generate, Tokenize and GetModelInfo answer UNAVAILABLE until it is ready.
@@ -22,12 +24,16 @@ from typing import Any
 import structlog
 
 from service.config import EngineConfig, ServerConfig, format_problems, load_config
+from service.config.schema import is_loopback
 from service.errors import ConfigError, SpecstreamError
 from service.logging import configure_logging
 from service.server import ServingState, build_server
+from service.server_auth import TokenAuthenticator
+from service.server_tls import CertificateStore
 
 log = structlog.get_logger(__name__)
 ENGINE_STOP_TIMEOUT_S = 10.0
+FINISH_TIMEOUT_S = 2.0           # after the grace period: cancelled streams write Finished
 
 
 def load_engine(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> Any:
@@ -72,7 +78,11 @@ class Service:
 
     def __init__(self, server_cfg: ServerConfig, engine_cfg: EngineConfig) -> None:
         self.state = ServingState(engine_config=engine_cfg, server_config=server_cfg)
-        self.server = build_server(self.state)
+        cfg = server_cfg
+        self.auth = TokenAuthenticator(cfg.auth_token_file) if cfg.auth_token_file else None
+        self.tls = (CertificateStore(cfg.tls_cert_file, cfg.tls_key_file,
+                                     cfg.tls_client_ca_file) if cfg.tls else None)
+        self.server = build_server(self.state, self.auth)
         self.port = 0
         self.metrics_port: int | None = None
         self._watch: asyncio.Future | None = None
@@ -80,11 +90,38 @@ class Service:
     async def start(self) -> None:
         cfg = self.state.server_config
         await self.state.set_serving(False)
-        self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        address = f"{cfg.host}:{cfg.port}"
+        self.port = (self.server.add_secure_port(address, self.tls.credentials())
+                     if self.tls is not None else self.server.add_insecure_port(address))
         await self.server.start()
         if cfg.metrics_port >= 0:
             self.metrics_port = self.state.metrics.serve(cfg.metrics_host, cfg.metrics_port)
-        log.info("listening", host=cfg.host, port=self.port, metrics_port=self.metrics_port)
+        security = ("mtls" if self.tls is not None and self.tls.mutual
+                    else "tls" if self.tls is not None else "plaintext")
+        log.info("listening", host=cfg.host, port=self.port, metrics_port=self.metrics_port,
+                 transport=security, tokens=self.auth.count if self.auth else 0,
+                 reflection=cfg.reflection, config_rpcs=cfg.config_rpcs)
+        if self.auth is None and not is_loopback(cfg.host):
+            log.warning("no_authentication", host=cfg.host,
+                        hint="any client that reaches this address may call every RPC; "
+                             "set --auth-token-file")
+
+    def reload(self) -> bool:
+        """SIGHUP: the certificate and token files read again. A file with a problem is
+        logged and the server keeps what it had; True when everything reloaded."""
+        ok = True
+        for name, part in (("tls", self.tls), ("auth_tokens", self.auth)):
+            if part is None:
+                continue
+            try:
+                part.reload()
+            except ConfigError as e:
+                ok = False
+                log.error("reload_failed", part=name, problems=[f"{f}: {m}"
+                                                                 for f, m in e.problems])
+        log.info("reloaded", ok=ok, tls=self.tls is not None, auth=self.auth is not None,
+                 tokens=self.auth.count if self.auth else 0)
+        return ok
 
     async def attach(self, engine: Any) -> None:
         """Serves `engine` (loaded, warmed up, started): health goes SERVING."""
@@ -131,30 +168,35 @@ class Service:
         log.info("stopped")
 
     async def _stop_server(self, grace_s: float) -> None:
-        """Stops accepting calls and gives open ones grace_s to finish. Calls still open then
-        are cancelled, marked cut off first, so that the access log and metrics record the
-        UNAVAILABLE their clients see."""
-        if grace_s > 0:
-            # A later deadline than ours: the stop(None) below is what cancels.
-            stopping = asyncio.ensure_future(self.server.stop(2 * grace_s))
-            done, _ = await asyncio.wait({stopping}, timeout=grace_s)
+        """Stops accepting calls and gives open ones grace_s to finish. Then the engine
+        requests of the streams still open are cancelled: each stream ends as the proto says,
+        with Finished(FINISH_REASON_CANCELLED) and status OK, within an engine step or two.
+        Calls still open after FINISH_TIMEOUT_S more (a prompt still rendering, an engine that
+        does not answer) are cancelled by gRPC, marked cut off first, so that the access log
+        and metrics record the UNAVAILABLE their clients see."""
+        st = self.state
+        # A later deadline than ours: the stop(None) below is what cancels.
+        stopping = asyncio.ensure_future(self.server.stop(2 * grace_s + FINISH_TIMEOUT_S))
+        done, _ = await asyncio.wait({stopping}, timeout=grace_s)
+        if done:
+            return await stopping
+        if st.open_requests:
+            log.info("finishing_streams", open=len(st.open_requests))
+            for handle in list(st.open_requests):
+                handle.cancel()
+            done, _ = await asyncio.wait({stopping}, timeout=FINISH_TIMEOUT_S)
             if done:
                 return await stopping
-        self.state.cut_off = True
+        st.cut_off = True
         await self.server.stop(None)
-        if grace_s > 0:
-            await stopping
+        await stopping
 
 
 async def _serve(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int:
-    svc = Service(server_cfg, engine_cfg)
     try:
-        await svc.start()
-    except (RuntimeError, OSError) as e:
-        log.error("bind_failed", host=server_cfg.host, port=server_cfg.port,
-                  metrics_port=server_cfg.metrics_port, error=str(e))
-        await svc.server.stop(0)
-        return 1
+        svc = Service(server_cfg, engine_cfg)
+    except ConfigError as e:     # a certificate or token file changed since it was checked
+        return _report_load_failure(e)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -165,8 +207,17 @@ async def _serve(server_cfg: ServerConfig, engine_cfg: EngineConfig) -> int:
             asyncio.ensure_future(svc.server.stop(None))
         stop.set()
 
+    # before the port opens: a signal sent as soon as "listening" is logged finds its handler
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    loop.add_signal_handler(signal.SIGHUP, svc.reload)
+    try:
+        await svc.start()
+    except (RuntimeError, OSError) as e:
+        log.error("bind_failed", host=server_cfg.host, port=server_cfg.port,
+                  metrics_port=server_cfg.metrics_port, error=str(e))
+        await svc.server.stop(0)
+        return 1
     loading = asyncio.create_task(svc.load())
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -27,9 +27,10 @@ from grpc_reflection.v1alpha import reflection
 
 from service.config import EngineConfig, ServerConfig
 from service.errors import UnavailableError
-from service.interceptors import ServiceInterceptor
+from service.interceptors import ServiceInterceptor, status_for
 from service.metrics import Metrics
 from service.proto_build import DocumentedPool, stubs
+from service.server_auth import AuthInterceptor, TokenAuthenticator
 from service.server_config import ConfigServicer
 from service.server_generate import GenerationServicer
 from service.server_orca import LoadReporter
@@ -57,6 +58,7 @@ class ServingState:
     engine: Any = None               # service.engine.engine.Engine once loaded and warmed up
     draining: bool = False
     cut_off: bool = False            # the grace period ran out: calls still open are cancelled
+    open_requests: set[Any] = field(default_factory=set)  # engine handles of open streams
     prompt_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         PROMPT_WORKERS, thread_name_prefix="prompt"))
 
@@ -101,19 +103,27 @@ def server_options(cfg: ServerConfig) -> list[tuple[str, int]]:
     return opts
 
 
-def build_server(state: ServingState) -> grpc.aio.Server:
-    """A grpc.aio server with our services, health and reflection (not yet bound or started).
-    The first call generates the stubs when they are missing or stale."""
+def build_server(state: ServingState, auth: TokenAuthenticator | None = None
+                 ) -> grpc.aio.Server:
+    """A grpc.aio server with our services, health and (unless turned off) reflection, not yet
+    bound or started. With `auth`, every call but health needs one of its tokens: the access
+    log and metrics (the outer interceptor) see refused calls too. The first call generates
+    the stubs when they are missing or stale."""
     pb = stubs()
-    interceptor = ServiceInterceptor(state.metrics, cut_off=lambda: state.cut_off)
-    server = grpc.aio.server(interceptors=[interceptor],
-                             options=server_options(state.server_config),
+    cfg = state.server_config
+    interceptors: list[grpc.aio.ServerInterceptor] = [
+        ServiceInterceptor(state.metrics, cut_off=lambda: state.cut_off,
+                           max_send_bytes=cfg.max_send_message_bytes)]
+    if auth is not None:
+        interceptors.append(AuthInterceptor(auth, status_for))
+    server = grpc.aio.server(interceptors=interceptors, options=server_options(cfg),
                              compression=grpc.Compression.NoCompression)
     pb.generation_pb2_grpc.add_GenerationServiceServicer_to_server(
         GenerationServicer(state), server)
     pb.config_pb2_grpc.add_ConfigServiceServicer_to_server(ConfigServicer(state), server)
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
-    reflection.enable_server_reflection(
-        (*service_names(), health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server, pool=DocumentedPool())
+    if cfg.reflection:
+        reflection.enable_server_reflection(
+            (*service_names(), health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), server, pool=DocumentedPool())
     return server

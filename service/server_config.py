@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from service import __version__
 from service.config import EngineConfig
+from service.errors import NotServedError
 from service.proto_build import stubs
 
 if TYPE_CHECKING:                # generated on first use (service.proto_build.stubs)
@@ -49,6 +50,10 @@ class ConfigServicer:
     def __init__(self, state: ServingState) -> None:
         self._state = state
 
+    def _served(self, method: str) -> None:
+        if not self._state.server_config.config_rpcs:
+            raise NotServedError(f"{method} is turned off on this server (config_rpcs false)")
+
     def _effective(self) -> EngineConfig:
         engine = self._state.engine
         return engine.config if engine is not None else self._state.engine_config
@@ -58,11 +63,13 @@ class ConfigServicer:
         return model_info_to_proto(engine.info, engine.config)
 
     async def GetConfig(self, request, context) -> config_pb2.GetConfigResponse:
+        self._served("GetConfig")
         return stubs().config_pb2.GetConfigResponse(
             config=engine_config_to_proto(self._effective()))
 
     async def ValidateConfig(self, request: config_pb2.ValidateConfigRequest,
                              context) -> config_pb2.ValidateConfigResponse:
+        self._served("ValidateConfig")
         pb = stubs().config_pb2
         candidate = engine_config_from_proto(request.config, self._effective())
         problems = candidate.problems()

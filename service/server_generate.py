@@ -29,6 +29,7 @@ if TYPE_CHECKING:                # generated on first use (service.proto_build.s
     from service.server import ServingState
 
 log = structlog.get_logger(__name__)
+MAX_DETOKENIZE_IDS = 1 << 18     # ids per Detokenize call: far beyond any context, bounded work
 
 
 # ------------------------------------------------------------------------- engine -> stream
@@ -136,6 +137,7 @@ class GenerationServicer:
         handle = engine.submit(domain, buffer.sink)
         state.load.admitted()
         state.metrics.streams.inc()
+        state.open_requests.add(handle)  # shutdown cancels it: Finished(CANCELLED) ends the stream
         finished = False
         try:
             while not finished:
@@ -156,6 +158,7 @@ class GenerationServicer:
                 await context.write(response_from_event(rid, event))
         finally:
             state.metrics.streams.dec()
+            state.open_requests.discard(handle)
             if not finished:         # cancel, deadline, broken connection, shutdown
                 handle.cancel()
                 log.info("generate_cancelled")
@@ -173,5 +176,8 @@ class GenerationServicer:
                          context: grpc.aio.ServicerContext) -> generation_pb2.DetokenizeResponse:
         state = self._state
         engine = state.require_engine()
+        n = len(request.ids)
+        if n > MAX_DETOKENIZE_IDS:       # refused before a copy or a lookup is made
+            raise InvalidRequestError("ids", f"{n} ids; at most {MAX_DETOKENIZE_IDS} per call")
         return await state.off_loop(detokenize_response, engine, list(request.ids),
                                     optional(request, "skip_special", False, bool))

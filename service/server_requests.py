@@ -9,10 +9,12 @@ delays other calls nor costs more than a context's worth of work.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from service.chat_templates import RenderWatch, watching
 from service.engine.spec.options import resolve as resolve_speculation
 from service.engine.types import (
     GenerationRequest,
@@ -56,7 +58,14 @@ def speculative_from_proto(msg: generation_pb2.SpeculativeOptions
         tree_budget=optional(msg, "tree_budget", None, int))
 
 
+MAX_STOP_TOKEN_IDS = 1024        # each is checked against the vocabulary at every step's end
+
+
 def stopping_from_proto(msg: generation_pb2.StoppingCriteria) -> StoppingCriteria:
+    n = len(msg.stop_token_ids)
+    if n > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError("stopping.stop_token_ids",
+                                  f"{n} ids; at most {MAX_STOP_TOKEN_IDS}")
     d = StoppingCriteria()
     return StoppingCriteria(
         max_new_tokens=optional(msg, "max_new_tokens", d.max_new_tokens, int),
@@ -101,15 +110,19 @@ def encode_text(engine: Any, text: str, add_bos: bool | None, parse_special: boo
     return engine.tokenizer.encode(text, add_bos=add_bos, parse_special=parse_special)
 
 
-def encode_chat(engine: Any, messages: list[dict[str, str]]) -> list[int]:
+def encode_chat(engine: Any, messages: list[dict[str, str]],
+                watch: RenderWatch | None = None, content_special: bool = False) -> list[int]:
     """Role/content messages rendered with the model's template (or the built-in fallback),
-    tokenized with special tokens parsed, as Engine.chat_prompt_ids; Generate and Tokenize
-    both use this. The rendered text is checked against the context before tokenizing."""
+    tokenized as Engine.chat_prompt_ids: the template's markers as control tokens, message
+    content as text unless `content_special`; Generate and Tokenize both use this. The render
+    runs under `watch` (its bounds, and a cancelled call stops it); the rendered text is
+    checked against the context before tokenizing."""
     if not messages:
         raise InvalidRequestError("input.chat.messages", "the conversation is empty")
-    text = engine.chat_prompt_text(messages)
-    check_fits(engine.tokenizer, text, engine.config.n_ctx, "input.chat")
-    return engine.tokenizer.encode(text, parse_special=True)
+    with watching(watch or RenderWatch()):
+        prompt = engine.chat_prompt(messages, content_special)
+    check_fits(engine.tokenizer, prompt.plain, engine.config.n_ctx, "input.chat")
+    return prompt.ids(engine.tokenizer)
 
 
 def token_ids(engine: Any, ids: Sequence[int]) -> tuple[int, ...]:
@@ -131,7 +144,13 @@ async def prompt_ids(state: ServingState, engine: Any, msg: Any) -> tuple[int, .
                                    optional(msg, "parse_special", True, bool))
     elif which == "chat":
         messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
-        ids = await state.off_loop(encode_chat, engine, messages)
+        watch = RenderWatch()
+        try:
+            ids = await state.off_loop(encode_chat, engine, messages, watch,
+                                       state.server_config.chat_special_tokens)
+        except asyncio.CancelledError:   # the call ended: free the prompt worker now
+            watch.interrupt("the call was cancelled")
+            raise
     elif which == "tokens":
         return token_ids(engine, msg.tokens.ids)
     else:

@@ -46,7 +46,8 @@ _HELP = {
     "models_dir": "where fetched models live ('' = models/ in the repository)",
     "chat_template": "chat template for chat input: a built-in (chatml, gemma) or a Jinja file "
                      "('' = the model's own; chat input is refused without one)",
-    "host": "gRPC listen address ([::] = every IPv6 and IPv4 interface)",
+    "host": "gRPC listen address (0.0.0.0 / [::] = every interface, which needs TLS or "
+            "--plaintext)",
     "port": "gRPC port (0 = any free port, logged)",
     "metrics_host": "Prometheus listen address",
     "metrics_port": "Prometheus /metrics port (0 = any free port, -1 = off)",
@@ -61,6 +62,18 @@ _HELP = {
     "stream_buffer": "events held per stream before pending Deltas are merged",
     "log_level": "debug, info, warning or error",
     "log_format": "json or console",
+    "tls_cert_file": "PEM certificate chain: serve TLS (with --tls-key-file); reloaded on SIGHUP",
+    "tls_key_file": "PEM private key of --tls-cert-file",
+    "tls_client_ca_file": "PEM CA bundle: require client certificates it signed (mutual TLS)",
+    "plaintext": "serve without TLS on an address other than loopback (e.g. behind a "
+                 "service-mesh sidecar doing mTLS)",
+    "auth_token_file": "bearer tokens, one per line (optionally followed by the services or "
+                       "methods each may call): every RPC but health needs "
+                       "'authorization: Bearer TOKEN'; reloaded on SIGHUP",
+    "reflection": "serve gRPC reflection (false: clients need the .proto files)",
+    "config_rpcs": "serve GetConfig and ValidateConfig (false: UNIMPLEMENTED)",
+    "chat_special_tokens": "turn special-token text inside chat message content into control "
+                           "tokens (false: content is text, as a user typed it)",
     "kv_cache_type_k": "KV cache element type of keys (supported pairs below)",
     "kv_cache_type_v": "KV cache element type of values",
     "verify_width": f"tokens verified per speculative step, {MIN_VERIFY_WIDTH}..{MAX_VERIFY_WIDTH}"
@@ -188,6 +201,10 @@ def build_serve_parser() -> argparse.ArgumentParser:
                    help="the same as --overlap off")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const",
                    const="false", help="the same as --prefix-cache false")
+    p.add_argument("--no-reflection", dest="reflection", action="store_const", const="false",
+                   help="the same as --reflection false")
+    p.add_argument("--no-config-rpcs", dest="config_rpcs", action="store_const",
+                   const="false", help="the same as --config-rpcs false")
     return p
 
 

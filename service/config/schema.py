@@ -7,6 +7,7 @@ values come from (defaults, file, env, flags) is loader.py's business.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,9 +182,9 @@ class ServerConfig:
     model: str = DEFAULT_MODEL       # a .gguf path or a known model name (fetched on first use)
     models_dir: str = ""             # where fetched models live; "" = repository models/
     chat_template: str = ""          # built-in template name or Jinja file; "" = the model's own
-    host: str = "[::]"               # gRPC listen address; [::] listens on IPv6 and IPv4
+    host: str = "127.0.0.1"          # gRPC listen address; this machine only unless given
     port: int = 50051                # gRPC port; 0 picks a free one (logged)
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"
     metrics_port: int = 9464         # Prometheus /metrics; 0 picks a free one; -1 turns it off
     grace_period_s: float = 10.0     # SIGTERM: in-flight streams get this long to finish
     drain_delay_s: float = 0.0       # SIGTERM: report NOT_SERVING this long before closing
@@ -196,6 +197,14 @@ class ServerConfig:
     stream_buffer: int = 64          # events held per stream before pending deltas are merged
     log_level: str = "info"
     log_format: str = "json"
+    tls_cert_file: str = ""          # PEM certificate chain; with tls_key_file: serve TLS only
+    tls_key_file: str = ""           # PEM private key of tls_cert_file
+    tls_client_ca_file: str = ""     # PEM CA bundle: clients must present a cert it signed (mTLS)
+    plaintext: bool = False          # serve without TLS on a host other than loopback
+    auth_token_file: str = ""        # bearer tokens, one per line; every RPC but health needs one
+    reflection: bool = True          # serve grpc.reflection (grpcurl without .proto files)
+    config_rpcs: bool = True         # serve GetConfig and ValidateConfig
+    chat_special_tokens: bool = False  # chat message content may hold control tokens
 
     def problems(self) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
@@ -233,7 +242,45 @@ class ServerConfig:
         if self.log_format not in LOG_FORMATS:
             out.append(("log_format", f"unknown log format {self.log_format!r}; one of "
                                       + ", ".join(LOG_FORMATS)))
+        return out + self.security_problems()
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert_file)
+
+    def security_problems(self) -> list[tuple[str, str]]:
+        """TLS files that do not load or pair up, plaintext on an outside address unless asked
+        for, a token file without tokens."""
+        from service.credentials import read_token_file, tls_file_problems
+
+        out = tls_file_problems(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+        if self.plaintext and self.tls:
+            out.append(("plaintext", "contradicts tls_cert_file: serve TLS or plaintext"))
+        if not self.tls and not self.plaintext and not is_loopback(self.host):
+            out.append(("host", f"{self.host!r} is reachable from other machines and no TLS "
+                                "certificate is set: give --tls-cert-file and --tls-key-file, "
+                                "or --plaintext to serve without TLS (e.g. behind a "
+                                "service-mesh sidecar that terminates mTLS)"))
+        if self.auth_token_file:
+            try:
+                read_token_file(self.auth_token_file)
+            except ConfigError as e:
+                out += e.problems
         return out
 
     def resolved_models_dir(self) -> Path:
         return Path(self.models_dir).expanduser() if self.models_dir else models_dir_from_env()
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen address is reachable from this machine only."""
+    name = host.strip().lower()
+    if name in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(name.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -69,7 +69,7 @@ from service.engine.types import (
 )
 from service.errors import UnavailableError
 from service.gguf.reader import GGUFFile
-from service.model.chat import chat_prompt_ids, chat_prompt_text, template_for
+from service.model.chat import ChatPrompt, chat_prompt, chat_prompt_text, template_for
 from service.model.spec import ModelSpec
 from service.model.tokenizer import Tokenizer
 from service.model.transformer import Transformer
@@ -231,13 +231,19 @@ class Engine:
         finally:
             handle.cancel()
 
-    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Messages rendered with the chat template, then tokenized as llama.cpp does;
-        ChatTemplateMissingError when there is none."""
-        return chat_prompt_ids(self.tokenizer, self.chat_template, messages)
+    def chat_prompt_ids(self, messages: list[dict[str, str]],
+                        content_special: bool = False) -> list[int]:
+        """Messages rendered with the chat template, then tokenized as llama.cpp does (message
+        content as text unless content_special); ChatTemplateMissingError when there is none."""
+        return self.chat_prompt(messages, content_special).ids(self.tokenizer)
+
+    def chat_prompt(self, messages: list[dict[str, str]],
+                    content_special: bool = False) -> ChatPrompt:
+        """The render chat_prompt_ids tokenizes (the server checks its length first)."""
+        return chat_prompt(self.tokenizer, self.chat_template, messages, content_special)
 
     def chat_prompt_text(self, messages: list[dict[str, str]]) -> str:
-        """The text chat_prompt_ids tokenizes."""
+        """The rendered text, message content as given."""
         return chat_prompt_text(self.tokenizer, self.chat_template, messages)
 
     def text_prompt_ids(self, text: str) -> list[int]:
@@ -260,7 +266,8 @@ class Engine:
             request.speculative, request.speculative_options, self.config,
             self.drafter is not None, request.sampling.repetition_penalty)
         return Sequence(request=request, sink=sink,
-                        seed_value=resolve_seed(request.sampling.seed),
+                        seed_value=resolve_seed(request.sampling.seed,
+                                                request.sampling.greedy),
                         text=TextStream(self.tokenizer, request.stopping.stop_sequences),
                         eog_ids=frozenset(self.tokenizer.eog_ids), n_ctx=self.config.n_ctx,
                         speculative=spec.on, verify_width=spec.verify_width,

@@ -28,10 +28,13 @@ from service.engine.types import SamplingParams, TokenLogprob
 __all__ = ["Sampler", "log_softmax", "resolve_seed", "top_logprobs"]
 
 
-def resolve_seed(seed: int | None) -> int:
-    """`seed`, or a fresh random 63-bit seed (reported back to the caller for replay)."""
+def resolve_seed(seed: int | None, greedy: bool = False) -> int:
+    """`seed`, else 0 for a greedy request (it draws nothing, so no seed changes its tokens),
+    else a fresh random 63-bit seed (reported back to the caller for replay)."""
     if seed is not None:
         return seed
+    if greedy:
+        return 0
     return int.from_bytes(os.urandom(8), "little") >> 1
 
 

@@ -10,14 +10,23 @@ such as Gemma-3-270M) refuses chat input with `ChatTemplateMissingError` instead
 a built-in silently. The built-ins never write `bos_token`: the tokenizer adds BOS itself where
 the metadata asks. `chat_prompt_ids` turns a render into llama.cpp's ids for the same text
 (tests/data/llamacpp_*_greedy*.json hold ChatML prompts for both models).
+
+Message content is text: a user who writes `<|im_end|>` gets the characters, not the control
+token, or a message could close its own turn and open a system turn. Before rendering, every
+control-token text inside a content is swapped for a stand-in character (from Unicode's private
+use planes, one the conversation does not use); the render is tokenized with special tokens
+parsed, which turns the template's own markers into control tokens, and the stand-ins are put
+back as text (`ChatPrompt`). A conversation without such text renders and tokenizes exactly as
+before. `content_special=True` (a server option) parses content as the template's text.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from service.chat_templates import BUILTIN_TEMPLATES, compile_template
+from service.chat_templates import BUILTIN_TEMPLATES, RenderStopped, render_bounded
 from service.chat_templates import CHATML as CHATML
 from service.chat_templates import GEMMA_TURNS as GEMMA_TURNS
 from service.chat_templates import load_template as load_template
@@ -58,15 +67,75 @@ def render_chat(template: str, messages: Sequence[Mapping[str, str]], bos_token:
     if not checked:
         raise InvalidRequestError(FIELD, "no messages")
     try:
-        return compile_template(template).render(
-            messages=checked, bos_token=bos_token, eos_token=eos_token,
-            add_generation_prompt=add_generation_prompt)
+        return render_bounded(template, messages=checked, bos_token=bos_token,
+                              eos_token=eos_token, add_generation_prompt=add_generation_prompt)
+    except RenderStopped as exc:  # its work bound, its deadline, or the call was cancelled
+        raise InvalidRequestError(FIELD, f"chat template stopped: {exc}") from None
+    except RecursionError:
+        raise InvalidRequestError(FIELD, "chat template failed: recursion too deep") from None
     except Exception as exc:  # syntax, sandbox, raise_exception, type errors inside the template
         raise InvalidRequestError(FIELD, f"chat template failed: {exc}") from exc
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A rendered conversation: its text with stand-ins for the control-token texts written in
+    message content, and what each stand-in stands for."""
+
+    text: str
+    literals: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def plain(self) -> str:
+        """The text as rendered, stand-ins put back."""
+        out = self.text
+        for stand_in, literal in self.literals.items():
+            out = out.replace(stand_in, literal)
+        return out
+
+    def ids(self, tokenizer: Tokenizer) -> list[int]:
+        return tokenizer.encode(self.text, parse_special=True, literals=self.literals)
+
+
+_STAND_INS = range(0xF0000, 0x10FFFE)   # planes 15 and 16: private use, never in a vocabulary
+
+
+def _stand_ins(tokenizer: Tokenizer, template: str,
+               messages: Sequence[Mapping[str, str]]) -> dict[str, str]:
+    """control text -> a stand-in character, for the control texts written in any content."""
+    contents = [m.get("content") for m in messages if isinstance(m, Mapping)]
+    contents = [c for c in contents if isinstance(c, str)]
+    found = [t for t in tokenizer.control_texts() if any(t in c for c in contents)]
+    if not found:
+        return {}
+    used = set(template).union(*map(set, contents))
+    free = (chr(c) for c in _STAND_INS if chr(c) not in used)
+    return {text: next(free) for text in found}
+
+
+def chat_prompt(tokenizer: Tokenizer, template: str | None,
+                messages: Sequence[Mapping[str, str]], content_special: bool = False
+                ) -> ChatPrompt:
+    """`messages` rendered with `template`; content tokenizes as text unless content_special."""
+    if template is None:
+        raise missing_template()
+    swap = {} if content_special else _stand_ins(tokenizer, template, messages)
+    if swap:
+        shown = []
+        for m in messages:
+            m = dict(m)
+            if isinstance(m.get("content"), str):
+                for text, stand_in in swap.items():       # longest first
+                    m["content"] = m["content"].replace(text, stand_in)
+            shown.append(m)
+        messages = shown
+    text = chat_prompt_text(tokenizer, template, messages)
+    return ChatPrompt(text, {stand_in: text for text, stand_in in swap.items()})
+
+
 def chat_prompt_ids(tokenizer: Tokenizer, template: str | None,
-                    messages: Sequence[Mapping[str, str]]) -> list[int]:
+                    messages: Sequence[Mapping[str, str]], content_special: bool = False
+                    ) -> list[int]:
     """Messages rendered with `template`, tokenized as prompt text is (special tokens parsed,
     BOS/EOS where the metadata adds them), with llama.cpp's ids for the same text.
 
@@ -74,13 +143,14 @@ def chat_prompt_ids(tokenizer: Tokenizer, template: str | None,
     is `<|im_start|>` (add_bos_token false), which opens every turn, so its render keeps it and
     encodes it as token 1. Only where the tokenizer adds BOS itself (Gemma) is a leading
     `bos_token` text dropped, so the prompt gets one BOS; a trailing `eos_token` likewise.
+    Control-token text inside message content stays text unless `content_special`.
     """
-    return tokenizer.encode(chat_prompt_text(tokenizer, template, messages), parse_special=True)
+    return chat_prompt(tokenizer, template, messages, content_special).ids(tokenizer)
 
 
 def chat_prompt_text(tokenizer: Tokenizer, template: str | None,
                      messages: Sequence[Mapping[str, str]]) -> str:
-    """The text chat_prompt_ids tokenizes (the server checks its length before tokenizing)."""
+    """The rendered text (content as given), after the BOS/EOS the tokenizer adds itself."""
     if template is None:
         raise missing_template()
     tok = tokenizer

@@ -216,9 +216,16 @@ class Tokenizer:
             raise ValueError(f"token id {tid} outside the vocabulary [0, {self.vocab_size})")
 
     # ---- encode
+    def control_texts(self) -> tuple[str, ...]:
+        """The texts `parse_special` turns into control (or unknown) tokens, longest first."""
+        return tuple(piece for piece, _, control_like in self._specials if control_like)
+
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = False,
-               add_eos: bool | None = None) -> list[int]:
-        """Token ids of `text`. add_bos/add_eos None: as the metadata says."""
+               add_eos: bool | None = None, literals: Mapping[str, str] | None = None
+               ) -> list[int]:
+        """Token ids of `text`. add_bos/add_eos None: as the metadata says. `literals` maps
+        stand-ins to the text they stand for, put back after special tokens were cut out:
+        a stand-in's text is tokenized as text, never as a special token."""
         if self._hf is None:
             raise InvalidRequestError(
                 "input.text", "this model has no vocabulary (tokenizer.ggml.model 'none'); "
@@ -234,6 +241,8 @@ class Tokenizer:
                 ids.append(frag)
                 prev_special = True
                 continue
+            for stand_in, literal in (literals or {}).items():
+                frag = frag.replace(stand_in, literal)
             if self.kind is VocabKind.SPM:
                 if self.add_space_prefix and prev_special:
                     frag = " " + frag

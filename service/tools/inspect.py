@@ -12,7 +12,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from service.errors import ModelFormatError
 from service.gguf.reader import GGUFFile
+from service.model.spec import ModelSpec
 
 MAX_STRING_CHARS = 72            # longer strings are cut and their length shown
 KEY_WIDTH = 44
@@ -95,6 +97,16 @@ def _tensor_lines(g: GGUFFile) -> tuple[list[str], int]:
     return lines, params
 
 
+def serving_problem(g: GGUFFile) -> str | None:
+    """Why `generate` and `serve` would refuse this file's hyperparameters (the same check,
+    ModelSpec.from_gguf, first problem), or None."""
+    try:
+        ModelSpec.from_gguf(g)
+    except ModelFormatError as exc:
+        return str(exc).removeprefix(f"{g.path}: ")
+    return None
+
+
 def describe(path: str | os.PathLike) -> str:
     """A multi-line summary of the GGUF file at `path` (raises ModelFormatError if unreadable)."""
     g = GGUFFile(path)
@@ -115,6 +127,9 @@ def describe(path: str | os.PathLike) -> str:
         f"hyperparameters ({arch_prefix or '?'}*)",
         *(_kv_lines(hyper) or ["  none"]),
         "",
+        "serving check",
+        f"  {'hyperparameters and tensors':<{KEY_WIDTH}} {_verdict(serving_problem(g))}",
+        "",
         *_tokenizer_lines(g),
         "",
         "other metadata",
@@ -123,3 +138,7 @@ def describe(path: str | os.PathLike) -> str:
         *tensor_lines,
     ]
     return "\n".join(lines)
+
+
+def _verdict(problem: str | None) -> str:
+    return "ok" if problem is None else f"refused: {problem}"

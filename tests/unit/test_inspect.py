@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -63,3 +64,31 @@ def test_describe_refuses_garbage(tmp_path):
     p.write_bytes(b"not a gguf file at all")
     with pytest.raises(ModelFormatError, match="bad magic"):
         describe(p)
+
+
+def write_llama(path: Path, **overrides: int) -> Path:
+    """A llama GGUF with the hyperparameters `overrides` changes (tensors left out)."""
+    values = {"block_count": 2, "context_length": 64, "embedding_length": 8,
+              "feed_forward_length": 16, "attention.head_count": 2}
+    values.update(overrides)
+    with gguf_writer(path, "llama") as w:
+        for key, value in values.items():
+            w.add_uint32(f"llama.{key}", value)
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([f"tok{i:04d}" for i in range(64)])
+        w.add_tensor("token_embd.weight", np.zeros((64, 8), np.float32))
+    return path
+
+
+@pytest.mark.parametrize("key, value", [
+    ("block_count", 2**31), ("context_length", 2**31), ("embedding_length", 0)])
+def test_inspect_flags_impossible_hyperparameters(tmp_path, capsys, key, value):
+    from tests.support.cli import run_cli
+
+    good = describe(model_path("tiny-llama-mixq"))
+    assert re.search(r"serving check\n  hyperparameters and tensors +ok\n", good)
+    path = write_llama(tmp_path / "bad.gguf", **{key: value})
+    text = describe(path)
+    assert f"llama.{key}" in text.split("serving check")[1]
+    code, out, _ = run_cli(capsys, "inspect", str(path))
+    assert code == 1 and "refused" in out

@@ -5,7 +5,7 @@ bench/, and the layers each layer may import.
     cli -> tools -> engine, model, backends, gguf                   (nothing else imports tools)
     server, clients -> protos                                       (clients: nothing else)
     config -> leaves; engine and above -> config
-    leaves (errors, formats, chat_templates, the package itself) -> leaves
+    leaves (errors, formats, chat_templates, credentials, the package itself) -> leaves
     bench -> anything but tests/
 
 Every import statement counts, at module level or inside a function (or under TYPE_CHECKING),
@@ -30,8 +30,8 @@ GENERATED = ROOT / "service" / "proto"          # protoc's output, gitignored
 #         the layers its modules may import)
 BELOW_ENGINE = {"model", "backends", "gguf", "leaf"}
 LAYERS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
-    "leaf": (("service", "service.errors", "service.formats", "service.chat_templates"),
-             frozenset({"leaf"})),
+    "leaf": (("service", "service.errors", "service.formats", "service.chat_templates",
+              "service.credentials"), frozenset({"leaf"})),
     "config": (("service.config", "service.config.*"), frozenset({"config", "leaf"})),
     "protos": (("service.proto", "service.proto.*", "service.proto_build"),
                frozenset({"protos"})),

@@ -55,17 +55,27 @@ def _dry_run(*args: str) -> str:
     return r.stdout.replace("\\\n", " ")
 
 
-def test_make_serve_passes_port_metrics_port_and_host():
-    serve = [line for line in _dry_run("serve", "PORT=6001", "METRICS_PORT=6002",
-                                       "METRICS_HOST=127.0.0.1").splitlines()
-             if " serve " in line]
+def _serve_flags(*make_args: str) -> dict[str, str]:
+    serve = [line for line in _dry_run("serve", *make_args).splitlines() if " serve " in line]
     assert len(serve) == 1, serve
     argv = shlex.split(serve[0])
     assert argv[0].endswith(".venv/bin/specstream")
-    pairs = dict(zip(argv[3::2], argv[4::2], strict=False))
+    return dict(zip(argv[3::2], argv[4::2], strict=False))
+
+
+def test_make_serve_passes_port_metrics_port_and_host():
+    pairs = _serve_flags("PORT=6001", "METRICS_PORT=6002", "METRICS_HOST=0.0.0.0",
+                         "HOST=0.0.0.0", "SERVE_ARGS=--plaintext true")
     assert pairs["--port"] == "6001"
     assert pairs["--metrics-port"] == "6002"
-    assert pairs["--metrics-host"] == "127.0.0.1"
+    assert pairs["--metrics-host"] == "0.0.0.0"
+    assert pairs["--host"] == "0.0.0.0"
+    assert pairs["--plaintext"] == "true"
+
+
+def test_make_serve_binds_this_machine_only_by_default():
+    pairs = _serve_flags()
+    assert (pairs["--host"], pairs["--metrics-host"]) == ("127.0.0.1", "127.0.0.1")
 
 
 # ------------------------------------------------------------------ README and docs/
@@ -105,5 +115,14 @@ def test_readme_is_the_front_door():
 
 
 def test_readme_documents_the_make_serve_variables():
-    for var in ("PORT=", "METRICS_PORT=", "METRICS_HOST="):
+    for var in ("PORT=", "METRICS_PORT=", "METRICS_HOST=", "HOST="):
         assert f"make serve {var}" in README or re.search(rf"make serve [^`\n]*{var}", README)
+
+
+def test_make_serve_logs_in_one_format():
+    """Every line `make serve` logs comes from one process configured once: the server
+    fetches its model itself (JSON log lines), no separate `models fetch` logging console text
+    first."""
+    commands = [line for line in _dry_run("serve").splitlines()
+                if ".venv/bin/specstream " in line]
+    assert len(commands) == 1 and " serve " in commands[0], commands
