@@ -59,6 +59,8 @@ _HELP = {
     "min_ping_interval_s": "client pings closer than this count as abuse (GOAWAY)",
     "max_connection_age_s": "GOAWAY connections older than this, for rebalancing (0 = never)",
     "stream_buffer": "events held per stream before pending Deltas are merged",
+    "vllm_engine": "also serve the vLLM engine protocol (vllm.grpc.engine.VllmEngine) on the "
+                   "same port, for the SMG gateway (docs/scale-out.md)",
     "log_level": "debug, info, warning or error",
     "log_format": "json or console",
     "kv_cache_type_k": "KV cache element type of keys (supported pairs below)",
@@ -183,6 +185,8 @@ def build_serve_parser() -> argparse.ArgumentParser:
                    help="the same as --cuda-graphs false")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const",
                    const="false", help="the same as --prefix-cache false")
+    p.add_argument("--no-vllm-engine", dest="vllm_engine", action="store_const",
+                   const="false", help="the same as --vllm-engine false")
     return p
 
 

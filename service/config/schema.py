@@ -186,6 +186,7 @@ class ServerConfig:
     min_ping_interval_s: float = 10.0  # client pings closer together than this count as abuse
     max_connection_age_s: float = 0.0  # > 0: GOAWAY after this long, so load balancers rebalance
     stream_buffer: int = 64          # events held per stream before pending deltas are merged
+    vllm_engine: bool = True         # also serve vllm.grpc.engine.VllmEngine (docs/scale-out.md)
     log_level: str = "info"
     log_format: str = "json"
 
