@@ -109,6 +109,8 @@ class VllmEngineServicer:
         engine = state.require_engine(admitting=True)
         self._last_receive = time.time()
         pb = vllm_engine_pb2
+        log.debug("vllm_generate", stream=request.stream,
+                  sampling=str(request.sampling_params).replace("\n", " "))
         reqs = await requests_from_proto(state, engine, request)
         rid, stream = request.request_id, request.stream
         chosen_only = request.sampling_params.HasField("logprobs") and \
@@ -191,7 +193,7 @@ class VllmEngineServicer:
         return vllm_engine_pb2.GetModelInfoResponse(
             model_path=str(info.path), is_generation=True, max_context_length=int(info.n_ctx),
             vocab_size=int(info.vocab_size), supports_vision=False,
-            served_model_name=info.name, tokenizer_path=str(export.folder),
+            served_model_name=Path(info.path).stem, tokenizer_path=str(export.folder),
             model_type=str(info.architecture), architectures=[str(info.architecture)],
             eos_token_ids=sorted(int(i) for i in info.eog_ids),
             pad_token_id=-1, bos_token_id=tok.bos_id if tok.bos_id is not None else -1,

@@ -1,0 +1,156 @@
+"""Scale-out behind the real SMG gateway (PyPI `smg`): three CPU workers (SmolLM2) behind
+`smg launch` on 127.0.0.1, spoken to through its OpenAI-compatible HTTP front.
+
+The gateway registers each worker over the vLLM engine protocol (service/vllm_service.py),
+loads the tokenizer folder the workers advertise (nothing from the hub: HF_HUB_OFFLINE), renders
+chat and tokenizes itself, and routes round robin. Checked: completions and chat, streamed and
+not, give the text and token counts of specstream's own Generate for the same input; a worker
+killed between requests is failed over; a draining worker gets no new requests.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+import pytest
+from smg_grpc_proto import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from clients import SpecstreamClient
+from tests.support.models import model_path
+from tests.support.smg_gateway import Gateway, Worker, smg_unusable
+
+pytestmark = pytest.mark.slow
+
+WORKER_FLAGS = ["--backend", "cpu", "--n-ctx", "512", "--n-slots", "4", "--threads", "1",
+                "--drain-delay", "120", "--log-level", "info"]
+GATEWAY_FLAGS = ["--policy", "round_robin", "--health-check-interval-secs", "1",
+                 "--health-failure-threshold", "1", "--health-success-threshold", "1",
+                 "--log-level", "info"]
+MODEL = "smollm2-135m"
+PROMPT = "The capital of France is"
+CHAT = [{"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Name a primary color."}]
+N_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = smg_unusable()
+    if why is not None:
+        pytest.skip(why)
+    path = str(model_path("smollm2"))
+    logs = tmp_path_factory.mktemp("smg")
+    workers: list[Worker] = []
+    gateway = None
+    try:
+        # the first worker alone fills the numba cache; the others only read it
+        workers.append(Worker(path, logs / "worker-a.log", WORKER_FLAGS))
+        workers[0].wait_serving()
+        workers += [Worker(path, logs / f"worker-{n}.log", WORKER_FLAGS) for n in "bc"]
+        for w in workers[1:]:
+            w.wait_serving()
+        gateway = Gateway([w.url for w in workers], logs / "gateway.log", GATEWAY_FLAGS)
+        gateway.wait_healthy(len(workers))
+        yield gateway, workers
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for w in workers:
+            w.stop()
+
+
+def own_generate(worker: Worker, **kw):
+    """specstream's own Generate (greedy, N_TOKENS) on `worker`."""
+    with SpecstreamClient(worker.target, timeout=120) as client:
+        return client.complete(temperature=0.0, max_new_tokens=N_TOKENS, **kw)
+
+
+def completion(gateway: Gateway, stream: bool, **extra) -> tuple[str, str, dict]:
+    """(text, finish_reason, usage) of one greedy OpenAI completion through the gateway."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": N_TOKENS, "temperature": 0,
+            "stream": stream, **extra}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+        events = gateway.post("/v1/completions", body)
+        text = "".join(c["text"] for e in events for c in e.get("choices", ()))
+        reason = [c["finish_reason"] for e in events for c in e.get("choices", ())
+                  if c.get("finish_reason")]
+        usage = next(e["usage"] for e in reversed(events) if e.get("usage"))
+        return text, reason[-1], usage
+    out = gateway.post("/v1/completions", body)
+    return out["choices"][0]["text"], out["choices"][0]["finish_reason"], out["usage"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_completions_give_the_tokens_of_own_generate(cluster, stream):
+    gateway, workers = cluster
+    own = own_generate(workers[0], prompt=PROMPT)
+    assert own.finish_reason == "LENGTH" and len(own.token_ids) == N_TOKENS
+    for _ in range(len(workers)):            # round robin: every worker answers once
+        text, reason, usage = completion(gateway, stream)
+        assert text == own.text
+        assert reason == "length"
+        assert usage["prompt_tokens"] == own.prompt_tokens
+        assert usage["completion_tokens"] == len(own.token_ids)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_chat_gives_the_tokens_of_own_generate(cluster, stream):
+    gateway, workers = cluster
+    own = own_generate(workers[1], chat=CHAT)
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": N_TOKENS, "temperature": 0,
+            "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+        events = gateway.post("/v1/chat/completions", body)
+        text = "".join(c["delta"].get("content") or "" for e in events
+                       for c in e.get("choices", ()))
+        usage = next(e["usage"] for e in reversed(events) if e.get("usage"))
+    else:
+        out = gateway.post("/v1/chat/completions", body)
+        text, usage = out["choices"][0]["message"]["content"], out["usage"]
+    # the gateway rendered the template and tokenized: same prompt ids, same output
+    assert usage["prompt_tokens"] == own.prompt_tokens
+    assert usage["completion_tokens"] == len(own.token_ids)
+    assert text == own.text
+
+
+def test_a_worker_killed_between_requests_is_failed_over(cluster):
+    gateway, workers = cluster
+    expected, _, _ = completion(gateway, False)
+    victim = workers[2]
+    victim.signal(signal.SIGKILL)
+    victim.proc.wait(30)
+    # at once, before a health check can notice: round robin sends some of these to the dead
+    # worker, and the gateway retries them elsewhere
+    for _ in range(4):
+        text, reason, _ = completion(gateway, False)
+        assert (text, reason) == (expected, "length")
+    # and it did: an attempt met the dead worker's closed port
+    log = gateway.log.read_text()
+    assert f"127.0.0.1:{victim.port}" in log and "connect" in log
+
+
+def test_a_draining_worker_gets_no_new_requests(cluster):
+    gateway, workers = cluster
+    live, draining = workers[0], workers[1]
+    if workers[2].proc.poll() is None:       # run alone: take the third worker out first
+        workers[2].signal(signal.SIGKILL)
+    before = live.rpcs("Generate")
+    draining.signal(signal.SIGTERM)          # --drain-delay 120: unhealthy, still answering
+    deadline = time.monotonic() + 30
+    while not any(e.get("event") == "draining" for e in draining.events()):
+        assert time.monotonic() < deadline, "the worker never started draining"
+        time.sleep(0.1)
+    with grpc.insecure_channel(draining.target) as channel:
+        health = vllm_engine_pb2_grpc.VllmEngineStub(channel).HealthCheck(
+            vllm_engine_pb2.HealthCheckRequest(), timeout=10)
+    assert not health.healthy and "draining" in health.message
+    gateway.wait_healthy(1, timeout=30)
+    for _ in range(4):
+        text, reason, _ = completion(gateway, False)
+        assert reason == "length" and text
+    assert draining.rpcs("Generate", after="draining") == 0
+    assert live.rpcs("Generate") == before + 4
