@@ -2,7 +2,7 @@
 `smg launch` on 127.0.0.1, spoken to through its OpenAI-compatible HTTP front.
 
 The gateway registers each worker over the vLLM engine protocol (service/vllm_service.py),
-loads the tokenizer folder the workers advertise (nothing from the hub: HF_HUB_OFFLINE), renders
+loads the tokenizer folder the workers advertise (from disk, nothing from the hub), renders
 chat and tokenizes itself, and routes round robin. Checked: completions and chat, streamed and
 not, give the text and token counts of specstream's own Generate for the same input; a worker
 killed between requests is failed over; a draining worker gets no new requests.
