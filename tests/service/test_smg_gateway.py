@@ -10,8 +10,11 @@ killed between requests is failed over; a draining worker gets no new requests.
 
 from __future__ import annotations
 
+import http.client
+import json
 import signal
 import time
+import urllib.error
 
 import grpc
 import pytest
@@ -115,6 +118,31 @@ def test_chat_gives_the_tokens_of_own_generate(cluster, stream):
     assert usage["prompt_tokens"] == own.prompt_tokens
     assert usage["completion_tokens"] == len(own.token_ids)
     assert text == own.text
+
+
+def test_a_refused_field_reaches_the_client_by_name(cluster):
+    gateway, _ = cluster
+    with pytest.raises(urllib.error.HTTPError) as err:
+        completion(gateway, False, frequency_penalty=0.5)
+    assert err.value.code == 400
+    assert "sampling_params.frequency_penalty" in err.value.read().decode()
+
+
+def test_a_client_that_leaves_aborts_its_request_on_the_worker(cluster):
+    gateway, workers = cluster
+    aborts = sum(w.rpcs("Abort") for w in workers)
+    conn = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True,
+         "temperature": 0, "stream": True}), {"content-type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.fp.readline()     # the stream has begun
+    conn.sock.close()
+    conn.close()
+    deadline = time.monotonic() + 30
+    while sum(w.rpcs("Abort") for w in workers) == aborts:
+        assert time.monotonic() < deadline, "no Abort reached a worker"
+        time.sleep(0.1)
 
 
 def test_a_worker_killed_between_requests_is_failed_over(cluster):
