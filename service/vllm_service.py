@@ -120,6 +120,7 @@ class VllmEngineServicer:
         handles: list[Any] = []
         self._live[rid] = handles
         done = [False] * len(reqs)
+        state.metrics.streams.inc()      # the request metrics count both protocols' requests
         try:
             for r, b in zip(reqs, buffers, strict=True):
                 handles.append(engine.submit(r, b.sink))
@@ -143,10 +144,11 @@ class VllmEngineServicer:
                         deltas[i].append(event)
                 else:
                     done[i] = True
-                    await context.write(pb.GenerateResponse(
-                        complete=self._complete(pb, event, ids[i], deltas[i], i, stream,
-                                                chosen_only)))
+                    msg = self._complete(pb, event, ids[i], deltas[i], i, stream, chosen_only)
+                    state.metrics.observe_finished(event, buffers[i].merged)
+                    await context.write(pb.GenerateResponse(complete=msg))
         finally:
+            state.metrics.streams.dec()
             self._live.pop(rid, None)
             for h, finished in zip(handles, done, strict=False):
                 if not finished:     # cancel, deadline, Abort, broken connection, shutdown

@@ -247,3 +247,14 @@ def test_the_service_can_be_turned_off(engine):
             vllm_engine_pb2_grpc.VllmEngineStub(channel).HealthCheck(pb.HealthCheckRequest(),
                                                                      timeout=10)
     assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_requests_through_the_protocol_are_counted_in_the_metrics(server, vllm, engine):
+    from tests.service.test_grpc_metrics_clients import scrape, value
+
+    before = value(scrape(server), "specstream_completion_tokens_total")
+    gen(vllm, prompt_ids(engine), temperature=0.0, max_tokens=5, ignore_eos=True, n=2)
+    after = scrape(server)
+    assert value(after, "specstream_completion_tokens_total") - before == 10
+    assert value(after, "specstream_rpcs_total",
+                 'code="OK",method="/vllm.grpc.engine.VllmEngine/Generate"') >= 1
