@@ -48,11 +48,9 @@ def cluster(tmp_path_factory):
     workers: list[Worker] = []
     gateway = None
     try:
-        # the first worker alone fills the numba cache; the others only read it
-        workers.append(Worker(path, logs / "worker-a.log", WORKER_FLAGS))
-        workers[0].wait_serving()
-        workers += [Worker(path, logs / f"worker-{n}.log", WORKER_FLAGS) for n in "bc"]
-        for w in workers[1:]:
+        # each worker compiles (if it must) into a numba cache of its own
+        workers = [Worker(path, logs / f"worker-{n}.log", WORKER_FLAGS) for n in "abc"]
+        for w in workers:
             w.wait_serving()
         gateway = Gateway([w.url for w in workers], logs / "gateway.log", GATEWAY_FLAGS)
         gateway.wait_healthy(len(workers))

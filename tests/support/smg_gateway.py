@@ -4,8 +4,10 @@ workers and gateway run as subprocesses on 127.0.0.1, each logging to a file the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -44,17 +46,35 @@ def smg_unusable() -> str | None:
     return None
 
 
+KERNELS = ROOT / "service" / "backends" / "cpu"      # the numba-cached kernels' package
+
+
+def private_numba_cache(directory: Path) -> Path:
+    """A numba cache of one worker's own: `directory`, seeded with a copy of this checkout's
+    cached CPU kernels where there are some. Workers compiling at once into one cache corrupt
+    it (a corrupted cache computes wrong numbers in every later run of the checkout); with a
+    cache each, no file has two writers and the checkout's own cache is only read."""
+    # numba's layout for NUMBA_CACHE_DIR: <dir>/<parent dir name>_<sha1 of the source dir>/
+    sub = directory / f"{KERNELS.name}_{hashlib.sha1(str(KERNELS).encode()).hexdigest()}"
+    sub.mkdir(parents=True, exist_ok=True)
+    for f in (KERNELS / "__pycache__").glob("*.nb[ic]"):
+        shutil.copy2(f, sub / f.name)
+    return directory
+
+
 class Worker:
-    """`specstream serve MODEL ARGS` on 127.0.0.1 and a free port; JSON log in `log`."""
+    """`specstream serve MODEL ARGS` on 127.0.0.1 and a free port, with a numba cache of its
+    own (private_numba_cache); JSON log in `log`."""
 
     def __init__(self, model: str, log: Path, args: list[str]) -> None:
         self.log = log
         self._out = log.open("w")
+        cache = private_numba_cache(log.with_suffix(".numba"))
         self.proc = subprocess.Popen(
             [specstream_bin(), "serve", model, "--host", "127.0.0.1", "--port", "0",
              "--metrics-port", "-1", *args],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self._out, text=True,
-            env=specstream_env())
+            env=specstream_env({"NUMBA_CACHE_DIR": str(cache)}))
         self.port = 0
 
     def events(self) -> list[dict[str, Any]]:
