@@ -41,6 +41,7 @@ from smg_grpc_proto.generated import common_pb2
 from service import __version__
 from service.engine.kv_events import KvEvent
 from service.engine.types import Delta, Finished, FinishReason, Started
+from service.errors import InvalidRequestError
 from service.model.hf_export import ModelFacts, tokenizer_files, zip_files
 from service.server_generate import EventBuffer
 from service.vllm_requests import (
@@ -97,7 +98,11 @@ class VllmEngineServicer:
         self._export: TokenizerExport | None = None
         self._export_lock = asyncio.Lock()
 
-    async def _tokenizer(self, engine: Any) -> TokenizerExport:
+    async def _tokenizer(self, engine: Any) -> TokenizerExport | None:
+        """The export, made on first use; None for a model without a vocabulary (token ids
+        only: a gateway has nothing to tokenize with)."""
+        if not engine.tokenizer.can_encode:
+            return None
         async with self._export_lock:
             if self._export is None:
                 self._export = await self._state.off_loop(TokenizerExport, engine)
@@ -195,7 +200,8 @@ class VllmEngineServicer:
         return vllm_engine_pb2.GetModelInfoResponse(
             model_path=str(info.path), is_generation=True, max_context_length=int(info.n_ctx),
             vocab_size=int(info.vocab_size), supports_vision=False,
-            served_model_name=Path(info.path).stem, tokenizer_path=str(export.folder),
+            served_model_name=Path(info.path).stem,
+            tokenizer_path=str(export.folder) if export is not None else "",
             model_type=str(info.architecture), architectures=[str(info.architecture)],
             eos_token_ids=sorted(int(i) for i in info.eog_ids),
             pad_token_id=-1, bos_token_id=tok.bos_id if tok.bos_id is not None else -1,
@@ -244,6 +250,9 @@ class VllmEngineServicer:
     async def GetTokenizer(self, request: Any, context: grpc.aio.ServicerContext
                            ) -> AsyncIterator[Any]:
         export = await self._tokenizer(self._state.require_engine())
+        if export is None:
+            raise InvalidRequestError("request", "this model has no vocabulary to export",
+                                      reason="FAILED_PRECONDITION")
         common = common_pb2
         data = export.archive
         for start in range(0, len(data), CHUNK_BYTES):

@@ -258,3 +258,20 @@ def test_requests_through_the_protocol_are_counted_in_the_metrics(server, vllm, 
     assert value(after, "specstream_completion_tokens_total") - before == 10
     assert value(after, "specstream_rpcs_total",
                  'code="OK",method="/vllm.grpc.engine.VllmEngine/Generate"') >= 1
+
+
+def test_a_model_without_vocabulary_advertises_no_tokenizer():
+    """Token ids only (the tiny fixtures): GetModelInfo names no folder, GetTokenizer is a
+    failed precondition, Generate on ids still works."""
+    from tests.support.engines import running_engine
+    from tests.support.grpc_harness import TEST_ENGINE
+
+    with running_engine("tiny-llama-mixq", config=TEST_ENGINE) as tiny, \
+            serving(tiny) as (srv, _), grpc.insecure_channel(srv.target) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).tokenizer_path == ""
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=30))
+        assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        out = gen(stub, [1, 2, 3], temperature=0.0, max_tokens=3, ignore_eos=True)
+        assert len(out[-1].complete.output_ids) == 3
