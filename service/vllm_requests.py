@@ -3,7 +3,9 @@ engine's events as the protocol's responses.
 
 Every request field is mapped or refused with INVALID_ARGUMENT naming it; none is dropped:
 
-    tokenized.input_ids | text       the prompt (text is tokenized as Generate's text input)
+    tokenized.input_ids | text       the prompt (text is tokenized as Generate's text input);
+                                     ids get a leading BOS where the vocabulary adds one and
+                                     they lack it (ServerConfig.vllm_add_bos, on by default)
     sampling_params.temperature      temperature (unset: ours, 0.8); 0 = greedy
     .top_p .top_k .min_p             as ours; proto3 zeros: top_p 0 = 1 (off), top_k 0 = off,
     .repetition_penalty              min_p 0 = off, repetition_penalty 0 = 1 (off)
@@ -14,7 +16,8 @@ Every request field is mapped or refused with INVALID_ARGUMENT naming it; none i
     .n                               n samples (0 = 1), each its own engine request with seed
                                      seed + i when a seed is given; responses carry `index`
     .logprobs                        N alternatives per token (0: the chosen token's only)
-    .truncate_prompt_tokens          keep the last N prompt tokens (-1: as many as fit)
+    .truncate_prompt_tokens          keep the last N prompt tokens (-1: as many as fit), before
+                                     the BOS above
     .skip_special_tokens .spaces_between_special_tokens .include_stop_str_in_output
                                      text options: this protocol returns token ids only, and
                                      the gateway detokenizes with them, so there is no text
@@ -114,12 +117,13 @@ def sampling_of(sp: Any) -> SamplingParams:
         seed=sp.seed if sp.HasField("seed") else None)
 
 
-def _truncate(ids: tuple[int, ...], sp: Any, n_ctx: int) -> tuple[int, ...]:
+def _truncate(ids: tuple[int, ...], sp: Any, room: int) -> tuple[int, ...]:
+    """The last truncate_prompt_tokens ids (-1: `room`, as many as leave a token to generate)."""
     if not sp.HasField("truncate_prompt_tokens"):
         return ids
     keep = sp.truncate_prompt_tokens
     if keep == -1:
-        keep = n_ctx - 1
+        keep = room
     if keep < 1:
         raise InvalidRequestError(f"{SP}.truncate_prompt_tokens",
                                   f"must be -1 or >= 1, got {sp.truncate_prompt_tokens}")
@@ -138,7 +142,12 @@ async def prompt_of(state: ServingState, engine: Any, msg: Any) -> tuple[int, ..
                                       exc.reason) from exc
     else:
         raise InvalidRequestError("input", "set tokenized.input_ids or text")
-    return _truncate(ids, msg.sampling_params, engine.config.n_ctx)
+    tok = engine.tokenizer
+    bos = (which == "tokenized" and state.server_config.vllm_add_bos and tok.add_bos
+           and tok.bos_id is not None and ids[:1] != (tok.bos_id,))
+    ids = _truncate(ids, msg.sampling_params, engine.config.n_ctx - 1 - bos)
+    # what the own text path and llama.cpp give this model
+    return (tok.bos_id, *ids) if bos and ids[:1] != (tok.bos_id,) else ids
 
 
 async def requests_from_proto(state: ServingState, engine: Any, msg: Any

@@ -61,6 +61,9 @@ _HELP = {
     "stream_buffer": "events held per stream before pending Deltas are merged",
     "vllm_engine": "also serve the vLLM engine protocol (vllm.grpc.engine.VllmEngine) on the "
                    "same port, for the SMG gateway (docs/scale-out.md)",
+    "vllm_add_bos": "vLLM engine protocol: prepend BOS to a prompt that lacks it when the "
+                    "vocabulary adds one, as the own text input does (the SMG gateway tokenizes "
+                    "completion prompts without special tokens)",
     "log_level": "debug, info, warning or error",
     "log_format": "json or console",
     "kv_cache_type_k": "KV cache element type of keys (supported pairs below)",

@@ -180,3 +180,46 @@ def test_a_draining_worker_gets_no_new_requests(cluster):
         assert reason == "length" and text
     assert draining.rpcs("Generate", after="draining") == 0
     assert live.rpcs("Generate") == before + 4
+
+
+# ------------------------------------------------------------------------- a SentencePiece model
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """Gemma-3-270M (SentencePiece vocabulary, BOS added; no template of its own, the built-in
+    gemma one) behind its own gateway: the gateway tokenizes completion prompts without special
+    tokens and chat renders with the exported template's BOS."""
+    why = smg_unusable()
+    if why is not None:
+        pytest.skip(why)
+    path = str(model_path("gemma3"))
+    logs = tmp_path_factory.mktemp("smg-gemma")
+    worker = Worker(path, logs / "worker.log", [*WORKER_FLAGS, "--chat-template", "gemma"])
+    gateway = None
+    try:
+        worker.wait_serving()
+        gateway = Gateway([worker.url], logs / "gateway.log", GATEWAY_FLAGS)
+        gateway.wait_healthy(1)
+        yield gateway, worker
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        worker.stop()
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_sentencepiece_model_gives_the_tokens_of_own_generate(gemma, kind):
+    gateway, worker = gemma
+    if kind == "completion":
+        own = own_generate(worker, prompt=PROMPT)
+        out = gateway.post("/v1/completions", {"model": "gemma3-270m", "prompt": PROMPT,
+                                               "max_tokens": N_TOKENS, "temperature": 0})
+        text = out["choices"][0]["text"]
+    else:
+        own = own_generate(worker, chat=CHAT)
+        out = gateway.post("/v1/chat/completions", {"model": "gemma3-270m", "messages": CHAT,
+                                                    "max_tokens": N_TOKENS, "temperature": 0})
+        text = out["choices"][0]["message"]["content"]
+    # one BOS either way: the worker adds it to the completion's ids, the template writes it
+    assert out["usage"]["prompt_tokens"] == own.prompt_tokens
+    assert out["usage"]["completion_tokens"] == len(own.token_ids)
+    assert text == own.text
