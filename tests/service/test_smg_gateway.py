@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import signal
 import time
 import urllib.error
@@ -116,6 +117,29 @@ def test_chat_gives_the_tokens_of_own_generate(cluster, stream):
     assert usage["prompt_tokens"] == own.prompt_tokens
     assert usage["completion_tokens"] == len(own.token_ids)
     assert text == own.text
+
+
+def test_cache_aware_routing_follows_the_kv_events(cluster, tmp_path):
+    """A second gateway over the same workers, routing cache-aware: it subscribes to each
+    worker's KV events and routes requests sharing a prefix by the blocks a worker reported."""
+    _, workers = cluster
+    gateway = Gateway([w.url for w in workers], tmp_path / "cache-aware.log",
+                      ["--policy", "cache_aware", "--log-level", "debug"])
+    try:
+        gateway.wait_healthy(len(workers))
+        prefix = "Shared context, long enough to fill several KV blocks of sixteen tokens: " + \
+            " ".join(str(i) for i in range(60))
+        before = [w.rpcs("Generate") for w in workers]
+        for q in range(4):
+            gateway.post("/v1/completions", {"model": MODEL, "prompt": f"{prefix} Q{q}:",
+                                             "max_tokens": 2, "temperature": 0})
+        served = [w.rpcs("Generate") - b for w, b in zip(workers, before, strict=True)]
+        log = re.sub(r"\x1b\[[0-9;]*m", "", gateway.log.read_text())   # colour codes
+    finally:
+        gateway.stop()
+    assert sorted(served) == [0, 0, 4]                  # all on the worker holding the prefix
+    hits = re.findall(r'branch="event_hit" overlap_blocks=(\d+)', log)
+    assert hits and all(int(n) >= 4 for n in hits), "no routing decision from KV events"
 
 
 def test_a_refused_field_reaches_the_client_by_name(cluster):

@@ -137,7 +137,7 @@ class Gateway:
         self.port = free_port()
         self.log = log
         self._out = log.open("w")
-        env = {**os.environ, "NO_COLOR": "1"}        # plain log lines, for the test to read
+        env = {**os.environ, "NO_COLOR": "1"}
         self.proc = subprocess.Popen(
             [smg_bin(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
              "--prometheus-port", str(free_port()), "--prometheus-host", "127.0.0.1",
