@@ -119,6 +119,21 @@ def test_chat_gives_the_tokens_of_own_generate(cluster, stream):
     assert text == own.text
 
 
+def test_unset_sampling_fields_get_the_worker_defaults(cluster):
+    """A seeded request that sets no sampling field samples as specstream's own Generate does
+    with its defaults: the gateway filled them from GetModelInfo.default_sampling_params_json,
+    not from its own (top_p 1, top_k off, min_p 0)."""
+    gateway, workers = cluster
+    with SpecstreamClient(workers[0].target, timeout=120) as client:
+        own = client.complete(PROMPT, seed=7, max_new_tokens=N_TOKENS, ignore_eos=True)
+        plain = client.complete(PROMPT, seed=7, max_new_tokens=N_TOKENS, ignore_eos=True,
+                                top_k=0, top_p=1.0, min_p=0.0)
+    assert plain.text != own.text                  # the defaults matter for this seed
+    out = gateway.post("/v1/completions", {"model": MODEL, "prompt": PROMPT, "seed": 7,
+                                           "max_tokens": N_TOKENS, "ignore_eos": True})
+    assert out["choices"][0]["text"] == own.text
+
+
 def test_cache_aware_routing_follows_the_kv_events(cluster, tmp_path):
     """A second gateway over the same workers, routing cache-aware: it subscribes to each
     worker's KV events and routes requests sharing a prefix by the blocks a worker reported."""
