@@ -114,8 +114,6 @@ class VllmEngineServicer:
         engine = state.require_engine(admitting=True)
         self._last_receive = time.time()
         pb = vllm_engine_pb2
-        log.debug("vllm_generate", stream=request.stream,
-                  sampling=str(request.sampling_params).replace("\n", " "))
         reqs = await requests_from_proto(state, engine, request)
         rid, stream = request.request_id, request.stream
         chosen_only = request.sampling_params.HasField("logprobs") and \
