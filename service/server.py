@@ -5,6 +5,8 @@ The servicers are the only place that converts protobuf <-> domain types:
     server_orca.py       the ORCA load report a Generate call may ask for in its trailer
     server_config.py     ConfigService (GetModelInfo, GetConfig, ValidateConfig)
     server_requests.py   a GenerateRequest (or TokenizeRequest) as the engine's GenerationRequest
+    vllm_service.py      vllm.grpc.engine.VllmEngine (ServerConfig.vllm_engine), for the SMG
+                         gateway; its request mapping in vllm_requests.py
 One interceptor (service/interceptors.py) maps every exception to its status code.
 
     client --Generate--> GenerationServicer --submit(GenerationRequest, sink)--> Engine thread
@@ -121,6 +123,10 @@ def build_server(state: ServingState, auth: TokenAuthenticator | None = None
     pb.generation_pb2_grpc.add_GenerationServiceServicer_to_server(
         GenerationServicer(state), server)
     pb.config_pb2_grpc.add_ConfigServiceServicer_to_server(ConfigServicer(state), server)
+    if state.server_config.vllm_engine:     # the SMG gateway's protocol (docs/scale-out.md)
+        from service.vllm_service import add_vllm_engine
+
+        add_vllm_engine(state, server)
     health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
     if cfg.reflection:
         reflection.enable_server_reflection(

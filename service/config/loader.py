@@ -60,6 +60,11 @@ _HELP = {
     "min_ping_interval_s": "client pings closer than this count as abuse (GOAWAY)",
     "max_connection_age_s": "GOAWAY connections older than this, for rebalancing (0 = never)",
     "stream_buffer": "events held per stream before pending Deltas are merged",
+    "vllm_engine": "also serve the vLLM engine protocol (vllm.grpc.engine.VllmEngine) on the "
+                   "same port, for the SMG gateway (docs/scale-out.md)",
+    "vllm_add_bos": "vLLM engine protocol: prepend BOS to a prompt that lacks it when the "
+                    "vocabulary adds one, as the own text input does (the SMG gateway tokenizes "
+                    "completion prompts without special tokens)",
     "log_level": "debug, info, warning or error",
     "log_format": "json or console",
     "tls_cert_file": "PEM certificate chain: serve TLS (with --tls-key-file); reloaded on SIGHUP",
@@ -205,6 +210,8 @@ def build_serve_parser() -> argparse.ArgumentParser:
                    help="the same as --reflection false")
     p.add_argument("--no-config-rpcs", dest="config_rpcs", action="store_const",
                    const="false", help="the same as --config-rpcs false")
+    p.add_argument("--no-vllm-engine", dest="vllm_engine", action="store_const",
+                   const="false", help="the same as --vllm-engine false")
     return p
 
 

@@ -195,6 +195,8 @@ class ServerConfig:
     min_ping_interval_s: float = 10.0  # client pings closer together than this count as abuse
     max_connection_age_s: float = 0.0  # > 0: GOAWAY after this long, so load balancers rebalance
     stream_buffer: int = 64          # events held per stream before pending deltas are merged
+    vllm_engine: bool = True         # also serve vllm.grpc.engine.VllmEngine (docs/scale-out.md)
+    vllm_add_bos: bool = True        # ...and prepend BOS to its prompts where the vocab adds one
     log_level: str = "info"
     log_format: str = "json"
     tls_cert_file: str = ""          # PEM certificate chain; with tls_key_file: serve TLS only

@@ -42,6 +42,7 @@ from pathlib import Path
 import structlog
 
 from service.config import EngineConfig, step_budget
+from service.engine.kv_events import KvEventLog
 from service.engine.loader import ModelInfo, load_model, phase
 from service.engine.overlap import OverlappedDecode
 from service.engine.runner.model_runner import ModelRunner
@@ -119,8 +120,9 @@ class Engine:
         # workspace) and the fixed prefill chunk, under config.max_step_tokens
         rows, chunk = step_budget(config)
         cache = model.cache
+        self.kv_events = KvEventLog(cache.block_size)   # the prefix cache's changes
         pool = BlockPool(cache.n_blocks, cache.block_size, config.n_slots, cache.max_blocks,
-                         config.prefix_cache)
+                         config.prefix_cache, observer=self.kv_events)
         self.scheduler = Scheduler(KVManager(pool, config.n_slots), n_ctx=config.n_ctx,
                                    max_queue=config.max_queue, prefill_chunk=chunk,
                                    step_rows=min(rows, model.max_tokens, model.max_logits))

@@ -211,6 +211,17 @@ class Tokenizer:
         self._check(tid)
         return TokenAttr(self._attrs[tid] if self._attrs else 0)
 
+    def literal_tokens(self) -> tuple[tuple[str, int, bool], ...]:
+        """(text, id, special) of every token cut out of text before BPE: control and unknown
+        tokens (special: parsed only on request, hidden by skip_special) and user-defined ones
+        (always parsed, always shown). The HuggingFace export lists them as added tokens."""
+        return self._specials
+
+    def backend_json(self) -> str:
+        """The HuggingFace `tokenizers` model this vocabulary runs on (the BPE model and its
+        pre-tokenizer) as tokenizer.json text; '' without a vocabulary."""
+        return self._hf.to_str() if self._hf is not None else ""
+
     def _check(self, tid: int) -> None:
         if not 0 <= tid < self.vocab_size:
             raise ValueError(f"token id {tid} outside the vocabulary [0, {self.vocab_size})")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +59,7 @@ def block_hashes(tokens: Sequence[int], block_size: int, n_blocks: int,
 
 class BlockPool:
     def __init__(self, n_blocks: int, block_size: int, n_slots: int, max_blocks: int,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, observer: Any = None):
         if n_blocks < max_blocks:
             raise ValueError(f"{n_blocks} KV blocks cannot hold one full context "
                              f"({max_blocks} blocks of {block_size})")
@@ -74,6 +75,9 @@ class BlockPool:
         self.owned: dict[int, list[int]] = {}                        # slot -> its blocks
         self._hashes: dict[int, list[bytes]] = {}                    # slot -> hashed prefix
         self.hits = self.lookups = self.evictions = 0
+        # told of every block entered in and evicted from the prefix cache
+        # (service/engine/kv_events.py: stored(digest, parent digest, tokens), removed(digest))
+        self.observer = observer
 
     # ---------------------------------------------------------------- accounting
     @property
@@ -150,6 +154,10 @@ class BlockPool:
             if h not in self._by_hash and b not in self._hash_of:
                 self._by_hash[h] = b
                 self._hash_of[b] = h
+                if self.observer is not None:
+                    bs = self.block_size
+                    self.observer.stored(h, hashes[i - 1] if i else None,
+                                         tokens[i * bs:(i + 1) * bs])
         self._hashes[slot] = hashes
 
     # ---------------------------------------------------------------- allocation
@@ -174,8 +182,11 @@ class BlockPool:
         if self._free:
             return self._free.popleft()
         b, _ = self._lru.popitem(last=False)        # the least recently released cached block
-        del self._by_hash[self._hash_of.pop(b)]
+        h = self._hash_of.pop(b)
+        del self._by_hash[h]
         self.evictions += 1
+        if self.observer is not None:
+            self.observer.removed(h)
         return b
 
     def release(self, slot: int) -> None:

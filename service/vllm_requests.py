@@ -1,0 +1,217 @@
+"""A vLLM engine protocol GenerateRequest (vllm.grpc.engine) as the engine's requests, and the
+engine's events as the protocol's responses.
+
+Every request field is mapped or refused with INVALID_ARGUMENT naming it; none is dropped:
+
+    tokenized.input_ids | text       the prompt (text is tokenized as Generate's text input);
+                                     ids get a leading BOS where the vocabulary adds one and
+                                     they lack it (ServerConfig.vllm_add_bos, on by default)
+    sampling_params.temperature      temperature (unset: ours, 0.8); 0 = greedy
+    .top_p .top_k .min_p             as ours; proto3 zeros: top_p 0 = 1 (off), top_k 0 = off,
+    .repetition_penalty              min_p 0 = off, repetition_penalty 0 = 1 (off)
+    .max_tokens                      max_new_tokens (unset: up to the end of the context)
+    .stop .stop_token_ids            stop sequences and stop ids (the gateway also matches
+                                     stop strings in its own text; both stop at the same token)
+    .ignore_eos .seed                as ours (seed >= 0)
+    .n                               n samples (0 = 1), each its own engine request with seed
+                                     seed + i when a seed is given; responses carry `index`
+    .logprobs                        N alternatives per token (0: the chosen token's only)
+    .truncate_prompt_tokens          keep the last N prompt tokens (-1: as many as fit), before
+                                     the BOS above
+    .skip_special_tokens .spaces_between_special_tokens .include_stop_str_in_output
+                                     text options: this protocol returns token ids only, and
+                                     the gateway detokenizes with them, so there is no text
+                                     here for them to change
+    .grammar_from_first_token        where a constraint starts; constraints are refused
+    refused when set: min_tokens, frequency_penalty, presence_penalty, logit_bias,
+    prompt_logprobs, logprobs -1, every constraint (json_schema, regex, grammar,
+    structural_tag, json_object, choice), mm_inputs, extra_mm_inputs, media_refs,
+    kv_transfer_params(_json), data_parallel_rank other than 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from service.engine.spec.options import resolve as resolve_speculation
+from service.engine.types import (
+    MAX_TOP_LOGPROBS,
+    Delta,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    SpeculativeOptions,
+    StoppingCriteria,
+)
+from service.errors import InvalidRequestError
+from service.server_requests import encode_text
+
+if TYPE_CHECKING:
+    from service.server import ServingState
+
+MAX_N = 16                       # samples per request
+SP = "sampling_params"
+DEFAULTS = SamplingParams()
+# advertised in GetModelInfo.default_sampling_params_json, so a gateway fills what its client
+# left unset with these instead of its own
+DEFAULT_SAMPLING = {"temperature": DEFAULTS.temperature, "top_p": DEFAULTS.top_p,
+                    "top_k": DEFAULTS.top_k, "min_p": DEFAULTS.min_p,
+                    "repetition_penalty": DEFAULTS.repetition_penalty}
+# our validators' field names -> the protocol's
+_FIELD_NAMES = (("stopping.max_new_tokens", f"{SP}.max_tokens"),
+                ("stopping.stop_sequences", f"{SP}.stop"),
+                ("stopping.stop_token_ids", f"{SP}.stop_token_ids"),
+                ("output.top_logprobs", f"{SP}.logprobs"),
+                ("input.tokens.ids", "tokenized.input_ids"), ("input.text", "text"),
+                ("input", "tokenized.input_ids"), ("sampling.", f"{SP}."))
+_UNSUPPORTED_SCALARS = ("min_tokens", "frequency_penalty", "presence_penalty")
+_CONSTRAINTS = ("json_schema", "regex", "grammar", "structural_tag", "json_object", "choice")
+
+
+def protocol_field(field: str) -> str:
+    for ours, theirs in _FIELD_NAMES:
+        if field.startswith(ours):
+            return theirs + field[len(ours):]
+    return field
+
+
+def _refuse(field: str, why: str) -> InvalidRequestError:
+    return InvalidRequestError(field, why + "; this server does not support it")
+
+
+def check_request_fields(msg: Any) -> None:
+    """INVALID_ARGUMENT for the first field set that the engine cannot honour."""
+    for name in ("mm_inputs", "media_refs", "kv_transfer_params", "kv_transfer_params_json"):
+        if msg.HasField(name):
+            raise _refuse(name, "multimodal input and KV transfer are not served")
+    if len(msg.extra_mm_inputs):
+        raise _refuse("extra_mm_inputs", "multimodal input is not served")
+    if msg.HasField("data_parallel_rank") and msg.data_parallel_rank != 0:
+        raise _refuse("data_parallel_rank", "this server has one rank, 0")
+    sp = msg.sampling_params
+    for name in _UNSUPPORTED_SCALARS:
+        if getattr(sp, name):
+            raise _refuse(f"{SP}.{name}", f"{name} is {getattr(sp, name)}")
+    if len(sp.logit_bias):
+        raise _refuse(f"{SP}.logit_bias", "logit bias is not implemented")
+    if sp.HasField("prompt_logprobs"):
+        raise _refuse(f"{SP}.prompt_logprobs", "prompt log-probabilities are not computed")
+    which = sp.WhichOneof("constraint")
+    if which is not None:
+        raise _refuse(f"{SP}.{which}", "constrained decoding is not implemented")
+    if sp.HasField("logprobs") and sp.logprobs < 0:
+        raise _refuse(f"{SP}.logprobs", "log-probabilities of the whole vocabulary (-1)")
+    if sp.HasField("seed") and sp.seed < 0:
+        raise InvalidRequestError(f"{SP}.seed", f"must be >= 0, got {sp.seed}")
+    if sp.n > MAX_N:
+        raise InvalidRequestError(f"{SP}.n", f"at most {MAX_N} samples, got {sp.n}")
+
+
+def sampling_of(sp: Any) -> SamplingParams:
+    return SamplingParams(
+        temperature=sp.temperature if sp.HasField("temperature") else DEFAULTS.temperature,
+        top_p=sp.top_p or 1.0, top_k=sp.top_k, min_p=sp.min_p,
+        repetition_penalty=sp.repetition_penalty or 1.0,
+        seed=sp.seed if sp.HasField("seed") else None)
+
+
+def _truncate(ids: tuple[int, ...], sp: Any, room: int) -> tuple[int, ...]:
+    """The last truncate_prompt_tokens ids (-1: `room`, as many as leave a token to generate)."""
+    if not sp.HasField("truncate_prompt_tokens"):
+        return ids
+    keep = sp.truncate_prompt_tokens
+    if keep == -1:
+        keep = room
+    if keep < 1:
+        raise InvalidRequestError(f"{SP}.truncate_prompt_tokens",
+                                  f"must be -1 or >= 1, got {sp.truncate_prompt_tokens}")
+    return ids[-keep:]
+
+
+async def prompt_of(state: ServingState, engine: Any, msg: Any) -> tuple[int, ...]:
+    which = msg.WhichOneof("input")
+    if which == "tokenized":
+        ids = tuple(msg.tokenized.input_ids)
+    elif which == "text":
+        try:
+            ids = tuple(await state.off_loop(encode_text, engine, msg.text, None, True))
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(protocol_field(exc.field), str(exc).split(": ", 1)[-1],
+                                      exc.reason) from exc
+    else:
+        raise InvalidRequestError("input", "set tokenized.input_ids or text")
+    tok = engine.tokenizer
+    bos = (which == "tokenized" and state.server_config.vllm_add_bos and tok.add_bos
+           and tok.bos_id is not None and ids[:1] != (tok.bos_id,))
+    ids = _truncate(ids, msg.sampling_params, engine.config.n_ctx - 1 - bos)
+    # what the own text path and llama.cpp give this model
+    return (tok.bos_id, *ids) if bos and ids[:1] != (tok.bos_id,) else ids
+
+
+async def requests_from_proto(state: ServingState, engine: Any, msg: Any
+                              ) -> list[GenerationRequest]:
+    """The request's samples as engine requests (one unless n > 1), each checked as the
+    engine will check it, field names given as the protocol's."""
+    check_request_fields(msg)
+    sp = msg.sampling_params
+    prompt = await prompt_of(state, engine, msg)
+    sampling = sampling_of(sp)
+    n_ctx = engine.config.n_ctx
+    max_new = sp.max_tokens if sp.HasField("max_tokens") else max(1, n_ctx - len(prompt))
+    top = 0 if not sp.HasField("logprobs") else min(max(sp.logprobs, 1), MAX_TOP_LOGPROBS + 1)
+    base = GenerationRequest(
+        request_id=msg.request_id, prompt_ids=prompt, sampling=sampling,
+        stopping=StoppingCriteria(max_new_tokens=max_new, stop_sequences=tuple(sp.stop),
+                                  stop_token_ids=tuple(sp.stop_token_ids),
+                                  ignore_eos=sp.ignore_eos),
+        top_logprobs=top,
+        speculation=resolve_speculation(None, SpeculativeOptions(), engine.config,
+                                        engine.config.drafter != "none",
+                                        sampling.repetition_penalty))
+    try:
+        base.validate(engine.spec.vocab_size, n_ctx)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(protocol_field(exc.field), str(exc).split(": ", 1)[-1],
+                                  exc.reason) from exc
+    n = max(1, sp.n)
+    if n == 1:
+        return [base]
+    seeds = [None if sampling.seed is None else (sampling.seed + i) % 2**64 for i in range(n)]
+    return [replace(base, request_id=f"{base.request_id}-{i}",
+                    sampling=replace(sampling, seed=seeds[i])) for i in range(n)]
+
+
+# ------------------------------------------------------------------------- events -> proto
+def finish_reason(reason: FinishReason) -> str:
+    """vLLM's finish reasons: stop (an end token, stop id or stop string), length, abort."""
+    if reason in (FinishReason.LENGTH, FinishReason.CONTEXT_LIMIT):
+        return "length"
+    if reason is FinishReason.CANCELLED:
+        return "abort"
+    return "stop"
+
+
+def output_logprobs(pb: Any, delta: Delta, chosen_only: bool) -> Any:
+    """The protocol's OutputLogProbs of a Delta (logprobs 0: no alternatives)."""
+    lps = delta.logprobs
+    return pb.OutputLogProbs(
+        token_logprobs=[lp.logprob for lp in lps], token_ids=[lp.token_id for lp in lps],
+        top_logprobs=[pb.TopLogProbs(values=[] if chosen_only else [p for _, p in lp.top],
+                                     token_ids=[] if chosen_only else [t for t, _ in lp.top])
+                      for lp in lps])
+
+
+def complete_of(pb: Any, event: Finished, ids: list[int], index: int) -> Any:
+    msg = pb.GenerateComplete(
+        output_ids=ids, finish_reason=finish_reason(event.reason),
+        prompt_tokens=event.usage.prompt_tokens, completion_tokens=event.usage.completion_tokens,
+        cached_tokens=event.usage.cached_prompt_tokens, index=index,
+        spec_accepted_tokens=event.usage.accepted_draft_tokens,
+        spec_draft_tokens=event.usage.draft_tokens)
+    if isinstance(event.matched_stop, str):
+        msg.matched_stop_str = event.matched_stop
+    elif isinstance(event.matched_stop, int):
+        msg.matched_token_id = event.matched_stop
+    return msg
