@@ -15,11 +15,11 @@ from tests.support.batching import same_output, sampled, together
 pytestmark = pytest.mark.gpu
 
 
-def requests(stop_ids: list[int]) -> list[GenerationRequest]:
+def requests(stop_ids: list[int] | None = None) -> list[GenerationRequest]:
     out = []
     for i in range(6):
         sampling = SamplingParams(temperature=0.0) if i % 2 == 0 else sampled(i)
-        stops = (stop_ids[i],) if i < 3 else ()
+        stops = (stop_ids[i],) if stop_ids and i < 3 else ()
         out.append(GenerationRequest(
             f"o{i}", tuple(range(3 + i, 20 + 2 * i)), sampling,
             StoppingCriteria(max_new_tokens=12 + 5 * i, stop_token_ids=stops, ignore_eos=True),
@@ -40,7 +40,7 @@ def test_overlapped_loop_streams_what_the_one_step_loop_streams_on_cuda(model):
             return inner(inp, feed)
 
         on.runner.submit = submit
-        free, _ = together(off, requests([-1] * 6))
+        free, _ = together(off, requests())
         stop_ids = [r.token_ids[6] for r in free]          # each stops inside the overlap
         reqs = requests(stop_ids)
         got, _ = together(on, reqs)
