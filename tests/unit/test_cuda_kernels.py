@@ -184,6 +184,8 @@ def test_the_compile_check_fails_on_a_source_that_drifted_from_the_registry(nvrt
         'extern "C" __global__ void record_tokens(const int* ids, const int* slots,\n'
         '    const int* positions, int T, int n_slots, int n_ctx, int* hist) {}\n'
         'extern "C" __global__ void chosen_ids(const int* records, int ld, int* out) {}\n'
+        'extern "C" __global__ void feed_ids(const int* records, int ld, int L,\n'
+        '    const int* src, int T, int* ids) {}\n'
         'extern "C" __global__ void sample_rows(const float* logits, int ld, int V,\n'
         '    const int* params, const int* hist, int n_ctx, float* work, int* out) {}\n')
     report = cuda_check.check(nvrtc, ["sampling.cu"], tmp_path, io.StringIO())
