@@ -110,6 +110,7 @@ wheelhouse:
 	  --python-version $(GPU_PY) --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
 	  --platform manylinux_2_28_x86_64 --implementation cp \
 	  gguf structlog grpcio-health-checking grpcio-reflection grpcio-status prometheus-client \
+	  smg-grpc-proto \
 	  tokenizers jinja2 numba protobuf grpcio grpcio-tools pytest hypothesis
 
 clean:
