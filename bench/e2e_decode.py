@@ -8,8 +8,8 @@
   ceiling the engine loop is held to (CUDA only);
 - engine: `Engine.generate` of `--tokens` greedy tokens (speculation off, end token ignored)
   after a 16-token prompt (the server's default n_ctx, 4096), tok/s = 1000 /
-  Finished.timings.per_token_decode_ms, with the
-  overlapped loop (config `overlap`) and without it, alternating `--rounds` times;
+  Finished.timings.per_token_decode_ms, the best of `--rounds` runs, with the overlapped loop
+  (config `overlap` on) and without it (off);
 - grpc: the same request through the gRPC server (in this process, on a localhost socket) to
   a real client, tok/s over the tokens after the first as the client receives them;
 - default: the engine with the server's default speculation (n-gram drafter, verify width 4)

@@ -422,4 +422,3 @@ class Engine:
         T, L = len(tokens), len(rows)
         return self.runner.step(StepInput(tokens, range(start, start + T), [seq.slot] * T,
                                           range(T - L, T), rows))
-

@@ -3,9 +3,9 @@ plain step is submitted before the previous one is read back, its ids fed on the
 the previous step's choices. It must stream exactly what the one-step-at-a-time loop streams:
 the same ids, text, log-probabilities and finish reasons for greedy and seeded sampling (the
 penalty reading the token history), stops by token, by text and by length, alone and in a
-batch whose members finish at different steps; a sequence that ends keeps no row of the step
-in flight (its KV blocks enter the prefix cache with its committed rows only), and a cancel
-frees the slot within a step. Each test also checks that fed steps really ran."""
+batch whose members finish at different steps; a follow-up request reusing an ended stream's
+cached blocks gives what a fresh run gives, and a cancel frees the slot within a step. Each
+test also checks that fed steps really ran."""
 
 from __future__ import annotations
 
@@ -102,13 +102,13 @@ def test_stops_inside_the_overlap_stream_nothing_after_them(engines):
     assert len(got[1].token_ids) < 40
 
 
-def test_ended_sequences_cache_only_their_committed_rows(engines):
+def test_a_follow_up_on_an_ended_streams_cached_blocks_equals_a_fresh_run(engines):
     """A stream ends while its next row is in flight; its blocks go to the prefix cache. A
     second request continuing its text reuses those blocks and must give what a fresh
     computation gives."""
     on, off = engines
-    first = request(0, GREEDY, max_new_tokens=37, ignore_eos=True)     # 16-row blocks: ends
-    a = Streams(on)                                                    # mid-block
+    first = request(0, GREEDY, max_new_tokens=37, ignore_eos=True)
+    a = Streams(on)
     a.submit(first)
     r0 = a.wait()[0]
     wait_idle(on)

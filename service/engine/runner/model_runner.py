@@ -179,10 +179,7 @@ class ModelRunner:
         self._flip ^= 1
         self._run(inp, self._hosts[self._flip], feed)
         rows = tuple(inp.sampling)
-        n = len(rows)
-        src = (self._out_dev[:n * OUT_WORDS] if any(r.n_top >= 0 for r in rows) or n > 1
-               else self._out_dev[:n])                               # (n * W or n,) i32
-        host = self._out_hosts[self._flip][:src.size]
+        src, host = self._readback(rows)
         pending = Pending(rows, host, self.model.backend.queue_download(src, host))
         self._pending.append(pending)
         return pending
@@ -267,6 +264,15 @@ class ModelRunner:
     def read(self, rows: Sequence[RowSampling]) -> StepOutput:
         """Wait for what was launched and read the choices of output records 0..n-1, row r
         chosen as rows[r] (no rows: only wait)."""
+        src, host = self._readback(rows)
+        self.model.backend.download_step(src, host)
+        self._launched = self._chained = False
+        return self._output(host, rows)
+
+    def _readback(self, rows: Sequence[RowSampling]) -> tuple[Any, np.ndarray]:
+        """The device words holding the choices of output records 0..n-1 and the host buffer
+        of the current pair they go to: whole records where log-probabilities are asked or
+        several rows chose (a chain's ids instead after a chain), else record 0's id."""
         n = len(rows)
         if any(r.n_top >= 0 for r in rows) or (n > 1 and not self._chained):
             src = self._out_dev[:n * OUT_WORDS]                       # (n * OUT_WORDS,) i32
@@ -274,10 +280,7 @@ class ModelRunner:
             src = self._chain_ids[:n]                                 # (n,) i32 the chain's
         else:
             src = self._out_dev[:n]                                   # (n,) i32 record 0's id
-        host = self._out_hosts[self._flip][:src.size]
-        self.model.backend.download_step(src, host)
-        self._launched = self._chained = False
-        return self._output(host, rows)
+        return src, self._out_hosts[self._flip][:src.size]
 
     @staticmethod
     def _output(host, rows: Sequence[RowSampling]) -> StepOutput:
