@@ -112,6 +112,10 @@ wheelhouse:
 	  gguf structlog grpcio-health-checking grpcio-reflection grpcio-status prometheus-client \
 	  smg-grpc-proto \
 	  tokenizers jinja2 numba protobuf grpcio grpcio-tools pytest hypothesis
+	# xgrammar without its torch/transformers/triton: GPU hosts have those, and they are gigabytes
+	$(PYTHON) -m pip download --dest wheelhouse --only-binary=:all: --no-deps \
+	  --python-version $(GPU_PY) --platform manylinux_2_28_x86_64 --implementation cp \
+	  xgrammar apache-tvm-ffi
 
 clean:
 	rm -rf service/proto build dist *.egg-info .pytest_cache
