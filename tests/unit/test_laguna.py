@@ -131,3 +131,45 @@ def test_softplus_gate_per_head_and_per_element():
     out = a.copy()
     ops.softplus_gate(out, ge)
     np.testing.assert_allclose(out, a * np.log1p(np.exp(ge.astype(np.float64))), rtol=1e-5)
+
+
+# ---------------------------------------------------------------- sigmoid routing (CPU op)
+def _moe_case(rng, n_exp=8, f=32, e=64):
+    from gguf.quants import dequantize as gdq
+
+    from service.gguf.reader import TensorInfo
+    from tests.support.blocks import qtype, random_tensor
+
+    router = rng.normal(0, 0.3, (n_exp, e)).astype(np.float32)
+    infos, dense = {}, {}
+    for nm, shape in (("gate", (n_exp, f, e)), ("up", (n_exp, f, e)), ("down", (n_exp, e, f))):
+        raw = random_tensor("Q8_0", shape[0] * shape[1], shape[2], rng)
+        infos[nm] = TensorInfo(nm, qtype("Q8_0"), shape, raw)
+        dense[nm] = gdq(raw.reshape(shape[0] * shape[1], -1), qtype("Q8_0")).reshape(shape)
+    return TensorInfo("r", qtype("F32"), (n_exp, e), router.view(np.uint8)), router, infos, dense
+
+
+def test_sigmoid_router_picks_by_biased_probs_and_weights_by_plain_ones():
+    """CPU moe against numpy: top-3 of sigmoid(x W^T) + bias, weights = the unbiased
+    sigmoids of those experts, normalized, times 1.5. The bias is large enough to change the
+    choice (checked: without it other experts win)."""
+    from service.backends.cpu.backend import CpuBackend
+
+    rng = np.random.default_rng(3)
+    rinfo, router, infos, dense = _moe_case(rng)
+    x = rng.normal(0, 1, (5, 64)).astype(np.float32)
+    bias = rng.normal(0, 0.3, 8).astype(np.float32)
+    be = CpuBackend()
+    w = [be.load_matrix([rinfo])] + [be.load_experts(infos[n]) for n in ("gate", "up", "down")]
+    out = np.empty((5, 64), np.float32)
+    be.moe(x, *w, 3, True, "silu", out, gating="sigmoid", bias=bias, scale=1.5)
+    probs = 1 / (1 + np.exp(-(x.astype(np.float64) @ router.T)))
+    top = np.argsort(-(probs + bias), axis=1)[:, :3]
+    assert (top != np.argsort(-probs, axis=1)[:, :3]).any()
+    want = np.zeros((5, 64))
+    for t in range(5):
+        wt = probs[t, top[t]] / probs[t, top[t]].sum() * 1.5
+        for e, we in zip(top[t], wt, strict=True):
+            g, u = dense["gate"][e] @ x[t], dense["up"][e] @ x[t]
+            want[t] += we * (dense["down"][e] @ (g / (1 + np.exp(-g)) * u))
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
