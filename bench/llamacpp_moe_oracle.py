@@ -64,8 +64,8 @@ def probe(path: str, ids: list[int], n_greedy: int) -> dict:
         llm.eval([tok])
         last = np.array(llm.scores[llm.n_tokens - 1], np.float32)          # (V,)
         rows.append(last)
-    return {"version": __version__, "logits": prompt.round(5).tolist(), "greedy_ids": greedy,
-            "greedy_logits": np.array(rows).round(5).tolist()}
+    return {"version": __version__, "logits": prompt.astype(np.float64).round(4).tolist(), "greedy_ids": greedy,
+            "greedy_logits": np.array(rows, np.float64).round(4).tolist()}
 
 
 # ---------------------------------------------------------------- project side
