@@ -64,8 +64,9 @@ def probe(path: str, ids: list[int], n_greedy: int) -> dict:
         llm.eval([tok])
         last = np.array(llm.scores[llm.n_tokens - 1], np.float32)          # (V,)
         rows.append(last)
-    return {"version": __version__, "logits": prompt.astype(np.float64).round(4).tolist(), "greedy_ids": greedy,
-            "greedy_logits": np.array(rows, np.float64).round(4).tolist()}
+    # 4 decimals (of float64, so the JSON holds short numbers): far below the tests' bounds
+    return {"version": __version__, "logits": prompt.astype(np.float64).round(4).tolist(),
+            "greedy_ids": greedy, "greedy_logits": np.array(rows, np.float64).round(4).tolist()}
 
 
 # ---------------------------------------------------------------- project side
