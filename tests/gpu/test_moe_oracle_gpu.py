@@ -65,3 +65,25 @@ def test_captured_decode_equals_eager(name):
             rows.append(forward_host(tr, [tok], pos + i, 1))
         outs.append(np.concatenate(rows))
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_laguna_xs2_real_shapes_match_the_cpu(tmp_path):
+    """`specstream synth --preset laguna-xs2 --layers 2` (Q4_K_M: a dense full-attention layer
+    with 48 query heads and YaRN over 64 of 128 dims, then a sliding-window layer with 64 heads,
+    256 experts top-8 and the shared expert): a 40-token prefill chunk and 4 decode steps on
+    CUDA against the CPU backend rounding activations the GPU's way (median <= 1%, as the
+    tiny models)."""
+    from service.tools.synth import synthesize
+
+    path = synthesize(tmp_path / "xs2.gguf", "laguna-xs2", "Q4_K_M", seed=1, n_layer=2).path
+    ids = [(37 * i) % 99000 + 5 for i in range(40)]
+    outs = []
+    for be in (cuda_backend(graphs=True), CpuBackend(act_quant="gpu")):
+        tr = build_model(path, be, n_ctx=128, max_tokens=48)
+        rows = [forward_host(tr, ids, 0, len(ids))]
+        for i, tok in enumerate((11, 2024, 7, 99)):
+            rows.append(forward_host(tr, [tok], len(ids) + i, 1))
+        outs.append(np.concatenate(rows))
+    rel = relative_errors(outs[0], outs[1])
+    print(f"laguna-xs2 2 layers: CUDA vs CPU median {np.median(rel):.5f} max {rel.max():.5f}")
+    assert np.median(rel) <= 0.01, rel
