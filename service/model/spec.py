@@ -29,6 +29,11 @@ class Activation(enum.Enum):
     GELU_TANH = "gelu_tanh"   # GeGLU with the tanh approximation of GELU
 
 
+class Router(enum.Enum):
+    SOFTMAX = "softmax"       # MoE expert probabilities: softmax of the router logits
+    SIGMOID = "sigmoid"       # the logistic function of each logit
+
+
 @dataclass(frozen=True)
 class ArchTraits:
     rope_mode: RopeMode = RopeMode.NORMAL
@@ -47,7 +52,7 @@ class ArchTraits:
     attn_gate: bool = False          # x softplus(h @ Wg^T) on the attention output, per head
     #                                  or per element (by the attn_gate tensor's width)
     per_layer_heads: bool = False    # attention.head_count may be an array (one per layer)
-    router: str = "softmax"          # MoE router: "softmax" or "sigmoid" (expert_gating_func)
+    router: Router = Router.SOFTMAX  # MoE router (a file's expert_gating_func overrides it)
     expert_bias: bool = False        # exp_probs_b: added to the router probs for selection only
     shared_expert: bool = False      # an always-on expert (ffn_*_shexp) added to the MoE output
     dense_lead: bool = False         # leading_dense_block_count layers with a dense FFN
@@ -74,12 +79,13 @@ ARCHITECTURES: dict[str, ArchTraits] = {
                          swa_rope_base=10_000.0),
     "laguna": ArchTraits(rope_mode=RopeMode.NEOX, qk_norm=True, moe=True,
                          window_pattern=_laguna_window, swa_rope_keys=True, rope_scaling=True,
-                         attn_gate=True, per_layer_heads=True, router="sigmoid",
+                         attn_gate=True, per_layer_heads=True, router=Router.SIGMOID,
                          expert_bias=True, shared_expert=True, dense_lead=True,
                          norm_top_k_default=False),
 }
 
-GATING_FUNCS = {1: "softmax", 2: "sigmoid"}    # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*
+# llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_* (expert_gating_func) that are supported
+GATING_FUNCS = {1: Router.SOFTMAX, 2: Router.SIGMOID}
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,7 @@ class MoESpec:
     n_expert_used: int
     n_ff_expert: int
     normalize_top_k: bool = True     # renormalize the selected weights to sum to 1
-    router: str = "softmax"          # probs = softmax(logits) or sigmoid(logits)
+    router: Router = Router.SOFTMAX  # probs = softmax(logits) or sigmoid(logits)
     selection_bias: bool = False     # top-k on probs + exp_probs_b; weights from probs
     weights_scale: float = 1.0       # selected weights x this (after normalizing)
     n_ff_shared: int = 0             # the shared expert's FFN width (0: none)

@@ -187,7 +187,7 @@ class Transformer:
             if lay.moe:
                 m = s.moe
                 be.moe(h, L.router, L.gate_exps, L.up_exps, L.down_exps, m.n_expert_used,
-                       m.normalize_top_k, s.traits.activation.value, o, gating=m.router,
+                       m.normalize_top_k, s.traits.activation.value, o, gating=m.router.value,
                        bias=L.router_bias, scale=m.weights_scale)
                 if L.shared_gate_up is not None:    # o += the shared expert's output
                     ff = m.n_ff_shared

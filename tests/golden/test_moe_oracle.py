@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from service.backends.cpu.backend import CpuBackend
-from service.model.spec import ModelSpec
+from service.model.spec import ModelSpec, Router
 from tests.support.logits import relative_errors
 from tests.support.models import (
     MOE_FIXTURE,
@@ -90,7 +90,7 @@ def _layers(spec: ModelSpec, **change) -> ModelSpec:
 
 
 def _softmax_router(spec: ModelSpec) -> ModelSpec:
-    return dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, router="softmax"))
+    return dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, router=Router.SOFTMAX))
 
 
 def _no_weight_scale(spec: ModelSpec) -> ModelSpec:

@@ -14,7 +14,7 @@ from service.backends.cpu import ops
 from service.backends.rope_angles import rope_cos_sin
 from service.errors import ModelFormatError
 from service.gguf.reader import GGUFFile
-from service.model.spec import ModelSpec, RopeScaling
+from service.model.spec import ModelSpec, RopeScaling, Router
 from service.tools.synth import synthesize
 from tests.support.models import TINY
 
@@ -40,7 +40,7 @@ def test_tiny_laguna_layers_follow_llamacpp():
     m = s.moe
     assert (m.n_expert, m.n_expert_used, m.n_ff_expert, m.n_ff_shared) == (8, 3, 32, 32)
     assert (m.router, m.selection_bias, m.normalize_top_k, m.weights_scale) == (
-        "sigmoid", True, True, 1.5)
+        Router.SIGMOID, True, True, 1.5)
     assert {la.attn_gate for la in _spec("tiny-laguna-elem-q5").layers} == {32}   # per element
 
 
@@ -54,7 +54,7 @@ def test_laguna_xs2_preset_has_the_real_shapes(tmp_path):
     assert (s.layers[0].rope_dims, s.layers[1].rope_dims) == (64, 128)
     assert (s.layers[0].rope_base, s.layers[1].rope_base) == (500000.0, 10000.0)
     assert [la.moe for la in s.layers].count(False) == 1
-    assert (s.moe.n_expert, s.moe.n_expert_used, s.moe.router) == (256, 8, "sigmoid")
+    assert (s.moe.n_expert, s.moe.n_expert_used, s.moe.router) == (256, 8, Router.SIGMOID)
 
 
 def _with(f: GGUFFile, **meta) -> GGUFFile:
