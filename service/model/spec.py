@@ -48,6 +48,8 @@ class ArchTraits:
     swa_rope_base: float | None = None   # RoPE base on sliding-window layers, when it differs
     # Laguna (llama.cpp src/models/laguna.cpp):
     swa_rope_keys: bool = False      # SWA layers read rope.freq_base_swa / dimension_count_swa
+    swa_pattern_key: bool = False    # attention.sliding_window_pattern (period, full first, or
+    #                                  one bool per layer) overrides window_pattern
     rope_scaling: bool = False       # rope.scaling.* (YaRN) on full-attention layers only
     attn_gate: bool = False          # x softplus(h @ Wg^T) on the attention output, per head
     #                                  or per element (by the attn_gate tensor's width)
@@ -78,7 +80,8 @@ ARCHITECTURES: dict[str, ArchTraits] = {
                          post_norms=True, embed_scale_sqrt=True, window_pattern=_gemma3_window,
                          swa_rope_base=10_000.0),
     "laguna": ArchTraits(rope_mode=RopeMode.NEOX, qk_norm=True, moe=True,
-                         window_pattern=_laguna_window, swa_rope_keys=True, rope_scaling=True,
+                         window_pattern=_laguna_window, swa_rope_keys=True, swa_pattern_key=True,
+                         rope_scaling=True,
                          attn_gate=True, per_layer_heads=True, router=Router.SIGMOID,
                          expert_bias=True, shared_expert=True, dense_lead=True,
                          norm_top_k_default=False),
@@ -210,9 +213,12 @@ class ModelSpec:
         scaling = _rope_scaling(f, arch, n_ctx_train) if traits.rope_scaling else None
         n_dense = int(num("leading_dense_block_count", 0, lo=0, hi=n_layer)) \
             if traits.dense_lead else 0
+        pattern = traits.window_pattern
+        if traits.swa_pattern_key and window:
+            pattern = _swa_pattern(f, arch, n_layer) or pattern
         layers = []
         for i in range(n_layer):
-            w = traits.window_pattern(i, window) if traits.window_pattern and window else 0
+            w = pattern(i, window) if pattern and window else 0
             gate = 0
             if traits.attn_gate:
                 g = f.tensor(f"blk.{i}.attn_gate.weight")
@@ -311,6 +317,25 @@ class ModelSpec:
     def check_tensors(self, f: GGUFFile) -> None:
         for name, shape in self.tensor_shapes().items():
             f.tensor(name, shape)
+
+
+def _swa_pattern(f: GGUFFile, arch: str, n_layer: int) -> Callable[[int, int], int] | None:
+    """attention.sliding_window_pattern as llama.cpp's load_swa_pattern reads it (dense first):
+    one bool per layer (true: sliding window), or a period n (layer i slides unless i % n == 0;
+    0: every layer); None when absent."""
+    key = f"{arch}.attention.sliding_window_pattern"
+    value = f.get(key)
+    if value is None:
+        return None
+    if isinstance(value, list):
+        if len(value) != n_layer:
+            raise ModelFormatError(f"{f.path}: {key} has {len(value)} entries for {n_layer} "
+                                   "layers")
+        flags = [bool(v) for v in value]
+        return lambda layer, window: window if flags[layer] else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ModelFormatError(f"{f.path}: {key} = {value!r}: a period >= 0 or per-layer flags")
+    return lambda layer, window: window if value == 0 or layer % value else 0
 
 
 def _rope_scaling(f: GGUFFile, arch: str, n_ctx_train: int) -> RopeScaling | None:

@@ -173,3 +173,14 @@ def test_sigmoid_router_picks_by_biased_probs_and_weights_by_plain_ones():
             g, u = dense["gate"][e] @ x[t], dense["up"][e] @ x[t]
             want[t] += we * (dense["down"][e] @ (g / (1 + np.exp(-g)) * u))
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("pattern,windows", [
+    (2, [0, 8, 0, 8, 0]), (0, [8] * 5), ([True, False, True, True, False], [8, 0, 8, 8, 0]),
+])
+def test_sliding_window_pattern_key_overrides_the_default(pattern, windows):
+    f = GGUFFile(TINY / "tiny-laguna-q8.gguf")
+    s = ModelSpec.from_gguf(_with(f, **{"attention.sliding_window_pattern": pattern}))
+    assert [la.window for la in s.layers] == windows
+    # the window decides the layer's RoPE kind too
+    assert [la.rope_scaling is None for la in s.layers] == [w > 0 for w in windows]
