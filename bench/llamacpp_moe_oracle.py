@@ -5,7 +5,9 @@ tiny-laguna, tiny-laguna-elem and tiny-qwen3moe-s at several quant mixes and see
 std WEIGHT_STD so that the logits have a spread) and `llamacpp_moe_logits.json`: per file,
 llama.cpp's logits (V per position) of every position of PROMPT_IDS evaluated as one batch,
 then its greedy continuation of N_GREEDY ids, each decoded one token at a time, with the logits
-of each of those steps.
+of each of those steps. Also `llamacpp_laguna_tokens.json`: llama.cpp's token ids of TEXTS in
+the vocabulary of `specstream synth --preset laguna-xs2` (its `laguna` pre-tokenizer; a
+header-only file, loaded vocab-only).
 
 llama.cpp runs in a separate interpreter that imports `llama_cpp` (llama-cpp-python 0.3.36 built
 from source, CPU, 2 threads; no project dependency), one process per file:
@@ -31,6 +33,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "data" / "tiny"
 OUT = TINY / "llamacpp_moe_logits.json"
+TOKENS_OUT = TINY / "llamacpp_laguna_tokens.json"
+TEXTS = ["Hello world!\n\nThis is   a test.\n", "numbers 12345 and 3.14159\r\n\ttabs",
+         "it's don't WE'LL", "line1\nline2\n\n\nline3  ", "\u00e9moji \U0001f600 \u00fcn\u00efcode",
+         "<|endoftext|>special<s> text", "   leading spaces", "a\n b\n  c"]
 WEIGHT_STD = 0.25
 # ids below 504 are the tiny vocabulary's byte tokens and pieces
 PROMPT_IDS = [504, 72, 101, 108, 108, 111, 300, 17, 256, 411, 33, 90, 257, 258, 480, 5,
@@ -69,6 +75,13 @@ def probe(path: str, ids: list[int], n_greedy: int) -> dict:
             "greedy_ids": greedy, "greedy_logits": np.array(rows, np.float64).round(4).tolist()}
 
 
+def probe_tokens(path: str) -> list[list[int]]:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, vocab_only=True, verbose=False)
+    return [llm.tokenize(t.encode(), add_bos=False, special=True) for t in TEXTS]
+
+
 # ---------------------------------------------------------------- project side
 def write_files() -> None:
     sys.path.insert(0, str(ROOT))
@@ -85,9 +98,13 @@ def main() -> int:
     ap.add_argument("--llama-python", help="an interpreter that can import llama_cpp")
     ap.add_argument("--only", action="append", default=[], help="fixture names to redo")
     ap.add_argument("--probe", help=argparse.SUPPRESS)
+    ap.add_argument("--probe-tokens", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.probe:
         print(json.dumps(probe(args.probe, PROMPT_IDS, N_GREEDY)))
+        return 0
+    if args.probe_tokens:
+        print(json.dumps(probe_tokens(args.probe_tokens)))
         return 0
     if not args.llama_python:
         ap.error("--llama-python is required")
@@ -111,7 +128,23 @@ def main() -> int:
         ref = np.array(res["logits"])
         print(f"{name}: logit std {np.median(ref.std(axis=1)):.2f}, greedy {res['greedy_ids']}")
     OUT.write_text(json.dumps(out, separators=(",", ":")) + "\n")
+    write_tokens(args.llama_python)
     return 0
+
+
+def write_tokens(llama_python: str) -> None:
+    import tempfile
+
+    from service.tools.synth import synthesize
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = synthesize(Path(tmp) / "xs2.gguf", "laguna-xs2", "Q4_K_M", n_layer=1,
+                          data=False).path
+        r = subprocess.run([llama_python, __file__, "--probe-tokens", str(path)],
+                           capture_output=True, text=True, check=True)
+    ids = json.loads(r.stdout.strip().splitlines()[-1])
+    TOKENS_OUT.write_text(json.dumps({"preset": "laguna-xs2", "texts": TEXTS, "ids": ids},
+                                     ensure_ascii=False) + "\n")
 
 
 if __name__ == "__main__":

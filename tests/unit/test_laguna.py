@@ -184,3 +184,20 @@ def test_sliding_window_pattern_key_overrides_the_default(pattern, windows):
     assert [la.window for la in s.layers] == windows
     # the window decides the layer's RoPE kind too
     assert [la.rope_scaling is None for la in s.layers] == [w > 0 for w in windows]
+
+
+def test_laguna_pre_tokenizer_matches_llamacpp(tmp_path):
+    """The `laguna` pre-tokenizer (lines first, then qwen2's regex) on laguna-xs2's synthetic
+    vocabulary gives llama.cpp's ids (tests/data/tiny/llamacpp_laguna_tokens.json). (The
+    synthetic vocabulary has no piece holding a newline, so the split into lines gives the ids
+    qwen2's regex alone gives here: a real Laguna vocabulary is what would tell them apart.)"""
+    import json
+
+    from service.model.tokenizer import Tokenizer
+
+    fx = json.loads((TINY / "llamacpp_laguna_tokens.json").read_text())
+    path = synthesize(tmp_path / "xs2.gguf", fx["preset"], "Q4_K_M", n_layer=1, data=False).path
+    md = GGUFFile(path).metadata
+    got = [Tokenizer.from_metadata(md).encode(t, add_bos=False, parse_special=True)
+           for t in fx["texts"]]
+    assert got == fx["ids"]
