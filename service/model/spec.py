@@ -58,7 +58,9 @@ class ArchTraits:
     expert_bias: bool = False        # exp_probs_b: added to the router probs for selection only
     shared_expert: bool = False      # an always-on expert (ffn_*_shexp) added to the MoE output
     dense_lead: bool = False         # leading_dense_block_count layers with a dense FFN
-    norm_top_k_default: bool = True  # expert_weights_norm when the file does not say
+    norm_top_k_default: bool = True  # renormalize the selected weights (unless the file says)
+    routing_keys: bool = False       # read expert_gating_func / _weights_norm / _weights_scale
+    #                                  (qwen3moe's llama.cpp graph fixes softmax, norm, no scale)
 
 
 def _gemma3_window(layer: int, window: int) -> int:
@@ -84,7 +86,7 @@ ARCHITECTURES: dict[str, ArchTraits] = {
                          rope_scaling=True,
                          attn_gate=True, per_layer_heads=True, router=Router.SIGMOID,
                          expert_bias=True, shared_expert=True, dense_lead=True,
-                         norm_top_k_default=False),
+                         norm_top_k_default=False, routing_keys=True),
 }
 
 # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_* (expert_gating_func) that are supported
@@ -236,19 +238,21 @@ class ModelSpec:
         moe = None
         n_ff = int(num("feed_forward_length", 0, lo=0))
         if traits.moe:
-            gating = int(num("expert_gating_func", 0, lo=0, hi=16))
+            keys = traits.routing_keys
+            gating = int(num("expert_gating_func", 0, lo=0, hi=16)) if keys else 0
             router = GATING_FUNCS.get(gating, traits.router) if gating else traits.router
             if gating and gating not in GATING_FUNCS:
                 raise ModelFormatError(f"{f.path}: {arch}.expert_gating_func {gating} is not "
                                        "supported (1 softmax, 2 sigmoid)")
-            norm = f.get(f"{arch}.expert_weights_norm", traits.norm_top_k_default)
+            norm = f.get(f"{arch}.expert_weights_norm", traits.norm_top_k_default) if keys \
+                else traits.norm_top_k_default
             moe = MoESpec(n_expert=int(num("expert_count", hi=4096)),
                           n_expert_used=int(num("expert_used_count", hi=4096)),
                           n_ff_expert=int(num("expert_feed_forward_length")),
                           normalize_top_k=bool(norm), router=router,
                           selection_bias=traits.expert_bias,
                           weights_scale=float(num("expert_weights_scale", 1.0, lo=0.0,
-                                                  hi=1e6)) or 1.0,
+                                                  hi=1e6)) or 1.0 if keys else 1.0,
                           n_ff_shared=int(num("expert_shared_feed_forward_length",
                                               int(num("expert_feed_forward_length"))))
                           if traits.shared_expert else 0)

@@ -201,3 +201,16 @@ def test_laguna_pre_tokenizer_matches_llamacpp(tmp_path):
     got = [Tokenizer.from_metadata(md).encode(t, add_bos=False, parse_special=True)
            for t in fx["texts"]]
     assert got == fx["ids"]
+
+
+def test_qwen3moe_ignores_the_routing_keys_as_llamacpp_does():
+    """llama.cpp's qwen3moe graph fixes softmax routing with renormalized weights and no scale,
+    whatever expert_gating_func / expert_weights_norm / expert_weights_scale say."""
+    f = GGUFFile(TINY / "tiny-qwen3moe-s-q8.gguf")
+    g = copy.copy(f)
+    g.metadata = dict(f.metadata) | {"qwen3moe.expert_gating_func": 2,
+                                     "qwen3moe.expert_weights_norm": False,
+                                     "qwen3moe.expert_weights_scale": 2.5}
+    m = ModelSpec.from_gguf(g).moe
+    assert (m.router, m.normalize_top_k, m.weights_scale, m.selection_bias, m.n_ff_shared) == (
+        Router.SOFTMAX, True, 1.0, False, 0)
