@@ -23,10 +23,16 @@
 // rope          in place on an (T, H, D) view (strides s0, s1, 1), first 2 * half dims:
 //               (a, b) -> (a cos - b sin, a sin + b cos) with cos/sin[positions[t], i];
 //               pairs (2i, 2i+1) (normal) or (i, i + half) (neox); grid (T, H), block 64
-// moe_route     per token: softmax over n_expert router logits (in place), the n_used most
-//               probable experts (lowest index first among equals), their probabilities,
-//               renormalized when asked; one thread per token, grid ceil(T /
+// moe_route     per token: softmax (or, with sigmoid, the logistic function) over n_expert
+//               router logits (in place), the n_used experts with the largest probability
+//               (+ bias[e] when bias is not null: the selection only; lowest index first
+//               among equals), their probabilities, renormalized when asked (by a sum of at
+//               least 2^-14), times scale; one thread per token, grid ceil(T /
 //               MOE_ROUTE_THREADS), block MOE_ROUTE_THREADS (64)
+// softplus_gate a[t, k] *= softplus(g[t, (k / Dv) * G + (G == 1 ? 0 : k % Dv)]) for k < HD
+//               (HD = H * Dv; G = 1: one gate per head, G = Dv: one per element); softplus
+//               as ggml's: v > 20 ? v : log(1 + exp(v)); grid (ceil(HD / ROW_THREADS), T),
+//               block ROW_THREADS
 // moe_combine   out[t, e] = sum_u w[t, u] * y[t * n_used + u, e], u in order
 //               grid (ceil(E / ROW_THREADS), T), block ROW_THREADS
 #include "pdl.cuh"
@@ -202,33 +208,59 @@ extern "C" __global__ void rope(float* x, int s0, int s1, const int* __restrict_
 }
 
 extern "C" __global__ void moe_route(float* logits, int ld, int T, int n_expert, int n_used,
-                                     int normalize, int* ids, float* weights) {
+                                     int normalize, int sigmoid, const float* bias, float scale,
+                                     int* ids, float* weights) {
     PDL_ENTRY();
     const int t = blockIdx.x * MOE_ROUTE_THREADS + threadIdx.x;
     if (t >= T) return;
     float* p = logits + (size_t)t * ld;
-    float mx = p[0];
-    for (int e = 1; e < n_expert; e++) mx = fmaxf(mx, p[e]);
-    float sum = 0.0f;
-    for (int e = 0; e < n_expert; e++) {
-        p[e] = expf(__fsub_rn(p[e], mx));
-        sum = __fadd_rn(sum, p[e]);
+    if (sigmoid) {
+        for (int e = 0; e < n_expert; e++) p[e] = 1.0f / __fadd_rn(1.0f, expf(-p[e]));
+    } else {
+        float mx = p[0];
+        for (int e = 1; e < n_expert; e++) mx = fmaxf(mx, p[e]);
+        float sum = 0.0f;
+        for (int e = 0; e < n_expert; e++) {
+            p[e] = expf(__fsub_rn(p[e], mx));
+            sum = __fadd_rn(sum, p[e]);
+        }
+        for (int e = 0; e < n_expert; e++) p[e] = p[e] / sum;
     }
-    for (int e = 0; e < n_expert; e++) p[e] = p[e] / sum;
     float wsum = 0.0f;
     for (int u = 0; u < n_used; u++) {
         int best = -1;
+        float best_s = 0.0f;
         for (int e = 0; e < n_expert; e++) {
             bool taken = false;
             for (int v = 0; v < u; v++) taken |= ids[t * n_used + v] == e;
-            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            const float s = bias ? __fadd_rn(p[e], bias[e]) : p[e];
+            if (!taken && (best < 0 || s > best_s)) {
+                best = e;
+                best_s = s;
+            }
         }
         ids[t * n_used + u] = best;
         weights[t * n_used + u] = p[best];
         wsum = __fadd_rn(wsum, p[best]);
     }
-    if (normalize)
+    if (normalize) {
+        wsum = fmaxf(wsum, 6.103515625e-5f);
         for (int u = 0; u < n_used; u++) weights[t * n_used + u] = weights[t * n_used + u] / wsum;
+    }
+    if (scale != 1.0f)
+        for (int u = 0; u < n_used; u++)
+            weights[t * n_used + u] = __fmul_rn(weights[t * n_used + u], scale);
+}
+
+extern "C" __global__ void softplus_gate(float* __restrict__ a, int lda, int HD, int Dv,
+                                         const float* __restrict__ g, int ldg, int G) {
+    PDL_ENTRY();
+    const int t = blockIdx.y, k = blockIdx.x * ROW_THREADS + threadIdx.x;
+    if (k >= HD) return;
+    const int h = k / Dv;
+    const float v = g[(size_t)t * ldg + h * G + (G == 1 ? 0 : k - h * Dv)];
+    const float sp = v > 20.0f ? v : logf(__fadd_rn(1.0f, expf(v)));
+    a[(size_t)t * lda + k] = __fmul_rn(a[(size_t)t * lda + k], sp);
 }
 
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w,

@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "architecture's shapes (for benchmarks)")
     syn.add_argument("out", help="output .gguf path")
     syn.add_argument("--preset", required=True,
-                     help="llama3-8b | llama3.2-1b | qwen3-30b-a3b | tiny | tiny-moe")
+                     help="llama3-8b | llama3.2-1b | qwen3-30b-a3b | laguna-xs2 | tiny | tiny-moe "
+                          "| tiny-qwen3moe-s | tiny-laguna | tiny-laguna-elem")
     syn.add_argument("--quant", default="Q4_K_M",
                      help="Q4_K_M | Q5_K_M | Q6_K | Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | F16 | BF16 "
                           "| F32 (llama.cpp's per-tensor mix for that file type)")
@@ -85,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument("--layers", type=int, default=None,
                      help="number of layers (default: the preset's)")
     syn.add_argument("--threads", type=int, default=0, help="generator threads; 0 = all cores")
+    syn.add_argument("--weight-std", type=float, default=0.02,
+                     help="the weights' standard deviation (norm weights stay near 1)")
 
     qnt = sub.add_parser("quantize", help="re-quantize a GGUF, optionally keeping only its "
                          "first N blocks (a layer-truncated drafter of the same vocabulary)")
@@ -261,7 +264,7 @@ def cmd_synth(args) -> int:
     from service.tools.synth import synthesize
 
     r = synthesize(args.out, args.preset, args.quant, seed=args.seed, n_layer=args.layers,
-                   threads=args.threads)
+                   threads=args.threads, weight_std=args.weight_std)
     print(f"{r.path}: {r.n_bytes / 1e6:.1f} MB, {r.n_tensors} tensors, {r.seconds:.1f} s "
           f"({r.n_bytes / 1e6 / max(r.seconds, 1e-9):.0f} MB/s)")
     return 0

@@ -228,8 +228,9 @@ class Backend(abc.ABC):
         """out = a + b (b may broadcast, e.g. a bias)."""
 
     @abc.abstractmethod
-    def rope_table(self, n_ctx: int, n_dims: int, base: float) -> Any:
-        """cos/sin of pos * base^(-2i/n_dims) for pos < n_ctx, i < n_dims/2 (load time)."""
+    def rope_table(self, n_ctx: int, n_dims: int, base: float, scaling=None) -> Any:
+        """cos/sin of pos * base^(-2i/n_dims) for pos < n_ctx, i < n_dims/2 (load time); with
+        `scaling` (a spec.RopeScaling), YaRN's angles and magnitude (rope_angles.py)."""
 
     @abc.abstractmethod
     def rope(self, x: Array, positions: Array, table: Any, neox: bool) -> None:
@@ -268,8 +269,20 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def moe(self, x: Array, router: Any, gate: Any, up: Any, down: Any, n_used: int,
-            normalize: bool, activation: str, out: Array) -> None:
-        """Top-n_used softmax-routed mixture of GLU experts. x, out (T, E)."""
+            normalize: bool, activation: str, out: Array, *, gating: str = "softmax",
+            bias: Array | None = None, scale: float = 1.0) -> None:
+        """Top-n_used routed mixture of GLU experts. x, out (T, E).
+
+        probs = softmax or sigmoid (`gating`) of x @ router^T; the experts with the largest
+        probs (+ bias (n_expert,) f32, for the choice only; the lowest index first on ties) are
+        used with weights = their probs, divided by their sum (at least 2^-14) when `normalize`,
+        times `scale`; out[t] = sum of weight * down(act(gate(x)) * up(x))."""
+
+    def softplus_gate(self, a: Array, g: Array) -> None:
+        """a (T, H, Dv) *= softplus(g) in place, g (T, H, 1) (one value per head, broadcast) or
+        (T, H, Dv); softplus(v) = log(1 + exp(v)), v where v > 20 (ggml's). g's rows may be
+        strided (columns of the q|k|v|g matmul output)."""
+        raise NotImplementedError(f"the {self.name} backend has no attention output gate")
 
     @abc.abstractmethod
     def argmax(self, logits: Array, out: Array) -> None:

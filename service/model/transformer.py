@@ -5,13 +5,15 @@ each with its position and KV slot. All activations live in a workspace allocate
 a step only slices it, so the same sequence of ops (and, on the GPU, the same captured graph)
 serves every step with the same (T, kv_len).
 
-Per layer (architecture differences come from ModelSpec.traits as data):
-    h = rms_norm(x) ; q|k|v = h @ Wqkv (+ bias) ; q,k = rms_norm_per_head(q,k) if qk_norm
-    q,k = rope(q,k) ; cache[slot, pos] = k,v ; a = attention(q, cache) ; o = a @ Wo
+Per layer (architecture differences come from ModelSpec.traits and ModelSpec.layers as data):
+    h = rms_norm(x) ; q|k|v|g = h @ Wqkvg (+ bias) ; q,k = rms_norm_per_head(q,k) if qk_norm
+    q,k = rope(q,k) ; cache[slot, pos] = k,v ; a = attention(q, cache)
       (cache[slot, pos]: the pool row the paged cache's block table gives, base.py)
+    a *= softplus(g) if the layer has an attention gate (per head or per element)
+    o = a @ Wo ; x += post_norm(o) if post_norms else o
+    h = rms_norm(x) ; o = down(act(gate(h)) * up(h))  or  mixture of experts (+ shared expert)
     x += post_norm(o) if post_norms else o
-    h = rms_norm(x) ; o = down(act(gate(h)) * up(h))  or  mixture of experts
-    x += post_norm(o) if post_norms else o
+The query head count, RoPE table and FFN kind (dense or MoE) are the layer's (LayerSpec).
 logits = rms_norm(x) @ Wout
 written with the backend's fused ops (base.py), whose defaults are exactly the separate ops: a
 norm or GLU that feeds a matmul, q/k norm + RoPE + KV write as one op, the residual add fused
@@ -46,28 +48,39 @@ class Transformer:
         self.cache = backend.new_kv_cache(spec.n_layer, n_slots, n_ctx, spec.n_head_kv,
                                           spec.head_dim, spec.head_dim_v, type_k, type_v,
                                           kv_blocks, block_size)
-        tables = {}
+        tables: dict = {}
         for layer in spec.layers:
-            key = (spec.rope_dims, layer.rope_base)
+            key = (layer.rope_dims, layer.rope_base, layer.rope_scaling)
             if key not in tables:
                 tables[key] = backend.rope_table(n_ctx, *key)
-        self.rope_tables = [tables[(spec.rope_dims, la.rope_base)] for la in spec.layers]
+        self.rope_tables = [tables[(la.rope_dims, la.rope_base, la.rope_scaling)]
+                            for la in spec.layers]
         s, m, z = spec, max_tokens, backend.zeros
-        self.q_dim, self.k_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
-        self.v_dim = s.n_head_kv * s.head_dim_v
-        ff = s.moe.n_ff_expert if s.moe else s.n_ff
+        self.k_dim, self.v_dim = s.n_head_kv * s.head_dim, s.n_head_kv * s.head_dim_v
+        qkvg = max(la.n_head * (s.head_dim + la.attn_gate) for la in s.layers)
+        moe = s.moe
+        ffs = [s.n_ff if not la.moe else moe.n_ff_expert for la in s.layers]
+        ff = max(ffs + [moe.n_ff_shared if moe else 0])
         self.ws_x = z((m, s.n_embd))                                    # (M, E) f32 residual
         self.ws_h = z((m, s.n_embd))                                    # (M, E) f32 normed
         self.ws_o = z((m, s.n_embd))                                    # (M, E) f32 block out
-        self.ws_qkv = z((m, self.q_dim + self.k_dim + self.v_dim))      # (M, Q+K+V) f32
-        self.ws_attn = z((m, s.n_head * s.head_dim_v))                  # (M, H*Dv) f32
-        self.ws_gu = z((m, 2 * ff))                                     # (M, 2F) f32 gate|up
-        self.ws_act = z((m, ff))                                        # (M, F) f32
+        self.ws_o2 = z((m, s.n_embd)) if moe and moe.n_ff_shared else None   # shared expert
+        # per-layer widths vary (query heads, gate, FFN): flat buffers, viewed as (T, width)
+        # contiguous rows by _rows
+        self.ws_qkv = z((m * (qkvg + self.k_dim + self.v_dim),))       # (T, Q+K+V+G) f32
+        self.ws_attn = z((m * s.n_head * s.head_dim_v,))                # (T, H*Dv) f32
+        self.ws_gu = z((m * 2 * ff,))                                   # (T, 2F) f32 gate|up
+        self.ws_act = z((m * ff,))                                      # (T, F) f32
         self.ws_logits = z((self.max_logits, s.vocab_size))             # (L, V) f32
-        moe = s.moe
         backend.prepare(max_tokens=m, n_head=s.n_head, head_dim_v=s.head_dim_v, n_ctx=n_ctx,
                         n_embd=s.n_embd, moe_experts=moe.n_expert if moe else 0,
-                        moe_used=moe.n_expert_used if moe else 0, moe_ff=ff if moe else 0)
+                        moe_used=moe.n_expert_used if moe else 0,
+                        moe_ff=moe.n_ff_expert if moe else 0)
+
+    @staticmethod
+    def _rows(flat, T: int, width: int):
+        """The first T rows of `width` of a flat workspace buffer: (T, width), contiguous."""
+        return flat[:T * width].reshape(T, width)
 
     def set_block_table(self, host) -> None:
         """The KV cache's block table (n_slots, max_blocks) int32 (base.py's paging rule), for
@@ -141,37 +154,53 @@ class Transformer:
         T = len(ids)
         eps, neox = s.rms_eps, s.traits.rope_mode is RopeMode.NEOX
         x, h, o = self.ws_x[:T], self.ws_h[:T], self.ws_o[:T]
-        qkv, attn = self.ws_qkv[:T], self.ws_attn[:T]
-        Q, K = self.q_dim, self.k_dim
+        K, V, hd, hv = self.k_dim, self.v_dim, s.head_dim, s.head_dim_v
         be.embed(W.embedding, ids, s.embed_scale, x)                    # (T, E)
         normed = False                    # h holds the norm the next matmul wants
         n = len(W.layers)
         for i, L in enumerate(W.layers):
             lay = s.layers[i]
+            H, Q, G = lay.n_head, lay.n_head * hd, lay.n_head * lay.attn_gate
+            qkv = self._rows(self.ws_qkv, T, Q + K + V + G)             # (T, Q+K+V+G)
+            attn = self._rows(self.ws_attn, T, H * hv)                  # (T, H*Dv)
             if not normed:
                 be.rms_norm_for_matmul(x, L.attn_norm, eps, h)          # (T, E)
-            self._matmuls(h, L.qkv, qkv)                                # (T, Q+K+V)
+            self._matmuls(h, L.qkv, qkv)                                # (T, Q+K+V+G)
             if L.qkv_bias is not None:
                 be.add(qkv, L.qkv_bias, qkv)
-            q = qkv[:, :Q].reshape(T, s.n_head, s.head_dim)             # (T, H, hd)
-            k = qkv[:, Q:Q + K].reshape(T, s.n_head_kv, s.head_dim)     # (T, Hkv, hd)
-            v = qkv[:, Q + K:].reshape(T, s.n_head_kv, s.head_dim_v)    # (T, Hkv, hv)
+            q = qkv[:, :Q].reshape(T, H, hd)                            # (T, H, hd)
+            k = qkv[:, Q:Q + K].reshape(T, s.n_head_kv, hd)             # (T, Hkv, hd)
+            v = qkv[:, Q + K:Q + K + V].reshape(T, s.n_head_kv, hv)     # (T, Hkv, hv)
             be.rope_kv(q, k, v, L.q_norm, L.k_norm, eps, positions, slots, self.rope_tables[i],
                        neox, self.cache, i, kv_positions)
-            a = attn.reshape(T, s.n_head, s.head_dim_v)                 # (T, H, hv)
-            be.attention_for_matmul(q, self.cache, i, slots, positions, kv_len, lay.window,
-                                    s.attn_scale, a, attn_lo, attn_mask)
+            a = attn.reshape(T, H, hv)                                  # (T, H, hv)
+            if G:
+                be.attention(q, self.cache, i, slots, positions, kv_len, lay.window,
+                             s.attn_scale, a, attn_lo, attn_mask)
+                g = qkv[:, Q + K + V:].reshape(T, H, lay.attn_gate)     # (T, H, 1 | hv)
+                be.softplus_gate(a, g)
+            else:
+                be.attention_for_matmul(q, self.cache, i, slots, positions, kv_len, lay.window,
+                                        s.attn_scale, a, attn_lo, attn_mask)
             if not self._residual(attn, L.wo, L.post_attn_norm, o, x, L.ffn_norm, h):
                 be.rms_norm_for_matmul(x, L.ffn_norm, eps, h)           # (T, E)
-            if s.moe:
-                be.moe(h, L.router, L.gate_exps, L.up_exps, L.down_exps, s.moe.n_expert_used,
-                       s.moe.normalize_top_k, s.traits.activation.value, o)
+            if lay.moe:
+                m = s.moe
+                be.moe(h, L.router, L.gate_exps, L.up_exps, L.down_exps, m.n_expert_used,
+                       m.normalize_top_k, s.traits.activation.value, o, gating=m.router.value,
+                       bias=L.router_bias, scale=m.weights_scale)
+                if L.shared_gate_up is not None:    # o += the shared expert's output
+                    ff = m.n_ff_shared
+                    gu, act = self._rows(self.ws_gu, T, 2 * ff), self._rows(self.ws_act, T, ff)
+                    self._matmuls(h, L.shared_gate_up, gu)              # (T, 2Fs)
+                    be.glu_for_matmul(gu[:, :ff], gu[:, ff:], s.traits.activation.value, act)
+                    be.matmul_add(act, L.shared_down, o, self.ws_o2[:T])
                 self._post(o, L.post_ffw_norm, x)
                 normed = False
             else:
-                gu, act = self.ws_gu[:T], self.ws_act[:T]
+                ff = s.n_ff
+                gu, act = self._rows(self.ws_gu, T, 2 * ff), self._rows(self.ws_act, T, ff)
                 self._matmuls(h, L.gate_up, gu)                         # (T, 2F)
-                ff = act.shape[1]
                 be.glu_for_matmul(gu[:, :ff], gu[:, ff:], s.traits.activation.value, act)
                 # the next layer's input norm, or the output norm when every row has logits
                 nxt = (W.layers[i + 1].attn_norm if i + 1 < n

@@ -41,6 +41,7 @@ _register(["llama3", "llama-v3", "llama-bpe", "falcon3"],
           PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True))
 _register(["dbrx", "smaug-bpe"], PreTokenizer((_LLAMA3,)))
 _register(["qwen2", "stablelm2", "megrez"], PreTokenizer((_QWEN2,)))
+_register(["laguna"], PreTokenizer((r"[^\n]+|[\n]+", _QWEN2)))   # lines, then qwen2's
 
 
 # ---------------------------------------------------------------- special-token roles by text

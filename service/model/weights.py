@@ -31,6 +31,9 @@ class LayerWeights:
     gate_exps: Any | None = None
     up_exps: Any | None = None
     down_exps: Any | None = None
+    router_bias: Any | None = None   # (n_expert,) f32 selection bias (exp_probs_b)
+    shared_gate_up: list[tuple[Any, int, int]] | None = None   # shared expert: gate|up (2Fs,)
+    shared_down: Any | None = None
 
 
 @dataclass
@@ -58,7 +61,7 @@ def load_weights(spec: ModelSpec, f: GGUFFile, backend: Backend) -> Weights:
     t0 = time.perf_counter()
     vec = backend.load_vector
     layers = []
-    for i in range(spec.n_layer):
+    for i, lay in enumerate(spec.layers):
         p = f"blk.{i}."
 
         def t(name: str, p: str = p) -> TensorInfo:
@@ -74,23 +77,31 @@ def load_weights(spec: ModelSpec, f: GGUFFile, backend: Backend) -> Weights:
             bias = backend.upload_vector(np.concatenate(parts))           # (Q+K+V,) f32
         lw = LayerWeights(
             attn_norm=vec(t("attn_norm.weight")),
-            qkv=_fused(backend, [t("attn_q.weight"), t("attn_k.weight"), t("attn_v.weight")]),
+            # the attention gate's rows (when there is one) follow q|k|v: one matmul for all
+            qkv=_fused(backend, [t("attn_q.weight"), t("attn_k.weight"), t("attn_v.weight")]
+                       + ([t("attn_gate.weight")] if lay.attn_gate else [])),
             qkv_bias=bias,
             q_norm=opt("attn_q_norm.weight", spec.traits.qk_norm),
             k_norm=opt("attn_k_norm.weight", spec.traits.qk_norm),
             wo=backend.load_matrix([t("attn_output.weight")]),
             post_attn_norm=opt("post_attention_norm.weight", spec.traits.post_norms),
             ffn_norm=vec(t("ffn_norm.weight")),
-            gate_up=None if spec.moe else _fused(backend, [t("ffn_gate.weight"),
-                                                           t("ffn_up.weight")]),
-            down=None if spec.moe else backend.load_matrix([t("ffn_down.weight")]),
+            gate_up=None if lay.moe else _fused(backend, [t("ffn_gate.weight"),
+                                                          t("ffn_up.weight")]),
+            down=None if lay.moe else backend.load_matrix([t("ffn_down.weight")]),
             post_ffw_norm=opt("post_ffw_norm.weight", spec.traits.post_norms),
         )
-        if spec.moe:
+        if lay.moe:
             lw.router = backend.load_matrix([t("ffn_gate_inp.weight")])
             lw.gate_exps = backend.load_experts(t("ffn_gate_exps.weight"))
             lw.up_exps = backend.load_experts(t("ffn_up_exps.weight"))
             lw.down_exps = backend.load_experts(t("ffn_down_exps.weight"))
+            if spec.moe.selection_bias:
+                lw.router_bias = vec(t("exp_probs_b.bias"))
+            if spec.moe.n_ff_shared:
+                lw.shared_gate_up = _fused(backend, [t("ffn_gate_shexp.weight"),
+                                                     t("ffn_up_shexp.weight")])
+                lw.shared_down = backend.load_matrix([t("ffn_down_shexp.weight")])
         layers.append(lw)
     out_name = "token_embd.weight" if spec.tied_output else "output.weight"
     return Weights(

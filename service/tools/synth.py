@@ -185,7 +185,8 @@ def _float_chunk(bits: np.random.SFC64, n: int, qtype: QuantType, center: float,
     return x.view(np.uint8)
 
 
-def _chunk_bytes(t: TensorPlan, seed: int, index: int, n_blocks: int) -> np.ndarray:
+def _chunk_bytes(t: TensorPlan, seed: int, index: int, n_blocks: int,
+                 std: float = WEIGHT_STD) -> np.ndarray:
     """Bytes of blocks [index * per_chunk, + n_blocks) of tensor `t`: (n_blocks * type_size,)."""
     spec = block_spec(t.qtype)
     h = int.from_bytes(hashlib.blake2b(t.name.encode(), digest_size=8).digest(), "little")
@@ -193,14 +194,14 @@ def _chunk_bytes(t: TensorPlan, seed: int, index: int, n_blocks: int) -> np.ndar
     if spec.block_size == 1:
         if t.norm:
             return _float_chunk(bits, n_blocks, t.qtype, 1.0, NORM_JITTER)
-        return _float_chunk(bits, n_blocks, t.qtype, 0.0, WEIGHT_STD * 3 ** 0.5)
+        return _float_chunk(bits, n_blocks, t.qtype, 0.0, std * 3 ** 0.5)
     n_bytes = n_blocks * spec.type_size
     blocks = bits.random_raw((n_bytes + 7) // 8).view(np.uint8)[:n_bytes]
     blocks = blocks.reshape(n_blocks, spec.type_size)                     # (n, type_size) u8
     fill = _FILLS[t.qtype]
     jitter = bits.random_raw((n_blocks + 3) // 4).view(np.uint16)[:n_blocks]
     u = np.float32(0.5) + (jitter & np.uint16(0x7FFF)).astype(np.float32) / np.float32(32768)
-    d0 = WEIGHT_STD / (fill.code_ms * fill.scale_ms * _JITTER_MS) ** 0.5
+    d0 = std / (fill.code_ms * fill.scale_ms * _JITTER_MS) ** 0.5
     d = u * np.float32(d0)                                                 # (n,) f32
     if fill.signed_d:
         d = np.where(jitter >= 0x8000, -d, d)
@@ -252,9 +253,12 @@ def _chunks(plan: list[TensorPlan]) -> Iterator[tuple[TensorPlan, int, int]]:
 
 
 def synthesize(path: str | os.PathLike, preset: str, quant: str, seed: int = 0,
-               n_layer: int | None = None, threads: int = 0, data: bool = True) -> SynthResult:
+               n_layer: int | None = None, threads: int = 0, data: bool = True,
+               weight_std: float = WEIGHT_STD) -> SynthResult:
     """Write a synthetic GGUF. `data=False` writes the header and leaves the tensor data a hole
-    of zeros (a sparse file): shapes and metadata only, for loaders' checks."""
+    of zeros (a sparse file): shapes and metadata only, for loaders' checks. `weight_std`: the
+    weights' standard deviation (norm weights stay near 1); the llama.cpp oracle fixtures use
+    a larger one than the benchmarks' default, for logits with a spread."""
     import gguf
 
     problems = []
@@ -266,6 +270,8 @@ def synthesize(path: str | os.PathLike, preset: str, quant: str, seed: int = 0,
         problems.append(("layers", f"{n_layer} is out of range; allowed range is 1..1024"))
     if threads < 0:
         problems.append(("threads", f"{threads} is negative; 0 means all cores"))
+    if not 0.0 < weight_std <= 4.0:
+        problems.append(("weight_std", f"{weight_std} is out of range (0, 4]"))
     if not Path(path).parent.is_dir():
         problems.append(("out", f"{Path(path).parent} is not a directory"))
     if problems:
@@ -286,7 +292,7 @@ def synthesize(path: str | os.PathLike, preset: str, quant: str, seed: int = 0,
     fout, align = w.fout[0], w.data_alignment
     try:
         if data:
-            _write_data(fout, plan, seed, align, threads or os.cpu_count() or 1)
+            _write_data(fout, plan, seed, align, threads or os.cpu_count() or 1, weight_std)
         else:
             end = fout.tell()
             for t in plan:
@@ -297,7 +303,8 @@ def synthesize(path: str | os.PathLike, preset: str, quant: str, seed: int = 0,
     return SynthResult(path, path.stat().st_size, len(plan), time.perf_counter() - t0)
 
 
-def _write_data(fout, plan: list[TensorPlan], seed: int, align: int, threads: int) -> None:
+def _write_data(fout, plan: list[TensorPlan], seed: int, align: int, threads: int,
+                std: float = WEIGHT_STD) -> None:
     """Generate chunks on `threads` threads (numpy releases the GIL) and write them in order,
     keeping at most 2 * threads chunks in memory."""
     pending: deque = deque()
@@ -313,7 +320,7 @@ def _write_data(fout, plan: list[TensorPlan], seed: int, align: int, threads: in
                 job = next(jobs, None)
                 if job is None:
                     break
-                pending.append((job[0], pool.submit(_chunk_bytes, job[0], seed, *job[1:])))
+                pending.append((job[0], pool.submit(_chunk_bytes, job[0], seed, *job[1:], std)))
             if not pending:
                 break
             t, future = pending.popleft()

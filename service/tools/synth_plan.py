@@ -40,6 +40,32 @@ QWEN3_VOCAB = Vocab("qwen2", 151643, ("<|endoftext|>", "<|im_start|>", "<|im_end
                     "[PAD{}]", TokenType.UNUSED, bos=151643, eos=151645, add_bos=False)
 TINY_VOCAB = Vocab("llama-bpe", 1016, LLAMA3_VOCAB.specials[:3], "<|reserved_special_token_{}|>",
                    TokenType.CONTROL, bos=1016, eos=1017, add_bos=True)
+TINY512_VOCAB = Vocab("llama-bpe", 504, LLAMA3_VOCAB.specials[:3], "<|reserved_special_token_{}|>",
+                      TokenType.CONTROL, bos=504, eos=505, add_bos=True)
+# Laguna's tokenizer shape (100,352 ids; ids 2 = BOS/EOS as in the converter's notes)
+LAGUNA_VOCAB = Vocab("laguna", 100000, ("<|endoftext|>", "<|pad|>", "<s>"), "<|reserved_{}|>",
+                     TokenType.CONTROL, bos=100002, eos=100002, add_bos=False)
+
+
+@dataclass(frozen=True)
+class LagunaShape:
+    """What a Laguna file has beyond Preset's fields (llama.cpp src/models/laguna.cpp and
+    conversion/laguna.py): Preset.n_head is the full-attention layers' query head count."""
+
+    n_head_swa: int            # query heads of the sliding-window layers
+    window: int                # attention.sliding_window (full/SWA/SWA/SWA, full first)
+    rope_dims: int             # rope.dimension_count (full layers, YaRN)
+    swa_rope_base: float       # rope.freq_base_swa
+    swa_rope_dims: int         # rope.dimension_count_swa
+    yarn_factor: float         # rope.scaling.factor (type yarn)
+    yarn_orig_ctx: int         # rope.scaling.original_context_length
+    dense_lead: int            # leading_dense_block_count
+    n_ff_shared: int           # expert_shared_feed_forward_length
+    weights_scale: float       # expert_weights_scale
+    gate_per_element: bool = False   # attn_gate rows: n_head * head_dim (M.1) or n_head (XS.2)
+
+    def heads(self, p: Preset, layer: int) -> int:
+        return p.n_head if layer % 4 == 0 else self.n_head_swa
 
 
 @dataclass(frozen=True)
@@ -59,6 +85,7 @@ class Preset:
     tied: bool = False        # no output.weight: the output projection is token_embd
     qk_norm: bool = False
     experts: tuple[int, int, int] | None = None   # (count, used, per-expert FFN width)
+    laguna: LagunaShape | None = None
 
 
 PRESETS: dict[str, Preset] = {
@@ -73,6 +100,29 @@ PRESETS: dict[str, Preset] = {
     "tiny": Preset("llama", 2, 256, 384, 4, 2, 64, 1024, 500000.0, 1e-5, 2048, TINY_VOCAB),
     "tiny-moe": Preset("qwen3moe", 2, 256, 512, 4, 2, 64, 1024, 1e6, 1e-6, 2048, TINY_VOCAB,
                        qk_norm=True, experts=(8, 2, 256)),
+    # The oracle fixtures' qwen3moe (tests/data/tiny, bench/llamacpp_moe_oracle.py): < 1.3 MB
+    "tiny-qwen3moe-s": Preset("qwen3moe", 2, 128, 256, 4, 2, 32, 512, 1e6, 1e-6, 1024,
+                              TINY512_VOCAB, qk_norm=True, experts=(16, 4, 32)),
+    # Laguna-XS.2's shapes. From llama.cpp's laguna.cpp / conversion: 40 layers, hidden 2048,
+    # 8 KV heads of 128, vocabulary 100,352, 48 query heads on full layers and 64 on SWA
+    # layers, window 512, YaRN theta 500000 over 64 dims (full) and theta 10000 over 128
+    # (SWA), one leading dense layer, 256 experts top-8 + one shared expert, a sigmoid router.
+    # Assumed (not in llama.cpp's source): the FFN widths (dense 8192, expert and shared 512),
+    # the YaRN factor 32 over 4096 positions, the weights scale 2.5 and the context 131072.
+    "laguna-xs2": Preset("laguna", 40, 2048, 8192, 48, 8, 128, 100352, 500000.0, 1e-6, 131072,
+                         LAGUNA_VOCAB, qk_norm=True, experts=(256, 8, 512),
+                         laguna=LagunaShape(64, 512, 64, 10000.0, 128, 32.0, 4096, 1, 512,
+                                            2.5)),
+    # Small enough for CPU tests and the llama.cpp oracle: a dense first layer (full), three
+    # SWA layers (window 8, so a 24-token prompt reaches past it) and a full MoE layer; partial
+    # YaRN rotary (16 of 32 dims) on full layers, plain RoPE over 32 dims on SWA layers.
+    "tiny-laguna": Preset("laguna", 5, 128, 128, 4, 2, 32, 512, 500000.0, 1e-6, 1024,
+                          TINY512_VOCAB, qk_norm=True, experts=(8, 3, 32),
+                          laguna=LagunaShape(6, 8, 16, 10000.0, 32, 4.0, 256, 1, 32, 1.5)),
+    "tiny-laguna-elem": Preset("laguna", 5, 128, 128, 4, 2, 32, 512, 500000.0, 1e-6, 1024,
+                               TINY512_VOCAB, qk_norm=True, experts=(8, 3, 32),
+                               laguna=LagunaShape(6, 8, 16, 10000.0, 32, 4.0, 256, 1, 32, 1.5,
+                                                  gate_per_element=True)),
 }
 
 
@@ -137,23 +187,32 @@ class TensorPlan:
 
 
 def plan_tensors(p: Preset, mix: Mix, n_layer: int) -> list[TensorPlan]:
-    e, hd = p.n_embd, p.head_dim
+    e, hd, lg = p.n_embd, p.head_dim, p.laguna
     shapes: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (p.n_vocab, e))]
     for i in range(n_layer):
         b = f"blk.{i}."
-        shapes += [(b + "attn_norm.weight", (e,)), (b + "attn_q.weight", (p.n_head * hd, e)),
+        h = lg.heads(p, i) if lg else p.n_head
+        shapes += [(b + "attn_norm.weight", (e,)), (b + "attn_q.weight", (h * hd, e)),
                    (b + "attn_k.weight", (p.n_head_kv * hd, e)),
                    (b + "attn_v.weight", (p.n_head_kv * hd, e)),
-                   (b + "attn_output.weight", (e, p.n_head * hd))]
+                   (b + "attn_output.weight", (e, h * hd))]
         if p.qk_norm:
             shapes += [(b + "attn_q_norm.weight", (hd,)), (b + "attn_k_norm.weight", (hd,))]
+        if lg:
+            shapes.append((b + "attn_gate.weight", (h * (hd if lg.gate_per_element else 1), e)))
         shapes.append((b + "ffn_norm.weight", (e,)))
-        if p.experts:
+        if p.experts and not (lg and i < lg.dense_lead):
             n_exp, _, ff = p.experts
             shapes += [(b + "ffn_gate_inp.weight", (n_exp, e)),
                        (b + "ffn_gate_exps.weight", (n_exp, ff, e)),
                        (b + "ffn_up_exps.weight", (n_exp, ff, e)),
                        (b + "ffn_down_exps.weight", (n_exp, e, ff))]
+            if lg:
+                fs = lg.n_ff_shared
+                shapes += [(b + "exp_probs_b.bias", (n_exp,)),
+                           (b + "ffn_gate_shexp.weight", (fs, e)),
+                           (b + "ffn_up_shexp.weight", (fs, e)),
+                           (b + "ffn_down_shexp.weight", (e, fs))]
         else:
             shapes += [(b + "ffn_gate.weight", (p.n_ff, e)), (b + "ffn_up.weight", (p.n_ff, e)),
                        (b + "ffn_down.weight", (e, p.n_ff))]
@@ -203,6 +262,18 @@ def model_metadata(name: str, p: Preset, mix: Mix, n_layer: int) -> dict:
     if p.experts:
         kv |= {"expert_count": p.experts[0], "expert_used_count": p.experts[1],
                "expert_feed_forward_length": p.experts[2]}
+    lg = p.laguna
+    if lg:   # the keys conversion/laguna.py writes
+        kv |= {"attention.head_count": [lg.heads(p, i) for i in range(n_layer)],
+               "attention.sliding_window": lg.window, "rope.dimension_count": lg.rope_dims,
+               "rope.freq_base_swa": lg.swa_rope_base,
+               "rope.dimension_count_swa": lg.swa_rope_dims, "rope.scaling.type": "yarn",
+               "rope.scaling.factor": lg.yarn_factor,
+               "rope.scaling.original_context_length": lg.yarn_orig_ctx,
+               "leading_dense_block_count": lg.dense_lead,
+               "expert_shared_feed_forward_length": lg.n_ff_shared,
+               "expert_weights_norm": True, "expert_weights_scale": lg.weights_scale,
+               "expert_gating_func": 2}
     out = {f"{p.arch}.{k}": v for k, v in kv.items()}
     quant = next(k for k, m in MIXES.items() if m == mix)
     return out | {"general.name": f"synthetic {name} {quant}", "general.file_type": mix.file_type,

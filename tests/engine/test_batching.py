@@ -25,7 +25,7 @@ from tests.support.batching import (
     together,
 )
 from tests.support.engines import Engine, Result, running_engine, wait_idle
-from tests.support.models import TINY_MODELS
+from tests.support.models import TINY, TINY_MODELS
 
 
 def engine(model: str, **overrides):
@@ -62,11 +62,11 @@ def test_batched_requests_equal_solo_runs(smol_16, mode, n):
     assert (stats.max_sequences > 1) == (n > 1)
 
 
-@pytest.mark.parametrize("name", TINY_MODELS)
+@pytest.mark.parametrize("name", [*TINY_MODELS, str(TINY / "tiny-laguna-q8.gguf")])
 def test_more_streams_than_a_step_take_turns(name):
     """20 streams over 16-row steps (max_step_tokens 32: 16 decode rows, 16-token prefill
     chunks): drafts shrink, then sequences sit steps out in turns; each still equals its solo
-    run (the MoE and mixed-quant models too)."""
+    run (the MoE, Laguna and mixed-quant models too)."""
     with engine(name, n_slots=20, prefill_chunk=32, max_step_tokens=32) as eng:
         prompts = [[(7 * i + j) % 200 + 3 for j in range(5 + i % 7)] for i in range(9)]
         reqs = requests("mixed-spec", 20, prompts, base_tokens=24)

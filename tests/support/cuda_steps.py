@@ -81,7 +81,7 @@ class Result:
 # ---------------------------------------------------------------- model files
 def model_files(tmp: Path) -> dict[str, Path]:
     out = {"llama-mixq": TINY / "tiny-llama-mixq.gguf", "qwen3": TINY / "tiny-qwen3.gguf",
-           "qwen3moe": TINY / "tiny-qwen3moe.gguf",
+           "qwen3moe": TINY / "tiny-qwen3moe.gguf", "laguna": TINY / "tiny-laguna-q8.gguf",
            "qwen2": _write(tmp / "qwen2.gguf", "qwen2", hd=64, dtype=np.float32),
            "gemma3": _write(tmp / "gemma3.gguf", "gemma3", hd=256, dtype=np.float16)}
     for mix in synth.MIXES:

@@ -140,6 +140,22 @@ def tiny_logits(name: str, backend, spec: Callable[[ModelSpec], ModelSpec] | Non
     return ours, np.array(fx["models"][name]["logits"], np.float32)
 
 
+MOE_FIXTURE = "tiny/llamacpp_moe_logits.json"     # bench/llamacpp_moe_oracle.py writes it
+MOE_MODELS = ("tiny-laguna-q8", "tiny-laguna-q4", "tiny-laguna-elem-q5", "tiny-qwen3moe-s-q8",
+              "tiny-qwen3moe-s-q4", "tiny-qwen3moe-s-f16")
+
+
+def moe_oracle_logits(name: str, backend, spec: Callable[[ModelSpec], ModelSpec] | None = None,
+                      max_tokens: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """Logits (T, V) of the MoE oracle fixture's prompt, one step of fixture file `name` on
+    `backend` (spec: as in build_model), and llama.cpp's logits of the same prompt."""
+    fx = load_json(MOE_FIXTURE)
+    ids = fx["prompt_ids"]
+    model = build_model(TINY / f"{name}.gguf", backend, spec=spec, max_tokens=max_tokens)
+    ours = forward_host(model, ids, 0, len(ids))
+    return ours, np.array(fx["models"][name]["logits"], np.float32)
+
+
 def swapped_rope(spec: ModelSpec) -> ModelSpec:
     """The spec with the other RoPE pairing (NORMAL <-> NEOX): a negative control."""
     import dataclasses

@@ -39,7 +39,8 @@ from tests.support.models import TINY
 # model -> the KV (K, V) pair its full scenario runs with (captured steps on quantized caches
 # too; the option scenarios vary qwen3 on f16/f16)
 FAMILIES = {"llama-mixq": ("q8_0", "q4_0"), "qwen3": ("f16", "f16"),
-            "qwen3moe": ("q4_0", "q8_0"), "qwen2": ("q8_0", "f16"), "gemma3": ("f16", "q4_0")}
+            "qwen3moe": ("q4_0", "q8_0"), "qwen2": ("q8_0", "f16"), "gemma3": ("f16", "q4_0"),
+            "laguna": ("q8_0", "q8_0")}
 OPTIONS = {                                  # name -> (CudaBackend options, cuda-bindings there)
     "graphs-off": ((("graphs", False),), True),
     "pdl-off": ((("pdl", False),), True),

@@ -106,8 +106,8 @@ class CpuBackend(Backend):
     def add(self, a, b, out):
         np.add(a, b, out=out)
 
-    def rope_table(self, n_ctx, n_dims, base):
-        return ops.rope_table(n_ctx, n_dims, base)
+    def rope_table(self, n_ctx, n_dims, base, scaling=None):
+        return ops.rope_table(n_ctx, n_dims, base, scaling)
 
     def rope(self, x, positions, table, neox):
         ops.rope(x, positions, table, neox)
@@ -126,8 +126,13 @@ class CpuBackend(Backend):
     def kv_move(self, cache: CpuKVCache, slots, src, dst):
         self.attn.kv_move(cache, slots, src, dst)
 
-    def moe(self, x, router: CpuMatrix, gate, up, down, n_used, normalize, activation, out):
-        self.matmuls.moe(x, router, gate, up, down, n_used, normalize, activation, out)
+    def moe(self, x, router: CpuMatrix, gate, up, down, n_used, normalize, activation, out, *,
+            gating="softmax", bias=None, scale=1.0):
+        self.matmuls.moe(x, router, gate, up, down, n_used, normalize, activation, out,
+                         gating=gating, bias=bias, scale=scale)
+
+    def softplus_gate(self, a, g):
+        ops.softplus_gate(a, g)
 
     def argmax(self, logits, out):
         ops.argmax(logits, out)

@@ -135,17 +135,23 @@ class CpuMatmul:
             np.matmul(x, tile.T, out=out[:, r0:r1])
 
     def moe(self, x, router: CpuMatrix, gate, up, down, n_used, normalize, activation,
-            out) -> None:
+            out, *, gating="softmax", bias=None, scale=1.0) -> None:
         T = x.shape[0]
         logits = np.empty((T, router.n), np.float32)
         self.matmul(x, router, logits)
-        logits -= logits.max(axis=-1, keepdims=True)
-        probs = np.exp(logits)
-        probs /= probs.sum(axis=-1, keepdims=True)                          # (T, n_expert)
-        top = np.argsort(-probs, axis=-1, kind="stable")[:, :n_used]        # (T, n_used)
+        if gating == "sigmoid":
+            probs = np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))   # (T, n_expert)
+        else:
+            logits -= logits.max(axis=-1, keepdims=True)
+            probs = np.exp(logits)
+            probs /= probs.sum(axis=-1, keepdims=True)                      # (T, n_expert)
+        sel = probs if bias is None else probs + bias[None, :]
+        top = np.argsort(-sel, axis=-1, kind="stable")[:, :n_used]          # (T, n_used)
         w = np.take_along_axis(probs, top, axis=-1)
         if normalize:
-            w /= w.sum(axis=-1, keepdims=True)
+            w /= np.maximum(w.sum(axis=-1, keepdims=True), np.float32(6.103515625e-5))
+        if scale != 1.0:
+            w *= np.float32(scale)
         out[...] = 0.0
         f = gate[0].n
         hg = np.empty((1, f), np.float32)

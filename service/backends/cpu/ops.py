@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.backends.cpu import kernels as K
+from service.backends.rope_angles import rope_cos_sin
 from service.gguf import quants
 from service.gguf.quants import QuantType
 from service.gguf.reader import TensorInfo
@@ -40,10 +41,8 @@ def rms_norm(x, w, eps, out) -> None:
     out *= w
 
 
-def rope_table(n_ctx, n_dims, base) -> tuple[np.ndarray, np.ndarray]:
-    inv = base ** (-np.arange(0, n_dims, 2, dtype=np.float64) / n_dims)        # (n_dims/2,)
-    ang = np.arange(n_ctx, dtype=np.float64)[:, None] * inv[None, :]          # (n_ctx, n_dims/2)
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+def rope_table(n_ctx, n_dims, base, scaling=None) -> tuple[np.ndarray, np.ndarray]:
+    return rope_cos_sin(n_ctx, n_dims, base, scaling)                 # (n_ctx, n_dims/2) x 2
 
 
 def rope(x, positions, table, neox) -> None:
@@ -77,6 +76,12 @@ def glu(gate, up, activation, out) -> None:
         out *= g
         out *= np.float32(0.5)
     out *= up
+
+
+def softplus_gate(a, g) -> None:
+    """a (T, H, D) *= softplus(g), g (T, H, 1 | D): ggml's softplus (v above 20 kept as is)."""
+    sp = np.where(g > 20.0, g, np.log1p(np.exp(np.minimum(g, 20.0))))
+    a *= sp.astype(np.float32)
 
 
 def argmax(logits, out) -> None:

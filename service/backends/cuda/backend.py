@@ -171,12 +171,14 @@ class CudaBackend(Backend):
     def embed(self, table, ids, scale, out): self._ew.embed(table, ids, scale, out)
     def add(self, a, b, out): self._ew.add(a, b, out)
     def glu(self, gate, up, activation, out): self._ew.glu(gate, up, activation, out)
+    def softplus_gate(self, a, g): self._ew.softplus_gate(a, g)
     def glu_for_matmul(self, gate, up, activation, out):
         self._ew.glu_for_matmul(gate, up, activation, out)
     def rms_norm(self, x, w, eps, out): self._norm.rms_norm(x, w, eps, out)
     def rms_norm_for_matmul(self, x, w, eps, out): self._norm.rms_norm_for_matmul(x, w, eps, out)
     def rms_norm_add(self, o, w, eps, x): self._norm.rms_norm_add(o, w, eps, x)
-    def rope_table(self, n_ctx, n_dims, base): return self._rope.table(n_ctx, n_dims, base)
+    def rope_table(self, n_ctx, n_dims, base, scaling=None):
+        return self._rope.table(n_ctx, n_dims, base, scaling)
     def rope(self, x, positions, table, neox): self._rope.rope(x, positions, table, neox)
 
     def rope_kv(self, q, k, v, q_norm, k_norm, eps, positions, slots, table, neox, cache,
@@ -210,8 +212,10 @@ class CudaBackend(Backend):
         if not self._gemv.matmul_add_norm(x, w, out, norm_w, eps, h, self._gemm.wanted(x)):
             super().matmul_add_norm(x, w, out, tmp, norm_w, eps, h)
 
-    def moe(self, x, router, gate, up, down, n_used, normalize, activation, out):
-        self._moe.moe(x, router, gate, up, down, n_used, normalize, activation, out)
+    def moe(self, x, router, gate, up, down, n_used, normalize, activation, out, *,
+            gating="softmax", bias=None, scale=1.0):
+        self._moe.moe(x, router, gate, up, down, n_used, normalize, activation, out,
+                      gating=gating, bias=bias, scale=scale)
 
     def round_f16(self, x, out) -> None: self._gemm.round_f16(x, out)
     def dequant_rows(self, w, r0, n_rows, out) -> None: self._gemm.dequant_rows(w, r0, n_rows, out)

@@ -1,6 +1,6 @@
 """Row-wise op launchers of the CUDA backend (cuda/elementwise.cu): the embedding lookup, the
-residual / bias add, and the gated linear unit (with its output's 8-bit blocks for the down
-projection's GEMV when it feeds one).
+residual / bias add, the attention output's softplus gate, and the gated linear unit (with its
+output's 8-bit blocks for the down projection's GEMV when it feeds one).
 
 `ElementwiseOps` owns nothing but its launches; glu_for_matmul records the view whose blocks
 it wrote in the shared launcher.ActivationBlocks.
@@ -59,6 +59,20 @@ class ElementwiseOps:
 
     def glu(self, gate, up, activation: str, out) -> None:
         self._glu("glu", gate, up, activation, out, [])
+
+    def softplus_gate(self, a, g) -> None:
+        """a (T, H, Dv) *= softplus(g), g (T, H, 1 | Dv) (base.py)."""
+        T, H, lda, sh, Dv = view_rows(a)
+        Tg, Hg, ldg, gh, G = view_rows(g)
+        # the kernel reads a's rows as H * Dv contiguous values and g's heads G apart
+        if a.ndim != 3 or g.ndim != 3 or (Tg, Hg) != (T, H) or G not in (1, Dv) or sh != Dv \
+                or gh != G:
+            raise ValueError(f"softplus_gate: a {a.shape} {a.strides}, g {g.shape} {g.strides}")
+        check_dtype(a, np.float32, "softplus_gate a")
+        check_dtype(g, np.float32, "softplus_gate g")
+        self._launcher.launch("softplus_gate", (ceil_div(H * Dv, ROW_THREADS), T),
+                              (ROW_THREADS,), [a, I32(lda), I32(H * Dv), I32(Dv), g, I32(ldg),
+                                               I32(G)])
 
     def glu_for_matmul(self, gate, up, activation: str, out) -> None:
         """glu, and out's 8-bit blocks for the next GEMV when they fit the scratch."""

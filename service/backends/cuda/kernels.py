@@ -207,7 +207,9 @@ FAMILIES = (
            "gate:ptr ldg:i32 up:ptr ldu,F,act:i32 out:ptr ldo:i32 qa,ads:ptr"),
     Family("rope", "elementwise.cu", "x:ptr s0,s1:i32 positions,cos_t,sin_t:ptr half,neox:i32"),
     Family("moe_route", "elementwise.cu",
-           "logits:ptr ld,T,n_expert,n_used,normalize:i32 ids,weights:ptr"),
+           "logits:ptr ld,T,n_expert,n_used,normalize,sigmoid:i32 bias:ptr scale:f32 "
+           "ids,weights:ptr"),
+    Family("softplus_gate", "elementwise.cu", "a:ptr lda,HD,Dv:i32 g:ptr ldg,G:i32"),
     Family("moe_combine", "elementwise.cu", "y,w:ptr n_used,E:i32 out:ptr ldo:i32"),
     # rope_kv.cu
     Family("rope_kv_{k}_{v}", "rope_kv.cu",

@@ -1,6 +1,7 @@
 """The mixture-of-experts op of the CUDA backend: router GEMV, top-n routing (elementwise.cu
-moe_route), gathered expert GEMVs (gemv.cu's gathered mode: one (token, expert) pair per block
-row), the GLU, and the weighted combine (moe_combine).
+moe_route: softmax or sigmoid router, optional selection bias and weight scale), gathered
+expert GEMVs (gemv.cu's gathered mode: one (token, expert) pair per block row), the GLU, and
+the weighted combine (moe_combine).
 
 `MoeOps` owns the per-pair scratch (sized by prepare for max_tokens * n_used pairs) and uses
 the GEMV and elementwise parts it is given for the matmuls and the GLU.
@@ -15,7 +16,7 @@ from service.backends.cuda.gemv import GemvOps
 from service.backends.cuda.kernels import MOE_ROUTE_THREADS, ROW_THREADS
 from service.backends.cuda.launcher import Launcher
 from service.backends.cuda.memory import DeviceMemory
-from service.backends.cuda.types import I32, CudaMatrix, ceil_div, view_rows
+from service.backends.cuda.types import F32, I32, CudaMatrix, ceil_div, opt_ptr, view_rows
 
 
 class MoeOps:
@@ -35,7 +36,10 @@ class MoeOps:
                         "a": z((rows, n_ff)), "y": z((rows, n_embd))}
 
     def moe(self, x, router: CudaMatrix, gate: CudaMatrix, up: CudaMatrix, down: CudaMatrix,
-            n_used: int, normalize: bool, activation: str, out) -> None:
+            n_used: int, normalize: bool, activation: str, out, *, gating: str = "softmax",
+            bias=None, scale: float = 1.0) -> None:
+        if gating not in ("softmax", "sigmoid"):
+            raise ValueError(f"moe: router {gating!r}: 'softmax' or 'sigmoid'")
         T = x.shape[0]
         m, P = self.scratch, T * n_used
         logits, ids, w = m["logits"][:T], m["ids"][:P], m["w"][:P]
@@ -43,7 +47,9 @@ class MoeOps:
         self._launcher.launch("moe_route", (ceil_div(T, MOE_ROUTE_THREADS),),
                               (MOE_ROUTE_THREADS,),
                               [logits, I32(logits.shape[1]), I32(T), I32(router.n),
-                               I32(n_used), I32(1 if normalize else 0), ids, w])
+                               I32(n_used), I32(1 if normalize else 0),
+                               I32(1 if gating == "sigmoid" else 0), opt_ptr(bias), F32(scale),
+                               ids, w])
         g, u, a, y = m["g"][:P], m["u"][:P], m["a"][:P], m["y"][:P]
         self._gemv.matmul(x, gate, g, ids, P, n_used)                  # (P, F)
         self._gemv.matmul(x, up, u, ids, P, n_used)

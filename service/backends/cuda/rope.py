@@ -26,6 +26,7 @@ from service.backends.cuda.types import (
     opt_ptr,
     view_rows,
 )
+from service.backends.rope_angles import rope_cos_sin
 
 
 class RopeOps:
@@ -33,11 +34,9 @@ class RopeOps:
         self._launcher = launcher
         self._upload_vector = upload_vector
 
-    def table(self, n_ctx: int, n_dims: int, base: float) -> tuple[Any, Any]:
-        inv = base ** (-np.arange(0, n_dims, 2, dtype=np.float64) / n_dims)    # (n_dims/2,)
-        ang = np.arange(n_ctx, dtype=np.float64)[:, None] * inv[None, :]      # (n_ctx, n/2)
-        return (self._upload_vector(np.cos(ang).astype(np.float32)),
-                self._upload_vector(np.sin(ang).astype(np.float32)))
+    def table(self, n_ctx: int, n_dims: int, base: float, scaling=None) -> tuple[Any, Any]:
+        cos, sin = rope_cos_sin(n_ctx, n_dims, base, scaling)                 # (n_ctx, n/2)
+        return self._upload_vector(cos), self._upload_vector(sin)
 
     def rope(self, x, positions, table, neox: bool) -> None:
         T, H, s0, s1, _ = view_rows(x)
