@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from service.chat_templates import RenderWatch, watching
 from service.engine.spec.options import resolve as resolve_speculation
 from service.engine.types import (
+    MAX_LOGIT_BIAS,
     GenerationRequest,
     SamplingParams,
     SpeculativeOptions,
@@ -36,13 +37,19 @@ def optional(msg: Any, name: str, default: Any, conv=lambda v: v) -> Any:
 
 def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
     d = SamplingParams()
+    if len(msg.logit_bias) > MAX_LOGIT_BIAS:        # refused before building anything of it
+        raise InvalidRequestError("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS} entries "
+                                  f"allowed, got {len(msg.logit_bias)}")
     return SamplingParams(
         temperature=optional(msg, "temperature", d.temperature, float),
         top_k=optional(msg, "top_k", d.top_k, int), top_p=optional(msg, "top_p", d.top_p, float),
         min_p=optional(msg, "min_p", d.min_p, float),
         repetition_penalty=optional(msg, "repetition_penalty", d.repetition_penalty, float),
         repeat_last_n=optional(msg, "repeat_last_n", d.repeat_last_n, int),
-        seed=optional(msg, "seed", d.seed, int))
+        seed=optional(msg, "seed", d.seed, int),
+        frequency_penalty=optional(msg, "frequency_penalty", d.frequency_penalty, float),
+        presence_penalty=optional(msg, "presence_penalty", d.presence_penalty, float),
+        logit_bias=tuple(sorted((int(k), float(v)) for k, v in msg.logit_bias.items())))
 
 
 _SPECULATIVE_MODES = {0: None, 1: "chain", 2: "tree", 3: "off"}   # SpeculativeMode values
@@ -70,7 +77,8 @@ def stopping_from_proto(msg: generation_pb2.StoppingCriteria) -> StoppingCriteri
     return StoppingCriteria(
         max_new_tokens=optional(msg, "max_new_tokens", d.max_new_tokens, int),
         stop_sequences=tuple(msg.stop_sequences), stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=optional(msg, "ignore_eos", d.ignore_eos, bool))
+        ignore_eos=optional(msg, "ignore_eos", d.ignore_eos, bool),
+        min_tokens=optional(msg, "min_tokens", d.min_tokens, int))
 
 
 # A prompt text is rejected before it is tokenized when even its fewest possible tokens
@@ -164,7 +172,7 @@ async def request_from_proto(state: ServingState, engine: Any,
     sampling = sampling_from_proto(msg.sampling)
     speculation = resolve_speculation(speculative, options, engine.config,
                                       engine.config.drafter != "none",
-                                      sampling.repetition_penalty)
+                                      sampling.repetition_penalty, sampling.reads_history)
     return GenerationRequest(
         request_id=msg.request_id, prompt_ids=await prompt_ids(state, engine, msg),
         sampling=sampling, stopping=stopping_from_proto(msg.stopping),

@@ -266,7 +266,8 @@ class Engine:
     def _new_sequence(self, request: GenerationRequest, sink) -> Sequence:
         spec = request.speculation or resolve_speculation(
             request.speculative, request.speculative_options, self.config,
-            self.drafter is not None, request.sampling.repetition_penalty)
+            self.drafter is not None, request.sampling.repetition_penalty,
+            request.sampling.reads_history)
         return Sequence(request=request, sink=sink,
                         seed_value=resolve_seed(request.sampling.seed,
                                                 request.sampling.greedy),

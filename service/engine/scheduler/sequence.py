@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from service.engine.runner.step import Adjustment
 from service.engine.textstream import TextStream
 from service.engine.types import (
     Delta,
@@ -61,6 +62,19 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.history = list(self.request.prompt_ids)
+        self._adjust: tuple[Adjustment | None, Adjustment | None] | None = None
+
+    def adjustment(self, token_index: int) -> Adjustment | None:
+        """The sparse logit adjustment of the draw `token_index`: logit_bias, with the ids that
+        would end the generation (EOS unless ignore_eos, stop_token_ids) at -inf while
+        token_index < min_tokens. Built once per request (two shared objects)."""
+        if self._adjust is None:
+            stop, bias = self.request.stopping, self.request.sampling.logit_bias
+            banned = sorted(set(stop.stop_token_ids)
+                            | (set() if stop.ignore_eos else set(self.eog_ids)))
+            self._adjust = (Adjustment.of(bias),
+                            Adjustment.of(bias, banned) if stop.min_tokens else None)
+        return self._adjust[token_index < self.request.stopping.min_tokens]
 
     def send(self, event) -> None:
         """Hand an event to the request's sink. A sink that fails means its consumer is gone
@@ -130,6 +144,8 @@ class Sequence:
             out_ids.append(tok)
             if self.request.top_logprobs and i < len(logprobs) and logprobs[i] is not None:
                 out_lp.append(logprobs[i])
+            # stop sequences count from token min_tokens on (earlier text is emitted as is)
+            self.text.armed = len(self.generated) > stop.min_tokens
             if tok in self.eog_ids and not stop.ignore_eos:
                 reason = FinishReason.EOS
                 break
