@@ -74,9 +74,11 @@ def build_generate_request(
     speculative_mode: str | None = None, speculative_width: int | None = None,
     speculative_tree_budget: int | None = None,
     add_bos: bool | None = None, parse_special: bool | None = None,
+    frequency_penalty: float | None = None, presence_penalty: float | None = None,
+    logit_bias: Mapping[int, float] | None = None, min_tokens: int | None = None,
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from keyword arguments; None leaves a field unset (server default).
-    speculative_mode: "chain", "tree" or "off"."""
+    speculative_mode: "chain", "tree" or "off"; logit_bias: {token id: bias}."""
     given = [x is not None for x in (prompt, tokens, chat)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, tokens or chat")
@@ -88,8 +90,12 @@ def build_generate_request(
     else:
         req.chat.CopyFrom(_chat(chat))
     _set_optional(req.sampling, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                  repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n, seed=seed)
-    _set_optional(req.stopping, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+                  repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n, seed=seed,
+                  frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
+    for tok, bias in (logit_bias or {}).items():
+        req.sampling.logit_bias[tok] = bias
+    _set_optional(req.stopping, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
+                  min_tokens=min_tokens)
     req.stopping.stop_sequences.extend(stop)
     req.stopping.stop_token_ids.extend(stop_token_ids)
     _set_optional(req.output, top_logprobs=top_logprobs)
