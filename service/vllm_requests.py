@@ -13,6 +13,8 @@ Every request field is mapped or refused with INVALID_ARGUMENT naming it; none i
     .stop .stop_token_ids            stop sequences and stop ids (the gateway also matches
                                      stop strings in its own text; both stop at the same token)
     .ignore_eos .seed                as ours (seed >= 0)
+    .min_tokens .frequency_penalty   as ours (0 = off); logit_bias ids checked against the
+    .presence_penalty .logit_bias    vocabulary, values in [-100, 100], at most 300
     .n                               n samples (0 = 1), each its own engine request with seed
                                      seed + i when a seed is given; responses carry `index`
     .logprobs                        N alternatives per token (0: the chosen token's only)
@@ -23,8 +25,7 @@ Every request field is mapped or refused with INVALID_ARGUMENT naming it; none i
                                      the gateway detokenizes with them, so there is no text
                                      here for them to change
     .grammar_from_first_token        where a constraint starts; constraints are refused
-    refused when set: min_tokens, frequency_penalty, presence_penalty, logit_bias,
-    prompt_logprobs, logprobs -1, every constraint (json_schema, regex, grammar,
+    refused when set: prompt_logprobs, logprobs -1, every constraint (json_schema, regex, grammar,
     structural_tag, json_object, choice), mm_inputs, extra_mm_inputs, media_refs,
     kv_transfer_params(_json), data_parallel_rank other than 0.
 """
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from service.engine.spec.options import resolve as resolve_speculation
 from service.engine.types import (
+    MAX_LOGIT_BIAS,
     MAX_TOP_LOGPROBS,
     Delta,
     Finished,
@@ -63,10 +65,10 @@ DEFAULT_SAMPLING = {"temperature": DEFAULTS.temperature, "top_p": DEFAULTS.top_p
 _FIELD_NAMES = (("stopping.max_new_tokens", f"{SP}.max_tokens"),
                 ("stopping.stop_sequences", f"{SP}.stop"),
                 ("stopping.stop_token_ids", f"{SP}.stop_token_ids"),
+                ("stopping.min_tokens", f"{SP}.min_tokens"),
                 ("output.top_logprobs", f"{SP}.logprobs"),
                 ("input.tokens.ids", "tokenized.input_ids"), ("input.text", "text"),
                 ("input", "tokenized.input_ids"), ("sampling.", f"{SP}."))
-_UNSUPPORTED_SCALARS = ("min_tokens", "frequency_penalty", "presence_penalty")
 _CONSTRAINTS = ("json_schema", "regex", "grammar", "structural_tag", "json_object", "choice")
 
 
@@ -91,11 +93,9 @@ def check_request_fields(msg: Any) -> None:
     if msg.HasField("data_parallel_rank") and msg.data_parallel_rank != 0:
         raise _refuse("data_parallel_rank", "this server has one rank, 0")
     sp = msg.sampling_params
-    for name in _UNSUPPORTED_SCALARS:
-        if getattr(sp, name):
-            raise _refuse(f"{SP}.{name}", f"{name} is {getattr(sp, name)}")
-    if len(sp.logit_bias):
-        raise _refuse(f"{SP}.logit_bias", "logit bias is not implemented")
+    if len(sp.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(f"{SP}.logit_bias", f"at most {MAX_LOGIT_BIAS} entries "
+                                  f"allowed, got {len(sp.logit_bias)}")
     if sp.HasField("prompt_logprobs"):
         raise _refuse(f"{SP}.prompt_logprobs", "prompt log-probabilities are not computed")
     which = sp.WhichOneof("constraint")
@@ -114,7 +114,9 @@ def sampling_of(sp: Any) -> SamplingParams:
         temperature=sp.temperature if sp.HasField("temperature") else DEFAULTS.temperature,
         top_p=sp.top_p or 1.0, top_k=sp.top_k, min_p=sp.min_p,
         repetition_penalty=sp.repetition_penalty or 1.0,
-        seed=sp.seed if sp.HasField("seed") else None)
+        seed=sp.seed if sp.HasField("seed") else None,
+        frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
+        logit_bias=tuple(sorted((int(k), float(v)) for k, v in sp.logit_bias.items())))
 
 
 def _truncate(ids: tuple[int, ...], sp: Any, room: int) -> tuple[int, ...]:
@@ -165,11 +167,11 @@ async def requests_from_proto(state: ServingState, engine: Any, msg: Any
         request_id=msg.request_id, prompt_ids=prompt, sampling=sampling,
         stopping=StoppingCriteria(max_new_tokens=max_new, stop_sequences=tuple(sp.stop),
                                   stop_token_ids=tuple(sp.stop_token_ids),
-                                  ignore_eos=sp.ignore_eos),
+                                  ignore_eos=sp.ignore_eos, min_tokens=sp.min_tokens),
         top_logprobs=top,
         speculation=resolve_speculation(None, SpeculativeOptions(), engine.config,
                                         engine.config.drafter != "none",
-                                        sampling.repetition_penalty))
+                                        sampling.repetition_penalty, sampling.reads_history))
     try:
         base.validate(engine.spec.vocab_size, n_ctx)
     except InvalidRequestError as exc:

@@ -105,13 +105,22 @@ def test_text_input_truncation_and_stop_ids(vllm, client, engine):
     stopped = gen(vllm, ids, temperature=0.0, max_tokens=4, stop_token_ids=[stop])[-1]
     assert (stopped.complete.finish_reason, stopped.complete.matched_token_id) == ("stop", stop)
     assert list(stopped.complete.output_ids) == list(by_text.output_ids)[:2]
+    # the sampling controls map to ours: the same ids as the own protocol's request
+    controls = dict(frequency_penalty=0.7, presence_penalty=0.4, logit_bias={stop: -100.0})
+    mapped = gen(vllm, ids, temperature=0.0, max_tokens=6, min_tokens=3, ignore_eos=True,
+                 **controls)[-1].complete
+    own = client.complete(tokens=ids, temperature=0.0, max_new_tokens=6, min_tokens=3,
+                          ignore_eos=True, **controls)
+    assert list(mapped.output_ids) == own.token_ids and stop not in own.token_ids
 
 
 REFUSED = [
-    ("sampling_params.min_tokens", dict(min_tokens=2)),
-    ("sampling_params.frequency_penalty", dict(frequency_penalty=0.5)),
-    ("sampling_params.presence_penalty", dict(presence_penalty=0.5)),
-    ("sampling_params.logit_bias", dict(logit_bias={5: 1.0})),
+    ("sampling_params.min_tokens", dict(min_tokens=3)),
+    ("sampling_params.frequency_penalty", dict(frequency_penalty=2.5)),
+    ("sampling_params.presence_penalty", dict(presence_penalty=-3.0)),
+    ("sampling_params.logit_bias[5]", dict(logit_bias={5: 101.0})),
+    ("sampling_params.logit_bias[-1]", dict(logit_bias={-1: 1.0})),
+    ("sampling_params.logit_bias", dict(logit_bias={i: 1.0 for i in range(301)})),
     ("sampling_params.prompt_logprobs", dict(prompt_logprobs=1)),
     ("sampling_params.logprobs", dict(logprobs=-1)),
     ("sampling_params.logprobs", dict(logprobs=21)),
