@@ -76,6 +76,7 @@ def build_generate_request(
     add_bos: bool | None = None, parse_special: bool | None = None,
     frequency_penalty: float | None = None, presence_penalty: float | None = None,
     logit_bias: Mapping[int, float] | None = None, min_tokens: int | None = None,
+    n: int | None = None,
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from keyword arguments; None leaves a field unset (server default).
     speculative_mode: "chain", "tree" or "off"; logit_bias: {token id: bias}."""
@@ -105,7 +106,7 @@ def build_generate_request(
             "SPECULATIVE_MODE_" + speculative_mode.upper())
     _set_optional(req.speculative, width=speculative_width,
                   tree_budget=speculative_tree_budget)
-    _set_optional(req, add_bos=add_bos, parse_special=parse_special)
+    _set_optional(req, add_bos=add_bos, parse_special=parse_special, n=n)
     return req
 
 
@@ -272,6 +273,14 @@ class SpecstreamClient:
             out.add(r)
         return out
 
+    def complete_samples(self, prompt: str | None = None, *, n: int, **kw: Any
+                         ) -> list[Completion]:
+        """The n samples of one request (GenerateRequest.n), by index."""
+        out = [Completion() for _ in range(n)]
+        for r in self.generate(prompt, n=n, **kw):
+            out[r.index].add(r)
+        return out
+
     def tokenize(self, text: str | None = None, *, chat: ChatInput | None = None,
                  add_bos: bool | None = None, parse_special: bool | None = None,
                  timeout: float | None = None) -> generation_pb2.TokenizeResponse:
@@ -360,6 +369,14 @@ class AsyncSpecstreamClient:
         out = Completion()
         async for r in self.generate(prompt, **kw):
             out.add(r)
+        return out
+
+    async def complete_samples(self, prompt: str | None = None, *, n: int, **kw: Any
+                               ) -> list[Completion]:
+        """The n samples of one request (GenerateRequest.n), by index."""
+        out = [Completion() for _ in range(n)]
+        async for r in self.generate(prompt, n=n, **kw):
+            out[r.index].add(r)
         return out
 
     async def tokenize(self, text: str | None = None, *, chat: ChatInput | None = None,

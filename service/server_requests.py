@@ -18,6 +18,7 @@ from service.chat_templates import RenderWatch, watching
 from service.engine.spec.options import resolve as resolve_speculation
 from service.engine.types import (
     MAX_LOGIT_BIAS,
+    MAX_N,
     GenerationRequest,
     SamplingParams,
     SpeculativeOptions,
@@ -164,6 +165,14 @@ async def prompt_ids(state: ServingState, engine: Any, msg: Any) -> tuple[int, .
     else:
         raise InvalidRequestError("input", "set exactly one of text, tokens or chat")
     return tuple(ids)
+
+
+def n_from_proto(msg: generation_pb2.GenerateRequest) -> int:
+    """GenerateRequest.n: unset 1, else in [1, MAX_N]."""
+    n = optional(msg, "n", 1, int)
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequestError("n", f"must be in [1, {MAX_N}], got {n}")
+    return n
 
 
 async def request_from_proto(state: ServingState, engine: Any,

@@ -15,8 +15,8 @@ Every request field is mapped or refused with INVALID_ARGUMENT naming it; none i
     .ignore_eos .seed                as ours (seed >= 0)
     .min_tokens .frequency_penalty   as ours (0 = off); logit_bias ids checked against the
     .presence_penalty .logit_bias    vocabulary, values in [-100, 100], at most 300
-    .n                               n samples (0 = 1), each its own engine request with seed
-                                     seed + i when a seed is given; responses carry `index`
+    .n                               n samples (0 = 1), as GenerateRequest.n
+                                     (service/server_samples.py); responses carry `index`
     .logprobs                        N alternatives per token (0: the chosen token's only)
     .truncate_prompt_tokens          keep the last N prompt tokens (-1: as many as fit), before
                                      the BOS above
@@ -32,7 +32,6 @@ Every request field is mapped or refused with INVALID_ARGUMENT naming it; none i
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from service.engine.spec.options import resolve as resolve_speculation
@@ -49,6 +48,7 @@ from service.engine.types import (
 )
 from service.errors import InvalidRequestError
 from service.server_requests import encode_text
+from service.server_samples import sample_requests
 
 if TYPE_CHECKING:
     from service.server import ServingState
@@ -177,12 +177,7 @@ async def requests_from_proto(state: ServingState, engine: Any, msg: Any
     except InvalidRequestError as exc:
         raise InvalidRequestError(protocol_field(exc.field), str(exc).split(": ", 1)[-1],
                                   exc.reason) from exc
-    n = max(1, sp.n)
-    if n == 1:
-        return [base]
-    seeds = [None if sampling.seed is None else (sampling.seed + i) % 2**64 for i in range(n)]
-    return [replace(base, request_id=f"{base.request_id}-{i}",
-                    sampling=replace(sampling, seed=seeds[i])) for i in range(n)]
+    return sample_requests(base, max(1, sp.n))
 
 
 # ------------------------------------------------------------------------- events -> proto
