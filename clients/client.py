@@ -76,7 +76,8 @@ def build_generate_request(
     add_bos: bool | None = None, parse_special: bool | None = None,
     frequency_penalty: float | None = None, presence_penalty: float | None = None,
     logit_bias: Mapping[int, float] | None = None, min_tokens: int | None = None,
-    n: int | None = None,
+    n: int | None = None, prompt_logprobs: bool | None = None,
+    prompt_top_logprobs: int | None = None,
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from keyword arguments; None leaves a field unset (server default).
     speculative_mode: "chain", "tree" or "off"; logit_bias: {token id: bias}."""
@@ -99,7 +100,8 @@ def build_generate_request(
                   min_tokens=min_tokens)
     req.stopping.stop_sequences.extend(stop)
     req.stopping.stop_token_ids.extend(stop_token_ids)
-    _set_optional(req.output, top_logprobs=top_logprobs)
+    _set_optional(req.output, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
+                  prompt_top_logprobs=prompt_top_logprobs)
     _set_optional(req.speculative, enabled=speculative)
     if speculative_mode is not None:
         req.speculative.mode = stubs().generation_pb2.SpeculativeMode.Value(
@@ -153,12 +155,14 @@ class Completion:
     usage: generation_pb2.Usage | None = None
     timings: generation_pb2.Timings | None = None
     logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
 
     def add(self, r: generation_pb2.GenerateResponse) -> None:
         self.request_id = r.request_id
         kind = r.WhichOneof("event")
         if kind == "started":
             self.prompt_tokens, self.seed = r.started.prompt_tokens, r.started.seed
+            self.prompt_logprobs = list(r.started.prompt_logprobs)
         elif kind == "delta":
             self.deltas += 1
             self.text += r.delta.text

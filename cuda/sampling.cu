@@ -34,7 +34,7 @@
 //           splitmix64 in uint64, bit for bit); the first survivor in ascending id order whose
 //           running q sum exceeds u * sum q (the last survivor if rounding leaves none)
 //     log-probs (n_top >= 0): log_softmax of the raw logits in f64, stored as f32: the chosen
-//           token's and the n_top largest (logit desc, id asc)
+//           token's (the P_SCORE token's when >= 0) and the n_top largest (logit desc, id asc)
 //   logits (L, V) f32 row stride ld; params (L, N_PARAMS) int32 (step_format.Param); hist as
 //   above; adj (K, 2) int32 [id, delta f32 bits] (step_format.py; unique ids within a row);
 //   work (L, V) f32 per-row scratch (penalised logits, sized once by prepare_sampling);
@@ -201,7 +201,9 @@ sample_rows(const float* logits, int ld, int V, const int* __restrict__ params,
     double se = 0.0;
     for (int i = tid; i < V; i += SAMPLE_THREADS) se += exp((double)x[i] - (double)mv);
     const double lse = (double)mv + log(block_sum(se, sh));
-    if (tid == 0) o[1] = __float_as_int((float)((double)x[chosen] - lse));
+    const int score = P[P_SCORE];          // a prompt token's log-probability, or the chosen's
+    const int scored = score >= 0 && score < V ? score : chosen;
+    if (tid == 0) o[1] = __float_as_int((float)((double)x[scored] - lse));
     // the n_top best (logit desc, id asc), one block-wide pass each
     float pv = __int_as_float(0x7f800000);
     int pi = -1;

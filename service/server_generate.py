@@ -82,19 +82,22 @@ def _finish_reasons() -> dict[FinishReason, int]:
             for r in FinishReason if r is not FinishReason.ERROR}
 
 
+def _token_logprob(pb: Any, lp: Any) -> Any:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                           top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
+
+
 def response_from_event(request_id: str, event: Event, index: int = 0
                         ) -> generation_pb2.GenerateResponse:
     pb = stubs().generation_pb2
     if isinstance(event, Started):
         return pb.GenerateResponse(request_id=request_id, index=index, started=pb.Started(
-            prompt_tokens=event.prompt_tokens, seed=event.seed))
+            prompt_tokens=event.prompt_tokens, seed=event.seed,
+            prompt_logprobs=[_token_logprob(pb, lp) for lp in event.prompt_logprobs]))
     if isinstance(event, Delta):
         return pb.GenerateResponse(request_id=request_id, index=index, delta=pb.Delta(
             token_ids=event.token_ids, text=event.text,
-            logprobs=[pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                                      top=[pb.TopLogprob(token_id=t, logprob=p)
-                                           for t, p in lp.top])
-                      for lp in event.logprobs]))
+            logprobs=[_token_logprob(pb, lp) for lp in event.logprobs]))
     u, t = event.usage, event.timings
     fin = pb.Finished(
         reason=_finish_reasons()[event.reason],

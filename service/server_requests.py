@@ -186,4 +186,16 @@ async def request_from_proto(state: ServingState, engine: Any,
         request_id=msg.request_id, prompt_ids=await prompt_ids(state, engine, msg),
         sampling=sampling, stopping=stopping_from_proto(msg.stopping),
         top_logprobs=optional(msg.output, "top_logprobs", 0, int), speculative=speculative,
-        speculative_options=options, speculation=speculation)
+        speculative_options=options, speculation=speculation,
+        prompt_logprobs=prompt_logprobs_from_proto(msg.output))
+
+
+def prompt_logprobs_from_proto(msg: generation_pb2.OutputOptions) -> int | None:
+    """None unless prompt_logprobs is true; then prompt_top_logprobs (unset: 0)."""
+    top = optional(msg, "prompt_top_logprobs", None, int)
+    if not optional(msg, "prompt_logprobs", False, bool):
+        if top is not None:
+            raise InvalidRequestError("output.prompt_top_logprobs",
+                                      "set without output.prompt_logprobs = true")
+        return None
+    return top or 0

@@ -49,10 +49,14 @@ class SampleGroup:
 
         loop = asyncio.get_running_loop()
         self._engine, self._reqs, self._on_submit = engine, reqs, on_submit
+        self._given = reqs
         self.buffers = [EventBuffer(loop, stream_buffer) for _ in reqs]
         self.handles: list[Any] = []
         self.done = [False] * len(reqs)
         staged = len(reqs) > 1 and getattr(engine.config, "prefix_cache", False)
+        if staged:           # sample 0 computes the prompt's log-probabilities for all
+            self._reqs = reqs[:1] + [replace(r, prompt_logprobs=None) for r in reqs[1:]]
+        self._prompt_logprobs: tuple = ()
         self._submit(1 if staged else len(reqs))
 
     def _submit(self, upto: int) -> None:
@@ -64,6 +68,7 @@ class SampleGroup:
     async def events(self) -> AsyncIterator[tuple[int, Event]]:
         """(sample index, event) as they come, until every sample has sent Finished."""
         n = len(self._reqs)
+        reqs_given = self._given
         pending: dict[asyncio.Future, int] = {}
 
         def wait(i: int) -> None:
@@ -82,6 +87,10 @@ class SampleGroup:
                     else:
                         wait(i)
                     staged = i == 0 and not isinstance(event, Started) and len(self.handles) < n
+                    if isinstance(event, Started) and i == 0:
+                        self._prompt_logprobs = event.prompt_logprobs
+                    elif isinstance(event, Started) and self._reqs[i] is not reqs_given[i]:
+                        event = replace(event, prompt_logprobs=self._prompt_logprobs)
                     yield i, event
                     if staged and self._cancelled(event):
                         for j in range(len(self.handles), n):   # never started: end them too

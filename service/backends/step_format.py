@@ -12,7 +12,8 @@ adjustments of a step, [token id, delta f32 bits] pairs; row r reads pairs
 [ADJ_START, ADJ_START + ADJ_COUNT) (unique ids within a row; rows of one sequence may share a
 range). ADJ_ROW_MAX bounds one row's pairs (logit_bias + the ids min_tokens bans).
 Output record (OUT_WORDS int32 words per row): [id, logprob bits, top ids (TOP_MAX),
-top logprob bits (TOP_MAX)]; unused top entries are id -1, logprob 0.
+top logprob bits (TOP_MAX)]; unused top entries are id -1, logprob 0. The logprob is the chosen
+id's, or the SCORE id's where the record names one (a prompt token's log-probability).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Param(enum.IntEnum):
     GEN_START = 14      # position of the first generated token (the prompt's length)
     ADJ_START = 15      # first pair of the row's logit adjustments in the step's list
     ADJ_COUNT = 16      # pairs of the row's logit adjustments; 0 = none
+    SCORE = 17          # -1: word 1 is the chosen id's log-probability; else this id's
 
 
 N_PARAMS = len(Param)
@@ -60,7 +62,8 @@ def f32_bits(x: float) -> int:
 def param_record(*, temperature: float, top_k: int, top_p: float, min_p: float,
                  penalty: float, repeat_last_n: int, seed: int, token_index: int, n_top: int,
                  slot: int, position: int, frequency: float = 0.0, presence: float = 0.0,
-                 gen_start: int = 0, adj_start: int = 0, adj_count: int = 0) -> list[int]:
+                 gen_start: int = 0, adj_start: int = 0, adj_count: int = 0,
+                 score: int = -1) -> list[int]:
     """One row's parameter record (N_PARAMS int32 values)."""
     seed &= (1 << 64) - 1
     rec = [0] * N_PARAMS
@@ -81,6 +84,7 @@ def param_record(*, temperature: float, top_k: int, top_p: float, min_p: float,
     rec[Param.GEN_START] = gen_start
     rec[Param.ADJ_START] = adj_start
     rec[Param.ADJ_COUNT] = adj_count
+    rec[Param.SCORE] = score
     return rec
 
 

@@ -175,6 +175,9 @@ class GenerationRequest:
     # the two above resolved (spec/options.resolve) by the front end that built the request;
     # None: the engine resolves them when the request is submitted
     speculation: Speculation | None = None
+    # None: no prompt log-probabilities; k in 0..20: each prompt token's (after the first)
+    # with k alternatives, in Started (sent once the prompt is processed)
+    prompt_logprobs: int | None = None
 
     def validate(self, vocab_size: int, n_ctx: int) -> None:
         if not self.prompt_ids:
@@ -191,6 +194,10 @@ class GenerationRequest:
                                       f"outside the vocabulary [0, {vocab_size})")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError("output.top_logprobs",
+                                      f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not (
+                0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError("output.prompt_top_logprobs",
                                       f"must be in [0, {MAX_TOP_LOGPROBS}]")
         self.sampling.validate()
         self.sampling.validate_bias(vocab_size)
@@ -236,6 +243,9 @@ class Timings:
 class Started:
     prompt_tokens: int
     seed: int
+    # GenerationRequest.prompt_logprobs: prompt tokens 1..n-1, each under the logits after the
+    # tokens before it
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -170,3 +170,29 @@ def test_adjustment_pairs():
     assert a.pairs[:, 0].tolist() == [2, 4, 9]
     assert a.pairs[:, 1].view(np.float32).tolist() == [-3.0, -np.inf, -np.inf]
     assert Adjustment.of(()) is None
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_prompt_logprobs_equal_a_direct_computation(smol, forced, k):
+    """Started's prompt log-probabilities are log_softmax of the teacher-forced logits at each
+    prompt position for the next prompt token (and its k best alternatives); the generation is
+    the one without them. The prompt is longer than a logits step (64 rows)."""
+    prompt = (smollm2_prompts()[0] * 8)[:150]
+    plain = run(smol, prompt, max_new_tokens=4, ignore_eos=True)
+    out = run(smol, prompt, max_new_tokens=4, ignore_eos=True, prompt_logprobs=k)
+    assert out.token_ids == plain.token_ids
+    lps = out.started.prompt_logprobs
+    assert [lp.token_id for lp in lps] == prompt[1:]
+    rows = forced(prompt[:-1]).astype(np.float64)
+    want = rows - (rows.max(1, keepdims=True)
+                   + np.log(np.exp(rows - rows.max(1, keepdims=True)).sum(1, keepdims=True)))
+    got = np.array([lp.logprob for lp in lps])
+    np.testing.assert_allclose(got, want[np.arange(len(prompt) - 1), prompt[1:]], atol=1e-4)
+    for p, lp in enumerate(lps):
+        assert len(lp.top) == k
+        if k:
+            assert lp.top[0][0] == int(np.argmax(rows[p])) or (
+                np.sort(rows[p])[-1] - np.sort(rows[p])[-2] < 1e-3)
+            np.testing.assert_allclose([v for _, v in lp.top], np.sort(want[p])[::-1][:k],
+                                       atol=1e-4)
+    assert plain.started.prompt_logprobs == ()

@@ -153,9 +153,10 @@ def test_step_io_round_trip(cuda):
 @pytest.mark.parametrize("V", [1000, 49152])
 def test_penalties_and_adjustments_match_cpu(cuda, V):
     """Frequency / presence penalties over hist[slot, gen_start .. pos] (repeats in the window,
-    with and without the repetition penalty) and sparse adjustment pairs (biases, -inf bans,
-    rows sharing one range, rows with none): the same ids and log-probabilities as the CPU op,
-    and the counts scratch left zero (a second launch gives the same choices)."""
+    with and without the repetition penalty), sparse adjustment pairs (biases, -inf bans, rows
+    sharing one range, rows with none) and scored ids (a prompt token's log-probability): the
+    same ids and log-probabilities as the CPU op, and the counts scratch left zero (a second
+    launch gives the same choices)."""
     rng = np.random.default_rng(V)
     hist = rng.integers(0, 40, (3, N_CTX)).astype(np.int32)        # many repeats per window
     ids = np.sort(rng.choice(V, 300, replace=False)).astype(np.int32)
@@ -172,7 +173,8 @@ def test_penalties_and_adjustments_match_cpu(cuda, V):
             frequency=float(rng.uniform(-2, 2)) if i % 5 else 0.0,
             presence=float(rng.uniform(-2, 2)) if i % 3 else 0.0,
             gen_start=int(rng.integers(0, pos + 2)),
-            adj_start=[0, 0, 100, 250][i % 4], adj_count=[0, 300, 150, 50][i % 4]))
+            adj_start=[0, 0, 100, 250][i % 4], adj_count=[0, 300, 150, 50][i % 4],
+            score=int(rng.integers(0, V)) if i % 4 == 3 else -1))
     for _ in range(2):
         got, want = run_both(cuda, random_logits(rng, ROWS, V, False), records, hist, adj)
         assert_same(got, want, records)

@@ -52,3 +52,26 @@ def test_n_out_of_range_is_refused_by_name(fake_client, n):
         fake_client.complete(tokens=[1], n=n)
     e = error_details(ei.value)
     assert (e.code, [f for f, _ in e.field_violations]) == ("INVALID_ARGUMENT", ["n"])
+
+
+def test_prompt_logprobs_come_in_every_samples_started(client):
+    ids = list(client.tokenize(PROMPT).ids)
+    one = client.complete(tokens=ids, prompt_logprobs=True, prompt_top_logprobs=2, **SAMPLED)
+    assert [lp.token_id for lp in one.prompt_logprobs] == ids[1:]
+    assert all(len(lp.top) == 2 and lp.top[0].logprob >= lp.logprob - 1e-6
+               for lp in one.prompt_logprobs)
+    samples = client.complete_samples(tokens=ids, n=3, prompt_logprobs=True,
+                                      prompt_top_logprobs=2, **SAMPLED)
+    for s in samples:
+        assert s.prompt_logprobs == one.prompt_logprobs
+    assert client.complete(tokens=ids, **SAMPLED).prompt_logprobs == []
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(prompt_top_logprobs=2), "output.prompt_top_logprobs"),
+    (dict(prompt_logprobs=True, prompt_top_logprobs=21), "output.prompt_top_logprobs")])
+def test_prompt_logprob_options_are_refused_by_name(fake_client, kw, field):
+    with pytest.raises(grpc.RpcError) as ei:
+        fake_client.complete(tokens=[1], **kw)
+    e = error_details(ei.value)
+    assert (e.code, [f for f, _ in e.field_violations]) == ("INVALID_ARGUMENT", [field])

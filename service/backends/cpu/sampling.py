@@ -30,8 +30,8 @@ stores its input ids at [slot, position] (`record_tokens`). The chain, llama.cpp
   none. A fixed order over ids (not over probabilities) is what a GPU block can scan without
   sorting.
 - log-probabilities, when n_top >= 0: of the raw (unpenalised) logits, log_softmax in float64,
-  stored as float32: the chosen token's and the n_top most likely (logit descending, id
-  ascending).
+  stored as float32: the chosen token's (the SCORE token's when the record names one: a prompt
+  token's log-probability) and the n_top most likely (logit descending, id ascending).
 
 Output record per row (OUT_WORDS int32 words): [id, logprob bits, top ids (TOP_MAX),
 top logprob bits (TOP_MAX)]; unused top entries are id -1, logprob 0.
@@ -207,7 +207,8 @@ def sample_row(row: np.ndarray, rec: np.ndarray, hist: np.ndarray, adj: np.ndarr
         m = x.max()
         lse = m + np.log(np.exp(x - m).sum())
         fl = out.view(np.float32)
-        fl[1] = np.float32(x[chosen] - lse)
+        score = int(rec[Param.SCORE])
+        fl[1] = np.float32(x[score if 0 <= score < V else chosen] - lse)
         top = top_ids(x, min(n_top, TOP_MAX, V))
         out[2:2 + top.size] = top
         fl[2 + TOP_MAX:2 + TOP_MAX + top.size] = (x[top] - lse).astype(np.float32)

@@ -53,6 +53,7 @@ class RowSampling(SamplingParams):
     n_top: int = -1               # -1: no log-probabilities; else chosen + n_top alternatives
     gen_start: int = 0            # position of the first generated token (the prompt length)
     adjust: Adjustment | None = None   # logit_bias and min_tokens bans; None: none
+    score_id: int = -1            # >= 0: report this token's log-probability (a prompt token's)
 
     @classmethod
     def of(cls, p: SamplingParams, seed: int, token_index: int, n_top: int,
@@ -73,7 +74,8 @@ class RowSampling(SamplingParams):
             token_index=self.token_index, n_top=min(self.n_top, TOP_MAX), slot=slot,
             position=position, frequency=self.frequency_penalty,
             presence=self.presence_penalty, gen_start=self.gen_start, adj_start=adj_start,
-            adj_count=0 if self.adjust is None else len(self.adjust.pairs))
+            adj_count=0 if self.adjust is None else len(self.adjust.pairs),
+            score=self.score_id)
 
 
 # every filter off: the argmax, the lowest id on ties
