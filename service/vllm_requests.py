@@ -25,8 +25,11 @@ Every request field is mapped or refused with INVALID_ARGUMENT naming it; none i
                                      the gateway detokenizes with them, so there is no text
                                      here for them to change
     .grammar_from_first_token        where a constraint starts; constraints are refused
-    refused when set: prompt_logprobs, logprobs -1, every constraint (json_schema, regex, grammar,
-    structural_tag, json_object, choice), mm_inputs, extra_mm_inputs, media_refs,
+    .prompt_logprobs                 N in [0, 20]: each prompt token's log-probability and N
+                                     alternatives (input_logprobs of the first chunk, or of
+                                     the complete message)
+    refused when set: prompt_logprobs -1, logprobs -1, every constraint (json_schema, regex,
+    grammar, structural_tag, json_object, choice), mm_inputs, extra_mm_inputs, media_refs,
     kv_transfer_params(_json), data_parallel_rank other than 0.
 """
 
@@ -45,6 +48,7 @@ from service.engine.types import (
     SamplingParams,
     SpeculativeOptions,
     StoppingCriteria,
+    TokenLogprob,
 )
 from service.errors import InvalidRequestError
 from service.server_requests import encode_text
@@ -67,6 +71,7 @@ _FIELD_NAMES = (("stopping.max_new_tokens", f"{SP}.max_tokens"),
                 ("stopping.stop_token_ids", f"{SP}.stop_token_ids"),
                 ("stopping.min_tokens", f"{SP}.min_tokens"),
                 ("output.top_logprobs", f"{SP}.logprobs"),
+                ("output.prompt_top_logprobs", f"{SP}.prompt_logprobs"),
                 ("input.tokens.ids", "tokenized.input_ids"), ("input.text", "text"),
                 ("input", "tokenized.input_ids"), ("sampling.", f"{SP}."))
 _CONSTRAINTS = ("json_schema", "regex", "grammar", "structural_tag", "json_object", "choice")
@@ -96,8 +101,9 @@ def check_request_fields(msg: Any) -> None:
     if len(sp.logit_bias) > MAX_LOGIT_BIAS:
         raise InvalidRequestError(f"{SP}.logit_bias", f"at most {MAX_LOGIT_BIAS} entries "
                                   f"allowed, got {len(sp.logit_bias)}")
-    if sp.HasField("prompt_logprobs"):
-        raise _refuse(f"{SP}.prompt_logprobs", "prompt log-probabilities are not computed")
+    if sp.HasField("prompt_logprobs") and sp.prompt_logprobs < 0:
+        raise _refuse(f"{SP}.prompt_logprobs", "prompt log-probabilities of the whole "
+                      "vocabulary (-1)")
     which = sp.WhichOneof("constraint")
     if which is not None:
         raise _refuse(f"{SP}.{which}", "constrained decoding is not implemented")
@@ -169,6 +175,7 @@ async def requests_from_proto(state: ServingState, engine: Any, msg: Any
                                   stop_token_ids=tuple(sp.stop_token_ids),
                                   ignore_eos=sp.ignore_eos, min_tokens=sp.min_tokens),
         top_logprobs=top,
+        prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
         speculation=resolve_speculation(None, SpeculativeOptions(), engine.config,
                                         engine.config.drafter != "none",
                                         sampling.repetition_penalty, sampling.reads_history))
@@ -198,6 +205,18 @@ def output_logprobs(pb: Any, delta: Delta, chosen_only: bool) -> Any:
         top_logprobs=[pb.TopLogProbs(values=[] if chosen_only else [p for _, p in lp.top],
                                      token_ids=[] if chosen_only else [t for t, _ in lp.top])
                       for lp in lps])
+
+
+def input_logprobs(pb: Any, prompt: tuple[int, ...], lps: tuple[TokenLogprob, ...]) -> Any:
+    """The protocol's InputLogProbs of a prompt: no value for its first token, then each
+    token's log-probability (Started.prompt_logprobs) with its alternatives."""
+    return pb.InputLogProbs(
+        token_logprobs=[pb.InputTokenLogProb()] + [pb.InputTokenLogProb(value=lp.logprob)
+                                                   for lp in lps],
+        token_ids=prompt,
+        top_logprobs=[pb.TopLogProbs()] + [pb.TopLogProbs(values=[p for _, p in lp.top],
+                                                          token_ids=[t for t, _ in lp.top])
+                                           for lp in lps])
 
 
 def complete_of(pb: Any, event: Finished, ids: list[int], index: int) -> Any:

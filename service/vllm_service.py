@@ -47,6 +47,7 @@ from service.server_samples import SampleGroup
 from service.vllm_requests import (
     DEFAULT_SAMPLING,
     complete_of,
+    input_logprobs,
     output_logprobs,
     requests_from_proto,
 )
@@ -125,15 +126,23 @@ class VllmEngineServicer:
             ids: list[list[int]] = [[] for _ in reqs]
             deltas: list[list[Delta]] = [[] for _ in reqs]
             prompt = [0] * len(reqs)
+            # the prompt's log-probabilities (prompt_logprobs), until they went out
+            scores: list[Any] = [None] * len(reqs)
             async for i, event in group.events():
                 if isinstance(event, Started):
                     prompt[i] = event.prompt_tokens
+                    if reqs[i].prompt_logprobs is not None:
+                        scores[i] = input_logprobs(pb, reqs[i].prompt_ids,
+                                                   event.prompt_logprobs)
                 elif isinstance(event, Delta):
                     ids[i] += event.token_ids
                     if stream:
                         chunk = pb.GenerateStreamChunk(
                             token_ids=event.token_ids, prompt_tokens=prompt[i],
                             completion_tokens=len(ids[i]), index=i)
+                        if scores[i] is not None:            # the first chunk carries them
+                            chunk.input_logprobs.CopyFrom(scores[i])
+                            scores[i] = None
                         if event.logprobs:
                             chunk.output_logprobs.CopyFrom(
                                 output_logprobs(pb, event, chosen_only))
@@ -142,6 +151,8 @@ class VllmEngineServicer:
                         deltas[i].append(event)
                 else:
                     msg = self._complete(pb, event, ids[i], deltas[i], i, stream, chosen_only)
+                    if scores[i] is not None:
+                        msg.input_logprobs.CopyFrom(scores[i])
                     state.metrics.observe_finished(event, group.buffers[i].merged)
                     await context.write(pb.GenerateResponse(complete=msg))
         finally:

@@ -112,6 +112,19 @@ def test_text_input_truncation_and_stop_ids(vllm, client, engine):
     own = client.complete(tokens=ids, temperature=0.0, max_new_tokens=6, min_tokens=3,
                           ignore_eos=True, **controls)
     assert list(mapped.output_ids) == own.token_ids and stop not in own.token_ids
+    # prompt log-probabilities: the own API's Started.prompt_logprobs, none for the first token
+    scored = client.complete(tokens=ids, temperature=0.0, max_new_tokens=2,
+                             prompt_logprobs=True, prompt_top_logprobs=2)
+    for stream in (False, True):
+        got = gen(vllm, ids, temperature=0.0, max_tokens=2, prompt_logprobs=2, stream=stream)
+        lp = next(r.chunk.input_logprobs if r.HasField("chunk") else r.complete.input_logprobs
+                  for r in got if (r.chunk if r.HasField("chunk") else r.complete)
+                  .HasField("input_logprobs"))
+        assert list(lp.token_ids) == ids and not lp.token_logprobs[0].HasField("value")
+        assert [v.value for v in lp.token_logprobs[1:]] == [
+            x.logprob for x in scored.prompt_logprobs]
+        assert [list(t.token_ids) for t in lp.top_logprobs[1:]] == [
+            [t.token_id for t in x.top] for x in scored.prompt_logprobs]
 
 
 REFUSED = [
@@ -121,7 +134,8 @@ REFUSED = [
     ("sampling_params.logit_bias[5]", dict(logit_bias={5: 101.0})),
     ("sampling_params.logit_bias[-1]", dict(logit_bias={-1: 1.0})),
     ("sampling_params.logit_bias", dict(logit_bias={i: 1.0 for i in range(301)})),
-    ("sampling_params.prompt_logprobs", dict(prompt_logprobs=1)),
+    ("sampling_params.prompt_logprobs", dict(prompt_logprobs=-1)),
+    ("sampling_params.prompt_logprobs", dict(prompt_logprobs=21)),
     ("sampling_params.logprobs", dict(logprobs=-1)),
     ("sampling_params.logprobs", dict(logprobs=21)),
     ("sampling_params.json_schema", dict(json_schema="{}")),
