@@ -4,6 +4,8 @@ teacher-forced logits), and the output does not depend on speculation or on the 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -196,3 +198,19 @@ def test_prompt_logprobs_equal_a_direct_computation(smol, forced, k):
             np.testing.assert_allclose([v for _, v in lp.top], np.sort(want[p])[::-1][:k],
                                        atol=1e-4)
     assert plain.started.prompt_logprobs == ()
+
+
+def test_bias_and_min_tokens_are_exact_in_tree_mode():
+    """Tree verify rows take the adjustment of their own depth's token index: logit_bias and
+    min_tokens with tree speculation give the plain tokens (penalties verify chains)."""
+    from tests.support.engines import running_engine
+
+    with running_engine("smollm2", n_ctx=512, tree_budget=8, draft_in_full=True) as eng:
+        for i, r in enumerate(controlled_requests(None)):
+            p = replace(r.sampling, frequency_penalty=0.0, presence_penalty=0.0,
+                        repetition_penalty=1.0)
+            tree = alone(eng, replace(r, sampling=p, speculation=None))
+            off = alone(eng, replace(r, sampling=p, speculative=False, speculation=None))
+            assert same_output(tree, off), (i, tree.token_ids, off.token_ids)
+            if i == 0:
+                assert tree.finished.usage.draft_tokens > 0
