@@ -71,7 +71,11 @@ def cmd_generate(c: SpecstreamClient, a: argparse.Namespace) -> int:
         speculative_mode=a.speculative_mode, speculative_width=a.speculative_width,
         speculative_tree_budget=a.speculative_tree_budget,
         frequency_penalty=a.frequency_penalty, presence_penalty=a.presence_penalty,
-        logit_bias=dict(a.logit_bias) or None, min_tokens=a.min_tokens)
+        logit_bias=dict(a.logit_bias) or None, min_tokens=a.min_tokens, n=a.samples,
+        prompt_logprobs=True if a.prompt_logprobs is not None else None,
+        prompt_top_logprobs=a.prompt_logprobs)
+    if (a.samples or 1) > 1 and not a.json:
+        raise ValueError("--samples above 1 needs --json (each line carries its index)")
     done = Completion()
     for r in c.generate(request=req):
         done.add(r)
@@ -208,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="ID=BIAS", help="add BIAS (-100..100) to token ID's logit "
                    "(repeatable)")
     g.add_argument("--min-tokens", type=int, help="no EOS / stop before this many tokens")
+    g.add_argument("--samples", type=int, metavar="N",
+                   help="N parallel samples of the prompt (1..16; needs --json)")
+    g.add_argument("--prompt-logprobs", type=int, metavar="K",
+                   help="the prompt's log-probabilities in started, K alternatives each")
     g.add_argument("--seed", type=int)
     g.add_argument("-n", "--max-new-tokens", type=int)
     g.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
