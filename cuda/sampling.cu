@@ -136,7 +136,7 @@ sample_rows(const float* logits, int ld, int V, const int* __restrict__ params,
     const float* l = x;
     if (repeat || count || n_adj > 0) {
         float* w = work + (size_t)row * V;
-        const int* h = hist + (size_t)slot * n_ctx;
+        const int* h = hist + (size_t)max(slot, 0) * n_ctx;      // read only when slot >= 0
         for (int i = tid; i < V; i += SAMPLE_THREADS) w[i] = x[i];
         __syncthreads();
         // every occurrence of an id writes the same value: distinct ids are penalised once
