@@ -100,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="llama3-8b | llama3.2-1b | qwen3-30b-a3b | laguna-xs2 | tiny | tiny-moe "
                           "| tiny-qwen3moe-s | tiny-laguna | tiny-laguna-elem")
     syn.add_argument("--quant", default="Q4_K_M",
-                     help="Q4_K_M | Q5_K_M | Q6_K | Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | F16 | BF16 "
-                          "| F32 (llama.cpp's per-tensor mix for that file type)")
+                     help="Q4_K_M | Q5_K_M | Q6_K | Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q2_K "
+                          "| Q3_K_M | IQ4_NL | IQ4_XS | F16 | BF16 | F32 (llama.cpp's per-tensor "
+                          "mix for that file type)")
     syn.add_argument("--seed", type=int, default=0, help="same seed -> identical file")
     syn.add_argument("--layers", type=int, default=None,
                      help="number of layers (default: the preset's)")

@@ -38,8 +38,14 @@ QK_K = 256            # elements per super-block of the K-quants
 _CHUNK_BLOCKS = 1 << 16  # blocks decoded per step, so temporaries stay a few MiB on huge tensors
 FLOAT_TYPES = (QuantType.F32, QuantType.F16, QuantType.BF16)
 
-__all__ = ["Affine", "BlockSpec", "QuantType", "affine_rows", "block_spec", "dequantize",
-           "kv_qtype", "quantizable_types", "quantize", "supported_types"]
+__all__ = ["IQ4_NL_VALUES", "Affine", "BlockSpec", "QuantType", "affine_rows", "block_spec",
+           "dequantize", "kv_qtype", "quantizable_types", "quantize", "supported_types"]
+
+# ggml's kvalues_iq4nl: the 16 non-uniform levels a 4-bit IQ4_NL / IQ4_XS code indexes. Written
+# here only: the CUDA kernels get it as the IQ4_NL_VALUES define (cuda/sources.py), and
+# tests/unit/test_quants.py checks it against the gguf package's table.
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+_IQ4_NL_LUT = np.array(IQ4_NL_VALUES, dtype=np.int8)
 
 
 class Affine(NamedTuple):
@@ -97,7 +103,7 @@ class BlockSpec:
     qtype: QuantType
     block_size: int   # elements per block
     type_size: int    # bytes per block
-    bits: int         # storage width of the affine codes (4 or 8); 32 for float types
+    bits: int         # storage width of the file's codes (2 to 8); 32 for float types
     vec_dot_type: QuantType | None   # llama.cpp's CPU activation type (None: f32, unrounded)
     decoder: AffineDecoder | None = None
 
@@ -219,6 +225,56 @@ def _q6_k(raw: np.ndarray) -> Affine:
     sc = np.ascontiguousarray(raw[:, 192:208]).view(np.int8).astype(np.float32)
     dl = _f16(raw, 208) * sc                                       # (n, 16) f32, exact
     return Affine(q, dl, np.zeros_like(dl), 16)
+
+
+@_affine(QuantType.Q2_K, 2)
+def _q2_k(raw: np.ndarray) -> Affine:
+    """scales: 16 bytes (low nibble sc, high nibble m, one per 16 elements), qs: 64 bytes of
+    2-bit codes (in each 128-element half, bits 2k..2k+1 of byte l give element 32k + l),
+    d, dmin: f16. value = (d * sc) * q - (dmin * m)."""
+    sc = raw[:, 0:16]
+    q = _bits(raw[:, 16:80], [0, 2, 4, 6], 0x03, 32)               # (n, 256) 0..3
+    dl = _f16(raw, 80) * (sc & 0x0F).astype(np.float32)            # (n, 16) f32, exact
+    ml = _f16(raw, 82) * (sc >> 4).astype(np.float32)
+    return Affine(q.view(np.int8), dl, -ml, 16)
+
+
+@_affine(QuantType.Q3_K, 3)
+def _q3_k(raw: np.ndarray) -> Affine:
+    """hmask: 32 bytes (bit k of byte l: the high bit of element 32k + l), qs: 64 bytes of low
+    2-bit parts (as Q2_K), 12 bytes of 16 6-bit scales (bytes 0-7: low nibbles of scales 0-7
+    then 8-15; bytes 8-11: bits 2k..2k+1 of byte l = high bits of scale 4k + l), d: f16.
+    q = low - 4 where the high bit is clear. value = (d * (sc - 32)) * q."""
+    lo = _bits(raw[:, 32:96], [0, 2, 4, 6], 0x03, 32).view(np.int8)   # (n, 256) 0..3
+    hi = _bits(raw[:, 0:32], list(range(8)), 0x01, 32).view(np.int8)  # (n, 256) 0..1
+    q = lo - np.int8(4) * (np.int8(1) - hi)                            # (n, 256) -4..3
+    sl = _bits(raw[:, 96:104], [0, 4], 0x0F, 8)                        # (n, 16) 0..15
+    sh = _bits(raw[:, 104:108], [0, 2, 4, 6], 0x03, 4)                 # (n, 16) 0..3
+    sc = (sl | (sh << 4)).astype(np.float32) - np.float32(32)          # (n, 16) -32..31
+    dl = _f16(raw, 108) * sc                                           # (n, 16) f32, exact
+    return Affine(q, dl, np.zeros_like(dl), 16)
+
+
+# ---------------------------------------------------------------- non-linear 4-bit codes
+# The code is IQ4_NL_VALUES[nibble], a signed byte: the affine form holds the looked-up level.
+@_affine(QuantType.IQ4_NL, 8)
+def _iq4_nl(raw: np.ndarray) -> Affine:
+    """d: f16, qs: 16 bytes of 4-bit indices (as Q4_0). value = d * IQ4_NL_VALUES[q]."""
+    d = _f16(raw, 0)
+    return Affine(_IQ4_NL_LUT[_nibbles(raw[:, 2:18], 16)], d, np.zeros_like(d), 32)
+
+
+@_affine(QuantType.IQ4_XS, 8)
+def _iq4_xs(raw: np.ndarray) -> Affine:
+    """d: f16, scales_h: u16 (bits 2j..2j+1: high bits of scale j), scales_l: 4 bytes (nibble j
+    of the 8: low bits of scale j), qs: 128 bytes, 16 per 32-element sub-block as in IQ4_NL.
+    value = (d * (ls - 32)) * IQ4_NL_VALUES[q]."""
+    sh = np.ascontiguousarray(raw[:, 2:4]).view(np.uint16)             # (n, 1) u16
+    hi = (sh >> (2 * np.arange(8, dtype=np.uint16))) & np.uint16(3)      # (n, 8) 0..3
+    lo = _bits(raw[:, 4:8], [0, 4], 0x0F, 1)                           # (n, 8) 0..15
+    ls = (lo | (hi.astype(np.uint8) << 4)).astype(np.float32) - np.float32(32)
+    dl = _f16(raw, 0) * ls                                             # (n, 8) f32, exact
+    return Affine(_IQ4_NL_LUT[_nibbles(raw[:, 8:136], 16)], dl, np.zeros_like(dl), 32)
 
 
 # ---------------------------------------------------------------- tensor-level API

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from service.errors import ConfigError
-from service.gguf.quants import QuantType, block_spec
+from service.gguf.quants import IQ4_NL_VALUES, QuantType, block_spec
 from service.tools.synth_plan import (
     MIXES,
     PRESETS,
@@ -164,6 +164,37 @@ def _q6_k(blocks, d):                # w = d sc (q - 32); scales uniform on 64..
     sc &= np.uint16(0x3F3F)
     sc |= np.uint16(0x4040)
     _put_d(blocks, 208, d)
+
+
+@_fill(Q.Q2_K, _levels_ms(4), _sq_mean(8, 15))   # scales 16 B | qs 64 B | d, dmin f16
+def _q2_k(blocks, d):                # w = d sc q - dmin m with m = sc on 8..15: dmin = 1.5 d
+    sc = _words(blocks, 4)[:, 0:4]                         # bytes 0-15 as (n, 4) u32
+    sc &= np.uint32(0x07070707)
+    sc |= np.uint32(0x08080808)
+    sc *= np.uint32(0x11)                                  # min nibble = scale nibble, no carry
+    bits, stored = _f16_bits(d)
+    _words(blocks, 2)[:, 40] = bits
+    _words(blocks, 2)[:, 41] = _f16_bits(np.float32(1.5) * stored)[0]
+
+
+@_fill(Q.Q3_K, _levels_ms(8, -0.5), _sq_mean(16, 31), signed_d=True)
+def _q3_k(blocks, d):                # hmask 32 | qs 64 | scales 12 | d; w = d (sc - 32) q
+    _words(blocks, 2)[:, 52:54] = np.uint16(0xFFFF)        # high scale bits 3: sc-32 on 16..31
+    _put_d(blocks, 108, d)
+
+
+_IQ4_MS = float(np.mean(np.square(IQ4_NL_VALUES, dtype=np.float64)))
+
+
+@_fill(Q.IQ4_NL, _IQ4_MS, signed_d=True)     # d f16 | qs 16 B; w = d kv[q]
+def _iq4_nl(blocks, d):
+    _put_d(blocks, 0, d)
+
+
+@_fill(Q.IQ4_XS, _IQ4_MS, _sq_mean(16, 31), signed_d=True)   # d | scales_h | scales_l 4 | qs
+def _iq4_xs(blocks, d):              # w = d (ls - 32) kv[q]; high scale bits 3: ls-32 on 16..31
+    _words(blocks, 2)[:, 1] = np.uint16(0xFFFF)
+    _put_d(blocks, 0, d)
 
 
 def _float_chunk(bits: np.random.SFC64, n: int, qtype: QuantType, center: float,

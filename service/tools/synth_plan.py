@@ -144,9 +144,14 @@ MIXES: dict[str, Mix] = {
     "Q4_0": Mix(Q.Q4_0, 2), "Q4_1": Mix(Q.Q4_1, 3), "Q8_0": Mix(Q.Q8_0, 7),
     "Q5_0": Mix(Q.Q5_0, 8), "Q5_1": Mix(Q.Q5_1, 9),
     "Q4_K_M": Mix(Q.Q4_K, 15, Q.Q6_K), "Q5_K_M": Mix(Q.Q5_K, 17, Q.Q6_K), "Q6_K": Mix(Q.Q6_K, 18),
+    # the low-bit types MoE files ship in; llama.cpp's attn_v / ffn_down bumps for these are
+    # finer-grained (by layer index and GQA ratio), here one more_bits type as for Q4_K_M
+    "Q2_K": Mix(Q.Q2_K, 10, Q.Q3_K), "Q3_K_M": Mix(Q.Q3_K, 12, Q.Q4_K),
+    "IQ4_NL": Mix(Q.IQ4_NL, 25), "IQ4_XS": Mix(Q.IQ4_XS, 30),
 }
 # llama.cpp's replacement when a row length is no multiple of a K-quant's 256-element block
-_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.Q2_K: Q.IQ4_NL,
+             Q.Q3_K: Q.IQ4_NL, Q.IQ4_XS: Q.IQ4_NL}
 
 
 def use_more_bits(layer: int, n_layer: int) -> bool:

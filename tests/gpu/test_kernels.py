@@ -282,19 +282,22 @@ def test_argmax_lowest_index_on_ties(cuda):
     assert got[1] == 7 and got[2] == 0 and got[3] == 49999
 
 
-def test_moe_against_cpu(cuda):
+@pytest.mark.parametrize("name,f,e", [("Q8_0", 64, 96), ("IQ4_NL", 64, 96), ("Q2_K", 256, 256),
+                                      ("Q3_K", 256, 512), ("IQ4_XS", 512, 256)])
+def test_moe_against_cpu(cuda, name, f, e):
     """Routing (softmax, top-4 of 8, renormalized), gathered expert GEMVs and the weighted
-    sum. Two 8-bit activation roundings (the experts' inputs and the down projection's) give
-    the GPU an error of about 1% of the output scale against float32 activations; 3% bounds
-    it, a wrong expert choice or weight moves outputs by their full scale."""
+    sum, experts in each weight type MoE files ship in. Two 8-bit activation roundings (the
+    experts' inputs and the down projection's) give the GPU an error of about 1% of the output
+    scale against float32 activations; 3% bounds it, a wrong expert choice or weight moves
+    outputs by their full scale."""
     rng = np.random.default_rng(16)
-    n_exp, f, e = 8, 64, 96
+    n_exp = 8
     router = TensorInfo("r", qtype("F32"), (n_exp, e),
                         rng.normal(0, 1, n_exp * e).astype(np.float32).view(np.uint8))
     mats = {}
     for nm, shape in (("gate", (n_exp, f, e)), ("up", (n_exp, f, e)), ("down", (n_exp, e, f))):
-        raw = random_tensor("Q8_0", shape[0] * shape[1], shape[2], rng)
-        mats[nm] = TensorInfo(nm, qtype("Q8_0"), shape, raw)
+        raw = random_tensor(name, shape[0] * shape[1], shape[2], rng)
+        mats[nm] = TensorInfo(nm, qtype(name), shape, raw)
     cpu = CpuBackend()
     wc = [cpu.load_matrix([router])] + [cpu.load_experts(mats[n]) for n in ("gate", "up", "down")]
     wg = [cuda.load_matrix([router])] + [cuda.load_experts(mats[n]) for n in ("gate", "up", "down")]

@@ -51,6 +51,30 @@ def test_k_quant_matmul_from_fixture_tensors():
     assert seen == {QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K}
 
 
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_new_weight_types_matmul_equals_dequantized(name, act_quant):
+    """Q2_K/Q3_K/IQ4_NL/IQ4_XS (no quantizer in gguf) from random valid blocks: the repacked
+    matmul equals x @ dequantize(W)^T (gguf's decoder), with x first rounded as llama.cpp's CPU
+    dot product rounds it (Q8_0 / Q8_K blocks) when act_quant is set."""
+    from service.backends import act_quant as aq
+    from tests.support.blocks import random_tensor_info
+
+    be = CpuBackend(act_quant=act_quant)
+    t = random_tensor_info(name, 40, 512, seed=11)
+    m = be.load_matrix([t])
+    w = quants.dequantize(t.raw, t.qtype, t.shape).astype(np.float64)       # (40, 512)
+    for T in (1, 5, 40):                   # 40 > invariant_tokens: the dequantized tiles
+        x = RNG.standard_normal((T, 512)).astype(np.float32)
+        out = np.empty((T, 40), np.float32)
+        be.matmul(x, m, out)
+        xr = aq.llamacpp_round_trip(x, t.qtype) if act_quant else x
+        ref = xr.astype(np.float64) @ w.T
+        if act_quant:       # the rounding moved x by more than the float error: it was applied
+            assert np.abs(x.astype(np.float64) @ w.T - ref).max() > 1e-3
+        np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
 def test_fused_rows_equal_separate_matmuls():
     be = CpuBackend()
     ws = [RNG.standard_normal((n, 64)).astype(np.float32) for n in (32, 16, 16)]

@@ -64,7 +64,7 @@ NEVER_LAUNCHED = {
         "gemv_choice takes R = GEMV_WIDE_ROWS[nc] rows per warp (r1 at one column); the other "
         "rows-per-warp variants are compiled (GEMV_VARIANTS in cuda/gemv.cu) but no launcher "
         "or test picks them (measured alternatives, docs/PERFORMANCE.md sections 2-3)",
-    r"gemv_(q4_0|q4_1|q5_0|q5_1|q5_k|q8_0)_c1r1p":
+    r"gemv_(q4_0|q4_1|q5_0|q5_1|q5_k|q8_0|q2_k|q3_k|iq4_nl|iq4_xs)_c1r1p":
         "the prefetching one-column GEMV runs for GEMV_PREFETCH_TYPES (q4_k, q6_k) only; not "
         "faster on the other types (docs/PERFORMANCE.md section 11)",
     r"dequant_f16":
@@ -319,7 +319,7 @@ def test_each_backend_option_launches_its_own_kernels(results, option):
 # ---------------------------------------------------------------- coverage
 def family(name: str) -> str:
     """A kernel's name with its weight / KV type parts replaced: gemv_<t>_c1r1."""
-    return re.sub(r"(?<=_)(f32|f16|bf16|q\d_[01k])(?=_|$)", "<t>", name)
+    return re.sub(r"(?<=_)(f32|f16|bf16|q\d_[01k]|iq4_nl|iq4_xs)(?=_|$)", "<t>", name)
 
 
 def test_every_compiled_kernel_is_launched_or_listed_as_never_launched(results, compiled):

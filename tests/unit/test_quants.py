@@ -23,6 +23,10 @@ F16_FIELDS: dict[QuantType, tuple[int, ...]] = {
     QuantType.Q4_K: (0, 2),
     QuantType.Q5_K: (0, 2),
     QuantType.Q6_K: (208,),
+    QuantType.Q2_K: (80, 82),
+    QuantType.Q3_K: (108,),
+    QuantType.IQ4_NL: (0,),
+    QuantType.IQ4_XS: (0,),
 }
 QUANTIZED = list(F16_FIELDS)
 FLOATS = [QuantType.F32, QuantType.F16, QuantType.BF16]
@@ -32,11 +36,15 @@ CODE_RANGE = {
     QuantType.Q4_0: (0, 15), QuantType.Q4_1: (0, 15), QuantType.Q4_K: (0, 15),
     QuantType.Q5_0: (0, 31), QuantType.Q5_1: (0, 31), QuantType.Q5_K: (0, 31),
     QuantType.Q6_K: (-32, 31), QuantType.Q8_0: (-128, 127),
+    QuantType.Q2_K: (0, 3), QuantType.Q3_K: (-4, 3),
+    QuantType.IQ4_NL: (-127, 113), QuantType.IQ4_XS: (-127, 113),
 }
-GROUP = {q: 32 for q in QUANTIZED} | {QuantType.Q6_K: 16}
-BITS = {QuantType.Q4_0: 4, QuantType.Q4_1: 4, QuantType.Q4_K: 4} | {
+GROUP = {q: 32 for q in QUANTIZED} | {q: 16 for q in (QuantType.Q6_K, QuantType.Q2_K,
+                                                      QuantType.Q3_K)}
+BITS = {QuantType.Q4_0: 4, QuantType.Q4_1: 4, QuantType.Q4_K: 4, QuantType.Q2_K: 2,
+        QuantType.Q3_K: 3} | {
     q: 8 for q in (QuantType.Q5_0, QuantType.Q5_1, QuantType.Q5_K, QuantType.Q6_K,
-                   QuantType.Q8_0)} | {q: 32 for q in FLOATS}
+                   QuantType.Q8_0, QuantType.IQ4_NL, QuantType.IQ4_XS)} | {q: 32 for q in FLOATS}
 
 
 def finite_f16_bits(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -80,7 +88,7 @@ def test_supported_types():
 
 
 def test_block_spec_unknown_types():
-    assert quants.block_spec(10) is None            # Q2_K: a ggml type we do not serve
+    assert quants.block_spec(QuantType.IQ2_XXS) is None     # a ggml type we do not serve
     assert quants.block_spec(999) is None
     assert quants.block_spec(2) is quants.block_spec(QuantType.Q4_0)
 
@@ -188,7 +196,8 @@ def test_round_trip_floats(qtype, rel):
     assert np.all(np.abs(y - x) <= rel * np.abs(x))
 
 
-@pytest.mark.parametrize("qtype", [QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K])
+@pytest.mark.parametrize("qtype", [QuantType.Q4_K, QuantType.Q5_K, QuantType.Q6_K,
+                                   QuantType.Q2_K, QuantType.Q3_K, QuantType.IQ4_XS])
 def test_quantize_k_quants_not_implemented(qtype):
     with pytest.raises(NotImplementedError, match=qtype.name):
         quants.quantize(np.zeros((1, 256), np.float32), qtype)
@@ -221,7 +230,7 @@ def test_shape_errors(qtype):
 
 def test_unsupported_type_raises():
     with pytest.raises(ModelFormatError, match="unsupported"):
-        quants.dequantize(np.zeros(84, np.uint8), 10, (256,))
+        quants.dequantize(np.zeros(66, np.uint8), int(QuantType.IQ2_XXS), (256,))
 
 
 def test_kv_types_are_block_types():
@@ -242,6 +251,13 @@ def test_vec_dot_types_are_llamacpp_activation_types():
     """The activation type llama.cpp's CPU matmul pairs each weight type with."""
     want = {QuantType.F32: None, QuantType.F16: QuantType.F16, QuantType.BF16: QuantType.BF16,
             QuantType.Q4_K: QuantType.Q8_K, QuantType.Q5_K: QuantType.Q8_K,
-            QuantType.Q6_K: QuantType.Q8_K}
+            QuantType.Q6_K: QuantType.Q8_K, QuantType.Q2_K: QuantType.Q8_K,
+            QuantType.Q3_K: QuantType.Q8_K, QuantType.IQ4_XS: QuantType.Q8_K}
     for q in quants.supported_types():
         assert quants.block_spec(q).vec_dot_type == want.get(q, QuantType.Q8_0), q
+
+
+def test_iq4_nl_values_are_ggml_table():
+    """The one written copy of kvalues_iq4nl equals the gguf package's (the oracle's) table."""
+    assert quants.IQ4_NL_VALUES == tuple(ref.IQ4_NL.kvalues)
+    assert list(quants.IQ4_NL_VALUES) == sorted(set(quants.IQ4_NL_VALUES))

@@ -22,8 +22,10 @@ from tests.support.models import build_model
 
 # byte offsets of the f16 block scale d (and of the second f16: min or dmin) per type
 D_AT = {QuantType.Q4_0: 0, QuantType.Q5_0: 0, QuantType.Q8_0: 0, QuantType.Q4_1: 0,
-        QuantType.Q5_1: 0, QuantType.Q4_K: 0, QuantType.Q5_K: 0, QuantType.Q6_K: 208}
-SECOND_AT = {QuantType.Q4_1: 2, QuantType.Q5_1: 2, QuantType.Q4_K: 2, QuantType.Q5_K: 2}
+        QuantType.Q5_1: 0, QuantType.Q4_K: 0, QuantType.Q5_K: 0, QuantType.Q6_K: 208,
+        QuantType.Q2_K: 80, QuantType.Q3_K: 108, QuantType.IQ4_NL: 0, QuantType.IQ4_XS: 0}
+SECOND_AT = {QuantType.Q4_1: 2, QuantType.Q5_1: 2, QuantType.Q4_K: 2, QuantType.Q5_K: 2,
+             QuantType.Q2_K: 82}
 
 
 def tensor_bytes(qtype: QuantType, shape=(64, 1024), name="blk.0.attn_q.weight", norm=False):
@@ -160,6 +162,24 @@ def test_tiny_files_load_and_run_on_cpu(tmp_path, preset):
         p.arch, p.n_layer, p.n_embd, p.n_vocab)
     assert spec.file_type == "Q4_K" and (spec.moe is not None) == (p.experts is not None)
     assert r.n_tensors == len(f.tensors) and r.n_bytes == r.path.stat().st_size
+    tr = build_model(r.path, n_ctx=32, max_tokens=8)
+    ids = np.array([1016, 72, 101, 300, 500, 7], np.int32)
+    logits = np.asarray(tr.forward(ids, positions_for(0, 6), np.zeros(6, np.int32), 6, 6))
+    assert np.isfinite(logits).all() and 0 < logits.std() < 10
+
+
+@pytest.mark.parametrize("preset,quant,types", [
+    ("tiny-moe", "Q3_K_M", {QuantType.Q3_K, QuantType.Q4_K}),
+    ("tiny-moe", "IQ4_XS", {QuantType.IQ4_XS}),
+    ("tiny", "IQ4_XS", {QuantType.IQ4_XS, QuantType.IQ4_NL}),
+    ("tiny", "Q2_K", {QuantType.Q2_K, QuantType.Q3_K, QuantType.IQ4_NL}),
+])
+def test_low_bit_mixes_load_and_run_on_cpu(tmp_path, preset, quant, types):
+    """The weight types MoE files ship in: a file of each mix loads and runs on the CPU backend,
+    its tensors of the types the mix names (row lengths off 256 fall back to IQ4_NL)."""
+    r = synth.synthesize(tmp_path / "m.gguf", preset, quant, seed=3)
+    f = GGUFFile(r.path)
+    assert types <= {t.qtype for t in f.tensors.values()}
     tr = build_model(r.path, n_ctx=32, max_tokens=8)
     ids = np.array([1016, 72, 101, 300, 500, 7], np.int32)
     logits = np.asarray(tr.forward(ids, positions_for(0, 6), np.zeros(6, np.int32), 6, 6))

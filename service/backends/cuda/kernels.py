@@ -30,6 +30,7 @@ import numpy as np
 
 from service.backends.cuda.layout import LAYOUTS
 from service.formats import BACKEND_KV_TYPES
+from service.gguf.quants import IQ4_NL_VALUES
 
 
 class Arg(enum.Enum):
@@ -143,15 +144,17 @@ ARGMAX_THREADS = 1024     # sampling.cu argmax_rows: threads per row
 SAMPLE_THREADS = 512      # sampling.cu sample_rows: threads per row
 
 
-def cuda_defines() -> dict[str, int]:
-    """The shared numbers by their names in the kernels (sources.OPTIONS: -DNAME=value)."""
+def cuda_defines() -> dict[str, int | str]:
+    """The shared numbers by their names in the kernels (sources.OPTIONS: -DNAME=value); a
+    table goes as its comma-separated values (an array initializer's body)."""
     return {"GEMV_WARPS": GEMV_WARPS, "MMA_WARPS": MMA_WARPS, "MMA_M": MMA_M,
             "MMA_ROWS": MMA_ROWS, "QUANT_WARPS": QUANT_WARPS, "ROW_THREADS": ROW_THREADS,
             "MOE_ROUTE_THREADS": MOE_ROUTE_THREADS, "NORM_MAX_THREADS": NORM_MAX_THREADS,
             "ROPE_KV_MAX_D": ROPE_KV_MAX_D, "ATT_WARPS": ATT_WARPS, "ATT_MAX_D": ATT_MAX_D,
             "ATT_MAX_DV": ATT_MAX_DV, "AT_ROWS": AT_ROWS, "AT_KEYS": AT_KEYS,
             "AT_WARPS": AT_WARPS, "ARGMAX_THREADS": ARGMAX_THREADS,
-            "SAMPLE_THREADS": SAMPLE_THREADS}
+            "SAMPLE_THREADS": SAMPLE_THREADS,
+            "IQ4_NL_VALUES": ",".join(str(v) for v in IQ4_NL_VALUES)}
 
 
 # ---------------------------------------------------------------- what the .cu files instantiate

@@ -43,6 +43,14 @@ LAYOUTS: dict[str, PlaneLayout] = {
     "Q4_K": PlaneLayout("q4_k", 256, 144, ((16, 128), (4, 12), (0, 4))),
     "Q5_K": PlaneLayout("q5_k", 256, 176, ((48, 128), (16, 32), (4, 12), (0, 4))),
     "Q6_K": PlaneLayout("q6_k", 256, 210, ((0, 128), (128, 64), (192, 16), (208, 2))),
+    # block_q2_K = {u8 scales[16], u8 qs[64], f16 d, f16 dmin}
+    "Q2_K": PlaneLayout("q2_k", 256, 84, ((16, 64), (0, 16), (80, 4))),
+    # block_q3_K = {u8 hmask[32], u8 qs[64], u8 scales[12], f16 d}
+    "Q3_K": PlaneLayout("q3_k", 256, 110, ((32, 64), (0, 32), (96, 12), (108, 2))),
+    # block_iq4_nl = {f16 d, u8 qs[16]}
+    "IQ4_NL": PlaneLayout("iq4_nl", 32, 18, ((2, 16), (0, 2))),
+    # block_iq4_xs = {f16 d, u16 scales_h, u8 scales_l[4], u8 qs[128]}
+    "IQ4_XS": PlaneLayout("iq4_xs", 256, 136, ((8, 128), (0, 8))),
 }
 
 
