@@ -292,7 +292,8 @@ def test_moe_against_cpu(cuda, name, f, e):
     outputs by their full scale."""
     rng = np.random.default_rng(16)
     n_exp = 8
-    router = TensorInfo("r", qtype("F32"), (n_exp, e),
+    # a matrix loaded alone is kept by name in the session's backend: one name per case
+    router = TensorInfo(f"moe.router.{name}.{e}", qtype("F32"), (n_exp, e),
                         rng.normal(0, 1, n_exp * e).astype(np.float32).view(np.uint8))
     mats = {}
     for nm, shape in (("gate", (n_exp, f, e)), ("up", (n_exp, f, e)), ("down", (n_exp, e, f))):

@@ -124,8 +124,10 @@ def test_softplus_gate_per_head_and_per_element():
     g1[0, 0, 0] = 25.0                                  # above ggml's threshold: kept as is
     out = a.copy()
     ops.softplus_gate(out, g1)
-    want = a * np.where(g1 > 20, g1, np.log1p(np.exp(g1.astype(np.float64))))
-    np.testing.assert_allclose(out, want, rtol=1e-5)
+    # ggml's float32 formula: 1 + exp(v) rounded to f32 before the log (not log1p)
+    one = np.float32(1.0)
+    want = a * np.where(g1 > 20, g1, np.log(one + np.exp(g1)))
+    np.testing.assert_allclose(out, want, rtol=1e-6)
     assert out[0, 0, 3] == a[0, 0, 3] * np.float32(25.0)
     ge = rng.standard_normal((3, 4, 8)).astype(np.float32)
     out = a.copy()
@@ -146,7 +148,8 @@ def _moe_case(rng, n_exp=8, f=32, e=64):
         raw = random_tensor("Q8_0", shape[0] * shape[1], shape[2], rng)
         infos[nm] = TensorInfo(nm, qtype("Q8_0"), shape, raw)
         dense[nm] = gdq(raw.reshape(shape[0] * shape[1], -1), qtype("Q8_0")).reshape(shape)
-    return TensorInfo("r", qtype("F32"), (n_exp, e), router.view(np.uint8)), router, infos, dense
+    return (TensorInfo("laguna.router", qtype("F32"), (n_exp, e), router.view(np.uint8)), router,
+            infos, dense)
 
 
 def test_sigmoid_router_picks_by_biased_probs_and_weights_by_plain_ones():

@@ -79,8 +79,11 @@ def glu(gate, up, activation, out) -> None:
 
 
 def softplus_gate(a, g) -> None:
-    """a (T, H, D) *= softplus(g), g (T, H, 1 | D): ggml's softplus (v above 20 kept as is)."""
-    sp = np.where(g > 20.0, g, np.log1p(np.exp(np.minimum(g, 20.0))))
+    """a (T, H, D) *= softplus(g), g (T, H, 1 | D): ggml's softplus, v > 20 ? v : log(1 + exp(v))
+    in float32 (1 + exp(v) rounded to f32 first, as ggml and the CUDA kernel compute it, not
+    log1p: for v below about -16 that is log(1) = 0)."""
+    g = np.asarray(g, np.float32)
+    sp = np.where(g > 20.0, g, np.log(np.float32(1.0) + np.exp(np.minimum(g, np.float32(20.0)))))
     a *= sp.astype(np.float32)
 
 
