@@ -44,6 +44,7 @@ import structlog
 from service.config import EngineConfig, step_budget
 from service.engine.kv_events import KvEventLog
 from service.engine.loader import ModelInfo, load_model, phase
+from service.engine.mixed import mixed_input, split_mixed
 from service.engine.overlap import OverlappedDecode
 from service.engine.runner.model_runner import ModelRunner
 from service.engine.runner.step import RowSampling, StepInput, StepOutput
@@ -53,7 +54,7 @@ from service.engine.scheduler.kv import KVManager
 from service.engine.scheduler.plan import DecodeRow, PrefillChunk, StepPlan
 from service.engine.scheduler.policy import Scheduler
 from service.engine.scheduler.sequence import Sequence
-from service.engine.spec.decode import Draft, Speculator, choice, commit, split, verify_input
+from service.engine.spec.decode import Draft, Speculator, choice, commit
 from service.engine.spec.drafters import Drafter, create_drafter
 from service.engine.spec.options import resolve as resolve_speculation
 from service.engine.spec.tree_verify import compact, n_rows
@@ -321,13 +322,14 @@ class Engine:
         if plan.block_table is not None:    # the draft model shares the target's table
             self.runner.set_block_table(plan.block_table)
             self.speculator.set_block_table(plan.block_table)
-        if plan.decode:
+        chunks = [c for c in plan.prefill if not c.seq.cancelled]
+        if plan.decode or chunks:
             try:
-                self._decode(plan.decode, timer)
-            except Exception as exc:   # drafting failed: fail its batch
-                for row in plan.decode:
-                    self._fail(row.seq, exc)
-        chunk = plan.prefill
+                self._step(plan.decode, chunks, timer)
+            except Exception as exc:   # drafting or committing failed: fail the step's requests
+                for seq in [r.seq for r in plan.decode] + [c.seq for c in chunks]:
+                    self._fail(seq, exc)
+        chunk = plan.alone
         if chunk is not None and not chunk.seq.cancelled:
             try:
                 self._prefill(chunk)
@@ -358,61 +360,95 @@ class Engine:
             self.scheduler.release(seq)
 
     # ------------------------------------------------------------------ steps
-    def _decode(self, rows: tuple[DecodeRow, ...], timer: StepTimer | None) -> None:
-        """The decode step: drafts, ONE verify step, each sequence's commit. A step that fails
-        is retried one sequence at a time (nothing was committed)."""
-        batch = self.speculator.draft(rows, timer)
-        if (self.overlap and timer is None
+    def _step(self, rows: tuple[DecodeRow, ...], chunks: list[PrefillChunk],
+              timer: StepTimer | None) -> None:
+        """The step: the decode rows' drafts, then ONE runner step verifying every decode row
+        with the prefill chunks riding along (mixed.py), then each part's commit. A step that
+        fails is retried one part at a time (nothing was committed)."""
+        try:
+            batch = self.speculator.draft(rows, timer)
+        except Exception as exc:   # drafting failed: fail its rows; the chunks go on
+            for row in rows:
+                self._fail(row.seq, exc)
+            batch = []
+        if (not chunks and self.overlap and timer is None
                 and all(isinstance(d, list) and len(d) == 1 for _, d in batch)
                 and self.speculator.overlaps([seq for seq, _ in batch])):
             self.overlapped.run([seq for seq, _ in batch])     # plain rows (overlap.py)
             return
         try:
-            outs: list[StepOutput | None] = self._verify(batch, timer)
+            outs, chunk_outs = self._verify(batch, chunks, timer)
         except Exception as exc:
-            if len(batch) == 1:
-                self._fail(batch[0][0], exc)
+            if len(batch) + len(chunks) == 1:
+                self._fail((batch[0][0] if batch else chunks[0].seq), exc)
                 return
-            outs = []
-            for item in batch:
-                try:
-                    outs += self._verify([item])
-                except Exception as one:
-                    self._fail(item[0], one)
-                    outs.append(None)
+            outs, chunk_outs = self._one_by_one(batch, chunks)
         if timer is not None:           # before committing: a finishing request reports it
             timer.charge([seq for seq, _ in batch])
         moves = [commit(seq, draft, out) for (seq, draft), out in zip(batch, outs, strict=True)
                  if out is not None and not seq.finished]
         self.stats.kv_moves += compact(self.runner, [m for m in moves if m is not None])
+        for chunk, out in zip(chunks, chunk_outs, strict=True):
+            if out is not False and not chunk.seq.finished:
+                self._prefilled(chunk, out)
         if timer is not None:
             timer.finish([seq for seq, _ in batch], self.stats.decode_steps,
                          sum(n_rows(d) for _, d in batch))
 
-    def _verify(self, batch: list[tuple[Sequence, Draft]], timer: StepTimer | None = None
-                ) -> list[StepOutput]:
-        """Every row of the batch in one runner step, the output cut per sequence."""
+    def _one_by_one(self, batch: list[tuple[Sequence, Draft]], chunks: list[PrefillChunk]
+                    ) -> tuple[list[StepOutput | None], list]:
+        """Each decode sequence and each chunk as a step of its own (a shared step failed):
+        a part that fails again fails its request (its output None, a chunk's False)."""
+        outs: list[StepOutput | None] = []
+        for item in batch:
+            try:
+                outs += self._verify([item], [])[0]
+            except Exception as one:
+                self._fail(item[0], one)
+                outs.append(None)
+        chunk_outs: list = []
+        for chunk in chunks:
+            try:
+                chunk_outs += self._verify([], [chunk])[1]
+            except Exception as one:
+                self._fail(chunk.seq, one)
+                chunk_outs.append(False)
+        return outs, chunk_outs
+
+    def _verify(self, batch: list[tuple[Sequence, Draft]], chunks: list[PrefillChunk],
+                timer: StepTimer | None = None
+                ) -> tuple[list[StepOutput], list[StepOutput | None]]:
+        """Every row of the batch and of the chunks in one runner step, the output cut per
+        sequence and per chunk."""
         if timer is not None:
             timer.lap(OTHER)            # planning (drafting laps itself)
-        inp = verify_input(batch)
+        inp = mixed_input(batch, chunks)
         if timer is not None:
             timer.lap(HEADS)
         out = self.runner.step(inp)
         if timer is not None:
             timer.lap(VERIFY)
-        self.stats.count_decode(len(batch), len(inp.token_ids))
-        return split(batch, out)
+        n_decode = len(inp.token_ids) - sum(len(c.tokens) for c in chunks)
+        if batch:
+            self.stats.count_decode(len(batch), n_decode)
+        self.stats.count_prefill(len(chunks), mixed=bool(batch))
+        return split_mixed(batch, chunks, out)
 
     def _prefill(self, chunk: PrefillChunk) -> None:
-        """One chunk of a prompt (or of a preempted sequence's context); the prompt's last
+        """A chunk as a step of its own (one wider than a shared step takes); the prompt's last
         chunk chooses its first token."""
         seq = chunk.seq
         out = self._forward(seq, chunk.tokens, chunk.start, [choice(seq)] if chunk.choose
                             else [])
-        self.stats.prefill_steps += 1
+        self.stats.count_prefill(1, mixed=False)
+        self._prefilled(chunk, out if chunk.choose else None)
+
+    def _prefilled(self, chunk: PrefillChunk, out: StepOutput | None) -> None:
+        """Commit a computed chunk; the prompt's last chunk emits its first token (`out`)."""
+        seq = chunk.seq
         seq.n_past += len(chunk.tokens)
         self.scheduler.prefilled(seq)
-        if chunk.choose:
+        if chunk.choose and out is not None:
             seq.t_prefill_done = time.perf_counter()
             seq.emit([int(out.token_ids[0])], out.logprobs)
 

@@ -34,8 +34,10 @@ class StepStats:
     """Counts of the engine's steps (read by tests and benchmarks; written by its thread)."""
 
     def __init__(self) -> None:
-        self.decode_steps = 0
-        self.prefill_steps = 0
+        self.decode_steps = 0           # steps holding decode rows (prefill chunks may ride)
+        self.prefill_steps = 0          # steps holding prefill chunks only
+        self.mixed_steps = 0            # steps holding decode rows and prefill chunks
+        self.prefill_chunks = 0         # chunks computed, in either kind of step
         self.decode_rows = 0
         self.max_sequences = 0          # most sequences one decode step held
         self.kv_moves = 0               # KV rows moved by tree compaction
@@ -46,6 +48,13 @@ class StepStats:
         self.decode_steps += 1
         self.decode_rows += n_rows
         self.max_sequences = max(self.max_sequences, n_sequences)
+
+    def count_prefill(self, n_chunks: int, mixed: bool) -> None:
+        """A step held n_chunks prefill chunks, beside decode rows when `mixed`."""
+        if n_chunks:
+            self.prefill_chunks += n_chunks
+            self.mixed_steps += int(mixed)
+            self.prefill_steps += int(not mixed)
 
 
 class StepTimer:

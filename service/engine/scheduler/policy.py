@@ -42,6 +42,7 @@ import collections
 
 import structlog
 
+from service.config import MAX_STEP_ROWS
 from service.engine.scheduler.kv import KVManager
 from service.engine.scheduler.plan import DecodeRow, PrefillChunk, SlotChange, StepPlan
 from service.engine.scheduler.sequence import Sequence
@@ -51,6 +52,7 @@ from service.errors import CapacityError
 log = structlog.get_logger("specstream.engine")
 
 PROBE_EVERY = 8   # plain steps after which a sequence that stopped drafting tries one draft
+MIX_ROWS = MAX_STEP_ROWS   # chunks up to this wide ride in the decode step (the invariant path)
 
 
 class Scheduler:
@@ -107,24 +109,30 @@ class Scheduler:
 
     # ------------------------------------------------------------------ planning
     def schedule(self) -> StepPlan | None:
-        """Admit what fits, then plan the decode step and the prefill chunk, with their KV
-        blocks; None when nothing is running."""
+        """Admit what fits, then plan the step: its decode rows and the prefill chunks that
+        ride in it, a chunk too wide for it as a step of its own, and their KV blocks; None
+        when nothing is running."""
         cached = self._admit()
         if not self.running:
             return None
         decoding = [s for s in self.running if s.seed is not None and not s.cancelled
                     and not s.prefill_left]
-        prefilling = next((s for s in self.running if s.prefill_left and not s.cancelled), None)
-        rows = self._decode_rows(decoding) if decoding else []
-        chunk = self._prefill_chunk(prefilling) if prefilling is not None else None
-        rows = [r for r in rows if r.seq.slot >= 0]     # none preempted for the chunk's blocks
+        prefilling = [s for s in self.running if s.prefill_left and not s.cancelled]
+        # drafts shrink before a waiting chunk is left out (a prompt's rows are needed work)
+        wanted = [n for n in map(self._chunk_rows, prefilling) if n <= MIX_ROWS]
+        rows = self._decode_rows(decoding, sum(wanted)) if decoding else []
+        room = self.step_rows - sum(r.n_draft + 1 for r in rows)
+        chunks, alone = self._prefill_chunks(prefilling, room) if prefilling else ([], None)
+        # none preempted for a later chunk's blocks
+        rows = [r for r in rows if r.seq.slot >= 0]
+        chunks = [c for c in chunks if c.seq.slot >= 0]
         for r in rows:
             if r.seq.speculative:
                 r.seq.steps_without_draft = 0 if r.n_draft else r.seq.steps_without_draft + 1
         if rows:
             self._turn += 1
-        plan = StepPlan(tuple(rows), chunk, self.kv.take_table(), tuple(self._changes),
-                        self._preempted, cached)
+        plan = StepPlan(tuple(rows), tuple(chunks), alone, self.kv.take_table(),
+                        tuple(self._changes), self._preempted, cached)
         self._changes, self._preempted = [], 0
         return plan
 
@@ -141,14 +149,15 @@ class Scheduler:
             cached += n
         return cached
 
-    def _decode_rows(self, decoding: list[Sequence]) -> list[DecodeRow]:
-        """Which sequences step now and how many tokens each drafts, <= step_rows rows."""
+    def _decode_rows(self, decoding: list[Sequence], reserve: int = 0) -> list[DecodeRow]:
+        """Which sequences step now and how many tokens each drafts, <= step_rows rows, the
+        drafts within what `reserve` rows of prefill chunks leave."""
         # Turns: the sequences that waited longest go first; sorted() keeps start order on ties.
         chosen = sorted(decoding, key=lambda s: s.last_turn)[:self.step_rows]
         for seq in chosen:
             seq.last_turn = self._turn
         want = [self.draft_length(seq) for seq in chosen]
-        spare = self.step_rows - len(chosen)
+        spare = max(0, self.step_rows - len(chosen) - reserve)
         while sum(want) > spare:        # shrink the longest draft (the later in turn on a tie)
             i = max(range(len(want)), key=lambda j: (want[j], j))
             want[i] -= 1
@@ -208,19 +217,47 @@ class Scheduler:
             k = min(1, room)            # keep measuring: the text may turn repetitive
         return k
 
-    def _prefill_chunk(self, seq: Sequence) -> PrefillChunk | None:
-        """The next chunk of `seq` (chunks of prefill_chunk from where its prefill began; a
-        preempted sequence's generated tokens in decode-sized steps, so their KV rows get the
-        bits decoding gave them), with its blocks; None when `seq` was preempted."""
-        if seq.slot < 0:
-            return None
+    def _prefill_chunks(self, prefilling: list[Sequence], room: int
+                        ) -> tuple[list[PrefillChunk], PrefillChunk | None]:
+        """The next chunk of each prefilling sequence, in start order, that fits the `room`
+        the decode rows left in the step (FIFO; a later, smaller chunk may still fit), and the
+        oldest sequence's chunk as a step of its own when it does not fit (wider than the
+        room, or than MIX_ROWS), so running streams never starve a waiting prompt."""
+        mixed: list[PrefillChunk] = []
+        alone: PrefillChunk | None = None
+        oldest = True
+        for seq in prefilling:
+            if seq.slot < 0:            # preempted for an earlier chunk's blocks
+                continue
+            n = self._chunk_rows(seq)
+            fits = n <= min(room, MIX_ROWS)
+            if not fits and not oldest:
+                continue
+            oldest = False
+            chunk = self._prefill_chunk(seq, n)
+            if chunk is None:
+                continue
+            if fits:
+                mixed.append(chunk)
+                room -= n
+            else:
+                alone = chunk
+        return mixed, alone if alone is not None and alone.seq.slot >= 0 else None
+
+    def _chunk_rows(self, seq: Sequence) -> int:
+        """The size of `seq`'s next chunk, whatever the load: prefill_chunk from where its
+        prefill began (the prompt), or a preempted sequence's generated tokens in
+        decode-sized steps, so their KV rows get the bits decoding gave them."""
         n_prompt = len(seq.request.prompt_ids)
         if seq.n_past < n_prompt:
-            n = min(self.prefill_chunk, n_prompt - seq.n_past)
-        else:
-            n = min(self.step_rows, seq.prefill_left)
+            return min(self.prefill_chunk, n_prompt - seq.n_past)
+        return min(self.step_rows, seq.prefill_left)
+
+    def _prefill_chunk(self, seq: Sequence, n: int) -> PrefillChunk | None:
+        """The next n positions of `seq` with their blocks; None when `seq` was preempted."""
         if not self._room(seq, seq.n_past + n):
             return None
+        n_prompt = len(seq.request.prompt_ids)
         return PrefillChunk(seq, seq.n_past, list(seq.history[seq.n_past:seq.n_past + n]),
                             seq.seed is None and seq.n_past + n == n_prompt)
 
