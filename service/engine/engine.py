@@ -383,6 +383,7 @@ class Engine:
                 self._fail((batch[0][0] if batch else chunks[0].seq), exc)
                 return
             outs, chunk_outs = self._one_by_one(batch, chunks)
+        timer = timer if batch else None    # the profile is of decode steps
         if timer is not None:           # before committing: a finishing request reports it
             timer.charge([seq for seq, _ in batch])
         moves = [commit(seq, draft, out) for (seq, draft), out in zip(batch, outs, strict=True)
