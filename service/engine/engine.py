@@ -9,24 +9,27 @@ Its parts, each owning its state:
 One iteration of the engine thread, under its lock until the plan is made:
 
     cancelled requests leave -> plan = scheduler.schedule() (admission, the decode rows and
-    their draft lengths, the prefill chunk, KV blocks and preemptions) -> the plan's slot changes
-    reach the drafter -> [lock released] the changed block table goes to the target's and the
-    draft model's runners -> decode: the speculator drafts each row, ONE runner step verifies
-    every row (spec/decode.verify_input), each sequence commits what it accepted (tree paths'
-    KV rows compacted with one runner.move_kv) -> prefill: the chunk as its own runner step ->
-    finished sequences give their slot back.
+    their draft lengths, the prefill chunks riding with them and at most one chunk alone, KV
+    blocks and preemptions) -> the plan's slot changes reach the drafter -> [lock released] the
+    changed block table goes to the target's and the draft model's runners -> the speculator
+    drafts each decode row, ONE runner step verifies every decode row and computes the riding
+    chunks (mixed.py), each sequence commits what it accepted (tree paths' KV rows compacted
+    with one runner.move_kv) and each chunk what it computed (a prompt's last chunk emits the
+    first token) -> the chunk alone, as its own runner step -> finished sequences give their
+    slot back.
 
-When every row of the decode step is plain (nothing drafted), OverlappedDecode (overlap.py)
-runs it and the steps after it, each submitted before the previous one is read back, for as
-long as nothing else wants a step and no row would draft (config `overlap`: by default on
-asynchronous backends; off under the step profiler).
+When every row of the step is a plain decode row (nothing drafted, no chunk riding),
+OverlappedDecode (overlap.py) runs it and the steps after it, each submitted before the
+previous one is read back, for as long as nothing else wants a step and no row would draft
+(config `overlap`: by default on asynchronous backends; off under the step profiler).
 
 The policy is scheduler/policy.py's docstring. Every row chooses its token with the request's
 own sampling keyed by (request seed, token index), never by its row in a step: a request's
 tokens do not depend on its batch, and speculative output equals plain output (spec/chain.py).
-A step that fails is retried one sequence at a time (nothing was committed), so a fault fails
-only its request. A cancelled request's slot and blocks are free within one step. Events go to
-each request's sink on this thread; sinks must not block. Loading lives in loader.py.
+A step that fails is retried one sequence (and one chunk) at a time (nothing was committed),
+so a fault fails only its request. A cancelled request's slot and blocks are free within one
+step. Events go to each request's sink on this thread; sinks must not block. Loading lives in
+loader.py.
 """
 
 from __future__ import annotations

@@ -7,33 +7,41 @@ The queue's head is admitted when one of `n_slots` slots is free AND the KV bloc
 (blocks.py) can give it the blocks of its whole prompt plus one token, counting the blocks its
 longest cached prefix already holds (prefix cache: whole blocks of identical earlier prompts,
 taken by reference; it computes only the rest); admission is strictly in arrival order. Each
-iteration then runs, under the step budget `max_step_tokens` (config.step_budget: decode rows
-R = min(64, B - 16), prefill chunk min(prefill_chunk, B - R); B = 0 means 64 rows and
+iteration then runs, under the step budget `max_step_tokens` (config.step_budget: a step of
+R = min(64, B - 16) rows, prefill chunk min(prefill_chunk, B - R); B = 0 means 64 rows and
 prefill_chunk):
 
-1. ONE decode step for the decoding sequences, decode first: every sequence's seed token plus
-   its drafted tokens (each sequence keeps its own draft length) are the rows of one step, at
-   most R rows in all. Steps of up to 64 rows are the backends' step-size-invariant path: each
-   row's logits are bit-identical whatever else is in the step, so a request gives the same
-   tokens alone and in any batch. When the rows wanted exceed R, draft lengths shrink first (the
-   longest draft loses a token, the youngest sequence's on a tie); only when the sequences
-   alone exceed R does a sequence sit a step out, in turns: the sequences that waited longest
-   since their last step go first, FIFO by start among equals. Every chosen sequence gets the
-   KV blocks its rows write (the drafter writes them too); when the pool lacks them, the most
-   recently submitted running sequence is PREEMPTED: its full committed blocks go to the prefix
-   cache, the rest back to the pool, and it waits again at the head of the queue; readmitted,
-   it recomputes its context (the prompt in the same chunks, its generated tokens in
-   decode-sized steps, choosing nothing) and goes on: its emitted tokens stand and, sampling
-   being keyed by token index, it continues exactly as it would have. How many tokens a
-   sequence drafts: `draft_length` (spec/chain.py) from its acceptance rate and the measured
-   verify cost `verify_alpha`; a tree uses its budget.
-2. then at most ONE prefill chunk of the oldest sequence still prefilling (or recomputing after
-   a preemption), as its own step: a fixed chunk size, so a prompt's KV rows never depend on the
-   load, and its own step, because a step wider than 64 rows takes another numeric path and
-   would change the batched rows' bits. A long prompt therefore delays running streams by at
-   most one chunk per token they receive, and running streams never starve a waiting prompt.
-   Its blocks are taken after the decode rows' (it may preempt one of them, which then sits
-   this step out).
+1. ONE step (a mixed step, engine/mixed.py) holding the decode rows and the prefill chunks
+   that fit beside them, at most R rows in all. Steps of up to 64 rows are the backends'
+   step-size-invariant path: each row's logits and KV row are bit-identical whatever else is
+   in the step, so a request gives the same tokens alone and in any batch, and a prompt's chunk
+   the same KV rows and first token in a shared step as in one of its own.
+   - decode rows first: every decoding sequence's seed token plus its drafted tokens (each
+     sequence keeps its own draft length). When the rows wanted (counting the rows of the
+     chunks that would ride) exceed R, draft lengths shrink first (the longest draft loses a
+     token, the youngest sequence's on a tie); only when the sequences alone exceed R does a
+     sequence sit a step out, in turns: the sequences that waited longest since their last
+     step go first, FIFO by start among equals. Every chosen sequence gets the KV blocks its
+     rows write (the drafter writes them too); when the pool lacks them, the most recently
+     submitted running sequence is PREEMPTED: its full committed blocks go to the prefix
+     cache, the rest back to the pool, and it waits again at the head of the queue; readmitted,
+     it recomputes its context (the prompt in the same chunks, its generated tokens in chunks
+     of R, choosing nothing) and goes on: its emitted tokens stand and, sampling being keyed by
+     token index, it continues exactly as it would have. How many tokens a sequence drafts:
+     `draft_length` (spec/chain.py) from its acceptance rate and the measured verify cost
+     `verify_alpha`; a tree uses its budget.
+   - then the prefill chunks: each prefilling (or recomputing) sequence's next chunk, in start
+     order, that fits the rows left (a later, smaller chunk may fit where an earlier one did
+     not; none is cut to fit). A chunk's size never depends on the load: prefill_chunk from
+     where its prefill began, so a prompt's chunk boundaries are the same alone or among many.
+     A chunk is a run of one sequence's consecutive positions; only a prompt's final chunk
+     chooses a token (its last row: the first token).
+2. then at most ONE chunk as its own step: the oldest prefilling sequence's, when it did not
+   ride in the step (wider than 64 rows, MIX_ROWS: such a step takes another numeric path, or
+   wider than the rows left). A long prompt therefore delays running streams by at most one
+   chunk per token they receive, and running streams never starve a waiting prompt. Chunks
+   take their blocks after the decode rows' (one may preempt a decode row's sequence, which
+   then sits this step out).
 """
 
 from __future__ import annotations
