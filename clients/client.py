@@ -74,6 +74,7 @@ def build_generate_request(
     speculative_mode: str | None = None, speculative_width: int | None = None,
     speculative_tree_budget: int | None = None,
     add_bos: bool | None = None, parse_special: bool | None = None,
+    priority: int | None = None,
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from keyword arguments; None leaves a field unset (server default).
     speculative_mode: "chain", "tree" or "off"."""
@@ -99,7 +100,7 @@ def build_generate_request(
             "SPECULATIVE_MODE_" + speculative_mode.upper())
     _set_optional(req.speculative, width=speculative_width,
                   tree_budget=speculative_tree_budget)
-    _set_optional(req, add_bos=add_bos, parse_special=parse_special)
+    _set_optional(req, add_bos=add_bos, parse_special=parse_special, priority=priority)
     return req
 
 

@@ -169,4 +169,5 @@ async def request_from_proto(state: ServingState, engine: Any,
         request_id=msg.request_id, prompt_ids=await prompt_ids(state, engine, msg),
         sampling=sampling, stopping=stopping_from_proto(msg.stopping),
         top_logprobs=optional(msg.output, "top_logprobs", 0, int), speculative=speculative,
-        speculative_options=options, speculation=speculation)
+        speculative_options=options, speculation=speculation,
+        priority=optional(msg, "priority", 0, int))

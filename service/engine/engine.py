@@ -308,6 +308,7 @@ class Engine:
                 self._reap_cancelled()
                 plan = self.scheduler.schedule()
                 if plan is None:
+                    self.stats.idle()
                     if self._stopping:
                         return
                     self._lock.wait(0.5)
@@ -432,10 +433,8 @@ class Engine:
         out = self.runner.step(inp)
         if timer is not None:
             timer.lap(VERIFY)
-        n_decode = len(inp.token_ids) - sum(len(c.tokens) for c in chunks)
-        if batch:
-            self.stats.count_decode(len(batch), n_decode)
-        self.stats.count_prefill(len(chunks), mixed=bool(batch))
+        n_chunk = sum(len(c.tokens) for c in chunks)
+        self.stats.count_step(len(batch), len(inp.token_ids) - n_chunk, len(chunks), n_chunk)
         return split_mixed(batch, chunks, out)
 
     def _prefill(self, chunk: PrefillChunk) -> None:
@@ -444,7 +443,7 @@ class Engine:
         seq = chunk.seq
         out = self._forward(seq, chunk.tokens, chunk.start, [choice(seq)] if chunk.choose
                             else [])
-        self.stats.count_prefill(1, mixed=False)
+        self.stats.count_step(0, 0, 1, len(chunk.tokens))
         self._prefilled(chunk, out if chunk.choose else None)
 
     def _prefilled(self, chunk: PrefillChunk, out: StepOutput | None) -> None:

@@ -43,18 +43,33 @@ class StepStats:
         self.kv_moves = 0               # KV rows moved by tree compaction
         self.preemptions = 0            # sequences whose KV blocks were taken back
         self.cached_tokens = 0          # prompt positions served from the prefix cache
+        self.steps = 0                  # target model steps of every kind
+        self.step_tokens = 0            # tokens (rows, padding left out) those steps computed
+        self.last_rows = 0              # decode rows of the last step (0 once idle)
+        self.last_tokens = 0            # tokens of the last step (0 once idle)
 
-    def count_decode(self, n_sequences: int, n_rows: int) -> None:
-        self.decode_steps += 1
-        self.decode_rows += n_rows
-        self.max_sequences = max(self.max_sequences, n_sequences)
-
-    def count_prefill(self, n_chunks: int, mixed: bool) -> None:
-        """A step held n_chunks prefill chunks, beside decode rows when `mixed`."""
+    def count_step(self, n_sequences: int, n_rows: int, n_chunks: int = 0,
+                   chunk_rows: int = 0) -> None:
+        """One target step: n_rows decode rows of n_sequences sequences, and n_chunks prefill
+        chunks of chunk_rows rows in all (beside the decode rows, or alone)."""
+        if n_rows:
+            self.decode_steps += 1
+            self.decode_rows += n_rows
+            self.max_sequences = max(self.max_sequences, n_sequences)
         if n_chunks:
             self.prefill_chunks += n_chunks
-            self.mixed_steps += int(mixed)
-            self.prefill_steps += int(not mixed)
+            self.mixed_steps += int(n_rows > 0)
+            self.prefill_steps += int(n_rows == 0)
+        self.steps += 1
+        self.step_tokens += n_rows + chunk_rows
+        self.last_rows, self.last_tokens = n_rows, n_rows + chunk_rows
+
+    def count_decode(self, n_sequences: int, n_rows: int) -> None:
+        self.count_step(n_sequences, n_rows)
+
+    def idle(self) -> None:
+        """Nothing is running: the last-step gauges read 0."""
+        self.last_rows = self.last_tokens = 0
 
 
 class StepTimer:

@@ -15,6 +15,7 @@ import numpy as np
 from service.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+MAX_PRIORITY = 1000              # GenerationRequest.priority: in [-MAX_PRIORITY, MAX_PRIORITY]
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_SEQUENCE_CHARS = 256
 MAX_TOP_K = 1_000_000
@@ -131,6 +132,7 @@ class GenerationRequest:
     # the two above resolved (spec/options.resolve) by the front end that built the request;
     # None: the engine resolves them when the request is submitted
     speculation: Speculation | None = None
+    priority: int = 0                # admission order: lower first, FIFO within a level
 
     def validate(self, vocab_size: int, n_ctx: int) -> None:
         if not self.prompt_ids:
@@ -148,6 +150,9 @@ class GenerationRequest:
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError("output.top_logprobs",
                                       f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise InvalidRequestError("priority", f"{self.priority} is outside "
+                                      f"[-{MAX_PRIORITY}, {MAX_PRIORITY}]")
         self.sampling.validate()
         self.stopping.validate(vocab_size)
 

@@ -30,8 +30,9 @@ def seq(i: int, n_prompt: int, greedy: bool = True) -> Sequence:
                     eog_ids=frozenset(), n_ctx=512, speculative=False)
 
 
-def scheduler(n_slots=16, step_rows=64, prefill_chunk=256, n_blocks=512) -> Scheduler:
-    pool = BlockPool(n_blocks, 16, n_slots, 32)
+def scheduler(n_slots=16, step_rows=64, prefill_chunk=256, n_blocks=512, max_blocks=32
+              ) -> Scheduler:
+    pool = BlockPool(n_blocks, 16, n_slots, max_blocks)
     return Scheduler(KVManager(pool, n_slots), n_ctx=512, max_queue=64, step_rows=step_rows,
                      prefill_chunk=prefill_chunk)
 

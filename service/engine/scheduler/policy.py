@@ -2,11 +2,13 @@
 StepPlan of one engine iteration (plan.py); it runs on the engine thread with the engine's lock
 held, and does host bookkeeping only.
 
-Requests wait in a bounded FIFO (`max_queue` beyond the free slots, then RESOURCE_EXHAUSTED).
-The queue's head is admitted when one of `n_slots` slots is free AND the KV block pool
-(blocks.py) can give it the blocks of its whole prompt plus one token, counting the blocks its
-longest cached prefix already holds (prefix cache: whole blocks of identical earlier prompts,
-taken by reference; it computes only the rest); admission is strictly in arrival order. Each
+Requests wait in a bounded queue (`max_queue` beyond the free slots, then RESOURCE_EXHAUSTED)
+ordered by the request's priority (lower first) and, within a level, by arrival (FIFO). The
+queue's head is admitted when one of `n_slots` slots is free AND the KV block pool (blocks.py)
+can give it the blocks of its whole prompt plus one token, counting the blocks its longest
+cached prefix already holds (prefix cache: whole blocks of identical earlier prompts, taken by
+reference; it computes only the rest); admission is strictly in queue order, and priority
+orders the queue only (a running sequence is never preempted for a waiting one). Each
 iteration then runs, under the step budget `max_step_tokens` (config.step_budget: a step of
 R = min(64, B - 16) rows, prefill chunk min(prefill_chunk, B - R); B = 0 means 64 rows and
 prefill_chunk):
@@ -22,9 +24,10 @@ prefill_chunk):
      token, the youngest sequence's on a tie); only when the sequences alone exceed R does a
      sequence sit a step out, in turns: the sequences that waited longest since their last
      step go first, FIFO by start among equals. Every chosen sequence gets the KV blocks its
-     rows write (the drafter writes them too); when the pool lacks them, the most recently
-     submitted running sequence is PREEMPTED: its full committed blocks go to the prefix
-     cache, the rest back to the pool, and it waits again at the head of the queue; readmitted,
+     rows write (the drafter writes them too); when the pool lacks them, a running sequence is
+     PREEMPTED (the lowest priority's, the most recently submitted within it): its full
+     committed blocks go to the prefix cache, the rest back to the pool, and it waits again in
+     its arrival place (first of its priority level, in practice); readmitted,
      it recomputes its context (the prompt in the same chunks, its generated tokens in chunks
      of R, choosing nothing) and goes on: its emitted tokens stand and, sampling being keyed by
      token index, it continues exactly as it would have. How many tokens a sequence drafts:
@@ -46,6 +49,7 @@ prefill_chunk):
 
 from __future__ import annotations
 
+import bisect
 import collections
 
 import structlog
@@ -77,14 +81,23 @@ class Scheduler:
         self._turn = 0                          # decode steps planned so far
         self._changes: list[SlotChange] = []
         self._preempted = 0
+        self._tickets = 0                       # requests queued so far (arrival order)
 
     # ------------------------------------------------------------------ the queue
     def add(self, seq: Sequence) -> None:
-        """Queue a new request; CapacityError when the queue is full."""
+        """Queue a new request in its priority's place; CapacityError when the queue is full."""
         if len(self.waiting) >= self.max_queue + len(self.kv.free_slots):
             raise CapacityError(f"{len(self.waiting)} requests are already waiting",
                                 retry_after_s=1.0)
-        self.waiting.append(seq)
+        self._tickets += 1
+        seq.ticket = self._tickets
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Into the queue ordered by (priority, arrival): behind every request of its level that
+        arrived before it, ahead of every later one and of every lower level."""
+        i = bisect.bisect_right(self.waiting, _place(seq), key=_place)
+        self.waiting.insert(i, seq)
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -270,12 +283,13 @@ class Scheduler:
                             seq.seed is None and seq.n_past + n == n_prompt)
 
     def _room(self, seq: Sequence, n_positions: int) -> bool:
-        """Blocks for positions [0, n_positions) of `seq`, preempting the most recently
-        submitted running sequences while the pool lacks them; False when `seq` itself had to
-        go (it waits again at the head of the queue)."""
+        """Blocks for positions [0, n_positions) of `seq`, preempting running sequences while
+        the pool lacks them, the lowest priority (the highest value) first and the most
+        recently submitted within a level; False when `seq` itself had to go (it waits again in
+        its arrival place)."""
         while not self.kv.ensure(seq, n_positions):
             victim = max((s for s in self.running if s.slot >= 0 and not s.finished),
-                         key=lambda s: s.t_submit)
+                         key=lambda s: (s.request.priority, s.t_submit))
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -290,5 +304,10 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.release(seq)
         seq.preempt()
-        self.waiting.appendleft(seq)
+        self._enqueue(seq)              # back in its arrival place: first of its level
         self._preempted += 1
+
+
+def _place(seq: Sequence) -> tuple[int, int]:
+    """A sequence's place in the queue: lower priority values first, then arrival order."""
+    return seq.request.priority, seq.ticket
