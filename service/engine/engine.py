@@ -62,7 +62,20 @@ from service.engine.spec.drafters import Drafter, create_drafter
 from service.engine.spec.options import resolve as resolve_speculation
 from service.engine.spec.tree_verify import compact, n_rows
 from service.engine.spec.verify_cost import measure_verify_alpha
-from service.engine.stepprofile import HEADS, OTHER, VERIFY, StepStats, StepTimer
+from service.engine.stepprofile import (
+    DRAFTING,
+    EMIT,
+    HEADS,
+    IDLE,
+    LOOP,
+    OTHER,
+    READBACK,
+    SCHEDULE,
+    STEP,
+    VERIFY,
+    StepStats,
+    StepTimer,
+)
 from service.engine.textstream import TextStream
 from service.engine.types import (
     Event,
@@ -304,6 +317,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             timer = StepTimer() if self.config.step_profile else None
+            self._lap(LOOP)
             with self._lock:
                 self._reap_cancelled()
                 plan = self.scheduler.schedule()
@@ -312,6 +326,7 @@ class Engine:
                     if self._stopping:
                         return
                     self._lock.wait(0.5)
+                    self._lap(IDLE)
                     continue
                 self.stats.preemptions += plan.preempted
                 self.stats.cached_tokens += plan.cached_tokens
@@ -320,7 +335,16 @@ class Engine:
                         self.runner.write_history(change.slot,
                                                   change.seq.context_ids[:change.cached])
                     self.speculator.slot_change(change)
+            self._lap(SCHEDULE, iteration=True)
             self._execute(plan, timer)
+
+    def _lap(self, part: int, iteration: bool = False) -> None:
+        """Charge the engine thread's time since the last lap to `part` of the iteration
+        profile, when a benchmark set one (stepprofile.IterationProfile)."""
+        p = self.stats.profile
+        if p is not None:
+            p.lap(part)
+            p.iterations += iteration
 
     def _execute(self, plan: StepPlan, timer: StepTimer | None) -> None:
         if plan.block_table is not None:    # the draft model shares the target's table
@@ -375,6 +399,7 @@ class Engine:
             for row in rows:
                 self._fail(row.seq, exc)
             batch = []
+        self._lap(DRAFTING)
         if (not chunks and self.overlap and timer is None
                 and all(isinstance(d, list) and len(d) == 1 for _, d in batch)
                 and self.speculator.overlaps([seq for seq, _ in batch])):
@@ -399,6 +424,7 @@ class Engine:
         if timer is not None:
             timer.finish([seq for seq, _ in batch], self.stats.decode_steps,
                          sum(n_rows(d) for _, d in batch))
+        self._lap(EMIT)
 
     def _one_by_one(self, batch: list[tuple[Sequence, Draft]], chunks: list[PrefillChunk]
                     ) -> tuple[list[StepOutput | None], list]:
@@ -430,7 +456,10 @@ class Engine:
         inp = mixed_input(batch, chunks)
         if timer is not None:
             timer.lap(HEADS)
-        out = self.runner.step(inp)
+        self.runner.launch(inp)
+        self._lap(STEP)
+        out = self.runner.read(inp.sampling)
+        self._lap(READBACK)
         if timer is not None:
             timer.lap(VERIFY)
         n_chunk = sum(len(c.tokens) for c in chunks)
@@ -444,7 +473,9 @@ class Engine:
         out = self._forward(seq, chunk.tokens, chunk.start, [choice(seq)] if chunk.choose
                             else [])
         self.stats.count_step(0, 0, 1, len(chunk.tokens))
+        self._lap(STEP)
         self._prefilled(chunk, out if chunk.choose else None)
+        self._lap(EMIT)
 
     def _prefilled(self, chunk: PrefillChunk, out: StepOutput | None) -> None:
         """Commit a computed chunk; the prompt's last chunk emits its first token (`out`)."""
