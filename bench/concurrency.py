@@ -125,39 +125,53 @@ def request(prompt: list[int], tokens: int, a, i: int) -> dict:
     return {**kw, "temperature": 0.0}
 
 
-def thread_cpu_s(native_id: int | None = None) -> float:
-    """CPU seconds (user + system) of one thread of this process, or of the whole process
-    (None), from /proc (Linux; nan elsewhere)."""
-    path = f"/proc/self/task/{native_id}/stat" if native_id else "/proc/self/stat"
-    try:
-        fields = Path(path).read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """Each thread of this process: native id -> (its name, CPU seconds user + system), from
+    /proc (Linux; empty elsewhere)."""
+    out, tick = {}, os.sysconf("SC_CLK_TCK")
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            comm = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(task.name)] = (comm, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+GRPC_CORE = ("grpc", "default-execut", "resolver-execu", "global-timer")   # C-core thread names
 
 
 class LevelProfile:
     """Where a level's time goes: the engine thread's wall time per iteration split into parts
-    (service/engine/stepprofile.IterationProfile), and the CPU time of the engine thread, the
-    server's event-loop thread (request parsing, protobuf, the stream writes of grpc.aio) and
-    the rest of this process (gRPC's C-core threads and the benchmark's client threads)."""
+    (service/engine/stepprofile.IterationProfile), and CPU seconds by thread: the engine
+    thread, the server's event-loop thread (request parsing, protobuf, the stream writes of
+    grpc.aio), gRPC's C-core threads, the other Python threads (the benchmark's clients) and
+    the native compute pool (numba's and BLAS's other workers)."""
 
     def __init__(self, engine, loop_thread) -> None:
         from service.engine.stepprofile import IterationProfile
 
         self.engine, self.loop_id = engine, loop_thread.native_id
         engine.stats.profile = self.prof = IterationProfile()
-        self.cpu0 = self._cpu()
-
-    def _cpu(self) -> tuple[float, float, float]:
-        return (thread_cpu_s(self.engine._thread.native_id), thread_cpu_s(self.loop_id),
-                thread_cpu_s())
+        self.cpu0 = thread_cpu()
 
     def done(self, wall: float) -> dict[str, float]:
-        eng, loop, total = (b - a for a, b in zip(self.cpu0, self._cpu(), strict=True))
+        import threading
+
+        cpu = thread_cpu()
         self.engine.stats.profile = None
-        return {**self.prof.summary(), "engine_cpu_s": eng, "grpc_loop_cpu_s": loop,
-                "other_cpu_s": total - eng - loop, "wall_s": wall}
+        py = {t.native_id for t in threading.enumerate()}
+        got = dict.fromkeys(("engine_cpu_s", "grpc_loop_cpu_s", "grpc_core_cpu_s",
+                             "clients_cpu_s", "pool_cpu_s"), 0.0)
+        for tid, (comm, s) in cpu.items():
+            s -= self.cpu0.get(tid, ("", 0.0))[1]
+            key = ("engine_cpu_s" if tid == self.engine._thread.native_id
+                   else "grpc_loop_cpu_s" if tid == self.loop_id
+                   else "grpc_core_cpu_s" if comm.startswith(GRPC_CORE)
+                   else "clients_cpu_s" if tid in py else "pool_cpu_s")
+            got[key] += s
+        return {**self.prof.summary(), **got, "wall_s": wall}
 
 
 def level(client: SpecstreamClient, reqs: list[dict], profile=None) -> dict[str, float]:
@@ -231,18 +245,19 @@ def print_table(rows: list[dict]) -> None:
 def print_profile(rows: list[dict]) -> None:
     """The engine thread's ms per iteration by part, and the CPU seconds of the threads."""
     parts = ("schedule", "draft", "step", "readback", "emit", "other", "idle")
-    print("\nwhere the time goes (engine thread, ms per iteration; CPU s of the level's "
-          "threads: engine, gRPC event loop, the rest = gRPC core + clients)")
+    cpus = ("engine_cpu_s", "pool_cpu_s", "grpc_loop_cpu_s", "grpc_core_cpu_s", "clients_cpu_s")
+    print("\nwhere the time goes: the engine thread's ms per iteration, and CPU s of the level by "
+          "thread (engine, compute pool, gRPC event loop, gRPC core, client threads)")
     print(f"{'streams':>8}{'iters':>7}{'steps':>7}" + "".join(f"{p:>9}" for p in parts)
-          + f"{'eng cpu':>9}{'loop cpu':>9}{'rest cpu':>9}{'wall s':>8}")
+          + "".join(f"{h:>10}" for h in ("engine", "pool", "grpc-loop", "grpc-core", "clients"))
+          + f"{'wall s':>8}")
     for r in rows:
         p = r.get("profile")
         if not p:
             continue
         print(f"{r['streams']:>8}{p['iterations']:>7}{p['steps']:>7}"
               + "".join(f"{p[k]:>9.2f}" for k in parts)
-              + f"{p['engine_cpu_s']:>9.2f}{p['grpc_loop_cpu_s']:>9.2f}"
-              f"{p['other_cpu_s']:>9.2f}{p['wall_s']:>8.2f}")
+              + "".join(f"{p[c]:>10.2f}" for c in cpus) + f"{p['wall_s']:>8.2f}")
 
 
 def met(ok: bool) -> str:
