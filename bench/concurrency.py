@@ -15,6 +15,14 @@ repeats may come from the prefix cache: the "cached" column); synthetic models (
 synth-8b|synth-1b|synth-tiny`, generated seeded into --synth-dir and reused) and `--prompts ids`
 get --prompt-tokens random ordinary vocabulary ids, fresh per level and round.
 
+Where the time goes, per level: the engine thread's wall time per iteration split into
+scheduling (admission, the plan), drafting, the model step (on the CPU the whole forward pass
+and sampling; on a GPU the launch), readback (waiting for the choices: a GPU's step time shows
+here), emitting (stop checks, detokenization, the Deltas handed to the stream writers), other
+and idle (service/engine/stepprofile.IterationProfile), and the CPU seconds of the engine
+thread, of the gRPC event-loop thread (protobuf and grpc.aio's stream writes) and of the rest of
+the process (gRPC's core threads and these client threads).
+
 Prefix part (--prefix-tokens N, 0 skips it), through the same server after the levels: request A
 is a random N-token prefix + a 16-token suffix, 1 token generated; request B the same prefix +
 another suffix. Time to first token of A (uncached) and B (cached), their ratio and both
@@ -38,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -63,6 +72,8 @@ PREFIX_ROUNDS = 3
 # (streams, aggregate at least this many times one stream's, check p99 ITL <= 2x; backend or
 # None for every backend) -- issue 9's goals.
 GOALS = ((16, 10.0, True, None), (64, 25.0, False, None), (8, 2.0, False, "cpu"))
+# (streams joining at once, TTFT p99 at most this many ms, backend) -- issue 20's goals
+TTFT_GOALS = ((16, 500.0, "cpu"), (64, 1000.0, "cuda"))
 
 
 class TokenRun(Run):
@@ -114,12 +125,63 @@ def request(prompt: list[int], tokens: int, a, i: int) -> dict:
     return {**kw, "temperature": 0.0}
 
 
-def level(client: SpecstreamClient, reqs: list[dict]) -> dict[str, float]:
-    """All requests at once, one client thread each."""
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """Each thread of this process: native id -> (its name, CPU seconds user + system), from
+    /proc (Linux; empty elsewhere)."""
+    out, tick = {}, os.sysconf("SC_CLK_TCK")
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            comm = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(task.name)] = (comm, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+GRPC_CORE = ("grpc", "default-execut", "resolver-execu", "global-timer")   # C-core thread names
+
+
+class LevelProfile:
+    """Where a level's time goes: the engine thread's wall time per iteration split into parts
+    (service/engine/stepprofile.IterationProfile), and CPU seconds by thread: the engine
+    thread, the server's event-loop thread (request parsing, protobuf, the stream writes of
+    grpc.aio), gRPC's C-core threads, the other Python threads (the benchmark's clients) and
+    the native compute pool (numba's and BLAS's other workers)."""
+
+    def __init__(self, engine, loop_thread) -> None:
+        from service.engine.stepprofile import IterationProfile
+
+        self.engine, self.loop_id = engine, loop_thread.native_id
+        engine.stats.profile = self.prof = IterationProfile()
+        self.cpu0 = thread_cpu()
+
+    def done(self, wall: float) -> dict[str, float]:
+        import threading
+
+        cpu = thread_cpu()
+        self.engine.stats.profile = None
+        py = {t.native_id for t in threading.enumerate()}
+        got = dict.fromkeys(("engine_cpu_s", "grpc_loop_cpu_s", "grpc_core_cpu_s",
+                             "clients_cpu_s", "pool_cpu_s"), 0.0)
+        for tid, (comm, s) in cpu.items():
+            s -= self.cpu0.get(tid, ("", 0.0))[1]
+            key = ("engine_cpu_s" if tid == self.engine._thread.native_id
+                   else "grpc_loop_cpu_s" if tid == self.loop_id
+                   else "grpc_core_cpu_s" if comm.startswith(GRPC_CORE)
+                   else "clients_cpu_s" if tid in py else "pool_cpu_s")
+            got[key] += s
+        return {**self.prof.summary(), **got, "wall_s": wall}
+
+
+def level(client: SpecstreamClient, reqs: list[dict], profile=None) -> dict[str, float]:
+    """All requests at once, one client thread each; `profile()` a LevelProfile started."""
+    prof = profile() if profile else None
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(reqs)) as pool:
         runs = list(pool.map(lambda r: stream(client, r), reqs))
     wall = time.perf_counter() - t0
+    where = prof.done(wall) if prof else None
     tokens = sum(r.tokens for r in runs)
     gaps = [g for r in runs for g in r.token_gaps_ms()]
     ttft = [r.first_token_s() * 1e3 for r in runs]
@@ -127,7 +189,7 @@ def level(client: SpecstreamClient, reqs: list[dict]) -> dict[str, float]:
             "stream_tok_s": statistics.median(r.tokens / r.wall for r in runs),
             "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
             "itl_p50_ms": pct(gaps, 0.5), "itl_p99_ms": pct(gaps, 0.99),
-            "cached": sum(r.cached for r in runs)}
+            "cached": sum(r.cached for r in runs), "profile": where}
 
 
 def ordinary_ids(tok) -> np.ndarray:
@@ -160,6 +222,11 @@ def goals(rows: list[dict], backend: str) -> list[dict]:
             r = by[n]["itl_p99_ms"] / one["itl_p99_ms"]
             out.append({"goal": f"{n} streams: p99 ITL <= 2x one stream's", "value": r,
                         "met": r <= 2.0})
+    for n, ms, only in TTFT_GOALS:
+        if n in by and only == backend:
+            t = by[n]["ttft_p99_ms"]
+            out.append({"goal": f"{n} streams joining at once: TTFT p99 <= {ms:g} ms",
+                        "value": t, "met": t <= ms})
     return out
 
 
@@ -173,6 +240,24 @@ def print_table(rows: list[dict]) -> None:
     print("".join(f"{h:>{len(f.format(0))}}" for _, h, f in cols) + "   (ms for TTFT/ITL)")
     for r in rows:
         print("".join(f.format(r[k]) for k, _, f in cols))
+
+
+def print_profile(rows: list[dict]) -> None:
+    """The engine thread's ms per iteration by part, and the CPU seconds of the threads."""
+    parts = ("schedule", "draft", "step", "readback", "emit", "other", "idle")
+    cpus = ("engine_cpu_s", "pool_cpu_s", "grpc_loop_cpu_s", "grpc_core_cpu_s", "clients_cpu_s")
+    print("\nwhere the time goes: the engine thread's ms per iteration, and CPU s of the level by "
+          "thread (engine, compute pool, gRPC event loop, gRPC core, client threads)")
+    print(f"{'streams':>8}{'iters':>7}{'steps':>7}" + "".join(f"{p:>9}" for p in parts)
+          + "".join(f"{h:>10}" for h in ("engine", "pool", "grpc-loop", "grpc-core", "clients"))
+          + f"{'wall s':>8}")
+    for r in rows:
+        p = r.get("profile")
+        if not p:
+            continue
+        print(f"{r['streams']:>8}{p['iterations']:>7}{p['steps']:>7}"
+              + "".join(f"{p[k]:>9.2f}" for k in parts)
+              + "".join(f"{p[c]:>10.2f}" for c in cpus) + f"{p['wall_s']:>8.2f}")
 
 
 def met(ok: bool) -> str:
@@ -307,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
                 for r in range(a.rounds):
                     ps = prompts(n, r)
                     runs.append(level(client, [request(p, a.tokens, a, i)
-                                               for i, p in enumerate(ps)]))
+                                               for i, p in enumerate(ps)],
+                                      lambda: LevelProfile(engine, srv._thread)))
                 rows.append(max(runs, key=lambda x: x["agg_tok_s"]))
                 rows[-1]["ratio"] = rows[-1]["agg_tok_s"] / rows[0]["agg_tok_s"]
                 print(f"  {n} streams: {rows[-1]['agg_tok_s']:.1f} tok/s", flush=True)
@@ -321,15 +407,18 @@ def main(argv: list[str] | None = None) -> int:
         engine.stop(10)
     print()
     print_table(rows)
+    print_profile(rows)
     s = engine.stats
     graphs = getattr(engine.model.backend, "n_graphs", 0)
     stats = {"decode_steps": s.decode_steps, "decode_rows": s.decode_rows,
-             "prefill_steps": s.prefill_steps, "max_sequences": s.max_sequences,
+             "prefill_steps": s.prefill_steps, "mixed_steps": s.mixed_steps,
+             "prefill_chunks": s.prefill_chunks, "max_sequences": s.max_sequences,
              "preemptions": s.preemptions, "cached_tokens": s.cached_tokens,
              "graphs": graphs, "kv_blocks": engine.pool.n_blocks,
              "kv_block_size": engine.pool.block_size}
     print(f"engine: {s.decode_steps} decode steps for {s.decode_rows} rows, "
-          f"{s.prefill_steps} prefill steps, at most {s.max_sequences} sequences in a step, "
+          f"{s.prefill_chunks} prompt chunks ({s.mixed_steps} steps beside decode rows, "
+          f"{s.prefill_steps} prefill-only steps), at most {s.max_sequences} sequences in a step, "
           f"{s.preemptions} preemptions, {s.cached_tokens} prompt tokens from the prefix "
           f"cache, {graphs} CUDA graphs captured; KV pool {engine.pool.n_blocks} blocks of "
           f"{engine.pool.block_size}")
@@ -341,8 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     gl = goals(rows, backend) + ([prefix["goal"]] if prefix else [])
     print("\ngoals (this run):")
     for g in gl:
-        print(f"  {g['goal']}: {met(g['met'])} ({g['value']:.2f}"
-              f"{'' if g['goal'].startswith('cached') else 'x'})")
+        unit = "" if g["goal"].startswith("cached") else " ms" if "TTFT p99" in g["goal"] else "x"
+        print(f"  {g['goal']}: {met(g['met'])} ({g['value']:.2f}{unit})")
     results = {"config": {"args": sys.argv[1:] if argv is None else argv, "model": a.model,
                           "model_name": engine.info.name, "backend": engine.info.backend,
                           "engine": fields, "tokens": a.tokens, "sampled": a.sampled,

@@ -78,6 +78,7 @@ def build_generate_request(
     logit_bias: Mapping[int, float] | None = None, min_tokens: int | None = None,
     n: int | None = None, prompt_logprobs: bool | None = None,
     prompt_top_logprobs: int | None = None,
+    priority: int | None = None,
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from keyword arguments; None leaves a field unset (server default).
     speculative_mode: "chain", "tree" or "off"; logit_bias: {token id: bias}."""
@@ -108,7 +109,7 @@ def build_generate_request(
             "SPECULATIVE_MODE_" + speculative_mode.upper())
     _set_optional(req.speculative, width=speculative_width,
                   tree_budget=speculative_tree_budget)
-    _set_optional(req, add_bos=add_bos, parse_special=parse_special, n=n)
+    _set_optional(req, add_bos=add_bos, parse_special=parse_special, n=n, priority=priority)
     return req
 
 

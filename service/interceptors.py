@@ -7,7 +7,10 @@ Mapping (google.rpc details ride in the `grpc-status-details-bin` trailer via gr
     ChatTemplateMissingError
                           FAILED_PRECONDITION  BadRequest.FieldViolation(field) +
                                                ErrorInfo(CHAT_TEMPLATE_MISSING)
-    CapacityError         RESOURCE_EXHAUSTED   RetryInfo(retry_delay) + ErrorInfo(QUEUE_FULL)
+    CapacityError         RESOURCE_EXHAUSTED   RetryInfo(retry_delay) + ErrorInfo(QUEUE_FULL),
+                                               and the delay in the grpc-retry-pushback-ms
+                                               trailer too (gRFC A6: a client's retry policy
+                                               waits that long)
     UnavailableError      UNAVAILABLE          ErrorInfo(UNAVAILABLE)
     ConfigError           FAILED_PRECONDITION  PreconditionFailure per problem + ErrorInfo
     FetchError            UNAVAILABLE          ErrorInfo(MODEL_UNAVAILABLE)
@@ -27,6 +30,7 @@ cut off when the shutdown grace period ran out (the code the client sees then).
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import time
 import uuid
@@ -123,6 +127,22 @@ def status_for(exc: BaseException, request_id: str = "") -> status_pb2.Status:
 
 
 # ------------------------------------------------------------------------- request ids
+RETRY_PUSHBACK = "grpc-retry-pushback-ms"    # gRFC A6's server pushback trailer
+
+
+def trailers_for(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """Plain trailing metadata besides the status details: a CapacityError's retry delay as
+    grpc-retry-pushback-ms (whole milliseconds), for clients that read no status details."""
+    if isinstance(exc, CapacityError):
+        return ((RETRY_PUSHBACK, str(round(max(exc.retry_after_s, 0.0) * 1e3))),)
+    return ()
+
+
+class _Status(collections.namedtuple("_Status", ("code", "details", "trailing_metadata")),
+              grpc.Status):
+    """A grpc.Status with trailing metadata of our choosing (as grpc_status builds its own)."""
+
+
 def request_id_of(request: object, context: grpc.aio.ServicerContext) -> str:
     """The request's own id, else the x-request-id metadata value, else a new one.
 
@@ -271,7 +291,11 @@ class ServiceInterceptor(grpc.aio.ServerInterceptor):
         st = status_for(exc, rid)
         if st.code == code_pb2.INTERNAL:
             log.error("rpc_internal_error", method=method, exc_info=exc)
-        await context.abort_with_status(rpc_status.to_status(st))
+        status = rpc_status.to_status(st)
+        extra = trailers_for(exc)
+        if extra:
+            status = _Status(status.code, status.details, (*status.trailing_metadata, *extra))
+        await context.abort_with_status(status)
         return code_pb2.Code.Name(st.code)  # unreachable: abort raises
 
     def _cancelled_code(self, context) -> str:

@@ -3,13 +3,15 @@
 A private `CollectorRegistry` per server keeps several servers in one process (tests) apart.
 RPC counts and durations are recorded by the interceptor; LLM metrics (tokens, time to first
 token, per-token latency, queue time, speculative acceptance) by the Generate servicer from each
-request's Finished event; queue depth and active requests are read from the engine at scrape time.
+request's Finished event; queue depth, active requests, KV pool usage and the last step's rows
+and tokens are read from the engine at scrape time.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -69,20 +71,43 @@ class Metrics:
         self.preemptions = Gauge("specstream_preemptions",
                                  "Sequences preempted for KV blocks since the engine started",
                                  registry=r)
+        self.kv_usage = Gauge("specstream_kv_cache_usage_ratio",
+                              "Fraction of the KV cache pool's blocks held by running sequences",
+                              registry=r)
+        self.running_rows = Gauge("specstream_running_rows",
+                                  "Decode rows (each running sequence's next token and its "
+                                  "drafts) of the engine's last step; 0 when idle", registry=r)
+        self.step_tokens = Gauge("specstream_step_tokens",
+                                 "Tokens the engine's last step computed (decode rows and "
+                                 "prompt rows); 0 when idle", registry=r)
+        self.steps = Gauge("specstream_engine_steps",
+                           "Model steps since the engine started (with "
+                           "specstream_engine_step_tokens: mean tokens per step)", registry=r)
+        self.steps_tokens = Gauge("specstream_engine_step_tokens",
+                                  "Tokens computed by the engine's steps since it started",
+                                  registry=r)
         self._http: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
     def bind_engine(self, queue_depth: Callable[[], float], active: Callable[[], float],
-                    pool=None, preemptions: Callable[[], float] | None = None) -> None:
-        """Gauges read the engine's counters when scraped (`pool`: its KV BlockPool)."""
+                    pool=None, preemptions: Callable[[], float] | None = None,
+                    stats: Callable[[], Any] | None = None) -> None:
+        """Gauges read the engine's counters when scraped (`pool`: its KV BlockPool; `stats`:
+        its current StepStats)."""
         self.queue_depth.set_function(queue_depth)
         self.active.set_function(active)
         if pool is not None:
             self.kv_blocks.labels("used").set_function(lambda: pool.used_blocks)
             self.kv_blocks.labels("cached").set_function(lambda: pool.cached_blocks)
             self.kv_blocks.labels("free").set_function(lambda: pool.free_blocks)
+            self.kv_usage.set_function(lambda: pool.used_blocks / max(pool.n_blocks, 1))
         if preemptions is not None:
             self.preemptions.set_function(preemptions)
+        if stats is not None:
+            self.running_rows.set_function(lambda: stats().last_rows)
+            self.step_tokens.set_function(lambda: stats().last_tokens)
+            self.steps.set_function(lambda: stats().steps)
+            self.steps_tokens.set_function(lambda: stats().step_tokens)
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         self.rpcs.labels(method, code).inc()

@@ -129,7 +129,8 @@ class Service:
         stats = getattr(engine, "stats", None)
         self.state.metrics.bind_engine(
             lambda: engine.queue_depth, lambda: engine.active, getattr(engine, "pool", None),
-            (lambda: engine.stats.preemptions) if hasattr(stats, "preemptions") else None)
+            (lambda: engine.stats.preemptions) if hasattr(stats, "preemptions") else None,
+            (lambda: engine.stats) if hasattr(stats, "step_tokens") else None)
         await self.state.set_serving(True)
         self._watch = asyncio.ensure_future(self._watch_engine(engine))
         info = engine.info

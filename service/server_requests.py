@@ -187,7 +187,8 @@ async def request_from_proto(state: ServingState, engine: Any,
         sampling=sampling, stopping=stopping_from_proto(msg.stopping),
         top_logprobs=optional(msg.output, "top_logprobs", 0, int), speculative=speculative,
         speculative_options=options, speculation=speculation,
-        prompt_logprobs=prompt_logprobs_from_proto(msg.output))
+        prompt_logprobs=prompt_logprobs_from_proto(msg.output),
+        priority=optional(msg, "priority", 0, int))
 
 
 def prompt_logprobs_from_proto(msg: generation_pb2.OutputOptions) -> int | None:

@@ -9,24 +9,27 @@ Its parts, each owning its state:
 One iteration of the engine thread, under its lock until the plan is made:
 
     cancelled requests leave -> plan = scheduler.schedule() (admission, the decode rows and
-    their draft lengths, the prefill chunk, KV blocks and preemptions) -> the plan's slot changes
-    reach the drafter -> [lock released] the changed block table goes to the target's and the
-    draft model's runners -> decode: the speculator drafts each row, ONE runner step verifies
-    every row (spec/decode.verify_input), each sequence commits what it accepted (tree paths'
-    KV rows compacted with one runner.move_kv) -> prefill: the chunk as its own runner step ->
-    finished sequences give their slot back.
+    their draft lengths, the prefill chunks riding with them and at most one chunk alone, KV
+    blocks and preemptions) -> the plan's slot changes reach the drafter -> [lock released] the
+    changed block table goes to the target's and the draft model's runners -> the speculator
+    drafts each decode row, ONE runner step verifies every decode row and computes the riding
+    chunks (mixed.py), each sequence commits what it accepted (tree paths' KV rows compacted
+    with one runner.move_kv) and each chunk what it computed (a prompt's last chunk emits the
+    first token) -> the chunk alone, as its own runner step -> finished sequences give their
+    slot back.
 
-When every row of the decode step is plain (nothing drafted), OverlappedDecode (overlap.py)
-runs it and the steps after it, each submitted before the previous one is read back, for as
-long as nothing else wants a step and no row would draft (config `overlap`: by default on
-asynchronous backends; off under the step profiler).
+When every row of the step is a plain decode row (nothing drafted, no chunk riding),
+OverlappedDecode (overlap.py) runs it and the steps after it, each submitted before the
+previous one is read back, for as long as nothing else wants a step and no row would draft
+(config `overlap`: by default on asynchronous backends; off under the step profiler).
 
 The policy is scheduler/policy.py's docstring. Every row chooses its token with the request's
 own sampling keyed by (request seed, token index), never by its row in a step: a request's
 tokens do not depend on its batch, and speculative output equals plain output (spec/chain.py).
-A step that fails is retried one sequence at a time (nothing was committed), so a fault fails
-only its request. A cancelled request's slot and blocks are free within one step. Events go to
-each request's sink on this thread; sinks must not block. Loading lives in loader.py.
+A step that fails is retried one sequence (and one chunk) at a time (nothing was committed),
+so a fault fails only its request. A cancelled request's slot and blocks are free within one
+step. Events go to each request's sink on this thread; sinks must not block. Loading lives in
+loader.py.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import structlog
 from service.config import EngineConfig, step_budget
 from service.engine.kv_events import KvEventLog
 from service.engine.loader import ModelInfo, load_model, phase
+from service.engine.mixed import mixed_input, split_mixed
 from service.engine.overlap import OverlappedDecode
 from service.engine.runner.model_runner import ModelRunner
 from service.engine.runner.step import GREEDY, RowSampling, StepInput, StepOutput
@@ -54,12 +58,25 @@ from service.engine.scheduler.kv import KVManager
 from service.engine.scheduler.plan import DecodeRow, PrefillChunk, StepPlan
 from service.engine.scheduler.policy import Scheduler
 from service.engine.scheduler.sequence import Sequence
-from service.engine.spec.decode import Draft, Speculator, choice, commit, split, verify_input
+from service.engine.spec.decode import Draft, Speculator, choice, commit
 from service.engine.spec.drafters import Drafter, create_drafter
 from service.engine.spec.options import resolve as resolve_speculation
 from service.engine.spec.tree_verify import compact, n_rows
 from service.engine.spec.verify_cost import measure_verify_alpha
-from service.engine.stepprofile import HEADS, OTHER, VERIFY, StepStats, StepTimer
+from service.engine.stepprofile import (
+    DRAFTING,
+    EMIT,
+    HEADS,
+    IDLE,
+    LOOP,
+    OTHER,
+    READBACK,
+    SCHEDULE,
+    STEP,
+    VERIFY,
+    StepStats,
+    StepTimer,
+)
 from service.engine.textstream import TextStream
 from service.engine.types import (
     Event,
@@ -303,13 +320,16 @@ class Engine:
     def _loop(self) -> None:
         while True:
             timer = StepTimer() if self.config.step_profile else None
+            self._lap(LOOP)
             with self._lock:
                 self._reap_cancelled()
                 plan = self.scheduler.schedule()
                 if plan is None:
+                    self.stats.idle()
                     if self._stopping:
                         return
                     self._lock.wait(0.5)
+                    self._lap(IDLE)
                     continue
                 self.stats.preemptions += plan.preempted
                 self.stats.cached_tokens += plan.cached_tokens
@@ -318,19 +338,29 @@ class Engine:
                         self.runner.write_history(change.slot,
                                                   change.seq.context_ids[:change.cached])
                     self.speculator.slot_change(change)
+            self._lap(SCHEDULE, iteration=True)
             self._execute(plan, timer)
+
+    def _lap(self, part: int, iteration: bool = False) -> None:
+        """Charge the engine thread's time since the last lap to `part` of the iteration
+        profile, when a benchmark set one (stepprofile.IterationProfile)."""
+        p = self.stats.profile
+        if p is not None:
+            p.lap(part)
+            p.iterations += iteration
 
     def _execute(self, plan: StepPlan, timer: StepTimer | None) -> None:
         if plan.block_table is not None:    # the draft model shares the target's table
             self.runner.set_block_table(plan.block_table)
             self.speculator.set_block_table(plan.block_table)
-        if plan.decode:
+        chunks = [c for c in plan.prefill if not c.seq.cancelled]
+        if plan.decode or chunks:
             try:
-                self._decode(plan.decode, timer)
-            except Exception as exc:   # drafting failed: fail its batch
-                for row in plan.decode:
-                    self._fail(row.seq, exc)
-        chunk = plan.prefill
+                self._step(plan.decode, chunks, timer)
+            except Exception as exc:   # drafting or committing failed: fail the step's requests
+                for seq in [r.seq for r in plan.decode] + [c.seq for c in chunks]:
+                    self._fail(seq, exc)
+        chunk = plan.alone
         if chunk is not None and not chunk.seq.cancelled:
             try:
                 self._prefill(chunk)
@@ -361,53 +391,86 @@ class Engine:
             self.scheduler.release(seq)
 
     # ------------------------------------------------------------------ steps
-    def _decode(self, rows: tuple[DecodeRow, ...], timer: StepTimer | None) -> None:
-        """The decode step: drafts, ONE verify step, each sequence's commit. A step that fails
-        is retried one sequence at a time (nothing was committed)."""
-        batch = self.speculator.draft(rows, timer)
-        if (self.overlap and timer is None
+    def _step(self, rows: tuple[DecodeRow, ...], chunks: list[PrefillChunk],
+              timer: StepTimer | None) -> None:
+        """The step: the decode rows' drafts, then ONE runner step verifying every decode row
+        with the prefill chunks riding along (mixed.py), then each part's commit. A step that
+        fails is retried one part at a time (nothing was committed)."""
+        try:
+            batch = self.speculator.draft(rows, timer)
+        except Exception as exc:   # drafting failed: fail its rows; the chunks go on
+            for row in rows:
+                self._fail(row.seq, exc)
+            batch = []
+        self._lap(DRAFTING)
+        if (not chunks and self.overlap and timer is None
                 and all(isinstance(d, list) and len(d) == 1 for _, d in batch)
                 and self.speculator.overlaps([seq for seq, _ in batch])):
             self.overlapped.run([seq for seq, _ in batch])     # plain rows (overlap.py)
             return
         try:
-            outs: list[StepOutput | None] = self._verify(batch, timer)
+            outs, chunk_outs = self._verify(batch, chunks, timer)
         except Exception as exc:
-            if len(batch) == 1:
-                self._fail(batch[0][0], exc)
+            if len(batch) + len(chunks) == 1:
+                self._fail((batch[0][0] if batch else chunks[0].seq), exc)
                 return
-            outs = []
-            for item in batch:
-                try:
-                    outs += self._verify([item])
-                except Exception as one:
-                    self._fail(item[0], one)
-                    outs.append(None)
+            outs, chunk_outs = self._one_by_one(batch, chunks)
+        timer = timer if batch else None    # the profile is of decode steps
         if timer is not None:           # before committing: a finishing request reports it
             timer.charge([seq for seq, _ in batch])
         moves = [commit(seq, draft, out) for (seq, draft), out in zip(batch, outs, strict=True)
                  if out is not None and not seq.finished]
         self.stats.kv_moves += compact(self.runner, [m for m in moves if m is not None])
+        for chunk, out in zip(chunks, chunk_outs, strict=True):
+            if out is not False and not chunk.seq.finished:
+                self._prefilled(chunk, out)
         if timer is not None:
             timer.finish([seq for seq, _ in batch], self.stats.decode_steps,
                          sum(n_rows(d) for _, d in batch))
+        self._lap(EMIT)
 
-    def _verify(self, batch: list[tuple[Sequence, Draft]], timer: StepTimer | None = None
-                ) -> list[StepOutput]:
-        """Every row of the batch in one runner step, the output cut per sequence."""
+    def _one_by_one(self, batch: list[tuple[Sequence, Draft]], chunks: list[PrefillChunk]
+                    ) -> tuple[list[StepOutput | None], list]:
+        """Each decode sequence and each chunk as a step of its own (a shared step failed):
+        a part that fails again fails its request (its output None, a chunk's False)."""
+        outs: list[StepOutput | None] = []
+        for item in batch:
+            try:
+                outs += self._verify([item], [])[0]
+            except Exception as one:
+                self._fail(item[0], one)
+                outs.append(None)
+        chunk_outs: list = []
+        for chunk in chunks:
+            try:
+                chunk_outs += self._verify([], [chunk])[1]
+            except Exception as one:
+                self._fail(chunk.seq, one)
+                chunk_outs.append(False)
+        return outs, chunk_outs
+
+    def _verify(self, batch: list[tuple[Sequence, Draft]], chunks: list[PrefillChunk],
+                timer: StepTimer | None = None
+                ) -> tuple[list[StepOutput], list[StepOutput | None]]:
+        """Every row of the batch and of the chunks in one runner step, the output cut per
+        sequence and per chunk."""
         if timer is not None:
             timer.lap(OTHER)            # planning (drafting laps itself)
-        inp = verify_input(batch)
+        inp = mixed_input(batch, chunks)
         if timer is not None:
             timer.lap(HEADS)
-        out = self.runner.step(inp)
+        self.runner.launch(inp)
+        self._lap(STEP)
+        out = self.runner.read(inp.sampling)
+        self._lap(READBACK)
         if timer is not None:
             timer.lap(VERIFY)
-        self.stats.count_decode(len(batch), len(inp.token_ids))
-        return split(batch, out)
+        n_chunk = sum(len(c.tokens) for c in chunks)
+        self.stats.count_step(len(batch), len(inp.token_ids) - n_chunk, len(chunks), n_chunk)
+        return split_mixed(batch, chunks, out)
 
     def _prefill(self, chunk: PrefillChunk) -> None:
-        """One chunk of a prompt (or of a preempted sequence's context); the prompt's last
+        """A chunk as a step of its own (one wider than a shared step takes); the prompt's last
         chunk chooses its first token."""
         seq = chunk.seq
         if seq.scoring_prompt:
@@ -415,10 +478,17 @@ class Engine:
         else:
             out = self._forward(seq, chunk.tokens, chunk.start, [choice(seq)] if chunk.choose
                                 else [])
-        self.stats.prefill_steps += 1
+        self.stats.count_step(0, 0, 1, len(chunk.tokens))
+        self._lap(STEP)
+        self._prefilled(chunk, out if chunk.choose else None)
+        self._lap(EMIT)
+
+    def _prefilled(self, chunk: PrefillChunk, out: StepOutput | None) -> None:
+        """Commit a computed chunk; the prompt's last chunk emits its first token (`out`)."""
+        seq = chunk.seq
         seq.n_past += len(chunk.tokens)
         self.scheduler.prefilled(seq)
-        if chunk.choose:
+        if chunk.choose and out is not None:
             if seq.scoring_prompt:
                 seq.scored()
             seq.t_prefill_done = time.perf_counter()

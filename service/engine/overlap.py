@@ -38,7 +38,7 @@ from service.engine.runner.step import StepInput, StepOutput
 from service.engine.scheduler.policy import Scheduler
 from service.engine.scheduler.sequence import Sequence
 from service.engine.spec.decode import Speculator, choice, verify_input
-from service.engine.stepprofile import StepStats
+from service.engine.stepprofile import EMIT, READBACK, SCHEDULE, STEP, StepStats
 
 
 class OverlappedDecode:
@@ -51,8 +51,9 @@ class OverlappedDecode:
     def run(self, seqs: list[Sequence]) -> None:
         """Decode `seqs` (plain rows, their seeds on the host) until the scheduler stops
         letting them go on or one of them would draft; returns with nothing in flight."""
-        runner = self.runner
+        runner, lap = self.runner, self._lap
         pending = runner.submit(verify_input([(s, [s.seed]) for s in seqs]))
+        lap(STEP)
         drafting = False
         try:
             for seq in seqs:
@@ -61,6 +62,7 @@ class OverlappedDecode:
                 with self._lock:
                     nxt = None if drafting else self.scheduler.continuing(seqs)
                     table = self.scheduler.kv.take_table() if nxt else None
+                lap(SCHEDULE, iteration=bool(nxt))   # a step planned here
                 if nxt:
                     if table is not None:
                         runner.set_block_table(table)
@@ -68,9 +70,12 @@ class OverlappedDecode:
                     ahead = runner.submit(fed_input(nxt), [at[id(s)] for s in nxt])
                     for seq in nxt:
                         seq.n_past += 1
+                    lap(STEP)
                 out = runner.collect(pending)
+                lap(READBACK)
                 self._stats().count_decode(len(seqs), len(seqs))
                 self._commit(seqs, out, nxt or [])
+                lap(EMIT)
                 if not nxt:
                     return
                 drafting = self._would_draft(nxt)
@@ -78,6 +83,13 @@ class OverlappedDecode:
         except Exception:
             runner.abandon()
             raise
+
+    def _lap(self, part: int, iteration: bool = False) -> None:
+        """The iteration profile's lap (Engine._lap): each overlapped step is an iteration."""
+        p = self._stats().profile
+        if p is not None:
+            p.lap(part)
+            p.iterations += iteration
 
     def _would_draft(self, seqs: list[Sequence]) -> bool:
         """Whether a speculating sequence wants its next step planned afresh: a probe is due

@@ -34,18 +34,45 @@ class StepStats:
     """Counts of the engine's steps (read by tests and benchmarks; written by its thread)."""
 
     def __init__(self) -> None:
-        self.decode_steps = 0
-        self.prefill_steps = 0
+        self.decode_steps = 0           # steps holding decode rows (prefill chunks may ride)
+        self.prefill_steps = 0          # steps holding prefill chunks only
+        self.mixed_steps = 0            # steps holding decode rows and prefill chunks
+        self.prefill_chunks = 0         # chunks computed, in either kind of step
         self.decode_rows = 0
         self.max_sequences = 0          # most sequences one decode step held
         self.kv_moves = 0               # KV rows moved by tree compaction
         self.preemptions = 0            # sequences whose KV blocks were taken back
         self.cached_tokens = 0          # prompt positions served from the prefix cache
+        self.steps = 0                  # target model steps of every kind
+        self.step_tokens = 0            # tokens (rows, padding left out) those steps computed
+        self.last_rows = 0              # decode rows of the last step (0 once idle)
+        self.last_tokens = 0            # tokens of the last step (0 once idle)
+        self.profile: IterationProfile | None = None   # set by a benchmark: where time goes
+
+    def count_step(self, n_sequences: int, n_rows: int, n_chunks: int = 0,
+                   chunk_rows: int = 0) -> None:
+        """One target step: n_rows decode rows of n_sequences sequences, and n_chunks prefill
+        chunks of chunk_rows rows in all (beside the decode rows, or alone)."""
+        if n_rows:
+            self.decode_steps += 1
+            self.decode_rows += n_rows
+            self.max_sequences = max(self.max_sequences, n_sequences)
+        if n_chunks:
+            self.prefill_chunks += n_chunks
+            self.mixed_steps += int(n_rows > 0)
+            self.prefill_steps += int(n_rows == 0)
+        self.steps += 1
+        self.step_tokens += n_rows + chunk_rows
+        self.last_rows, self.last_tokens = n_rows, n_rows + chunk_rows
+        if self.profile is not None:
+            self.profile.steps += 1
 
     def count_decode(self, n_sequences: int, n_rows: int) -> None:
-        self.decode_steps += 1
-        self.decode_rows += n_rows
-        self.max_sequences = max(self.max_sequences, n_sequences)
+        self.count_step(n_sequences, n_rows)
+
+    def idle(self) -> None:
+        """Nothing is running: the last-step gauges read 0."""
+        self.last_rows = self.last_tokens = 0
 
 
 class StepTimer:
@@ -85,3 +112,46 @@ class StepTimer:
                 seq.step_ms[OTHER] += rest
         log.debug("step_profile", step=step, sequences=len(seqs), rows=rows,
                   **{name: round(v, 3) for name, v in zip(PARTS, self.ms, strict=True)})
+
+
+# ---------------------------------------------------------------- the iteration profile
+SCHEDULE, DRAFTING, STEP, READBACK, EMIT, LOOP, IDLE = range(7)
+ITERATION_PARTS = ("schedule", "draft", "step", "readback", "emit", "other", "idle")
+
+
+class IterationProfile:
+    """The engine thread's wall time, iteration by iteration, summed per part (seconds), for
+    bench/concurrency.py (StepStats.profile; None: the engine takes no timestamps):
+
+        schedule   admission, the plan, its slot changes (under the engine's lock); in the
+                   overlapped loop, planning the next step
+        draft      the drafters' proposals
+        step       packing, uploading and running the model step (on the CPU backend the whole
+                   forward pass and the sample op; on an asynchronous backend only the launch)
+        readback   waiting for the step's choices and copying them back (an asynchronous
+                   backend's device time shows here)
+        emit       committing: stop checks, detokenization, the Delta events handed to the
+                   streams (the server's sinks), releasing finished sequences
+        other      the rest of an iteration (block-table uploads, bookkeeping)
+        idle       waiting for work
+
+    Each `lap(part)` charges the time since the previous lap to `part`.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = [0.0] * len(ITERATION_PARTS)
+        self.iterations = 0
+        self.steps = 0
+        self._t = time.perf_counter()
+
+    def lap(self, part: int) -> None:
+        now = time.perf_counter()
+        self.seconds[part] += now - self._t
+        self._t = now
+
+    def summary(self) -> dict[str, float]:
+        """Milliseconds per engine iteration for each part, and the counts."""
+        n = max(self.iterations, 1)
+        return {**{p: s * 1e3 / n for p, s in zip(ITERATION_PARTS, self.seconds, strict=True)},
+                "iterations": self.iterations, "steps": self.steps}
+

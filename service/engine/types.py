@@ -15,6 +15,7 @@ import numpy as np
 from service.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+MAX_PRIORITY = 1000              # GenerationRequest.priority: in [-MAX_PRIORITY, MAX_PRIORITY]
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_SEQUENCE_CHARS = 256
 MAX_TOP_K = 1_000_000
@@ -178,6 +179,7 @@ class GenerationRequest:
     # None: no prompt log-probabilities; k in 0..20: each prompt token's (after the first)
     # with k alternatives, in Started (sent once the prompt is processed)
     prompt_logprobs: int | None = None
+    priority: int = 0                # admission order: lower first, FIFO within a level
 
     def validate(self, vocab_size: int, n_ctx: int) -> None:
         if not self.prompt_ids:
@@ -199,6 +201,9 @@ class GenerationRequest:
                 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
             raise InvalidRequestError("output.prompt_top_logprobs",
                                       f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise InvalidRequestError("priority", f"{self.priority} is outside "
+                                      f"[-{MAX_PRIORITY}, {MAX_PRIORITY}]")
         self.sampling.validate()
         self.sampling.validate_bias(vocab_size)
         self.stopping.validate(vocab_size)

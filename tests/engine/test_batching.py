@@ -58,8 +58,10 @@ def test_batched_requests_equal_solo_runs(smol_16, mode, n):
     got, stats = together(smol_16, reqs)
     bad = [r.request_id for r, a, b in zip(reqs, got, ref, strict=True) if not same_output(a, b)]
     assert not bad, (bad, [(a.token_ids, b.token_ids) for a, b in zip(got, ref, strict=True)])
-    # one prefill chunk per loop: the later streams of 16 join while the first ones decode
     assert (stats.max_sequences > 1) == (n > 1)
+    # the prompts shared steps (mixed steps: up to 64 rows each), later ones beside decode rows
+    assert stats.prefill_chunks == n and stats.prefill_steps == 1
+    assert (stats.mixed_steps > 0) == (sum(len(r.prompt_ids) for r in reqs) > 64)
 
 
 @pytest.mark.parametrize("name", [*TINY_MODELS, str(TINY / "tiny-laguna-q8.gguf")])
@@ -85,7 +87,7 @@ def test_steps_are_batched(smol_16):
     got, stats = together(smol_16, reqs)
     tokens = sum(len(g.token_ids) for g in got)
     # each stream's first token comes from its prefill; every later one from a decode step
-    assert stats.prefill_steps == 4 and stats.decode_rows == tokens - 4
+    assert stats.prefill_chunks == 4 and stats.decode_rows == tokens - 4
     assert stats.max_sequences == 4
     assert stats.decode_steps < (tokens - 4) / 2, (stats.decode_steps, tokens)
 

@@ -44,6 +44,9 @@ def test_batched_requests_equal_solo_runs_on_cuda(smol_cuda, mode, n):
     bad = [r.request_id for r, a, b in zip(reqs, got, ref, strict=True) if not same_output(a, b)]
     assert not bad, (bad, [(a.token_ids, b.token_ids) for a, b in zip(got, ref, strict=True)])
     assert (stats.max_sequences > 1) == (n > 1)
+    # the prompts joined at once: chunks shared steps, the later ones beside decode rows
+    assert stats.prefill_chunks == n
+    assert (stats.mixed_steps > 0) == (sum(len(r.prompt_ids) for r in reqs) > 64)
 
 
 def test_more_streams_than_a_step_take_turns_on_cuda():

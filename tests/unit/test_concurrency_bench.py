@@ -21,21 +21,23 @@ def C():
     return importlib.import_module("concurrency")
 
 
-def _row(n: int, agg: float, itl99: float) -> dict:
-    return {"streams": n, "agg_tok_s": agg, "itl_p99_ms": itl99}
+def _row(n: int, agg: float, itl99: float, ttft99: float = 100.0) -> dict:
+    return {"streams": n, "agg_tok_s": agg, "itl_p99_ms": itl99, "ttft_p99_ms": ttft99}
 
 
 def test_goals_against_the_one_stream_row(C):
-    rows = [_row(1, 100.0, 10.0), _row(8, 199.0, 30.0), _row(16, 1000.0, 20.0),
-            _row(64, 2400.0, 50.0)]
+    rows = [_row(1, 100.0, 10.0), _row(8, 199.0, 30.0), _row(16, 1000.0, 20.0, 500.0),
+            _row(64, 2400.0, 50.0, 1000.1)]
     cpu = {g["goal"]: g for g in C.goals(rows, "cpu")}
     assert cpu["16 streams: aggregate >= 10x one stream's"]["met"]          # exactly 10x
     assert cpu["16 streams: p99 ITL <= 2x one stream's"]["met"]             # exactly 2x
     assert not cpu["64 streams: aggregate >= 25x one stream's"]["met"]      # 24x
     assert cpu["64 streams: aggregate >= 25x one stream's"]["value"] == pytest.approx(24.0)
     assert not cpu["8 streams: aggregate >= 2x one stream's"]["met"]        # 1.99x
-    cuda = [g["goal"] for g in C.goals(rows, "cuda")]
-    assert not any(g.startswith("8 streams") for g in cuda) and len(cuda) == 3
+    assert cpu["16 streams joining at once: TTFT p99 <= 500 ms"]["met"]      # exactly 500 ms
+    cuda = {g["goal"]: g for g in C.goals(rows, "cuda")}
+    assert not any(g.startswith("8 streams") for g in cuda) and len(cuda) == 4
+    assert not cuda["64 streams joining at once: TTFT p99 <= 1000 ms"]["met"]
     assert C.goals(rows[1:], "cpu") == []                  # no 1-stream row, no ratio
 
 
@@ -66,6 +68,16 @@ def test_short_run_on_a_tiny_synthetic_model(C, tmp_path):
     assert p["cached_a"] <= p["cached_b"] <= 40 + C.SUFFIX_TOKENS
     assert [g["goal"] for g in res["goals"]] == ["8 streams: aggregate >= 2x one stream's",
                                                  "cached TTFT <= 1/10 uncached"]
+    for row in res["rows"]:         # the per-iteration profile of each level
+        prof = row["profile"]
+        assert prof["steps"] >= row["tokens"] // row["streams"] - 1 and prof["iterations"] >= 1
+        parts = sum(prof[k] for k in ("schedule", "draft", "step", "readback", "emit", "other",
+                                      "idle"))
+        assert prof["step"] > 0 and prof["emit"] > 0
+        assert parts * prof["iterations"] <= (prof["wall_s"] * 1.05 + 0.05) * 1e3
+        # CPU seconds in clock ticks (10 ms, rounded per thread): a tiny level may take none
+        assert all(prof[k] >= 0 for k in ("engine_cpu_s", "grpc_loop_cpu_s", "grpc_core_cpu_s",
+                                          "clients_cpu_s", "pool_cpu_s"))
 
 
 def test_prompt_ids_are_ordinary_tokens(C, tmp_path):

@@ -2,8 +2,9 @@
 
 The scheduler (policy.py) decides it; the engine executes it in order: it uploads a changed
 block table, tells the drafter about slots taken and given back (and writes the token history
-of cached prefixes), runs the decode step (each row's drafts, then one verify step through the
-model runner), then the prefill chunk as a step of its own, and commits what came back.
+of cached prefixes), runs ONE step holding the decode rows (each row's drafts, then their
+verify rows) and the prefill chunks that ride along (service/engine/mixed.py packs them), then
+a wider prefill chunk as a step of its own, and commits what came back.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ class SlotChange:
 
 @dataclass(frozen=True)
 class StepPlan:
-    decode: tuple[DecodeRow, ...]         # ONE decode step, rows in this order (may be none)
-    prefill: PrefillChunk | None          # then at most one prefill chunk, as its own step
+    decode: tuple[DecodeRow, ...]         # ONE step: these decode rows, in this order ...
+    prefill: tuple[PrefillChunk, ...]     # ... and these chunks (<= 64 rows each), FIFO
+    alone: PrefillChunk | None            # then at most one chunk as its own step
     block_table: np.ndarray | None        # (n_slots, max_blocks) i32 to upload; None: unchanged
     slot_changes: tuple[SlotChange, ...]  # in the order they happened
     preempted: int = 0                    # sequences preempted for this plan's blocks
@@ -56,5 +58,13 @@ class StepPlan:
 
     @property
     def sequences(self) -> list[Sequence]:
-        """The sequences this plan steps (decode rows, then the prefill chunk's)."""
-        return [r.seq for r in self.decode] + ([self.prefill.seq] if self.prefill else [])
+        """The sequences this plan steps (decode rows, then the prefill chunks')."""
+        return ([r.seq for r in self.decode] + [c.seq for c in self.prefill]
+                + ([self.alone.seq] if self.alone else []))
+
+    @property
+    def mixed_rows(self) -> int:
+        """Rows of the shared step before padding: the decode rows' seeds and drafts and the
+        riding chunks' tokens."""
+        return (sum(r.n_draft + 1 for r in self.decode)
+                + sum(len(c.tokens) for c in self.prefill))

@@ -2,46 +2,59 @@
 StepPlan of one engine iteration (plan.py); it runs on the engine thread with the engine's lock
 held, and does host bookkeeping only.
 
-Requests wait in a bounded FIFO (`max_queue` beyond the free slots, then RESOURCE_EXHAUSTED).
-The queue's head is admitted when one of `n_slots` slots is free AND the KV block pool
-(blocks.py) can give it the blocks of its whole prompt plus one token, counting the blocks its
-longest cached prefix already holds (prefix cache: whole blocks of identical earlier prompts,
-taken by reference; it computes only the rest); admission is strictly in arrival order. Each
-iteration then runs, under the step budget `max_step_tokens` (config.step_budget: decode rows
-R = min(64, B - 16), prefill chunk min(prefill_chunk, B - R); B = 0 means 64 rows and
+Requests wait in a bounded queue (`max_queue` beyond the free slots, then RESOURCE_EXHAUSTED)
+ordered by the request's priority (lower first) and, within a level, by arrival (FIFO). The
+queue's head is admitted when one of `n_slots` slots is free AND the KV block pool (blocks.py)
+can give it the blocks of its whole prompt plus one token, counting the blocks its longest
+cached prefix already holds (prefix cache: whole blocks of identical earlier prompts, taken by
+reference; it computes only the rest); admission is strictly in queue order, and priority
+orders the queue only (a running sequence is never preempted for a waiting one). Each
+iteration then runs, under the step budget `max_step_tokens` (config.step_budget: a step of
+R = min(64, B - 16) rows, prefill chunk min(prefill_chunk, B - R); B = 0 means 64 rows and
 prefill_chunk):
 
-1. ONE decode step for the decoding sequences, decode first: every sequence's seed token plus
-   its drafted tokens (each sequence keeps its own draft length) are the rows of one step, at
-   most R rows in all. Steps of up to 64 rows are the backends' step-size-invariant path: each
-   row's logits are bit-identical whatever else is in the step, so a request gives the same
-   tokens alone and in any batch. When the rows wanted exceed R, draft lengths shrink first (the
-   longest draft loses a token, the youngest sequence's on a tie); only when the sequences
-   alone exceed R does a sequence sit a step out, in turns: the sequences that waited longest
-   since their last step go first, FIFO by start among equals. Every chosen sequence gets the
-   KV blocks its rows write (the drafter writes them too); when the pool lacks them, the most
-   recently submitted running sequence is PREEMPTED: its full committed blocks go to the prefix
-   cache, the rest back to the pool, and it waits again at the head of the queue; readmitted,
-   it recomputes its context (the prompt in the same chunks, its generated tokens in
-   decode-sized steps, choosing nothing) and goes on: its emitted tokens stand and, sampling
-   being keyed by token index, it continues exactly as it would have. How many tokens a
-   sequence drafts: `draft_length` (spec/chain.py) from its acceptance rate and the measured
-   verify cost `verify_alpha`; a tree uses its budget.
-2. then at most ONE prefill chunk of the oldest sequence still prefilling (or recomputing after
-   a preemption), as its own step: a fixed chunk size, so a prompt's KV rows never depend on the
-   load, and its own step, because a step wider than 64 rows takes another numeric path and
-   would change the batched rows' bits. A long prompt therefore delays running streams by at
-   most one chunk per token they receive, and running streams never starve a waiting prompt.
-   Its blocks are taken after the decode rows' (it may preempt one of them, which then sits
-   this step out).
+1. ONE step (a mixed step, engine/mixed.py) holding the decode rows and the prefill chunks
+   that fit beside them, at most R rows in all. Steps of up to 64 rows are the backends'
+   step-size-invariant path: each row's logits and KV row are bit-identical whatever else is
+   in the step, so a request gives the same tokens alone and in any batch, and a prompt's chunk
+   the same KV rows and first token in a shared step as in one of its own.
+   - decode rows first: every decoding sequence's seed token plus its drafted tokens (each
+     sequence keeps its own draft length). When the rows wanted (counting the rows of the
+     chunks that would ride) exceed R, draft lengths shrink first (the longest draft loses a
+     token, the youngest sequence's on a tie); only when the sequences alone exceed R does a
+     sequence sit a step out, in turns: the sequences that waited longest since their last
+     step go first, FIFO by start among equals. Every chosen sequence gets the KV blocks its
+     rows write (the drafter writes them too); when the pool lacks them, a running sequence is
+     PREEMPTED (the lowest priority's, the most recently submitted within it): its full
+     committed blocks go to the prefix cache, the rest back to the pool, and it waits again in
+     its arrival place (first of its priority level, in practice); readmitted,
+     it recomputes its context (the prompt in the same chunks, its generated tokens in chunks
+     of R, choosing nothing) and goes on: its emitted tokens stand and, sampling being keyed by
+     token index, it continues exactly as it would have. How many tokens a sequence drafts:
+     `draft_length` (spec/chain.py) from its acceptance rate and the measured verify cost
+     `verify_alpha`; a tree uses its budget.
+   - then the prefill chunks: each prefilling (or recomputing) sequence's next chunk, in start
+     order, that fits the rows left (a later, smaller chunk may fit where an earlier one did
+     not; none is cut to fit). A chunk's size never depends on the load: prefill_chunk from
+     where its prefill began, so a prompt's chunk boundaries are the same alone or among many.
+     A chunk is a run of one sequence's consecutive positions; only a prompt's final chunk
+     chooses a token (its last row: the first token).
+2. then at most ONE chunk as its own step: the oldest prefilling sequence's, when it did not
+   ride in the step (wider than 64 rows, MIX_ROWS: such a step takes another numeric path, or
+   wider than the rows left). A long prompt therefore delays running streams by at most one
+   chunk per token they receive, and running streams never starve a waiting prompt. Chunks
+   take their blocks after the decode rows' (one may preempt a decode row's sequence, which
+   then sits this step out).
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 
 import structlog
 
+from service.config import MAX_STEP_ROWS
 from service.engine.scheduler.kv import KVManager
 from service.engine.scheduler.plan import DecodeRow, PrefillChunk, SlotChange, StepPlan
 from service.engine.scheduler.sequence import Sequence
@@ -51,6 +64,7 @@ from service.errors import CapacityError
 log = structlog.get_logger("specstream.engine")
 
 PROBE_EVERY = 8   # plain steps after which a sequence that stopped drafting tries one draft
+MIX_ROWS = MAX_STEP_ROWS   # chunks up to this wide ride in the decode step (the invariant path)
 
 
 class Scheduler:
@@ -67,14 +81,23 @@ class Scheduler:
         self._turn = 0                          # decode steps planned so far
         self._changes: list[SlotChange] = []
         self._preempted = 0
+        self._tickets = 0                       # requests queued so far (arrival order)
 
     # ------------------------------------------------------------------ the queue
     def add(self, seq: Sequence) -> None:
-        """Queue a new request; CapacityError when the queue is full."""
+        """Queue a new request in its priority's place; CapacityError when the queue is full."""
         if len(self.waiting) >= self.max_queue + len(self.kv.free_slots):
             raise CapacityError(f"{len(self.waiting)} requests are already waiting",
                                 retry_after_s=1.0)
-        self.waiting.append(seq)
+        self._tickets += 1
+        seq.ticket = self._tickets
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Into the queue ordered by (priority, arrival): behind every request of its level that
+        arrived before it, ahead of every later one and of every lower level."""
+        i = bisect.bisect_right(self.waiting, _place(seq), key=_place)
+        self.waiting.insert(i, seq)
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -107,24 +130,30 @@ class Scheduler:
 
     # ------------------------------------------------------------------ planning
     def schedule(self) -> StepPlan | None:
-        """Admit what fits, then plan the decode step and the prefill chunk, with their KV
-        blocks; None when nothing is running."""
+        """Admit what fits, then plan the step: its decode rows and the prefill chunks that
+        ride in it, a chunk too wide for it as a step of its own, and their KV blocks; None
+        when nothing is running."""
         cached = self._admit()
         if not self.running:
             return None
         decoding = [s for s in self.running if s.seed is not None and not s.cancelled
                     and not s.prefill_left]
-        prefilling = next((s for s in self.running if s.prefill_left and not s.cancelled), None)
-        rows = self._decode_rows(decoding) if decoding else []
-        chunk = self._prefill_chunk(prefilling) if prefilling is not None else None
-        rows = [r for r in rows if r.seq.slot >= 0]     # none preempted for the chunk's blocks
+        prefilling = [s for s in self.running if s.prefill_left and not s.cancelled]
+        # drafts shrink before a waiting chunk is left out (a prompt's rows are needed work)
+        wanted = [n for n in map(self._chunk_rows, prefilling) if n <= MIX_ROWS]
+        rows = self._decode_rows(decoding, sum(wanted)) if decoding else []
+        room = self.step_rows - sum(r.n_draft + 1 for r in rows)
+        chunks, alone = self._prefill_chunks(prefilling, room) if prefilling else ([], None)
+        # none preempted for a later chunk's blocks
+        rows = [r for r in rows if r.seq.slot >= 0]
+        chunks = [c for c in chunks if c.seq.slot >= 0]
         for r in rows:
             if r.seq.speculative:
                 r.seq.steps_without_draft = 0 if r.n_draft else r.seq.steps_without_draft + 1
         if rows:
             self._turn += 1
-        plan = StepPlan(tuple(rows), chunk, self.kv.take_table(), tuple(self._changes),
-                        self._preempted, cached)
+        plan = StepPlan(tuple(rows), tuple(chunks), alone, self.kv.take_table(),
+                        tuple(self._changes), self._preempted, cached)
         self._changes, self._preempted = [], 0
         return plan
 
@@ -141,14 +170,15 @@ class Scheduler:
             cached += n
         return cached
 
-    def _decode_rows(self, decoding: list[Sequence]) -> list[DecodeRow]:
-        """Which sequences step now and how many tokens each drafts, <= step_rows rows."""
+    def _decode_rows(self, decoding: list[Sequence], reserve: int = 0) -> list[DecodeRow]:
+        """Which sequences step now and how many tokens each drafts, <= step_rows rows, the
+        drafts within what `reserve` rows of prefill chunks leave."""
         # Turns: the sequences that waited longest go first; sorted() keeps start order on ties.
         chosen = sorted(decoding, key=lambda s: s.last_turn)[:self.step_rows]
         for seq in chosen:
             seq.last_turn = self._turn
         want = [self.draft_length(seq) for seq in chosen]
-        spare = self.step_rows - len(chosen)
+        spare = max(0, self.step_rows - len(chosen) - reserve)
         while sum(want) > spare:        # shrink the longest draft (the later in turn on a tie)
             i = max(range(len(want)), key=lambda j: (want[j], j))
             want[i] -= 1
@@ -208,29 +238,60 @@ class Scheduler:
             k = min(1, room)            # keep measuring: the text may turn repetitive
         return k
 
-    def _prefill_chunk(self, seq: Sequence) -> PrefillChunk | None:
-        """The next chunk of `seq` (chunks of prefill_chunk from where its prefill began; a
-        preempted sequence's generated tokens in decode-sized steps, so their KV rows get the
-        bits decoding gave them), with its blocks; None when `seq` was preempted."""
-        if seq.slot < 0:
-            return None
+    def _prefill_chunks(self, prefilling: list[Sequence], room: int
+                        ) -> tuple[list[PrefillChunk], PrefillChunk | None]:
+        """The next chunk of each prefilling sequence, in start order, that fits the `room`
+        the decode rows left in the step (FIFO; a later, smaller chunk may still fit), and the
+        oldest sequence's chunk as a step of its own when it does not fit (wider than the
+        room, or than MIX_ROWS, or scoring its prompt), so running streams never starve a
+        waiting prompt."""
+        mixed: list[PrefillChunk] = []
+        alone: PrefillChunk | None = None
+        oldest = True
+        for seq in prefilling:
+            if seq.slot < 0:            # preempted for an earlier chunk's blocks
+                continue
+            n = self._chunk_rows(seq)
+            # a prompt whose rows all report log-probabilities (prompt_logprobs) runs alone
+            fits = n <= min(room, MIX_ROWS) and not seq.scoring_prompt
+            if not fits and not oldest:
+                continue
+            oldest = False
+            chunk = self._prefill_chunk(seq, n)
+            if chunk is None:
+                continue
+            if fits:
+                mixed.append(chunk)
+                room -= n
+            else:
+                alone = chunk
+        return mixed, alone if alone is not None and alone.seq.slot >= 0 else None
+
+    def _chunk_rows(self, seq: Sequence) -> int:
+        """The size of `seq`'s next chunk, whatever the load: prefill_chunk from where its
+        prefill began (the prompt), or a preempted sequence's generated tokens in
+        decode-sized steps, so their KV rows get the bits decoding gave them."""
         n_prompt = len(seq.request.prompt_ids)
         if seq.n_past < n_prompt:
-            n = min(self.prefill_chunk, n_prompt - seq.n_past)
-        else:
-            n = min(self.step_rows, seq.prefill_left)
+            return min(self.prefill_chunk, n_prompt - seq.n_past)
+        return min(self.step_rows, seq.prefill_left)
+
+    def _prefill_chunk(self, seq: Sequence, n: int) -> PrefillChunk | None:
+        """The next n positions of `seq` with their blocks; None when `seq` was preempted."""
         if not self._room(seq, seq.n_past + n):
             return None
+        n_prompt = len(seq.request.prompt_ids)
         return PrefillChunk(seq, seq.n_past, list(seq.history[seq.n_past:seq.n_past + n]),
                             seq.seed is None and seq.n_past + n == n_prompt)
 
     def _room(self, seq: Sequence, n_positions: int) -> bool:
-        """Blocks for positions [0, n_positions) of `seq`, preempting the most recently
-        submitted running sequences while the pool lacks them; False when `seq` itself had to
-        go (it waits again at the head of the queue)."""
+        """Blocks for positions [0, n_positions) of `seq`, preempting running sequences while
+        the pool lacks them, the lowest priority (the highest value) first and the most
+        recently submitted within a level; False when `seq` itself had to go (it waits again in
+        its arrival place)."""
         while not self.kv.ensure(seq, n_positions):
             victim = max((s for s in self.running if s.slot >= 0 and not s.finished),
-                         key=lambda s: s.t_submit)
+                         key=lambda s: (s.request.priority, s.t_submit))
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -245,5 +306,10 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.release(seq)
         seq.preempt()
-        self.waiting.appendleft(seq)
+        self._enqueue(seq)              # back in its arrival place: first of its level
         self._preempted += 1
+
+
+def _place(seq: Sequence) -> tuple[int, int]:
+    """A sequence's place in the queue: lower priority values first, then arrival order."""
+    return seq.request.priority, seq.ticket

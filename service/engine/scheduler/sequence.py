@@ -52,6 +52,7 @@ class Sequence:
     cached_prompt_tokens: int = 0         # prompt positions taken from the prefix cache
     preemptions: int = 0                  # times its KV blocks were taken back (recomputed)
     prefill_start: int = 0                # where its last prefill began (chunks align to it)
+    ticket: int = 0                       # arrival order in the scheduler's queue
     cancelled: bool = False
     finished: bool = False
     t_submit: float = field(default_factory=time.perf_counter)
