@@ -30,7 +30,7 @@ KV_TYPES: tuple[KVType, ...] = tuple(KVType)   # every type a configuration may 
 # the supported pairs from here, without importing a backend.
 BACKEND_KV_TYPES: dict[str, tuple[KVType, ...]] = {
     "cpu": KV_TYPES,
-    "cuda": (KVType.F16, KVType.Q8_0, KVType.Q4_0),
+    "cuda": KV_TYPES,
 }
 
 
