@@ -25,6 +25,7 @@ __device__ __forceinline__ void vrow_by_element(const u8* qs, const u8* dd, size
 
 struct KvF16 {
     static constexpr int PASS128 = 8;    // V rows in flight per pass (attention.cu, Dv <= 128)
+    static constexpr int PASS256_AS_KEY = 4;   // ... Dv <= 256, when the keys are of this type
     template <int NV>
     __device__ static void vrow(const u8* qs, const u8* dd, size_t row, int D, int lane,
                                 float (&v)[NV]) {
@@ -43,6 +44,7 @@ struct KvF16 {
     }
 };
 struct KvQ8_0 {
+    static constexpr int PASS256_AS_KEY = 4;
     static constexpr int PASS128 = 4;    // (8 spills within 128 registers)
     template <int NV>
     __device__ static void vrow(const u8* qs, const u8* dd, size_t row, int D, int lane,
@@ -66,6 +68,7 @@ struct KvQ8_0 {
 };
 // bf16: the top half of a float (exact), as f16 but for the conversion.
 struct KvBF16 {
+    static constexpr int PASS256_AS_KEY = 4;
     static constexpr int PASS128 = 8;
     template <int NV>
     __device__ static void vrow(const u8* qs, const u8* dd, size_t row, int D, int lane,
@@ -90,7 +93,10 @@ struct KvBF16 {
 // d * c + lo (MIN), each operation rounded once, as gguf.quants' dequantize computes it.
 template <bool HIGH, bool MIN, int SW>
 struct KvNibble {
-    static constexpr int PASS128 = 8;
+    // The offset and fifth bits take registers: as values, 4 rows in flight (as q8_0); as
+    // keys of a _d256 kernel, 2 value rows in flight instead of 4, so no pair spills.
+    static constexpr int PASS128 = HIGH || MIN ? 4 : 8;
+    static constexpr int PASS256_AS_KEY = HIGH || MIN ? 2 : 4;
     struct Group {
         float d, lo;
         u32 qh;
