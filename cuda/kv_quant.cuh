@@ -26,8 +26,10 @@
 
 // The side words per 32-group of each type come as -D defines (service/backends/cuda/kernels.py
 // KV_SIDE_WORDS), as the planes kv.py allocates.
-#if !defined(KV_SIDE_Q8_0) || !defined(KV_SIDE_Q5_1) || !defined(KV_SIDE_Q5_0) \
-    || !defined(KV_SIDE_Q4_1) || !defined(KV_SIDE_Q4_0)
+#if !defined(KV_SIDE_Q8_0) || !defined(KV_SIDE_Q5_1) || !defined(KV_SIDE_Q5_0)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
+#if !defined(KV_SIDE_Q4_1) || !defined(KV_SIDE_Q4_0)
 #error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
 #endif
 

@@ -14,6 +14,14 @@
 #include "common.cuh"
 #include "kv_quant.cuh"
 
+// KV_SIDE_<TYPE>: the side words per 32-group (-D defines, kernels.py KV_SIDE_WORDS)
+#if !defined(KV_SIDE_Q5_1) || !defined(KV_SIDE_Q5_0)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
+#if !defined(KV_SIDE_Q4_1) || !defined(KV_SIDE_Q4_0)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
+
 // vrow through at(): element d = lane + 32 i of the row, 0 past D.
 template <class KT, int NV>
 __device__ __forceinline__ void vrow_by_element(const u8* qs, const u8* dd, size_t row, int D,
