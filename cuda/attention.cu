@@ -8,7 +8,8 @@
 //   puts ancestors first, by depth). So a tree row runs over the same positions, splits and
 //   tiles as plain decoding of its path and gives the same bits; the window is judged on j,
 //   the RoPE position of the key. An ordinary row computes what it computed without arrays.
-//   K, V rows of kv head h / (H / Hkv), stored as f16, q8_0 or q4_0 (quantize.cu's layout).
+//   K, V rows of kv head h / (H / Hkv), stored as any KV type (kv_quant.cuh's planes, read
+//   through kv_read.cuh).
 //   The cache is paged: cache row r of slot s is pool row table[s, r >> lb] * 2^lb + (r & (2^lb
 //   - 1)) (common.cuh kv_page_row; table (n_slots, max_blocks) int32, 2^lb = block size), for
 //   keys and values alike (a pool of fewer than 2^31 rows); the order of additions does not
@@ -119,7 +120,7 @@ __device__ __forceinline__ void attn_split(
         const int n = min(32, j1 - base);
         // PASS keys per pass: their V elements are loaded before any is accumulated (the
         // loads in flight together), then added in key order, as one key at a time would.
-        constexpr int PASS = NV <= 4 ? VT::PASS128 : 4;
+        constexpr int PASS = NV <= 4 ? VT::PASS128 : KT::PASS256_AS_KEY;
 #pragma unroll 1
         for (int u0 = 0; u0 < n; u0 += PASS) {
             float vv[PASS][NV];

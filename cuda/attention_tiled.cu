@@ -3,7 +3,7 @@
 //   out[t, h, :] = sum_j softmax_j(scale * q[t, h] . K[j]) V[j]   over the cache rows j of
 //   slot[t] with lo <= j <= pos[t], lo = max(0, pos[t] - window + 1) when window > 0 else 0
 //   (the formula of attention.cu without tree rows). K, V rows of kv head h / G (G = H / Hkv),
-//   f16 / q8_0 / q4_0 through the paged cache (common.cuh kv_page_row, kv_read.cuh).
+//   any KV type through the paged cache (common.cuh kv_page_row, kv_read.cuh).
 //
 // attention.cu gives each query its own blocks and re-reads the keys for every query; here a
 // block takes AT_ROWS = 32 query rows that share a kv head (QT = 32 / G consecutive tokens x

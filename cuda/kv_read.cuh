@@ -1,9 +1,10 @@
-// kv_read.cuh: reading one KV-cache row of D values stored as f16, q8_0 or q4_0 (the layout
-// kv_quant.cuh writes; row `row` starts at row * D codes (f16, q8_0), row * D / 2 bytes (q4_0)
-// and row * D / 32 scales), as float values equal to the CPU backend's dequantized cache:
-//   f16   the half value (exact)
-//   q8_0  code * d                (one rounding, __fmul_rn)
-//   q4_0  (nibble - 8) * d        (one rounding, __fmul_rn)
+// kv_read.cuh: reading one KV-cache row of D values stored as any KV type (the planes
+// kv_quant.cuh writes and its header describes), as float values equal to the CPU backend's
+// dequantized cache (gguf.quants' dequantize):
+//   f16, bf16   the half value (exact)
+//   q8_0        code * d                (one rounding, __fmul_rn)
+//   q4_0, q5_0  (code - 8 | 16) * d     (one rounding)
+//   q4_1, q5_1  d * code + lo           (two roundings, __fmul_rn then __fadd_rn)
 // vrow<NV>(row, lane, v): elements d = lane + 32 i (i < NV) of a row, 0 past D; load8(i0, v):
 // elements i0..i0+7 (i0 % 8 == 0) with one vector load; at(i): element i.
 // Device functions only (no launch geometry): used by attention.cu and attention_tiled.cu.
@@ -11,6 +12,15 @@
 #define SPECSTREAM_KV_READ_CUH
 
 #include "common.cuh"
+#include "kv_quant.cuh"
+
+// KV_SIDE_<TYPE>: the side words per 32-group (-D defines, kernels.py KV_SIDE_WORDS)
+#if !defined(KV_SIDE_Q5_1) || !defined(KV_SIDE_Q5_0)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
+#if !defined(KV_SIDE_Q4_1) || !defined(KV_SIDE_Q4_0)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
 
 // vrow through at(): element d = lane + 32 i of the row, 0 past D.
 template <class KT, int NV>
@@ -23,6 +33,7 @@ __device__ __forceinline__ void vrow_by_element(const u8* qs, const u8* dd, size
 
 struct KvF16 {
     static constexpr int PASS128 = 8;    // V rows in flight per pass (attention.cu, Dv <= 128)
+    static constexpr int PASS256_AS_KEY = 4;   // ... Dv <= 256, when the keys are of this type
     template <int NV>
     __device__ static void vrow(const u8* qs, const u8* dd, size_t row, int D, int lane,
                                 float (&v)[NV]) {
@@ -41,6 +52,7 @@ struct KvF16 {
     }
 };
 struct KvQ8_0 {
+    static constexpr int PASS256_AS_KEY = 4;
     static constexpr int PASS128 = 4;    // (8 spills within 128 registers)
     template <int NV>
     __device__ static void vrow(const u8* qs, const u8* dd, size_t row, int D, int lane,
@@ -62,8 +74,54 @@ struct KvQ8_0 {
         }
     }
 };
-struct KvQ4_0 {
+// bf16: the top half of a float (exact), as f16 but for the conversion.
+struct KvBF16 {
+    static constexpr int PASS256_AS_KEY = 4;
     static constexpr int PASS128 = 8;
+    template <int NV>
+    __device__ static void vrow(const u8* qs, const u8* dd, size_t row, int D, int lane,
+                                float (&v)[NV]) {
+        vrow_by_element<KvBF16, NV>(qs, dd, row, D, lane, v);
+    }
+    __device__ static float at(const u8* qs, const u8*, size_t row, int D, int i) {
+        return bf2f(reinterpret_cast<const u16*>(qs)[row * D + i]);
+    }
+    __device__ static void load8(const u8* qs, const u8*, size_t row, int D, int i0,
+                                 float v[8]) {
+        const uint4 w = *reinterpret_cast<const uint4*>(qs + 2 * (row * D + i0));
+        v[0] = bf2f((u16)(w.x & 0xFFFFu)); v[1] = bf2f((u16)(w.x >> 16));
+        v[2] = bf2f((u16)(w.y & 0xFFFFu)); v[3] = bf2f((u16)(w.y >> 16));
+        v[4] = bf2f((u16)(w.z & 0xFFFFu)); v[5] = bf2f((u16)(w.z >> 16));
+        v[6] = bf2f((u16)(w.w & 0xFFFFu)); v[7] = bf2f((u16)(w.w >> 16));
+    }
+};
+
+// The 4/5-bit types (kv_quant.cuh KvPutNibble's layout): code c of element l of a group is its
+// nibble, plus bit l of qh as bit 4 (HIGH); the value is (c - 8) * d, (c - 16) * d (q5_0) or
+// d * c + lo (MIN), each operation rounded once, as gguf.quants' dequantize computes it.
+template <bool HIGH, bool MIN, int SW>
+struct KvNibble {
+    // The offset and fifth bits take registers: as values, 4 rows in flight (as q8_0); as
+    // keys of a _d256 kernel, 2 value rows in flight instead of 4, so no pair spills.
+    static constexpr int PASS128 = HIGH || MIN ? 4 : 8;
+    static constexpr int PASS256_AS_KEY = HIGH || MIN ? 2 : 4;
+    struct Group {
+        float d, lo;
+        u32 qh;
+    };
+    __device__ static Group group(const u8* dd, size_t row, int D, int g) {
+        const u16* side = reinterpret_cast<const u16*>(dd) + (row * (D / 32) + g) * SW;
+        Group r{h2f(side[0]), 0.0f, 0u};
+        if constexpr (MIN) r.lo = h2f(side[1]);
+        if constexpr (HIGH) r.qh = (u32)side[SW - 2] | ((u32)side[SW - 1] << 16);
+        return r;
+    }
+    // element l (0..31) of a group whose low nibble is n
+    __device__ static float value(const Group& gr, int n, int l) {
+        const int c = HIGH ? n | (int)(((gr.qh >> l) & 1u) << 4) : n;
+        if constexpr (MIN) return __fadd_rn(__fmul_rn(gr.d, (float)c), gr.lo);
+        return __fmul_rn((float)(c - (HIGH ? 16 : 8)), gr.d);
+    }
     // elements d = lane + 32 i (i < D / 32) of a row, as at() gives them
     template <int NV>
     __device__ static void vrow(const u8* qs, const u8* dd, size_t row, int D, int lane,
@@ -73,36 +131,43 @@ struct KvQ4_0 {
         for (int i = 0; i < NV; i++) {
             v[i] = 0.0f;
             if (32 * i < D) {
-                const float d = h2f(reinterpret_cast<const u16*>(dd)[row * (D / 32) + i]);
+                const Group gr = group(dd, row, D, i);
                 const int b = qs[row * (D / 2) + 16 * i + (lane & 15)];
-                v[i] = __fmul_rn((float)(((b >> shift) & 15) - 8), d);
+                v[i] = value(gr, (b >> shift) & 15, lane);
             }
         }
     }
     __device__ static float at(const u8* qs, const u8* dd, size_t row, int D, int i) {
-        const float d = h2f(reinterpret_cast<const u16*>(dd)[row * (D / 32) + i / 32]);
+        const Group gr = group(dd, row, D, i / 32);
         const u8 b = qs[row * (D / 2) + 16 * (i / 32) + (i & 15)];
-        const int c = ((i & 31) < 16 ? (b & 15) : (b >> 4)) - 8;
-        return __fmul_rn((float)c, d);
+        return value(gr, (i & 31) < 16 ? (b & 15) : (b >> 4), i & 31);
     }
     __device__ static void load8(const u8* qs, const u8* dd, size_t row, int D, int i0,
                                  float v[8]) {
-        const float d = h2f(reinterpret_cast<const u16*>(dd)[row * (D / 32) + i0 / 32]);
+        const Group gr = group(dd, row, D, i0 / 32);
         const uint2 w = *reinterpret_cast<const uint2*>(qs + row * (D / 2) + 16 * (i0 / 32)
                                                         + (i0 & 15));
         const int shift = (i0 & 31) < 16 ? 0 : 4;
 #pragma unroll
         for (int u = 0; u < 8; u++) {
             const int b = ((u < 4 ? w.x : w.y) >> (8 * (u & 3))) & 0xFF;
-            v[u] = __fmul_rn((float)(((b >> shift) & 15) - 8), d);
+            v[u] = value(gr, (b >> shift) & 15, (i0 & 31) + u);
         }
     }
 };
+using KvQ4_0 = KvNibble<false, false, KV_SIDE_Q4_0>;
+using KvQ4_1 = KvNibble<false, true, KV_SIDE_Q4_1>;
+using KvQ5_0 = KvNibble<true, false, KV_SIDE_Q5_0>;
+using KvQ5_1 = KvNibble<true, true, KV_SIDE_Q5_1>;
 
-// X(kn, KT, vn, VT) for every (K type, V type) pair: the attention kernels' instantiations.
-#define FOR_KV_TYPE_PAIRS_V(X, kn, KT) X(kn, KT, f16, KvF16) X(kn, KT, q8_0, KvQ8_0) \
-    X(kn, KT, q4_0, KvQ4_0)
-#define FOR_KV_TYPE_PAIRS(X) FOR_KV_TYPE_PAIRS_V(X, f16, KvF16) \
-    FOR_KV_TYPE_PAIRS_V(X, q8_0, KvQ8_0) FOR_KV_TYPE_PAIRS_V(X, q4_0, KvQ4_0)
+// X(kn, KT, vn, VT) for every (K type, V type) pair: the attention kernels' instantiations
+// (service.formats.KVType's order, K outermost).
+#define FOR_KV_TYPE_PAIRS_V(X, kn, KT) X(kn, KT, f16, KvF16) X(kn, KT, bf16, KvBF16)         \
+    X(kn, KT, q8_0, KvQ8_0) X(kn, KT, q5_1, KvQ5_1) X(kn, KT, q5_0, KvQ5_0)                 \
+    X(kn, KT, q4_1, KvQ4_1) X(kn, KT, q4_0, KvQ4_0)
+#define FOR_KV_TYPE_PAIRS(X) FOR_KV_TYPE_PAIRS_V(X, f16, KvF16)                              \
+    FOR_KV_TYPE_PAIRS_V(X, bf16, KvBF16) FOR_KV_TYPE_PAIRS_V(X, q8_0, KvQ8_0)                \
+    FOR_KV_TYPE_PAIRS_V(X, q5_1, KvQ5_1) FOR_KV_TYPE_PAIRS_V(X, q5_0, KvQ5_0)                \
+    FOR_KV_TYPE_PAIRS_V(X, q4_1, KvQ4_1) FOR_KV_TYPE_PAIRS_V(X, q4_0, KvQ4_0)
 
 #endif  // SPECSTREAM_KV_READ_CUH

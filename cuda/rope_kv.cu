@@ -85,8 +85,9 @@ __device__ __forceinline__ void rope_kv(
                         positions, slots, kv_positions, cos_t, sin_t, half, neox, table,      \
                         max_blocks, lb, kc, ks, vc, vs);                                      \
     }
+// every (K, V) pair of kv_quant.cuh's types, K outermost
 #define ROPE_KV_V(kn_, KP) ROPE_KV_KERNEL(kn_, KP, f16, KvPutF16)                           \
-    ROPE_KV_KERNEL(kn_, KP, q8_0, KvPutQ8_0) ROPE_KV_KERNEL(kn_, KP, q4_0, KvPutQ4_0)
-ROPE_KV_V(f16, KvPutF16)
-ROPE_KV_V(q8_0, KvPutQ8_0)
-ROPE_KV_V(q4_0, KvPutQ4_0)
+    ROPE_KV_KERNEL(kn_, KP, bf16, KvPutBF16) ROPE_KV_KERNEL(kn_, KP, q8_0, KvPutQ8_0)        \
+    ROPE_KV_KERNEL(kn_, KP, q5_1, KvPutQ5_1) ROPE_KV_KERNEL(kn_, KP, q5_0, KvPutQ5_0)        \
+    ROPE_KV_KERNEL(kn_, KP, q4_1, KvPutQ4_1) ROPE_KV_KERNEL(kn_, KP, q4_0, KvPutQ4_0)
+FOR_KV_TYPES(ROPE_KV_V)

@@ -29,8 +29,8 @@ KV_TYPES: tuple[KVType, ...] = tuple(KVType)   # every type a configuration may 
 # `kv_types` is its entry; tests check it). Startup validation and the ValidateConfig RPC take
 # the supported pairs from here, without importing a backend.
 BACKEND_KV_TYPES: dict[str, tuple[KVType, ...]] = {
-    "cpu": (KVType.F16, KVType.Q8_0, KVType.Q4_0),
-    "cuda": (KVType.F16, KVType.Q8_0, KVType.Q4_0),
+    "cpu": KV_TYPES,
+    "cuda": KV_TYPES,
 }
 
 

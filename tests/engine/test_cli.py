@@ -48,11 +48,11 @@ def test_generate_text_ends_with_one_newline(capsys):
     assert summary.startswith("[length: ") and "\n\n" not in err   # no blank line before it
 
 
-def test_bad_kv_pair_exits_2_with_the_listing(capsys):
+def test_bad_kv_type_exits_2_with_the_known_types(capsys):
     code, _, err = run_cli(capsys, "generate", "smollm2-135m", "--prompt", "x",
-                           "--cache-type-k", "q5_1", "--verify-width", "0")
+                           "--cache-type-k", "q4_k", "--verify-width", "0")
     assert code == 2
-    assert "unsupported KV cache type pair" in err and "q4_0 q4_0" in err
+    assert "unknown KV cache type 'q4_k'" in err and "q5_1, q5_0, q4_1, q4_0" in err
     assert "allowed range is 1..16" in err
 
 

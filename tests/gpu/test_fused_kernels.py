@@ -18,14 +18,14 @@ import pytest
 from service.backends.act_quant import round_activations
 from service.backends.base import Backend
 from service.backends.cpu.backend import CpuBackend
-from tests.gpu.test_kernels import _gpu_cache_values, poisoned
+from tests.gpu.test_kernels import KV_TYPES, _gpu_cache_values, poisoned
 from tests.support.blocks import random_tensor_info
 from tests.support.fused import qkv_views
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 RNG = np.random.default_rng(31)
-PAIRS = [(k, v) for k in ("f16", "q8_0", "q4_0") for v in ("f16", "q8_0", "q4_0")]
+PAIRS = [(k, v) for k in KV_TYPES for v in KV_TYPES]      # all 49
 
 
 def normal(*shape, scale=1.0) -> np.ndarray:

@@ -22,13 +22,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from gguf.quants import dequantize
+from gguf.quants import quantize as gguf_quantize
 
 from service.backends.act_quant import round_activations
 from service.backends.cpu.backend import CpuBackend
+from service.backends.cuda.kernels import KV_CODE_BITS
+from service.formats import KV_TYPES as KV_TYPE_LIST
 from service.gguf.reader import TensorInfo
 from tests.support.blocks import ALL_TYPES, block_size, qtype, random_tensor, random_tensor_info
 
 cp = pytest.importorskip("cupy")
+KV_TYPES = [str(t) for t in KV_TYPE_LIST]
 pytestmark = pytest.mark.gpu
 N_ROWS = 37
 
@@ -220,18 +224,25 @@ def _kv_pair_caches(cuda, type_k, type_v, n_ctx=600, hkv=2, d=64):
     return cpu, cc, gc
 
 
+def _gpu_cache_blocks(planes, kind: str) -> np.ndarray:
+    """The GPU cache planes as ggml blocks (n, type_size) uint8: each group's side words (d;
+    d, m; d, qh; d, m, qh: kernels.KV_SIDE_WORDS) are the block's leading fields in ggml's
+    order, its codes the rest; f16/bf16 one 2-byte element a block."""
+    codes, side = (cp.asnumpy(p) if p is not None else None for p in planes)
+    if side is None:
+        return codes.view(np.uint8).reshape(-1, 2)
+    n = codes.size * KV_CODE_BITS[kind] // 8 // (32 * KV_CODE_BITS[kind] // 8)
+    return np.concatenate([side.view(np.uint8).reshape(n, -1),
+                           codes.view(np.uint8).reshape(n, -1)], 1)
+
+
 def _gpu_cache_values(planes, kind: str, shape) -> np.ndarray:
     """Dequantize the GPU cache planes with the gguf package (planes -> ggml blocks)."""
-    codes, scales = (cp.asnumpy(p) if p is not None else None for p in planes)
-    if kind == "f16":
-        return codes.view(np.float16).astype(np.float32).reshape(shape)
-    per = 32 if kind == "q8_0" else 16
-    n = scales.size
-    blocks = np.concatenate([scales.view(np.uint8).reshape(n, 2), codes.reshape(n, per)], 1)
+    blocks = _gpu_cache_blocks(planes, kind)
     return dequantize(blocks.reshape(-1), qtype(kind.upper())).reshape(shape)
 
 
-@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", KV_TYPES)
 def test_kv_store_is_bit_exact(cuda, kind):
     _, cc, gc = _kv_pair_caches(cuda, kind, kind)
     shape = cc.k[0].shape
@@ -239,7 +250,52 @@ def test_kv_store_is_bit_exact(cuda, kind):
     assert np.array_equal(_gpu_cache_values(gc.v[0], kind, shape), cc.v[0])
 
 
-PAIRS = [(k, v) for k in ("f16", "q8_0", "q4_0") for v in ("f16", "q8_0", "q4_0")]
+def _awkward_rows(n_rows: int, d: int) -> np.ndarray:
+    """(n_rows, 1, d) f32 rows whose 32-groups take every branch of ggml's quantizers: random
+    groups, all zeros (d = 0), one constant (max == min), ties of |x| at both signs (the
+    lowest index wins), a single spike, halves of rounding ties (x / d + 0.5 exact), huge and
+    tiny magnitudes, and bf16 rounding ties, infinities and NaNs (group 9)."""
+    rng = np.random.default_rng(41)
+    x = rng.normal(0, 1, (n_rows, 1, d)).astype(np.float32)
+    g = x.reshape(-1, 32)
+    g[1] = 0.0
+    g[2] = 0.75
+    g[3, :] = rng.normal(0, 1, 32)
+    g[3, [4, 9]] = [3.0, -3.0]
+    g[4, :] = 0.0
+    g[4, 17] = -5.0
+    g[5] = (np.arange(32) - 16) / 2.0
+    g[6] *= 1e30
+    g[7] *= 1e-30
+    g[8] = np.arange(32, dtype=np.float32) / 15.0
+    bits = np.array([0x3F808000, 0x3F818000, 0x7F800000, 0xFF800000, 0x7F800001, 0xFFC12345,
+                     0x00008000, 0x80018000], np.uint32).view(np.float32)
+    g[9, :8] = bits
+    return x
+
+
+@pytest.mark.parametrize("kind", KV_TYPES)
+def test_kv_store_blocks_equal_ggml_quantizer(cuda, kind):
+    """The blocks the CUDA KV store writes equal gguf.quants.quantize's bytes for the same
+    rows (the bf16 NaN/infinity/ties group only for bf16: ggml's integer quantizers have no
+    NaN rule)."""
+    n, d = 16, 64
+    x = _awkward_rows(n, d)
+    if kind != "bf16":          # NaN payloads: bf16's rule only (f16's cvt and numpy differ)
+        x.reshape(-1, 32)[9, 4:6] = 1.0
+    if kind not in ("f16", "bf16"):
+        x.reshape(-1, 32)[9, :8] = 1.0
+    gc = cuda.new_kv_cache(1, 1, n, 1, d, d, kind, kind, block_size=16)
+    pos, slots = cp.arange(n, dtype=cp.int32), cp.zeros(n, cp.int32)
+    cuda.kv_write(gc, 0, cp.asarray(x), cp.asarray(x), slots, pos)
+    want = np.ascontiguousarray(gguf_quantize(x.reshape(n, d), qtype(kind.upper())))
+    want = want.view(np.uint8).reshape(-1)                  # ggml's blocks, row after row
+    for planes in (gc.k[0], gc.v[0]):
+        got = _gpu_cache_blocks(planes, kind).reshape(-1)[: want.size]
+        assert np.array_equal(got, want), kind
+
+
+PAIRS = [(k, v) for k in KV_TYPES for v in KV_TYPES]      # all 49
 
 
 @pytest.mark.parametrize("type_k,type_v", PAIRS)

@@ -96,11 +96,11 @@ def test_client_cli_info_tokenize_detokenize_config(server, capsys):
 
 
 def test_client_cli_validate_config(server, capsys):
-    rc = client_main(["--target", server.target, "validate-config", "--cache-type-k", "q4_1",
+    rc = client_main(["--target", server.target, "validate-config", "--cache-type-k", "q4_k",
                       "--verify-width", "99"])
     out = capsys.readouterr().out
     assert rc == 1 and "invalid (2 problems)" in out
-    assert "q8_0 q4_0" in out and "1..16" in out
+    assert "known types: f16, bf16, q8_0" in out and "1..16" in out
     assert client_main(["--target", server.target, "validate-config", "--verify-width",
                         "8"]) == 0
     assert capsys.readouterr().out.strip() == "valid"

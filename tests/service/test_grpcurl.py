@@ -99,7 +99,7 @@ def test_unary_rpcs(server):
     cfg = json.loads(grpcurl(server, "specstream.v1.ConfigService/GetConfig"))
     assert cfg["config"]["backend"] == "cpu"
     bad = json.loads(grpcurl(server, "specstream.v1.ConfigService/ValidateConfig",
-                             data={"config": {"kvCacheTypeK": "q4_1", "verifyWidth": 99}}))
+                             data={"config": {"kvCacheTypeK": "q4_k", "verifyWidth": 99}}))
     assert not bad.get("valid") and len(bad["problems"]) == 2
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from service import formats
 from service.backends import create_backend
 from service.backends.step_format import N_PARAMS, OUT_WORDS, param_record
 from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput
@@ -34,7 +35,7 @@ from tests.support.kernel_signatures import CompiledKernels
 from tests.support.models import TINY
 
 N_CTX, N_SLOTS, MAX_TOKENS, MAX_LOGITS = 256, 2, 128, 16
-KV_TYPES = ("f16", "q8_0", "q4_0")
+KV_TYPES = tuple(str(t) for t in formats.KV_TYPES)     # every type, each backend has all
 SAMPLED = RowSampling(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
                       repetition_penalty=1.1, repeat_last_n=16, seed=7, n_top=3)
 GREEDY_TOP = RowSampling(n_top=2)

@@ -131,8 +131,8 @@ def test_attention_causal_window_gqa(window):
                                rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kv_type,qt", [("q8_0", QuantType.Q8_0), ("q4_0", QuantType.Q4_0),
-                                        ("f16", QuantType.F16)])
+@pytest.mark.parametrize("kv_type,qt", [(t, QuantType[t.upper()]) for t in
+                                        ("f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")])
 def test_kv_cache_holds_what_the_type_represents(kv_type, qt):
     be = CpuBackend()
     cache = be.new_kv_cache(1, 1, 8, 2, 32, 32, kv_type, kv_type)

@@ -1,9 +1,10 @@
 """The attention part of the CPU backend: the paged KV cache (float32 rows of a pool of blocks,
-each row rounded through the cache's element type when written, so attention sees exactly what
-a q8_0/q4_0/f16 cache would return; the memory saving of a quantized cache is the GPU
-backend's business), KV stores, attention (per query for decode and verify steps: one numba
-kernel over each query's own key rows in a fixed order, so a row's output never depends on the
-step; one masked product per slot for prefill chunks) and KV row moves for tree compaction.
+each row rounded through the cache's element type when written (any of formats.KVType, through
+ggml's quantizers in gguf.quants), so attention sees exactly what such a cache would return;
+the memory saving of a quantized cache is the GPU backend's business), KV stores, attention
+(per query for decode and verify steps: one numba kernel over each query's own key rows in a
+fixed order, so a row's output never depends on the step; one masked product per slot for
+prefill chunks) and KV row moves for tree compaction.
 """
 
 from __future__ import annotations

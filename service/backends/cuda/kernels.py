@@ -144,6 +144,13 @@ ARGMAX_THREADS = 1024     # sampling.cu argmax_rows: threads per row
 SAMPLE_THREADS = 512      # sampling.cu sample_rows: threads per row
 
 
+# kv_quant.cuh / kv_read.cuh: u16 words per 32-group beside a quantized KV row's codes (d; d, lo;
+# d, qh low, qh high; d, lo, qh low, qh high: ggml's block fields), as kv.py allocates them
+KV_SIDE_WORDS = {"f16": 0, "bf16": 0, "q8_0": 1, "q5_1": 4, "q5_0": 3, "q4_1": 2, "q4_0": 1}
+# bits of one element's code in the codes plane
+KV_CODE_BITS = {"f16": 16, "bf16": 16, "q8_0": 8, "q5_1": 4, "q5_0": 4, "q4_1": 4, "q4_0": 4}
+
+
 def cuda_defines() -> dict[str, int | str]:
     """The shared numbers by their names in the kernels (sources.OPTIONS: -DNAME=value); a
     table goes as its comma-separated values (an array initializer's body)."""
@@ -154,7 +161,8 @@ def cuda_defines() -> dict[str, int | str]:
             "ATT_MAX_DV": ATT_MAX_DV, "AT_ROWS": AT_ROWS, "AT_KEYS": AT_KEYS,
             "AT_WARPS": AT_WARPS, "ARGMAX_THREADS": ARGMAX_THREADS,
             "SAMPLE_THREADS": SAMPLE_THREADS,
-            "IQ4_NL_VALUES": ",".join(str(v) for v in IQ4_NL_VALUES)}
+            "IQ4_NL_VALUES": ",".join(str(v) for v in IQ4_NL_VALUES),
+            **{f"KV_SIDE_{t.upper()}": n for t, n in KV_SIDE_WORDS.items() if n}}
 
 
 # ---------------------------------------------------------------- what the .cu files instantiate

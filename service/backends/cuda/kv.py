@@ -3,7 +3,8 @@ every KV kernel reads through): its planes, the block table, KV row stores (quan
 kv_store_<type>) and KV row moves for tree compaction (quantize.cu kv_move).
 
 Per layer, K and V are (n_blocks * block_size, Hkv, D | Dv) rows of the cache type's codes,
-plus f16 scales per 32 values for the quantized types (kv_quant.cuh). `KVOps` owns nothing
+plus, for the quantized types, KV_SIDE_WORDS u16 per 32 values (the f16 scale, offset and q5's
+fifth bits: kv_quant.cuh), ggml's bytes per block in all. `KVOps` owns nothing
 beyond the caches it makes; the cache (types.CudaKVCache) owns its planes and table.
 """
 
@@ -15,7 +16,7 @@ import cupy as cp
 import numpy as np
 
 from service.backends.base import checked_block_table, initial_block_table, kv_pool_geometry
-from service.backends.cuda.kernels import ATT_MAX_D, ATT_MAX_DV
+from service.backends.cuda.kernels import ATT_MAX_D, ATT_MAX_DV, KV_CODE_BITS, KV_SIDE_WORDS
 from service.backends.cuda.launcher import Launcher
 from service.backends.cuda.types import (
     I32,
@@ -39,7 +40,7 @@ class KVOps:
         for t, d in ((type_k, head_dim), (type_v, head_dim_v)):
             if t not in KV_TYPES:
                 raise ValueError(f"KV cache type {t!r} not supported by the CUDA backend")
-            if t != "f16" and d % 32:
+            if KV_SIDE_WORDS[t] and d % 32:
                 raise ValueError(f"KV cache type {t} needs a head size that is a multiple "
                                  f"of 32, this model's is {d}")
         if head_dim > ATT_MAX_D or head_dim_v > ATT_MAX_DV:
@@ -49,24 +50,26 @@ class KVOps:
         rows = n_blocks * block_size * n_head_kv
 
         def planes(t, d):
+            # codes (rows * d * bits / 8 bytes; u16 for the 16-bit types) and the side words
+            # (KV_SIDE_WORDS u16 per 32-group; None without): kv_quant.cuh's planes
+            bits, side = KV_CODE_BITS[t], KV_SIDE_WORDS[t]
             with self.stream:
-                if t == "f16":
+                if bits == 16:
                     return cp.zeros(rows * d, cp.uint16), None
-                codes = cp.zeros(rows * (d if t == "q8_0" else d // 2), cp.uint8)
-                return codes, cp.zeros(rows * (d // 32), cp.uint16)
+                return (cp.zeros(rows * d * bits // 8, cp.uint8),
+                        cp.zeros(rows * (d // 32) * side, cp.uint16))
 
         k = [planes(type_k, head_dim) for _ in range(n_layer)]
         v = [planes(type_v, head_dim_v) for _ in range(n_layer)]
         # kv_move's table: every plane and the bytes of one position in it
         ptrs, sizes = [], []
         for per_layer, d, t in ((k, head_dim, type_k), (v, head_dim_v, type_v)):
-            code_bytes = {"f16": 2 * d, "q8_0": d, "q4_0": d // 2}[t]
             for codes, scales in per_layer:
                 ptrs.append(codes.data.ptr)
-                sizes.append(n_head_kv * code_bytes)
+                sizes.append(n_head_kv * d * KV_CODE_BITS[t] // 8)
                 if scales is not None:
                     ptrs.append(scales.data.ptr)
-                    sizes.append(n_head_kv * (d // 32) * 2)
+                    sizes.append(n_head_kv * (d // 32) * KV_SIDE_WORDS[t] * 2)
         with self.stream:
             move_planes = cp.asarray(np.array(ptrs, np.uint64))               # (P,) u64
             move_bytes = cp.asarray(np.array(sizes, np.int32))                # (P,) i32
