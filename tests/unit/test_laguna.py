@@ -148,8 +148,9 @@ def _moe_case(rng, n_exp=8, f=32, e=64):
         raw = random_tensor("Q8_0", shape[0] * shape[1], shape[2], rng)
         infos[nm] = TensorInfo(nm, qtype("Q8_0"), shape, raw)
         dense[nm] = gdq(raw.reshape(shape[0] * shape[1], -1), qtype("Q8_0")).reshape(shape)
-    return (TensorInfo("laguna.router", qtype("F32"), (n_exp, e), router.view(np.uint8)), router,
-            infos, dense)
+    raw_router = router.reshape(-1).view(np.uint8)                     # (n_exp * e * 4,) bytes
+    return (TensorInfo("laguna.router", qtype("F32"), (n_exp, e), raw_router), router, infos,
+            dense)
 
 
 def test_sigmoid_router_picks_by_biased_probs_and_weights_by_plain_ones():
