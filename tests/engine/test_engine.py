@@ -302,7 +302,7 @@ def test_logits_rows_do_not_depend_on_the_step_size(smol):
 def test_a_failing_step_fails_only_its_request(smol, monkeypatch):
     """A request whose step raises finishes with ERROR; one running beside it gets the ids it
     gets alone, and the engine stays healthy."""
-    real = smol.runner.step
+    real = smol.runner.launch      # every step, shared or alone, is launched
     reqs = [GenerationRequest(name, (1, 2, 3), GREEDY, StoppingCriteria(max_new_tokens=4))
             for name in ("boom", "fine")]
     fine_alone = run(smol, [1, 2, 3], max_new_tokens=4).token_ids
@@ -313,7 +313,7 @@ def test_a_failing_step_fails_only_its_request(smol, monkeypatch):
             raise RuntimeError("simulated kernel fault")
         return real(inp)
 
-    monkeypatch.setattr(smol.runner, "step", flaky)
+    monkeypatch.setattr(smol.runner, "launch", flaky)
     (boom, fine), _ = together(smol, reqs)
     assert boom.finished.reason is FinishReason.ERROR and "simulated" in boom.finished.error
     assert fine.finished.reason is FinishReason.LENGTH and fine.token_ids == fine_alone

@@ -160,9 +160,9 @@ def test_cache_aware_routing_follows_the_kv_events(cluster, tmp_path):
 def test_a_refused_field_reaches_the_client_by_name(cluster):
     gateway, _ = cluster
     with pytest.raises(urllib.error.HTTPError) as err:
-        completion(gateway, False, frequency_penalty=0.5)
+        completion(gateway, False, logit_bias={"100000": 1.0})     # past the 49152-id vocabulary
     assert err.value.code == 400
-    assert "sampling_params.frequency_penalty" in err.value.read().decode()
+    assert "sampling_params.logit_bias[100000]" in err.value.read().decode()
 
 
 def test_a_client_that_leaves_aborts_its_request_on_the_worker(cluster):
