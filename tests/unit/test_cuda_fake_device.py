@@ -521,3 +521,62 @@ def test_sampling_controls_run_on_the_fake_device(compiled):
     assert 1 <= len(adj[2]) <= 6 and all(c.pinned for c in adj[2])   # one per step
     assert len(events[0].prompt_logprobs) == 48
     assert dev.graphs and all(g.replays for g in dev.graphs)
+
+
+def test_laguna_layers_launch_their_own_heads_window_rope_and_gate_views(gpu):
+    """tiny-laguna-q8's prompt chunk: each layer's rope_kv, attention and softplus_gate launch
+    carry that layer's query head count, window, RoPE table (YaRN over part of the head on the
+    full-attention layers), the attention scale, and q, k, v and the per-head gate as views of
+    the layer's own q|k|v|g row (pointers and strides); the KV cache's heads are the file's."""
+    from service.model.spec import ModelSpec
+    from tests.support.models import build_model, forward_host, open_gguf
+
+    path = TINY / "tiny-laguna-q8.gguf"
+    spec = ModelSpec.from_gguf(open_gguf(path))
+    tr = build_model(path, create_backend("cuda", graphs=False), n_ctx=64, max_tokens=32)
+    be, log = tr.backend, []
+    run = be._launch
+
+    def record(name, grid, block, args, **kw):
+        if name.startswith(("rope_kv_", "attn_", "softplus_gate")):
+            log.append((name, grid, args))
+        run(name, grid, block, args, **kw)
+
+    be._launch = record
+    T = 24
+    forward_host(tr, list(range(5, 5 + T)), 0, T)
+    assert len(log) == 3 * spec.n_layer
+    hd, hkv, f4 = spec.head_dim, spec.n_head_kv, 4
+    seen_tables = set()
+    for i, lay in enumerate(spec.layers):
+        (rk, rk_grid, ra), (at, at_grid, aa), (sg, _, ga) = log[3 * i: 3 * i + 3]
+        assert (rk[:8], at[:9], sg) == ("rope_kv_", "attn_f16_", "softplus_gate"), log[3 * i]
+        H, Q, K = lay.n_head, lay.n_head * hd, hkv * hd
+        width = Q + 2 * K + H * lay.attn_gate            # the layer's q|k|v|g row
+        q, k, v = ra[0], ra[3], ra[6]
+        assert [int(a) for a in (ra[1], ra[2], ra[4], ra[5], ra[7], ra[8])] == \
+            [width, hd, width, hd, width, hd], i
+        assert (k.data.ptr - q.data.ptr, v.data.ptr - q.data.ptr) == (f4 * Q, f4 * (Q + K)), i
+        assert [int(a) for a in ra[9:13]] == [H, hkv, hd, spec.head_dim_v], i
+        assert rk_grid == (T, H + 2 * hkv), i
+        cos = ra[19]
+        assert int(ra[21]) == lay.rope_dims // 2 == cos.shape[1], i
+        assert cos is tr.rope_tables[i][0], i
+        seen_tables.add(cos.data.ptr)
+        # attention: the same q view, this layer's heads, window and the model's scale
+        assert aa[0] is q and [int(a) for a in (aa[1], aa[2], aa[3], aa[4])] == \
+            [width, hd, H, hkv], i
+        assert at_grid[1:] == (H, T), i
+        assert int(aa[18]) == lay.window and float(aa[19]) == pytest.approx(spec.attn_scale), i
+        out = aa[24]
+        assert (out.shape, int(aa[25]), int(aa[26])) == ((T, H, spec.head_dim_v),
+                                                        H * spec.head_dim_v,
+                                                        spec.head_dim_v), i
+        # the gate: a (T, H, Dv) *= softplus(g), g the row's last H * G columns
+        a, g = ga[0], ga[4]
+        assert a.data.ptr == out.data.ptr and int(ga[2]) == H * spec.head_dim_v, i
+        assert g.shape == (T, H, lay.attn_gate) and int(ga[5]) == width, i
+        assert g.data.ptr - q.data.ptr == f4 * (Q + 2 * K) and int(ga[6]) == lay.attn_gate, i
+    # two RoPE tables: YaRN on the full-attention layers, plain on the sliding-window ones
+    assert len(seen_tables) == len({(la.rope_dims, la.rope_base, la.rope_scaling)
+                                    for la in spec.layers}) == 2
