@@ -51,7 +51,10 @@ def test_moe_models_match_llamacpp_and_the_cpu(name):
     clear = np.array([top2_gap(r) for r in ref]) >= CLEAR_GAP
     clear &= np.array([top2_gap(r) for r in ours]) >= CLEAR_GAP
     np.testing.assert_array_equal(ours.argmax(1)[clear], ref.argmax(1)[clear])
-    assert np.median(rel_cpu) <= 0.01, rel_cpu
+    # 1%, or 1.5x the model's own floor where a sharp softmax amplifies last-bit differences
+    # (tiny-laguna-q8: the CPU against itself in another order is at 1.2%); a wrong op moves
+    # the logits by tens of percent
+    assert np.median(rel_cpu) <= max(0.01, 1.5 * np.median(rel_floor)), rel_cpu
 
 
 @pytest.mark.parametrize("name", ["tiny-laguna-q8", "tiny-laguna-elem-q5", "tiny-qwen3moe-s-q8"])
