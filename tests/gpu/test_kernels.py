@@ -26,10 +26,10 @@ from gguf.quants import quantize as gguf_quantize
 
 from service.backends.act_quant import round_activations
 from service.backends.cpu.backend import CpuBackend
-from service.backends.cuda.kernels import KV_CODE_BITS
 from service.formats import KV_TYPES as KV_TYPE_LIST
 from service.gguf.reader import TensorInfo
 from tests.support.blocks import ALL_TYPES, block_size, qtype, random_tensor, random_tensor_info
+from tests.support.kv_planes import planes_as_blocks
 
 cp = pytest.importorskip("cupy")
 KV_TYPES = [str(t) for t in KV_TYPE_LIST]
@@ -225,15 +225,9 @@ def _kv_pair_caches(cuda, type_k, type_v, n_ctx=600, hkv=2, d=64):
 
 
 def _gpu_cache_blocks(planes, kind: str) -> np.ndarray:
-    """The GPU cache planes as ggml blocks (n, type_size) uint8: each group's side words (d;
-    d, m; d, qh; d, m, qh: kernels.KV_SIDE_WORDS) are the block's leading fields in ggml's
-    order, its codes the rest; f16/bf16 one 2-byte element a block."""
+    """The GPU cache planes as ggml blocks (n, type_size) uint8 (tests.support.kv_planes)."""
     codes, side = (cp.asnumpy(p) if p is not None else None for p in planes)
-    if side is None:
-        return codes.view(np.uint8).reshape(-1, 2)
-    n = codes.size * KV_CODE_BITS[kind] // 8 // (32 * KV_CODE_BITS[kind] // 8)
-    return np.concatenate([side.view(np.uint8).reshape(n, -1),
-                           codes.view(np.uint8).reshape(n, -1)], 1)
+    return planes_as_blocks(codes, side, kind)
 
 
 def _gpu_cache_values(planes, kind: str, shape) -> np.ndarray:
