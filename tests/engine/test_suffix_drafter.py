@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from service.config import EngineConfig
-from service.engine.spec.drafters import SlotView, create_drafter
+from service.engine.scheduler.policy import PROBE_EVERY
+from service.engine.spec.drafters import Drafter, SlotView, create_drafter
 from service.engine.spec.suffix import SuffixCache, SuffixDrafter
 from service.engine.types import SamplingParams
 from tests.engine.test_spec_sampling import SAMPLED, compare, engine, smol_prompts
-from tests.support.engines import run
+from tests.support.engines import run, running_engine
 
 
 def test_longest_match_then_most_frequent_continuation():
@@ -93,3 +94,29 @@ def test_cache_helps_a_repeated_request():
         a2 = second.finished.usage.accepted_draft_tokens
         print(f"\naccepted drafts: first {a1}, repeated {a2}")
         assert a2 > a1 + 10
+
+
+class _Junk(Drafter):
+    """Always proposes k tokens that the model is unlikely to choose."""
+
+    name = "junk"
+
+    def propose(self, seq, k):
+        return [(seq.history[-1] * 7 + 13 + i) % 97 + 3 for i in range(k)]
+
+
+def test_width_policy_stops_drafting_without_repetition():
+    """A drafter that keeps missing: after a few verifies the policy decodes plainly, with one
+    probe draft every PROBE_EVERY plain steps; the output is plain decoding's."""
+    n = 48
+    with running_engine("tiny-qwen3", verify_width=6) as eng:
+        eng.speculator.drafter = _Junk()
+        eng.verify_alpha = 0.3
+        kw = {"max_new_tokens": n, "ignore_eos": True}
+        plain = run(eng, [3, 17, 42, 5, 88, 21, 9], speculative=False, **kw)
+        spec = run(eng, [3, 17, 42, 5, 88, 21, 9], speculative=True, **kw)
+        assert spec.token_ids == plain.token_ids
+        u = spec.finished.usage
+        assert u.accepted_draft_tokens < 0.2 * u.draft_tokens
+        # a few full-width tries at the prior, then probes of one draft
+        assert u.draft_tokens <= 4 * 5 + n // PROBE_EVERY + 1, u.draft_tokens

@@ -25,8 +25,8 @@ prefill_chunk):
    it recomputes its context (the prompt in the same chunks, its generated tokens in
    decode-sized steps, choosing nothing) and goes on: its emitted tokens stand and, sampling
    being keyed by token index, it continues exactly as it would have. How many tokens a
-   sequence drafts: `draft_length` (spec/chain.py) from its acceptance rate and the measured
-   verify cost `verify_alpha`; a tree uses its budget.
+   sequence drafts: `best_draft_length` (spec/width.py) from its per-depth acceptance and the
+   measured step costs (`step_costs`, else 1 + verify_alpha * k); a tree uses its budget.
 2. then at most ONE prefill chunk of the oldest sequence still prefilling (or recomputing after
    a preemption), as its own step: a fixed chunk size, so a prompt's KV rows never depend on the
    load, and its own step, because a step wider than 64 rows takes another numeric path and
@@ -45,7 +45,7 @@ import structlog
 from service.engine.scheduler.kv import KVManager
 from service.engine.scheduler.plan import DecodeRow, PrefillChunk, SlotChange, StepPlan
 from service.engine.scheduler.sequence import Sequence
-from service.engine.spec.chain import draft_length
+from service.engine.spec.width import best_draft_length, linear_costs
 from service.errors import CapacityError
 
 log = structlog.get_logger("specstream.engine")
@@ -64,6 +64,9 @@ class Scheduler:
         # Cost of each extra verified token relative to a plain step (draft_length); the
         # engine measures it before it serves anything.
         self.verify_alpha = 0.0
+        # Measured step time by drafts verified, cost[k] in plain steps (spec/width.py); empty:
+        # 1 + verify_alpha * k
+        self.step_costs: list[float] = []
         self._turn = 0                          # decode steps planned so far
         self._changes: list[SlotChange] = []
         self._preempted = 0
@@ -203,7 +206,8 @@ class Scheduler:
                    seq.request.stopping.max_new_tokens - len(seq.generated) - 1)
         if seq.tree_budget:             # a tree uses its budget (spec/tree_verify.py)
             return max(0, room)
-        k = draft_length(seq.accept_rate, self.verify_alpha, room)
+        k = best_draft_length(seq.depth_accept.rates(room),
+                              self.step_costs or linear_costs(self.verify_alpha, room), room)
         if k == 0 and seq.steps_without_draft >= PROBE_EVERY:
             k = min(1, room)            # keep measuring: the text may turn repetitive
         return k
