@@ -60,6 +60,11 @@ class SuffixCache:
         self.entries: OrderedDict[tuple[int, ...], None] = OrderedDict()
         self.tokens = 0
 
+    def clear(self) -> None:
+        self.index.clear()
+        self.entries.clear()
+        self.tokens = 0
+
     def add(self, history: Sequence[int]) -> None:
         h = tuple(history)
         if len(h) < 2 or len(h) > self.max_tokens:
