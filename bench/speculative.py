@@ -122,7 +122,10 @@ def real_configs(a, n_layer: int, tmp: Path, target: Path) -> list[tuple[str, st
             requantize(target, path, "q8_0", keep)
         drafts.append((f"self q8_0 {keep}/{n_layer}L", path))
     drafts += [(f"draft {Path(p).name}", Path(p)) for p in a.draft]
-    out = []
+    # the suffix drafter cold (its cache emptied before every decode: the request's own tokens
+    # only) and warm (each prompt decoded once before: a request repeating an earlier one)
+    out = [("suffix", f"chain {a.width}", {"drafter": "suffix"}),
+           ("suffix warm", f"chain {a.width}", {"drafter": "suffix", "_warm": True})]
     for label, path in drafts:
         fields = {"drafter": "model", "draft_model": str(path)}
         out.append((label, f"chain {a.width}", fields))
@@ -131,6 +134,7 @@ def real_configs(a, n_layer: int, tmp: Path, target: Path) -> list[tuple[str, st
 
 
 def _load(a, target: Path, alpha: float | None, **fields) -> Engine:
+    fields.pop("_warm", None)
     cfg = EngineConfig(backend=a.backend, n_ctx=1024, n_slots=1, threads=a.threads,
                        verify_width=a.width, **fields)
     eng = Engine.load(target, cfg)
@@ -144,12 +148,25 @@ def _load(a, target: Path, alpha: float | None, **fields) -> Engine:
     return eng
 
 
-def _run_kind(a, eng: Engine, prompts: list[list[int]], spec: bool, plain=None) -> dict:
-    """Decode every prompt of a kind (median decode time of --repeats runs per prompt)."""
+def _run_kind(a, eng: Engine, prompts: list[list[int]], spec: bool, plain=None,
+              warm: bool = False) -> dict:
+    """Decode every prompt of a kind (median decode time of --repeats runs per prompt). A
+    suffix drafter starts each run with an empty cache, or (warm) with the prompt's own
+    earlier decode in it."""
+    from service.engine.spec.suffix import SuffixDrafter
+
+    drafter = eng.speculator.drafter
+    suffix = drafter if isinstance(drafter, SuffixDrafter) else None
     drafted = accepted = tokens = 0
     seconds, outs = 0.0, []
     for ids in prompts:
-        runs = [decode(eng, ids, a.tokens, spec) for _ in range(a.repeats)]
+        runs = []
+        for _ in range(a.repeats):
+            if suffix is not None and suffix.cache is not None:
+                suffix.cache.clear()
+                if warm:
+                    decode(eng, ids, a.tokens, spec)
+            runs.append(decode(eng, ids, a.tokens, spec))
         out, u = runs[0], runs[0].finished.usage
         drafted, accepted = drafted + u.draft_tokens, accepted + u.accepted_draft_tokens
         tokens += len(out.token_ids) - 1                        # the first came from prefill
@@ -200,7 +217,7 @@ def bench_real(a, results: dict) -> None:
                     continue
                 for k in kinds:
                     rows.append((drafter, verify, k, _run_kind(a, eng, prompts[k], True,
-                                                               plain[k])))
+                                                               plain[k], "_warm" in fields)))
                     _progress(name, rows[-1])
                 eng.stop(10)
                 del eng

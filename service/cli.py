@@ -148,7 +148,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-width", type=int, default=d.verify_width)
     p.add_argument("--tree-budget", type=int, default=d.tree_budget, metavar="N",
                    help="tree verify (DDTree) with N nodes per step, 2..16; 0 = chain verify")
-    p.add_argument("--drafter", default=d.drafter, help="none | ngram | model")
+    p.add_argument("--drafter", default=d.drafter, help="none | ngram | model | suffix")
     p.add_argument("--draft-model", default=d.draft_model, metavar="PATH|NAME",
                    help="--drafter model: the draft GGUF, sharing the target's vocabulary "
                         "(e.g. one made by `specstream quantize ... --layers N`)")

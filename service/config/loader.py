@@ -87,6 +87,8 @@ _HELP = {
     "draft_model": "drafter 'model': the draft GGUF (path or known model name); it must share "
                    "the target's vocabulary",
     "ngram_size": "n-gram length the lookup drafter matches, 1..8",
+    "suffix_cache_tokens": "drafter 'suffix': tokens of recently finished requests' prompts and "
+                           "outputs it drafts from, 0..16777216 (LRU by tokens; 0: none)",
     "tree_budget": f"tree verify (DDTree) nodes per step, 2..{MAX_TREE_BUDGET}; 0 = chain verify",
     "backend": "compute backend: " + ", ".join(BACKENDS),
     "n_ctx": "context tokens per sequence (capped at the model's trained length)",

@@ -22,7 +22,7 @@ MIN_VERIFY_WIDTH = 1
 MAX_VERIFY_WIDTH = 16            # one step processes 1..16 tokens (decode, verify, batching)
 MAX_TREE_BUDGET = MAX_VERIFY_WIDTH   # tree verify: nodes per step (0 = chain verify)
 BACKENDS = ("auto", "cpu", "cuda")
-DRAFTERS = ("none", "ngram", "model")
+DRAFTERS = ("none", "ngram", "model", "suffix")
 
 
 def supported_pairs_listing() -> str:
@@ -41,8 +41,10 @@ class EngineConfig:
     kv_cache_type_v: str = "f16"
     verify_width: int = 4            # tokens verified per speculative step (1 = no speculation)
     drafter: str = "ngram"           # "none" | "ngram" (prompt lookup) | "model" (draft GGUF)
+                                     # | "suffix" (suffix index + cross-request cache)
     draft_model: str = ""            # drafter "model": the draft GGUF (path or known name)
     ngram_size: int = 3              # n-gram length the lookup drafter matches
+    suffix_cache_tokens: int = 65536  # drafter "suffix": tokens of other requests it keeps
     tree_budget: int = 0             # > 0: tree verify (DDTree) with this many nodes; 0: chain
     backend: str = "auto"
     n_ctx: int = 4096                # context per sequence; capped at the model's trained length
@@ -89,6 +91,9 @@ class EngineConfig:
         if self.tree_budget != 0 and not 2 <= self.tree_budget <= MAX_TREE_BUDGET:
             out.append(("tree_budget", f"{self.tree_budget} is out of range; allowed 0 (chain "
                                        f"verify) or 2..{MAX_TREE_BUDGET}"))
+        if not 0 <= self.suffix_cache_tokens <= 1 << 24:
+            out.append(("suffix_cache_tokens", f"{self.suffix_cache_tokens} is out of range; "
+                        "allowed 0..16777216"))
         if not 1 <= self.ngram_size <= 8:
             out.append(("ngram_size", f"{self.ngram_size} is out of range; allowed 1..8"))
         if self.overlap not in OVERLAP_MODES:

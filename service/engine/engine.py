@@ -116,8 +116,8 @@ class Engine:
                  chat_template: str | None = None, drafter: Drafter | None = None):
         self.path, self.spec, self.tokenizer, self.model = path, spec, tokenizer, model
         self.config = config
-        self.speculator = Speculator(drafter or create_drafter(config.drafter,
-                                                               config.ngram_size))
+        self.speculator = Speculator(drafter or create_drafter(
+            config.drafter, config.ngram_size, config.suffix_cache_tokens))
         # (text) the configured template, else the model's own; None: chat input is refused
         self.chat_template = template_for(gguf.metadata, chat_template)
         self.info = ModelInfo(

@@ -31,8 +31,8 @@ prefill_chunk):
      it recomputes its context (the prompt in the same chunks, its generated tokens in chunks
      of R, choosing nothing) and goes on: its emitted tokens stand and, sampling being keyed by
      token index, it continues exactly as it would have. How many tokens a sequence drafts:
-     `draft_length` (spec/chain.py) from its acceptance rate and the measured verify cost
-     `verify_alpha`; a tree uses its budget.
+     `best_draft_length` (spec/width.py) from its per-depth acceptance and the measured step
+     costs (`step_costs`, else 1 + verify_alpha * k); a tree uses its budget.
    - then the prefill chunks: each prefilling (or recomputing) sequence's next chunk, in start
      order, that fits the rows left (a later, smaller chunk may fit where an earlier one did
      not; none is cut to fit). A chunk's size never depends on the load: prefill_chunk from
@@ -58,7 +58,7 @@ from service.config import MAX_STEP_ROWS
 from service.engine.scheduler.kv import KVManager
 from service.engine.scheduler.plan import DecodeRow, PrefillChunk, SlotChange, StepPlan
 from service.engine.scheduler.sequence import Sequence
-from service.engine.spec.chain import draft_length
+from service.engine.spec.width import best_draft_length, linear_costs
 from service.errors import CapacityError
 
 log = structlog.get_logger("specstream.engine")
@@ -78,6 +78,9 @@ class Scheduler:
         # Cost of each extra verified token relative to a plain step (draft_length); the
         # engine measures it before it serves anything.
         self.verify_alpha = 0.0
+        # Measured step time by drafts verified, cost[k] in plain steps (spec/width.py); empty:
+        # 1 + verify_alpha * k
+        self.step_costs: list[float] = []
         self._turn = 0                          # decode steps planned so far
         self._changes: list[SlotChange] = []
         self._preempted = 0
@@ -233,7 +236,8 @@ class Scheduler:
                    seq.request.stopping.max_new_tokens - len(seq.generated) - 1)
         if seq.tree_budget:             # a tree uses its budget (spec/tree_verify.py)
             return max(0, room)
-        k = draft_length(seq.accept_rate, self.verify_alpha, room)
+        k = best_draft_length(seq.depth_accept.rates(room),
+                              self.step_costs or linear_costs(self.verify_alpha, room), room)
         if k == 0 and seq.steps_without_draft >= PROBE_EVERY:
             k = min(1, room)            # keep measuring: the text may turn repetitive
         return k

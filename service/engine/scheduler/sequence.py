@@ -12,6 +12,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from service.engine.runner.step import Adjustment
+from service.engine.spec.width import DepthAcceptance
 from service.engine.textstream import TextStream
 from service.engine.types import (
     Delta,
@@ -45,6 +46,7 @@ class Sequence:
     accepted_draft_tokens: int = 0
     accept_rate: float = 0.6              # running acceptance of this sequence's drafts
     steps_without_draft: int = 0
+    depth_accept: DepthAcceptance = field(default_factory=DepthAcceptance)  # spec/width.py
     decode_steps: int = 0                 # target steps after the prompt that held it
     step_tokens: int = 0                  # tokens those steps committed (accepted drafts + 1)
     step_ms: list[float] = field(default_factory=lambda: [0.0] * 4)  # stepprofile.PARTS
@@ -92,6 +94,7 @@ class Sequence:
             self.draft_tokens += drafted
             self.accepted_draft_tokens += accepted
             self.accept_rate = 0.7 * self.accept_rate + 0.3 * (accepted / drafted)
+            self.depth_accept.record(drafted, accepted)
 
     def count_step(self, committed: int) -> None:
         """One decode step committed `committed` KV rows (the seed and the accepted drafts)."""

@@ -94,10 +94,14 @@ class NgramDrafter(Drafter):
         return []
 
 
-def create_drafter(name: str, ngram_size: int) -> Drafter | None:
+def create_drafter(name: str, ngram_size: int, suffix_cache_tokens: int = 65536
+                   ) -> Drafter | None:
     """The stateless drafter named by the engine config, or None ('none'). The 'model' drafter
     needs its draft model loaded: service/engine/loader.py builds it."""
     if name == "model":
         raise ValueError("the model drafter is built by the loader (load_model), with its "
                          "draft model")
+    if name == "suffix":
+        from service.engine.spec.suffix import SuffixDrafter
+        return SuffixDrafter(cache_tokens=suffix_cache_tokens)
     return NgramDrafter(ngram_size) if name == "ngram" else None
