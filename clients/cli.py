@@ -43,6 +43,17 @@ def _print_json(msg: Any) -> None:
 
 
 # ------------------------------------------------------------------------- commands
+def logit_bias_arg(text: str) -> tuple[int, float]:
+    """'ID=BIAS' as (token id, bias)."""
+    tok, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError(text)
+        return int(tok), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS, got {text!r}") from None
+
+
 def cmd_generate(c: SpecstreamClient, a: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
     kw: dict[str, Any] = {}
@@ -58,7 +69,13 @@ def cmd_generate(c: SpecstreamClient, a: argparse.Namespace) -> int:
         max_new_tokens=a.max_new_tokens, stop=a.stop, stop_token_ids=a.stop_token_id,
         ignore_eos=a.ignore_eos or None, top_logprobs=a.top_logprobs, speculative=a.speculative,
         speculative_mode=a.speculative_mode, speculative_width=a.speculative_width,
-        speculative_tree_budget=a.speculative_tree_budget)
+        speculative_tree_budget=a.speculative_tree_budget,
+        frequency_penalty=a.frequency_penalty, presence_penalty=a.presence_penalty,
+        logit_bias=dict(a.logit_bias) or None, min_tokens=a.min_tokens, n=a.samples,
+        prompt_logprobs=True if a.prompt_logprobs is not None else None,
+        prompt_top_logprobs=a.prompt_logprobs)
+    if (a.samples or 1) > 1 and not a.json:
+        raise ValueError("--samples above 1 needs --json (each line carries its index)")
     done = Completion()
     for r in c.generate(request=req):
         done.add(r)
@@ -189,6 +206,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float)
     g.add_argument("--min-p", type=float)
     g.add_argument("--repetition-penalty", type=float)
+    g.add_argument("--frequency-penalty", type=float, help="in [-2, 2], over generated tokens")
+    g.add_argument("--presence-penalty", type=float, help="in [-2, 2], over generated tokens")
+    g.add_argument("--logit-bias", action="append", type=logit_bias_arg, default=[],
+                   metavar="ID=BIAS", help="add BIAS (-100..100) to token ID's logit "
+                   "(repeatable)")
+    g.add_argument("--min-tokens", type=int, help="no EOS / stop before this many tokens")
+    g.add_argument("--samples", type=int, metavar="N",
+                   help="N parallel samples of the prompt (1..16; needs --json)")
+    g.add_argument("--prompt-logprobs", type=int, metavar="K",
+                   help="the prompt's log-probabilities in started, K alternatives each")
     g.add_argument("--seed", type=int)
     g.add_argument("-n", "--max-new-tokens", type=int)
     g.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")

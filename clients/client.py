@@ -74,9 +74,13 @@ def build_generate_request(
     speculative_mode: str | None = None, speculative_width: int | None = None,
     speculative_tree_budget: int | None = None,
     add_bos: bool | None = None, parse_special: bool | None = None,
+    frequency_penalty: float | None = None, presence_penalty: float | None = None,
+    logit_bias: Mapping[int, float] | None = None, min_tokens: int | None = None,
+    n: int | None = None, prompt_logprobs: bool | None = None,
+    prompt_top_logprobs: int | None = None,
 ) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from keyword arguments; None leaves a field unset (server default).
-    speculative_mode: "chain", "tree" or "off"."""
+    speculative_mode: "chain", "tree" or "off"; logit_bias: {token id: bias}."""
     given = [x is not None for x in (prompt, tokens, chat)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, tokens or chat")
@@ -88,18 +92,23 @@ def build_generate_request(
     else:
         req.chat.CopyFrom(_chat(chat))
     _set_optional(req.sampling, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                  repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n, seed=seed)
-    _set_optional(req.stopping, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+                  repetition_penalty=repetition_penalty, repeat_last_n=repeat_last_n, seed=seed,
+                  frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
+    for tok, bias in (logit_bias or {}).items():
+        req.sampling.logit_bias[tok] = bias
+    _set_optional(req.stopping, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
+                  min_tokens=min_tokens)
     req.stopping.stop_sequences.extend(stop)
     req.stopping.stop_token_ids.extend(stop_token_ids)
-    _set_optional(req.output, top_logprobs=top_logprobs)
+    _set_optional(req.output, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
+                  prompt_top_logprobs=prompt_top_logprobs)
     _set_optional(req.speculative, enabled=speculative)
     if speculative_mode is not None:
         req.speculative.mode = stubs().generation_pb2.SpeculativeMode.Value(
             "SPECULATIVE_MODE_" + speculative_mode.upper())
     _set_optional(req.speculative, width=speculative_width,
                   tree_budget=speculative_tree_budget)
-    _set_optional(req, add_bos=add_bos, parse_special=parse_special)
+    _set_optional(req, add_bos=add_bos, parse_special=parse_special, n=n)
     return req
 
 
@@ -146,12 +155,14 @@ class Completion:
     usage: generation_pb2.Usage | None = None
     timings: generation_pb2.Timings | None = None
     logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
 
     def add(self, r: generation_pb2.GenerateResponse) -> None:
         self.request_id = r.request_id
         kind = r.WhichOneof("event")
         if kind == "started":
             self.prompt_tokens, self.seed = r.started.prompt_tokens, r.started.seed
+            self.prompt_logprobs = list(r.started.prompt_logprobs)
         elif kind == "delta":
             self.deltas += 1
             self.text += r.delta.text
@@ -266,6 +277,14 @@ class SpecstreamClient:
             out.add(r)
         return out
 
+    def complete_samples(self, prompt: str | None = None, *, n: int, **kw: Any
+                         ) -> list[Completion]:
+        """The n samples of one request (GenerateRequest.n), by index."""
+        out = [Completion() for _ in range(n)]
+        for r in self.generate(prompt, n=n, **kw):
+            out[r.index].add(r)
+        return out
+
     def tokenize(self, text: str | None = None, *, chat: ChatInput | None = None,
                  add_bos: bool | None = None, parse_special: bool | None = None,
                  timeout: float | None = None) -> generation_pb2.TokenizeResponse:
@@ -354,6 +373,14 @@ class AsyncSpecstreamClient:
         out = Completion()
         async for r in self.generate(prompt, **kw):
             out.add(r)
+        return out
+
+    async def complete_samples(self, prompt: str | None = None, *, n: int, **kw: Any
+                               ) -> list[Completion]:
+        """The n samples of one request (GenerateRequest.n), by index."""
+        out = [Completion() for _ in range(n)]
+        async for r in self.generate(prompt, n=n, **kw):
+            out[r.index].add(r)
         return out
 
     async def tokenize(self, text: str | None = None, *, chat: ChatInput | None = None,

@@ -24,6 +24,9 @@
 // sample_rows: one token per logits row, exactly the chain of service/backends/cpu_sampling.py
 //   (its docstring is the specification; ties and orders as there):
 //     l = logits with penalty r on hist[slot, max(0, pos - n + 1) .. pos]: l/r if l > 0 else l*r
+//     frequency f / presence p: c_i = count of id i in hist[slot, gen_start .. pos];
+//         l_i -= f32(c_i) * f + p where c_i > 0 (each operation rounded to f32, no FMA)
+//     adjustments: l_i += d_i for the row's pairs adj[adj_start .. adj_start + adj_count)
 //     greedy (T == 0): argmax l, lowest id on ties
 //     top-k: first k of (l desc, id asc);  w = exp(l - l_max) (f64), z = sum of w over top-k
 //     min-p: w >= min_p;  top-p: shortest (l desc, id asc) prefix with sum w >= top_p * z
@@ -31,9 +34,13 @@
 //           splitmix64 in uint64, bit for bit); the first survivor in ascending id order whose
 //           running q sum exceeds u * sum q (the last survivor if rounding leaves none)
 //     log-probs (n_top >= 0): log_softmax of the raw logits in f64, stored as f32: the chosen
-//           token's and the n_top largest (logit desc, id asc)
+//           token's (the P_SCORE token's when >= 0) and the n_top largest (logit desc, id asc)
 //   logits (L, V) f32 row stride ld; params (L, N_PARAMS) int32 (step_format.Param); hist as
-//   above; work (L, V) f32 per-row scratch (penalised logits, sized once by prepare_sampling);
+//   above; adj (K, 2) int32 [id, delta f32 bits] (step_format.py; unique ids within a row);
+//   work (L, V) f32 per-row scratch (penalised logits, sized once by prepare_sampling);
+//   counts (L, V) int32 per-row scratch, all zero on entry and on exit (the penalties' counts:
+//   integer atomics, then one atomicExch per distinct id reads and clears its count, so exactly
+//   one thread applies it);
 //   out (L, OUT_WORDS) int32: [id, logprob bits, TOP_MAX ids, TOP_MAX logprob bits].
 //   Launch: grid L, block SAMPLE_THREADS (512). No sorting, no scratch but the penalised row:
 //   the top-k threshold is the k-th largest of the logits' order-preserving uint32 keys, found
@@ -110,7 +117,8 @@ extern "C" __global__ void feed_ids(const int* __restrict__ records, int ld, int
 // ---------------------------------------------------------------- sampling
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 sample_rows(const float* logits, int ld, int V, const int* __restrict__ params,
-            const int* __restrict__ hist, int n_ctx, float* work, int* __restrict__ out) {
+            const int* __restrict__ hist, int n_ctx, const int* __restrict__ adj, float* work,
+            int* __restrict__ counts, int* __restrict__ out) {
     PDL_ENTRY();
     // logits and work carry no __restrict__: the filters read the row through one pointer
     // that is either, and work is written in this kernel (no read-only cache loads for it)
@@ -121,18 +129,46 @@ sample_rows(const float* logits, int ld, int V, const int* __restrict__ params,
     const float temperature = __int_as_float(P[P_TEMPERATURE]);
     const float penalty = __int_as_float(P[P_PENALTY]);
     const int n_win = P[P_REPEAT_LAST_N], slot = P[P_SLOT], pos = P[P_POSITION];
+    const float freq = __int_as_float(P[P_FREQUENCY]), pres = __int_as_float(P[P_PRESENCE]);
+    const int gen = P[P_GEN_START], adj0 = P[P_ADJ_START], n_adj = P[P_ADJ_COUNT];
+    const bool repeat = penalty != 1.0f && n_win > 0 && slot >= 0;
+    const bool count = (freq != 0.0f || pres != 0.0f) && slot >= 0 && gen <= pos;
     const float* l = x;
-    if (penalty != 1.0f && n_win > 0 && slot >= 0) {
+    if (repeat || count || n_adj > 0) {
         float* w = work + (size_t)row * V;
+        const int* h = hist + (size_t)max(slot, 0) * n_ctx;      // read only when slot >= 0
         for (int i = tid; i < V; i += SAMPLE_THREADS) w[i] = x[i];
         __syncthreads();
         // every occurrence of an id writes the same value: distinct ids are penalised once
-        for (int j = max(0, pos - n_win + 1) + tid; j <= pos; j += SAMPLE_THREADS) {
-            const int id = hist[(size_t)slot * n_ctx + j];
-            if (id >= 0 && id < V) {
-                const float v = x[id];
-                w[id] = v > 0.0f ? v / penalty : v * penalty;
+        if (repeat) {
+            for (int j = max(0, pos - n_win + 1) + tid; j <= pos; j += SAMPLE_THREADS) {
+                const int id = h[j];
+                if (id >= 0 && id < V) {
+                    const float v = x[id];
+                    w[id] = v > 0.0f ? v / penalty : v * penalty;
+                }
             }
+            __syncthreads();
+        }
+        if (count) {
+            int* c = counts + (size_t)row * V;
+            for (int j = gen + tid; j <= pos; j += SAMPLE_THREADS) {
+                const int id = h[j];
+                if (id >= 0 && id < V) atomicAdd(&c[id], 1);
+            }
+            __syncthreads();
+            for (int j = gen + tid; j <= pos; j += SAMPLE_THREADS) {
+                const int id = h[j];
+                if (id < 0 || id >= V) continue;
+                const int n = atomicExch(&c[id], 0);
+                if (n > 0) w[id] = __fsub_rn(w[id], __fadd_rn(__fmul_rn((float)n, freq), pres));
+            }
+            __syncthreads();
+        }
+        for (int k = tid; k < n_adj; k += SAMPLE_THREADS) {
+            const int* pair = adj + 2 * (size_t)(adj0 + k);
+            const int id = pair[0];
+            if (id >= 0 && id < V) w[id] = __fadd_rn(w[id], __int_as_float(pair[1]));
         }
         __syncthreads();
         l = w;
@@ -165,7 +201,9 @@ sample_rows(const float* logits, int ld, int V, const int* __restrict__ params,
     double se = 0.0;
     for (int i = tid; i < V; i += SAMPLE_THREADS) se += exp((double)x[i] - (double)mv);
     const double lse = (double)mv + log(block_sum(se, sh));
-    if (tid == 0) o[1] = __float_as_int((float)((double)x[chosen] - lse));
+    const int score = P[P_SCORE];          // a prompt token's log-probability, or the chosen's
+    const int scored = score >= 0 && score < V ? score : chosen;
+    if (tid == 0) o[1] = __float_as_int((float)((double)x[scored] - lse));
     // the n_top best (logit desc, id asc), one block-wide pass each
     float pv = __int_as_float(0x7f800000);
     int pi = -1;

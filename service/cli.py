@@ -32,6 +32,17 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids: {exc}") from exc
 
 
+def logit_bias_arg(text: str) -> tuple[int, float]:
+    """'ID=BIAS' (--logit-bias) as (token id, bias)."""
+    tok, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError(text)
+        return int(tok), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS, got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specstream", epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -64,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=0.95)
     gen.add_argument("--min-p", type=float, default=0.05)
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="in [-2, 2]: logit -= count * this over generated tokens")
+    gen.add_argument("--presence-penalty", type=float, default=0.0,
+                     help="in [-2, 2]: logit -= this for tokens generated at least once")
+    gen.add_argument("--logit-bias", action="append", type=logit_bias_arg, default=[],
+                     metavar="ID=BIAS", help="add BIAS (-100..100) to token ID's logit "
+                     "(repeatable)")
+    gen.add_argument("--min-tokens", type=int, default=0,
+                     help="generate at least this many tokens before EOS / stops")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
@@ -217,9 +237,13 @@ def cmd_generate(args) -> int:
         request_id="cli", prompt_ids=tuple(ids),
         sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, min_p=args.min_p,
-                                repetition_penalty=args.repetition_penalty, seed=args.seed),
+                                repetition_penalty=args.repetition_penalty, seed=args.seed,
+                                frequency_penalty=args.frequency_penalty,
+                                presence_penalty=args.presence_penalty,
+                                logit_bias=tuple(sorted(dict(args.logit_bias).items()))),
         stopping=StoppingCriteria(max_new_tokens=args.max_new_tokens,
-                                  stop_sequences=tuple(args.stop), ignore_eos=args.ignore_eos),
+                                  stop_sequences=tuple(args.stop), ignore_eos=args.ignore_eos,
+                                  min_tokens=args.min_tokens),
         speculative=False if args.no_speculative else None)
     engine.start()
     out_ids: list[int] = []

@@ -22,7 +22,8 @@ import structlog
 from service.engine.types import Delta, Event, Finished, FinishReason, Started
 from service.errors import InvalidRequestError
 from service.proto_build import stubs
-from service.server_requests import optional, prompt_ids, request_from_proto
+from service.server_requests import n_from_proto, optional, prompt_ids, request_from_proto
+from service.server_samples import SampleGroup, sample_requests
 
 if TYPE_CHECKING:                # generated on first use (service.proto_build.stubs)
     from service.proto import generation_pb2
@@ -81,18 +82,22 @@ def _finish_reasons() -> dict[FinishReason, int]:
             for r in FinishReason if r is not FinishReason.ERROR}
 
 
-def response_from_event(request_id: str, event: Event) -> generation_pb2.GenerateResponse:
+def _token_logprob(pb: Any, lp: Any) -> Any:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                           top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
+
+
+def response_from_event(request_id: str, event: Event, index: int = 0
+                        ) -> generation_pb2.GenerateResponse:
     pb = stubs().generation_pb2
     if isinstance(event, Started):
-        return pb.GenerateResponse(request_id=request_id, started=pb.Started(
-            prompt_tokens=event.prompt_tokens, seed=event.seed))
+        return pb.GenerateResponse(request_id=request_id, index=index, started=pb.Started(
+            prompt_tokens=event.prompt_tokens, seed=event.seed,
+            prompt_logprobs=[_token_logprob(pb, lp) for lp in event.prompt_logprobs]))
     if isinstance(event, Delta):
-        return pb.GenerateResponse(request_id=request_id, delta=pb.Delta(
+        return pb.GenerateResponse(request_id=request_id, index=index, delta=pb.Delta(
             token_ids=event.token_ids, text=event.text,
-            logprobs=[pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                                      top=[pb.TopLogprob(token_id=t, logprob=p)
-                                           for t, p in lp.top])
-                      for lp in event.logprobs]))
+            logprobs=[_token_logprob(pb, lp) for lp in event.logprobs]))
     u, t = event.usage, event.timings
     fin = pb.Finished(
         reason=_finish_reasons()[event.reason],
@@ -101,7 +106,7 @@ def response_from_event(request_id: str, event: Event) -> generation_pb2.Generat
         fin.stop_sequence = event.matched_stop
     elif isinstance(event.matched_stop, int):
         fin.stop_token_id = event.matched_stop
-    return pb.GenerateResponse(request_id=request_id, finished=fin)
+    return pb.GenerateResponse(request_id=request_id, index=index, finished=fin)
 
 
 def tokenize_response(engine: Any, ids: tuple[int, ...]) -> generation_pb2.TokenizeResponse:
@@ -132,35 +137,38 @@ class GenerationServicer:
         state = self._state
         engine = state.require_engine(admitting=True)
         rid = request.request_id     # the interceptor filled it in when empty
+        n = n_from_proto(request)
         domain = await request_from_proto(state, engine, request)
-        buffer = EventBuffer(asyncio.get_running_loop(), state.server_config.stream_buffer)
-        handle = engine.submit(domain, buffer.sink)
+        reqs = sample_requests(domain, n)
+        # shutdown cancels each sample: Finished(CANCELLED) ends its part of the stream
+        group = SampleGroup(engine, reqs, state.server_config.stream_buffer,
+                            state.open_requests.add)
         state.load.admitted()
         state.metrics.streams.inc()
-        state.open_requests.add(handle)  # shutdown cancels it: Finished(CANCELLED) ends the stream
-        finished = False
         try:
-            while not finished:
-                event = await buffer.get()
+            async for i, event in group.events():
                 if isinstance(event, Finished):
-                    finished = True
                     if event.reason is FinishReason.ERROR:
                         log.error("engine_request_failed", error=event.error)
                         raise RuntimeError("the engine failed on this request")
-                    state.metrics.observe_finished(event, buffer.merged)
-                    log.info("generate_finished", reason=event.reason.value,
+                    merged = group.buffers[i].merged
+                    state.metrics.observe_finished(event, merged)
+                    log.info("generate_finished", reason=event.reason.value, index=i,
                              prompt_tokens=event.usage.prompt_tokens,
                              completion_tokens=event.usage.completion_tokens,
                              ttft_ms=round(event.timings.time_to_first_token_ms, 3),
-                             merged_deltas=buffer.merged)
-                if finished:     # the trailer goes out with the status, after this message
-                    state.load.attach(context, engine)
-                await context.write(response_from_event(rid, event))
+                             merged_deltas=merged)
+                    if all(group.done):  # the trailer goes out with the status, after this
+                        state.load.attach(context, engine)
+                await context.write(response_from_event(rid, event, i))
         finally:
             state.metrics.streams.dec()
-            state.open_requests.discard(handle)
-            if not finished:         # cancel, deadline, broken connection, shutdown
-                handle.cancel()
+            for h in group.handles:
+                state.open_requests.discard(h)
+            left = group.unfinished()
+            for h in left:           # cancel, deadline, broken connection, shutdown
+                h.cancel()
+            if left:
                 log.info("generate_cancelled")
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest,

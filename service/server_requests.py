@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from service.chat_templates import RenderWatch, watching
 from service.engine.spec.options import resolve as resolve_speculation
 from service.engine.types import (
+    MAX_LOGIT_BIAS,
+    MAX_N,
     GenerationRequest,
     SamplingParams,
     SpeculativeOptions,
@@ -36,13 +38,19 @@ def optional(msg: Any, name: str, default: Any, conv=lambda v: v) -> Any:
 
 def sampling_from_proto(msg: generation_pb2.SamplingParams) -> SamplingParams:
     d = SamplingParams()
+    if len(msg.logit_bias) > MAX_LOGIT_BIAS:        # refused before building anything of it
+        raise InvalidRequestError("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS} entries "
+                                  f"allowed, got {len(msg.logit_bias)}")
     return SamplingParams(
         temperature=optional(msg, "temperature", d.temperature, float),
         top_k=optional(msg, "top_k", d.top_k, int), top_p=optional(msg, "top_p", d.top_p, float),
         min_p=optional(msg, "min_p", d.min_p, float),
         repetition_penalty=optional(msg, "repetition_penalty", d.repetition_penalty, float),
         repeat_last_n=optional(msg, "repeat_last_n", d.repeat_last_n, int),
-        seed=optional(msg, "seed", d.seed, int))
+        seed=optional(msg, "seed", d.seed, int),
+        frequency_penalty=optional(msg, "frequency_penalty", d.frequency_penalty, float),
+        presence_penalty=optional(msg, "presence_penalty", d.presence_penalty, float),
+        logit_bias=tuple(sorted((int(k), float(v)) for k, v in msg.logit_bias.items())))
 
 
 _SPECULATIVE_MODES = {0: None, 1: "chain", 2: "tree", 3: "off"}   # SpeculativeMode values
@@ -70,7 +78,8 @@ def stopping_from_proto(msg: generation_pb2.StoppingCriteria) -> StoppingCriteri
     return StoppingCriteria(
         max_new_tokens=optional(msg, "max_new_tokens", d.max_new_tokens, int),
         stop_sequences=tuple(msg.stop_sequences), stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=optional(msg, "ignore_eos", d.ignore_eos, bool))
+        ignore_eos=optional(msg, "ignore_eos", d.ignore_eos, bool),
+        min_tokens=optional(msg, "min_tokens", d.min_tokens, int))
 
 
 # A prompt text is rejected before it is tokenized when even its fewest possible tokens
@@ -158,15 +167,35 @@ async def prompt_ids(state: ServingState, engine: Any, msg: Any) -> tuple[int, .
     return tuple(ids)
 
 
+def n_from_proto(msg: generation_pb2.GenerateRequest) -> int:
+    """GenerateRequest.n: unset 1, else in [1, MAX_N]."""
+    n = optional(msg, "n", 1, int)
+    if not 1 <= n <= MAX_N:
+        raise InvalidRequestError("n", f"must be in [1, {MAX_N}], got {n}")
+    return n
+
+
 async def request_from_proto(state: ServingState, engine: Any,
                              msg: generation_pb2.GenerateRequest) -> GenerationRequest:
     speculative, options = speculative_from_proto(msg.speculative)
     sampling = sampling_from_proto(msg.sampling)
     speculation = resolve_speculation(speculative, options, engine.config,
                                       engine.config.drafter != "none",
-                                      sampling.repetition_penalty)
+                                      sampling.repetition_penalty, sampling.reads_history)
     return GenerationRequest(
         request_id=msg.request_id, prompt_ids=await prompt_ids(state, engine, msg),
         sampling=sampling, stopping=stopping_from_proto(msg.stopping),
         top_logprobs=optional(msg.output, "top_logprobs", 0, int), speculative=speculative,
-        speculative_options=options, speculation=speculation)
+        speculative_options=options, speculation=speculation,
+        prompt_logprobs=prompt_logprobs_from_proto(msg.output))
+
+
+def prompt_logprobs_from_proto(msg: generation_pb2.OutputOptions) -> int | None:
+    """None unless prompt_logprobs is true; then prompt_top_logprobs (unset: 0)."""
+    top = optional(msg, "prompt_top_logprobs", None, int)
+    if not optional(msg, "prompt_logprobs", False, bool):
+        if top is not None:
+            raise InvalidRequestError("output.prompt_top_logprobs",
+                                      "set without output.prompt_logprobs = true")
+        return None
+    return top or 0

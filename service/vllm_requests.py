@@ -13,8 +13,10 @@ Every request field is mapped or refused with INVALID_ARGUMENT naming it; none i
     .stop .stop_token_ids            stop sequences and stop ids (the gateway also matches
                                      stop strings in its own text; both stop at the same token)
     .ignore_eos .seed                as ours (seed >= 0)
-    .n                               n samples (0 = 1), each its own engine request with seed
-                                     seed + i when a seed is given; responses carry `index`
+    .min_tokens .frequency_penalty   as ours (0 = off); logit_bias ids checked against the
+    .presence_penalty .logit_bias    vocabulary, values in [-100, 100], at most 300
+    .n                               n samples (0 = 1), as GenerateRequest.n
+                                     (service/server_samples.py); responses carry `index`
     .logprobs                        N alternatives per token (0: the chosen token's only)
     .truncate_prompt_tokens          keep the last N prompt tokens (-1: as many as fit), before
                                      the BOS above
@@ -23,19 +25,21 @@ Every request field is mapped or refused with INVALID_ARGUMENT naming it; none i
                                      the gateway detokenizes with them, so there is no text
                                      here for them to change
     .grammar_from_first_token        where a constraint starts; constraints are refused
-    refused when set: min_tokens, frequency_penalty, presence_penalty, logit_bias,
-    prompt_logprobs, logprobs -1, every constraint (json_schema, regex, grammar,
-    structural_tag, json_object, choice), mm_inputs, extra_mm_inputs, media_refs,
+    .prompt_logprobs                 N in [0, 20]: each prompt token's log-probability and N
+                                     alternatives (input_logprobs of the first chunk, or of
+                                     the complete message)
+    refused when set: prompt_logprobs -1, logprobs -1, every constraint (json_schema, regex,
+    grammar, structural_tag, json_object, choice), mm_inputs, extra_mm_inputs, media_refs,
     kv_transfer_params(_json), data_parallel_rank other than 0.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from service.engine.spec.options import resolve as resolve_speculation
 from service.engine.types import (
+    MAX_LOGIT_BIAS,
     MAX_TOP_LOGPROBS,
     Delta,
     Finished,
@@ -44,9 +48,11 @@ from service.engine.types import (
     SamplingParams,
     SpeculativeOptions,
     StoppingCriteria,
+    TokenLogprob,
 )
 from service.errors import InvalidRequestError
 from service.server_requests import encode_text
+from service.server_samples import sample_requests
 
 if TYPE_CHECKING:
     from service.server import ServingState
@@ -63,10 +69,11 @@ DEFAULT_SAMPLING = {"temperature": DEFAULTS.temperature, "top_p": DEFAULTS.top_p
 _FIELD_NAMES = (("stopping.max_new_tokens", f"{SP}.max_tokens"),
                 ("stopping.stop_sequences", f"{SP}.stop"),
                 ("stopping.stop_token_ids", f"{SP}.stop_token_ids"),
+                ("stopping.min_tokens", f"{SP}.min_tokens"),
                 ("output.top_logprobs", f"{SP}.logprobs"),
+                ("output.prompt_top_logprobs", f"{SP}.prompt_logprobs"),
                 ("input.tokens.ids", "tokenized.input_ids"), ("input.text", "text"),
                 ("input", "tokenized.input_ids"), ("sampling.", f"{SP}."))
-_UNSUPPORTED_SCALARS = ("min_tokens", "frequency_penalty", "presence_penalty")
 _CONSTRAINTS = ("json_schema", "regex", "grammar", "structural_tag", "json_object", "choice")
 
 
@@ -91,13 +98,12 @@ def check_request_fields(msg: Any) -> None:
     if msg.HasField("data_parallel_rank") and msg.data_parallel_rank != 0:
         raise _refuse("data_parallel_rank", "this server has one rank, 0")
     sp = msg.sampling_params
-    for name in _UNSUPPORTED_SCALARS:
-        if getattr(sp, name):
-            raise _refuse(f"{SP}.{name}", f"{name} is {getattr(sp, name)}")
-    if len(sp.logit_bias):
-        raise _refuse(f"{SP}.logit_bias", "logit bias is not implemented")
-    if sp.HasField("prompt_logprobs"):
-        raise _refuse(f"{SP}.prompt_logprobs", "prompt log-probabilities are not computed")
+    if len(sp.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(f"{SP}.logit_bias", f"at most {MAX_LOGIT_BIAS} entries "
+                                  f"allowed, got {len(sp.logit_bias)}")
+    if sp.HasField("prompt_logprobs") and sp.prompt_logprobs < 0:
+        raise _refuse(f"{SP}.prompt_logprobs", "prompt log-probabilities of the whole "
+                      "vocabulary (-1)")
     which = sp.WhichOneof("constraint")
     if which is not None:
         raise _refuse(f"{SP}.{which}", "constrained decoding is not implemented")
@@ -114,7 +120,9 @@ def sampling_of(sp: Any) -> SamplingParams:
         temperature=sp.temperature if sp.HasField("temperature") else DEFAULTS.temperature,
         top_p=sp.top_p or 1.0, top_k=sp.top_k, min_p=sp.min_p,
         repetition_penalty=sp.repetition_penalty or 1.0,
-        seed=sp.seed if sp.HasField("seed") else None)
+        seed=sp.seed if sp.HasField("seed") else None,
+        frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
+        logit_bias=tuple(sorted((int(k), float(v)) for k, v in sp.logit_bias.items())))
 
 
 def _truncate(ids: tuple[int, ...], sp: Any, room: int) -> tuple[int, ...]:
@@ -165,22 +173,18 @@ async def requests_from_proto(state: ServingState, engine: Any, msg: Any
         request_id=msg.request_id, prompt_ids=prompt, sampling=sampling,
         stopping=StoppingCriteria(max_new_tokens=max_new, stop_sequences=tuple(sp.stop),
                                   stop_token_ids=tuple(sp.stop_token_ids),
-                                  ignore_eos=sp.ignore_eos),
+                                  ignore_eos=sp.ignore_eos, min_tokens=sp.min_tokens),
         top_logprobs=top,
+        prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None,
         speculation=resolve_speculation(None, SpeculativeOptions(), engine.config,
                                         engine.config.drafter != "none",
-                                        sampling.repetition_penalty))
+                                        sampling.repetition_penalty, sampling.reads_history))
     try:
         base.validate(engine.spec.vocab_size, n_ctx)
     except InvalidRequestError as exc:
         raise InvalidRequestError(protocol_field(exc.field), str(exc).split(": ", 1)[-1],
                                   exc.reason) from exc
-    n = max(1, sp.n)
-    if n == 1:
-        return [base]
-    seeds = [None if sampling.seed is None else (sampling.seed + i) % 2**64 for i in range(n)]
-    return [replace(base, request_id=f"{base.request_id}-{i}",
-                    sampling=replace(sampling, seed=seeds[i])) for i in range(n)]
+    return sample_requests(base, max(1, sp.n))
 
 
 # ------------------------------------------------------------------------- events -> proto
@@ -201,6 +205,18 @@ def output_logprobs(pb: Any, delta: Delta, chosen_only: bool) -> Any:
         top_logprobs=[pb.TopLogProbs(values=[] if chosen_only else [p for _, p in lp.top],
                                      token_ids=[] if chosen_only else [t for t, _ in lp.top])
                       for lp in lps])
+
+
+def input_logprobs(pb: Any, prompt: tuple[int, ...], lps: tuple[TokenLogprob, ...]) -> Any:
+    """The protocol's InputLogProbs of a prompt: no value for its first token, then each
+    token's log-probability (Started.prompt_logprobs) with its alternatives."""
+    return pb.InputLogProbs(
+        token_logprobs=[pb.InputTokenLogProb()] + [pb.InputTokenLogProb(value=lp.logprob)
+                                                   for lp in lps],
+        token_ids=prompt,
+        top_logprobs=[pb.TopLogProbs()] + [pb.TopLogProbs(values=[p for _, p in lp.top],
+                                                          token_ids=[t for t, _ in lp.top])
+                                           for lp in lps])
 
 
 def complete_of(pb: Any, event: Finished, ids: list[int], index: int) -> Any:

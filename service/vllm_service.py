@@ -43,10 +43,11 @@ from service.engine.kv_events import KvEvent
 from service.engine.types import Delta, Finished, FinishReason, Started
 from service.errors import InvalidRequestError
 from service.model.hf_export import ModelFacts, tokenizer_files, zip_files
-from service.server_generate import EventBuffer
+from service.server_samples import SampleGroup
 from service.vllm_requests import (
     DEFAULT_SAMPLING,
     complete_of,
+    input_logprobs,
     output_logprobs,
     requests_from_proto,
 )
@@ -118,27 +119,30 @@ class VllmEngineServicer:
         rid, stream = request.request_id, request.stream
         chosen_only = request.sampling_params.HasField("logprobs") and \
             request.sampling_params.logprobs == 0
-        loop = asyncio.get_running_loop()
-        buffers = [EventBuffer(loop, state.server_config.stream_buffer) for _ in reqs]
-        handles: list[Any] = []
-        self._live[rid] = handles
-        done = [False] * len(reqs)
+        group = SampleGroup(engine, reqs, state.server_config.stream_buffer)
+        self._live[rid] = group.handles
         state.metrics.streams.inc()      # the request metrics count both protocols' requests
         try:
-            for r, b in zip(reqs, buffers, strict=True):
-                handles.append(engine.submit(r, b.sink))
             ids: list[list[int]] = [[] for _ in reqs]
             deltas: list[list[Delta]] = [[] for _ in reqs]
             prompt = [0] * len(reqs)
-            async for i, event in _merged(buffers):
+            # the prompt's log-probabilities (prompt_logprobs), until they went out
+            scores: list[Any] = [None] * len(reqs)
+            async for i, event in group.events():
                 if isinstance(event, Started):
                     prompt[i] = event.prompt_tokens
+                    if reqs[i].prompt_logprobs is not None:
+                        scores[i] = input_logprobs(pb, reqs[i].prompt_ids,
+                                                   event.prompt_logprobs)
                 elif isinstance(event, Delta):
                     ids[i] += event.token_ids
                     if stream:
                         chunk = pb.GenerateStreamChunk(
                             token_ids=event.token_ids, prompt_tokens=prompt[i],
                             completion_tokens=len(ids[i]), index=i)
+                        if scores[i] is not None:            # the first chunk carries them
+                            chunk.input_logprobs.CopyFrom(scores[i])
+                            scores[i] = None
                         if event.logprobs:
                             chunk.output_logprobs.CopyFrom(
                                 output_logprobs(pb, event, chosen_only))
@@ -146,16 +150,16 @@ class VllmEngineServicer:
                     else:
                         deltas[i].append(event)
                 else:
-                    done[i] = True
                     msg = self._complete(pb, event, ids[i], deltas[i], i, stream, chosen_only)
-                    state.metrics.observe_finished(event, buffers[i].merged)
+                    if scores[i] is not None:
+                        msg.input_logprobs.CopyFrom(scores[i])
+                    state.metrics.observe_finished(event, group.buffers[i].merged)
                     await context.write(pb.GenerateResponse(complete=msg))
         finally:
             state.metrics.streams.dec()
             self._live.pop(rid, None)
-            for h, finished in zip(handles, done, strict=False):
-                if not finished:     # cancel, deadline, Abort, broken connection, shutdown
-                    h.cancel()
+            for h in group.unfinished():  # cancel, deadline, Abort, broken connection, shutdown
+                h.cancel()
 
     def _complete(self, pb: Any, event: Finished, ids: list[int], deltas: list[Delta],
                   index: int, stream: bool, chosen_only: bool) -> Any:
@@ -307,30 +311,6 @@ def _kv_event(common: Any, ev: KvEvent, block_size: int) -> Any:
     return common.KvCacheEvent(event_id=ev.event_id, removed=common.KvBlocksRemoved(
         block_hashes=[ev.block_hash], tier=common.KV_CACHE_TIER_DEVICE,
         locality=common.KV_CACHE_LOCALITY_LOCAL))
-
-
-async def _merged(buffers: list[EventBuffer]) -> AsyncIterator[tuple[int, Any]]:
-    """(sample index, event) from every sample's buffer as they come, until each has sent
-    Finished."""
-    if len(buffers) == 1:
-        while True:
-            event = await buffers[0].get()
-            yield 0, event
-            if isinstance(event, Finished):
-                return
-    pending = {asyncio.ensure_future(b.get()): i for i, b in enumerate(buffers)}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                i = pending.pop(task)
-                event = task.result()
-                yield i, event
-                if not isinstance(event, Finished):
-                    pending[asyncio.ensure_future(buffers[i].get())] = i
-    finally:
-        for task in pending:
-            task.cancel()
 
 
 def _now() -> str:

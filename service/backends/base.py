@@ -379,8 +379,9 @@ class Backend(abc.ABC):
         before that step is read back (the overlapped loop). src, ids (T,) int32."""
 
     @abc.abstractmethod
-    def sample(self, logits: Array, params: Array, hist: Array, out: Array) -> None:
+    def sample(self, logits: Array, params: Array, hist: Array, adj: Array, out: Array) -> None:
         """Choose one token per logits row (service/backends/cpu/sampling.py defines the
         parameter record, the chain of filters, the draw and the output record).
         logits (L, V) f32, params (L, N_PARAMS) int32, hist (n_slots, n_ctx) int32,
-        out (L, OUT_WORDS) int32."""
+        adj (K, 2) int32 the step's logit adjustments (step_format.py), out (L, OUT_WORDS)
+        int32."""

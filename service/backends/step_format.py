@@ -7,8 +7,13 @@ cannot drift; tests/unit/test_step_format.py checks that no kernel file defines 
 
 Parameter record (N_PARAMS int32 words per logits row): the fields of `Param`; floats travel as
 their float32 bits so both backends read the same values.
+Adjustment list (the sample op's `adj` input, (K, 2) int32): the sparse additive logit
+adjustments of a step, [token id, delta f32 bits] pairs; row r reads pairs
+[ADJ_START, ADJ_START + ADJ_COUNT) (unique ids within a row; rows of one sequence may share a
+range). ADJ_ROW_MAX bounds one row's pairs (logit_bias + the ids min_tokens bans).
 Output record (OUT_WORDS int32 words per row): [id, logprob bits, top ids (TOP_MAX),
-top logprob bits (TOP_MAX)]; unused top entries are id -1, logprob 0.
+top logprob bits (TOP_MAX)]; unused top entries are id -1, logprob 0. The logprob is the chosen
+id's, or the SCORE id's where the record names one (a prompt token's log-probability).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import numpy as np
 TOP_MAX = 20                   # the most top log-probabilities a row may ask for
 OUT_WORDS = 2 + 2 * TOP_MAX    # int32 words per row of the sample op's output
 OUT_TOP_IDS = 2                # output record: where the top ids start (then their logprob bits)
+ADJ_ROW_MAX = 2048             # the most adjustment pairs one row may carry
 
 
 class Param(enum.IntEnum):
@@ -37,6 +43,12 @@ class Param(enum.IntEnum):
     N_TOP = 9           # -1: no log-probabilities; 0..TOP_MAX: chosen + n_top alternatives
     SLOT = 10           # the row's KV slot (history row)
     POSITION = 11       # the row's position (its token is the newest in the window)
+    FREQUENCY = 12      # f32 bits; frequency penalty over hist[slot, GEN_START..POSITION]; 0 = off
+    PRESENCE = 13       # f32 bits; presence penalty over the same tokens; 0 = off
+    GEN_START = 14      # position of the first generated token (the prompt's length)
+    ADJ_START = 15      # first pair of the row's logit adjustments in the step's list
+    ADJ_COUNT = 16      # pairs of the row's logit adjustments; 0 = none
+    SCORE = 17          # -1: word 1 is the chosen id's log-probability; else this id's
 
 
 N_PARAMS = len(Param)
@@ -49,7 +61,9 @@ def f32_bits(x: float) -> int:
 
 def param_record(*, temperature: float, top_k: int, top_p: float, min_p: float,
                  penalty: float, repeat_last_n: int, seed: int, token_index: int, n_top: int,
-                 slot: int, position: int) -> list[int]:
+                 slot: int, position: int, frequency: float = 0.0, presence: float = 0.0,
+                 gen_start: int = 0, adj_start: int = 0, adj_count: int = 0,
+                 score: int = -1) -> list[int]:
     """One row's parameter record (N_PARAMS int32 values)."""
     seed &= (1 << 64) - 1
     rec = [0] * N_PARAMS
@@ -65,6 +79,12 @@ def param_record(*, temperature: float, top_k: int, top_p: float, min_p: float,
     rec[Param.N_TOP] = n_top
     rec[Param.SLOT] = slot
     rec[Param.POSITION] = position
+    rec[Param.FREQUENCY] = f32_bits(frequency)
+    rec[Param.PRESENCE] = f32_bits(presence)
+    rec[Param.GEN_START] = gen_start
+    rec[Param.ADJ_START] = adj_start
+    rec[Param.ADJ_COUNT] = adj_count
+    rec[Param.SCORE] = score
     return rec
 
 

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import structlog
 
 from service.config import EngineConfig, step_budget
@@ -46,7 +47,7 @@ from service.engine.kv_events import KvEventLog
 from service.engine.loader import ModelInfo, load_model, phase
 from service.engine.overlap import OverlappedDecode
 from service.engine.runner.model_runner import ModelRunner
-from service.engine.runner.step import RowSampling, StepInput, StepOutput
+from service.engine.runner.step import GREEDY, RowSampling, StepInput, StepOutput
 from service.engine.sampling import resolve_seed
 from service.engine.scheduler.blocks import BlockPool
 from service.engine.scheduler.kv import KVManager
@@ -67,6 +68,7 @@ from service.engine.types import (
     GenerationRequest,
     SamplingParams,
     StoppingCriteria,
+    TokenLogprob,
 )
 from service.errors import UnavailableError
 from service.gguf.reader import GGUFFile
@@ -266,7 +268,8 @@ class Engine:
     def _new_sequence(self, request: GenerationRequest, sink) -> Sequence:
         spec = request.speculation or resolve_speculation(
             request.speculative, request.speculative_options, self.config,
-            self.drafter is not None, request.sampling.repetition_penalty)
+            self.drafter is not None, request.sampling.repetition_penalty,
+            request.sampling.reads_history)
         return Sequence(request=request, sink=sink,
                         seed_value=resolve_seed(request.sampling.seed,
                                                 request.sampling.greedy),
@@ -407,14 +410,38 @@ class Engine:
         """One chunk of a prompt (or of a preempted sequence's context); the prompt's last
         chunk chooses its first token."""
         seq = chunk.seq
-        out = self._forward(seq, chunk.tokens, chunk.start, [choice(seq)] if chunk.choose
-                            else [])
+        if seq.scoring_prompt:
+            out = self._prefill_scored(chunk)
+        else:
+            out = self._forward(seq, chunk.tokens, chunk.start, [choice(seq)] if chunk.choose
+                                else [])
         self.stats.prefill_steps += 1
         seq.n_past += len(chunk.tokens)
         self.scheduler.prefilled(seq)
         if chunk.choose:
+            if seq.scoring_prompt:
+                seq.scored()
             seq.t_prefill_done = time.perf_counter()
             seq.emit([int(out.token_ids[0])], out.logprobs)
+
+    def _prefill_scored(self, chunk: PrefillChunk) -> StepOutput:
+        """A prompt chunk whose every row reports the log-probability of the prompt token after
+        it (GenerationRequest.prompt_logprobs; the op's SCORE word), in steps of at most
+        max_logits rows; the prompt's last row chooses the first token as usual."""
+        seq, prompt, k = chunk.seq, chunk.seq.request.prompt_ids, chunk.seq.request.prompt_logprobs
+        n, step = len(prompt), self.runner.model.max_logits
+        out = StepOutput(np.zeros(0, np.int32), ())
+        for s in range(0, len(chunk.tokens), step):
+            toks, start = chunk.tokens[s:s + step], chunk.start + s
+            where = range(start, start + len(toks))
+            out = self._forward(seq, toks, start, [
+                replace(GREEDY, n_top=k, score_id=prompt[p + 1]) if p + 1 < n else choice(seq)
+                for p in where])
+            for r, p in enumerate(where):
+                if p + 1 < n:
+                    lp = out.logprobs[r]
+                    seq.prompt_scores[p] = TokenLogprob(prompt[p + 1], lp.logprob, lp.top)
+        return StepOutput(out.token_ids[-1:], out.logprobs[-1:])
 
     def _forward(self, seq: Sequence, tokens: list[int], start: int,
                  rows: list[RowSampling]) -> StepOutput:

@@ -22,6 +22,8 @@ class TextStream:
         self._longest = max((len(s) for s in self._stops), default=0)
         self._held = ""
         self.stop: str | None = None  # the stop sequence that ended the text, once one has
+        # False: stop sequences are not looked for (min_tokens not reached): text goes out whole
+        self.armed = True
 
     @property
     def pending(self) -> str:
@@ -46,6 +48,9 @@ class TextStream:
 
     def _feed(self, text: str) -> tuple[str, str | None]:
         buf = self._held + text
+        if not self.armed:
+            self._held = ""
+            return buf, None
         hit = self._first_stop(buf)
         if hit is not None:
             start, self.stop = hit

@@ -19,6 +19,9 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_SEQUENCE_CHARS = 256
 MAX_TOP_K = 1_000_000
 MAX_REPEAT_LAST_N = 1_000_000
+MAX_LOGIT_BIAS = 300             # entries of SamplingParams.logit_bias
+MAX_STOP_TOKEN_IDS = 1024
+MAX_N = 16                       # parallel samples of one prompt (GenerationRequest.n)
 
 
 @dataclass(frozen=True)
@@ -35,10 +38,22 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # CTRL-style penalty on the last `repeat_last_n` ids; 1 = off
     repeat_last_n: int = 64
     seed: int | None = None          # None: the engine picks one and reports it
+    # OpenAI's penalties over the GENERATED tokens: l_i -= c_i * frequency + (c_i > 0) * presence
+    frequency_penalty: float = 0.0   # in [-2, 2]; 0 = off
+    presence_penalty: float = 0.0    # in [-2, 2]; 0 = off
+    # (token id, bias in [-100, 100]) added to the logits, at most MAX_LOGIT_BIAS, unique ids
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether the sample op reads the token history by position for this request (the
+        repetition, frequency or presence penalty): chain verify only (spec/options.py)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
 
     def validate(self, prefix: str = "sampling") -> None:
         checks = [
@@ -52,11 +67,31 @@ class SamplingParams:
             ("repeat_last_n", 0 <= self.repeat_last_n <= MAX_REPEAT_LAST_N,
              f"must be in [0, {MAX_REPEAT_LAST_N}] (0 turns the repetition penalty off)"),
             ("seed", self.seed is None or 0 <= self.seed < 2**64, "must be in [0, 2^64)"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
         ]
         for name, ok, msg in checks:
             value = getattr(self, name)
             if not ok or (isinstance(value, float) and value != value):  # NaN fails too
                 raise InvalidRequestError(f"{prefix}.{name}", f"{msg}, got {value!r}")
+
+    def validate_bias(self, vocab_size: int, prefix: str = "sampling") -> None:
+        """logit_bias: at most MAX_LOGIT_BIAS unique ids in the vocabulary, values in
+        [-100, 100]."""
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"{prefix}.logit_bias", f"at most {MAX_LOGIT_BIAS} "
+                                      f"entries allowed, got {len(self.logit_bias)}")
+        seen: set[int] = set()
+        for tok, bias in self.logit_bias:
+            if not 0 <= tok < vocab_size:
+                raise InvalidRequestError(f"{prefix}.logit_bias[{tok}]", f"token id {tok} is "
+                                          f"outside the vocabulary [0, {vocab_size})")
+            if tok in seen:
+                raise InvalidRequestError(f"{prefix}.logit_bias[{tok}]", "given twice")
+            seen.add(tok)
+            if not -100.0 <= bias <= 100.0:                         # NaN fails too
+                raise InvalidRequestError(f"{prefix}.logit_bias[{tok}]",
+                                          f"must be in [-100, 100], got {bias!r}")
 
 
 @dataclass(frozen=True)
@@ -65,11 +100,20 @@ class StoppingCriteria:
     stop_sequences: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # tokens generated before EOS and stop_token_ids are allowed (they are banned, logit -inf,
+    # at token indexes below it) and stop sequences are looked for; 0 = off
+    min_tokens: int = 0
 
     def validate(self, vocab_size: int, prefix: str = "stopping") -> None:
         if not 1 <= self.max_new_tokens <= 1_000_000:
             raise InvalidRequestError(f"{prefix}.max_new_tokens",
                                       f"must be in [1, 1000000], got {self.max_new_tokens}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise InvalidRequestError(f"{prefix}.min_tokens", f"must be in [0, max_new_tokens "
+                                      f"= {self.max_new_tokens}], got {self.min_tokens}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"{prefix}.stop_token_ids",
+                                      f"at most {MAX_STOP_TOKEN_IDS} allowed")
         if len(self.stop_sequences) > MAX_STOP_SEQUENCES:
             raise InvalidRequestError(f"{prefix}.stop_sequences",
                                       f"at most {MAX_STOP_SEQUENCES} allowed")
@@ -131,6 +175,9 @@ class GenerationRequest:
     # the two above resolved (spec/options.resolve) by the front end that built the request;
     # None: the engine resolves them when the request is submitted
     speculation: Speculation | None = None
+    # None: no prompt log-probabilities; k in 0..20: each prompt token's (after the first)
+    # with k alternatives, in Started (sent once the prompt is processed)
+    prompt_logprobs: int | None = None
 
     def validate(self, vocab_size: int, n_ctx: int) -> None:
         if not self.prompt_ids:
@@ -148,7 +195,12 @@ class GenerationRequest:
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError("output.top_logprobs",
                                       f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not (
+                0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequestError("output.prompt_top_logprobs",
+                                      f"must be in [0, {MAX_TOP_LOGPROBS}]")
         self.sampling.validate()
+        self.sampling.validate_bias(vocab_size)
         self.stopping.validate(vocab_size)
 
 
@@ -191,6 +243,9 @@ class Timings:
 class Started:
     prompt_tokens: int
     seed: int
+    # GenerationRequest.prompt_logprobs: prompt tokens 1..n-1, each under the logits after the
+    # tokens before it
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ def session(tr: Transformer, runner: ModelRunner) -> list:
                     penalty=s.repetition_penalty, repeat_last_n=s.repeat_last_n, seed=s.seed,
                     token_index=s.token_index, n_top=-1, slot=0,
                     position=start + n - L + r), np.int32)
-                ref.sample_row(logits[r], rec, h, got)
+                ref.sample_row(logits[r], rec, h, np.zeros((1, 2), np.int32), got)
                 assert got[0] == out.token_ids[r]
         seen.append((out.token_ids.tolist(), out.logprobs))
         return out

@@ -26,15 +26,17 @@ def random_logits(rng, L: int, V: int, ties: bool) -> np.ndarray:
     return x
 
 
-def run_both(cuda, logits: np.ndarray, records: list[list[int]], hist: np.ndarray):
+def run_both(cuda, logits: np.ndarray, records: list[list[int]], hist: np.ndarray,
+             adj: np.ndarray | None = None):
     L, V = logits.shape
     params = np.array(records, np.int32)                                  # (L, N_PARAMS)
+    adj = np.zeros((1, 2), np.int32) if adj is None else adj              # (K, 2) i32
     want = np.zeros((L, OUT_WORDS), np.int32)
-    ref.sample_rows(logits, params, hist, want)
+    ref.sample_rows(logits, params, hist, adj, want)
     cuda.prepare_sampling(ROWS, V)
     out = cuda.zeros((L, OUT_WORDS), "int32")
     out.fill(-7)                                                          # poisoned
-    cuda.sample(cp.asarray(logits), cp.asarray(params), cp.asarray(hist), out)
+    cuda.sample(cp.asarray(logits), cp.asarray(params), cp.asarray(hist), cp.asarray(adj), out)
     return cuda.to_host(out), want
 
 
@@ -146,3 +148,33 @@ def test_step_io_round_trip(cuda):
     cuda.download_step(dev[:100], back)
     assert np.array_equal(back, host)
 
+
+
+@pytest.mark.parametrize("V", [1000, 49152])
+def test_penalties_and_adjustments_match_cpu(cuda, V):
+    """Frequency / presence penalties over hist[slot, gen_start .. pos] (repeats in the window,
+    with and without the repetition penalty), sparse adjustment pairs (biases, -inf bans, rows
+    sharing one range, rows with none) and scored ids (a prompt token's log-probability): the
+    same ids and log-probabilities as the CPU op, and the counts scratch left zero (a second
+    launch gives the same choices)."""
+    rng = np.random.default_rng(V)
+    hist = rng.integers(0, 40, (3, N_CTX)).astype(np.int32)        # many repeats per window
+    ids = np.sort(rng.choice(V, 300, replace=False)).astype(np.int32)
+    deltas = rng.uniform(-100, 100, 300).astype(np.float32)
+    deltas[::7] = -np.inf
+    adj = np.stack([ids, deltas.view(np.int32)], axis=1)                # (300, 2) i32
+    records = []
+    for i in range(ROWS):
+        pos = int(rng.integers(0, N_CTX))
+        records.append(param_record(
+            temperature=[0.0, 0.8][i % 2], top_k=[0, 40][i % 3 == 0], top_p=0.95, min_p=0.0,
+            penalty=[1.0, 1.3][i % 4 == 1], repeat_last_n=16, seed=1000 + i, token_index=i,
+            n_top=[-1, 5][i % 2], slot=i % 3, position=pos,
+            frequency=float(rng.uniform(-2, 2)) if i % 5 else 0.0,
+            presence=float(rng.uniform(-2, 2)) if i % 3 else 0.0,
+            gen_start=int(rng.integers(0, pos + 2)),
+            adj_start=[0, 0, 100, 250][i % 4], adj_count=[0, 300, 150, 50][i % 4],
+            score=int(rng.integers(0, V)) if i % 4 == 3 else -1))
+    for _ in range(2):
+        got, want = run_both(cuda, random_logits(rng, ROWS, V, False), records, hist, adj)
+        assert_same(got, want, records)

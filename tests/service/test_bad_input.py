@@ -288,3 +288,23 @@ def test_the_proto_says_when_started_comes():
     assert "prompt processed" not in comment.replace("before its prompt is processed", "")
     api = (root / "docs/api.md").read_text()
     assert "before its prompt is processed" in api
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"frequency_penalty": 2.5}, "sampling.frequency_penalty"),
+    ({"presence_penalty": -2.01}, "sampling.presence_penalty"),
+    ({"presence_penalty": float("nan")}, "sampling.presence_penalty"),
+    ({"logit_bias": {7: 100.5}}, "sampling.logit_bias[7]"),
+    ({"logit_bias": {10**9: 1.0}}, f"sampling.logit_bias[{10**9}]"),
+    ({"logit_bias": {i: 1.0 for i in range(301)}}, "sampling.logit_bias"),
+    ({"min_tokens": 9, "max_new_tokens": 8}, "stopping.min_tokens"),
+])
+def test_sampling_controls_are_validated_by_field(fake_client, kw, field):
+    e = _error(lambda: fake_client.complete(tokens=[1], **kw))
+    assert (e.code, [f for f, _ in e.field_violations]) == ("INVALID_ARGUMENT", [field])
+
+
+def test_sampling_controls_at_their_bounds_are_served(fake_client):
+    assert fake_client.complete(tokens=[1], frequency_penalty=-2.0, presence_penalty=2.0,
+                                logit_bias={i: -100.0 for i in range(300)}, min_tokens=8,
+                                max_new_tokens=8)

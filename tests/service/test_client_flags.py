@@ -38,3 +38,31 @@ def test_client_rejects_a_bool_that_is_not_one(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["validate-config", "--cuda-graphs", "maybe"])
     assert "is not true or false" in capsys.readouterr().err
+
+
+def test_generate_flags_of_the_sampling_controls_build_the_request():
+    from clients.cli import cmd_generate
+
+    a = build_parser().parse_args(["generate", "1,2", "--tokens", "--frequency-penalty", "0.5",
+                                   "--presence-penalty", "-1", "--logit-bias", "7=-100",
+                                   "--logit-bias", "9=2.5", "--min-tokens", "3", "--samples",
+                                   "2", "--json", "--prompt-logprobs", "4"])
+    sent = []
+
+    class Sent(Exception):
+        pass
+
+    class Client:
+        def generate(self, request):
+            sent.append(request)
+            raise Sent
+
+    with pytest.raises(Sent):
+        cmd_generate(Client(), a)
+    s, st = sent[0].sampling, sent[0].stopping
+    assert (s.frequency_penalty, s.presence_penalty, dict(s.logit_bias), st.min_tokens) == (
+        0.5, -1.0, {7: -100.0, 9: 2.5}, 3)
+    assert (sent[0].n, sent[0].output.prompt_logprobs, sent[0].output.prompt_top_logprobs) == (
+        2, True, 4)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "x", "--logit-bias", "7"])

@@ -105,14 +105,37 @@ def test_text_input_truncation_and_stop_ids(vllm, client, engine):
     stopped = gen(vllm, ids, temperature=0.0, max_tokens=4, stop_token_ids=[stop])[-1]
     assert (stopped.complete.finish_reason, stopped.complete.matched_token_id) == ("stop", stop)
     assert list(stopped.complete.output_ids) == list(by_text.output_ids)[:2]
+    # the sampling controls map to ours: the same ids as the own protocol's request
+    controls = dict(frequency_penalty=0.7, presence_penalty=0.4, logit_bias={stop: -100.0})
+    mapped = gen(vllm, ids, temperature=0.0, max_tokens=6, min_tokens=3, ignore_eos=True,
+                 **controls)[-1].complete
+    own = client.complete(tokens=ids, temperature=0.0, max_new_tokens=6, min_tokens=3,
+                          ignore_eos=True, **controls)
+    assert list(mapped.output_ids) == own.token_ids and stop not in own.token_ids
+    # prompt log-probabilities: the own API's Started.prompt_logprobs, none for the first token
+    scored = client.complete(tokens=ids, temperature=0.0, max_new_tokens=2,
+                             prompt_logprobs=True, prompt_top_logprobs=2)
+    for stream in (False, True):
+        got = gen(vllm, ids, temperature=0.0, max_tokens=2, prompt_logprobs=2, stream=stream)
+        lp = next(r.chunk.input_logprobs if r.HasField("chunk") else r.complete.input_logprobs
+                  for r in got if (r.chunk if r.HasField("chunk") else r.complete)
+                  .HasField("input_logprobs"))
+        assert list(lp.token_ids) == ids and not lp.token_logprobs[0].HasField("value")
+        assert [v.value for v in lp.token_logprobs[1:]] == [
+            x.logprob for x in scored.prompt_logprobs]
+        assert [list(t.token_ids) for t in lp.top_logprobs[1:]] == [
+            [t.token_id for t in x.top] for x in scored.prompt_logprobs]
 
 
 REFUSED = [
-    ("sampling_params.min_tokens", dict(min_tokens=2)),
-    ("sampling_params.frequency_penalty", dict(frequency_penalty=0.5)),
-    ("sampling_params.presence_penalty", dict(presence_penalty=0.5)),
-    ("sampling_params.logit_bias", dict(logit_bias={5: 1.0})),
-    ("sampling_params.prompt_logprobs", dict(prompt_logprobs=1)),
+    ("sampling_params.min_tokens", dict(min_tokens=3)),
+    ("sampling_params.frequency_penalty", dict(frequency_penalty=2.5)),
+    ("sampling_params.presence_penalty", dict(presence_penalty=-3.0)),
+    ("sampling_params.logit_bias[5]", dict(logit_bias={5: 101.0})),
+    ("sampling_params.logit_bias[-1]", dict(logit_bias={-1: 1.0})),
+    ("sampling_params.logit_bias", dict(logit_bias={i: 1.0 for i in range(301)})),
+    ("sampling_params.prompt_logprobs", dict(prompt_logprobs=-1)),
+    ("sampling_params.prompt_logprobs", dict(prompt_logprobs=21)),
     ("sampling_params.logprobs", dict(logprobs=-1)),
     ("sampling_params.logprobs", dict(logprobs=21)),
     ("sampling_params.json_schema", dict(json_schema="{}")),

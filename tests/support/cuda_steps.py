@@ -191,6 +191,7 @@ class Driver:
         ids, pos, slots = (be.zeros((n,), "int32") for _ in range(3))
         params = be.zeros((N_PARAMS,), "int32")
         out = be.zeros((n, OUT_WORDS), "int32")
+        adj = be.zeros((1, 2), "int32")
         be.upload_ints(positions_for(start, n), pos)
         be.upload_ints(np.full(n, slot, np.int32), slots)
         be.upload_ints(np.array(param_record(
@@ -198,7 +199,7 @@ class Driver:
             seed=0, token_index=0, n_top=-1, slot=slot, position=start), np.int32), params)
 
         def choose(i: int, logits) -> None:
-            be.sample(logits, params.reshape(1, N_PARAMS), hist, out[i:i + 1])
+            be.sample(logits, params.reshape(1, N_PARAMS), hist, adj, out[i:i + 1])
             if i + 1 < n:
                 be.chosen_ids(out[i:i + 1], ids[i + 1:i + 2])
 

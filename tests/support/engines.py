@@ -24,7 +24,8 @@ __all__ = ["GREEDY", "Engine", "Result", "StepStats", "engine_config", "greedy_w
            "run", "running_engine", "wait_idle"]
 
 GREEDY = SamplingParams(temperature=0.0)
-STOPPING_FIELDS = ("max_new_tokens", "stop_sequences", "stop_token_ids", "ignore_eos")
+STOPPING_FIELDS = ("max_new_tokens", "stop_sequences", "stop_token_ids", "ignore_eos",
+                   "min_tokens")
 
 
 def engine_config(**overrides) -> EngineConfig:

@@ -484,3 +484,39 @@ def test_the_driver_path_reads_parameters_by_their_compiled_types(gpu):
     with pytest.raises(MemoryCheckError, match=r"parameter 7 \(.u64\).*no live device"):
         driver.cuLaunchKernelEx(cfg, driver.CUfunction(fn.kernel.ptr),
                                 ctypes.addressof(params), 0)
+
+
+def test_sampling_controls_run_on_the_fake_device(compiled):
+    """Penalties, logit_bias and min_tokens (the adjustment list: one more pinned upload of
+    8 bytes per pair, only on steps that carry pairs) and prompt log-probabilities (every
+    prefill row a logits row) through the engine, graphs captured and replayed."""
+    with install(compiled) as dev:
+        eng = Engine.load(TINY / "tiny-qwen3.gguf",
+                          EngineConfig(backend="cuda", n_ctx=256, n_slots=2, prefill_chunk=64))
+        eng.start()
+        try:
+            def copies(sampling, **kw):
+                before = len(dev.copies)
+                req = GenerationRequest("t", tuple(range(1, 50)), sampling,
+                                        StoppingCriteria(max_new_tokens=6, ignore_eos=True,
+                                                         min_tokens=kw.pop("min_tokens", 0)),
+                                        **kw)
+                events = list(eng.generate(req, timeout=120))
+                assert isinstance(events[-1], Finished) and events[-1].error is None
+                return events, dev.copies[before:]
+
+            _, plain = copies(SamplingParams(temperature=0.0))
+            _, penalised = copies(SamplingParams(temperature=0.0, frequency_penalty=0.5,
+                                                 presence_penalty=0.5))
+            _, biased = copies(SamplingParams(temperature=0.7, seed=1,
+                                              logit_bias=((3, -100.0), (5, 2.0))), min_tokens=3)
+            events, _ = copies(SamplingParams(temperature=0.0), prompt_logprobs=2)
+        finally:
+            eng.stop(10)
+    # the adjustment list of 2 pairs (no end-of-generation ids in this vocabulary): 16 bytes
+    adj = [[c for c in cs if c.direction == "h2d" and c.nbytes == 16]
+           for cs in (plain, penalised, biased)]
+    assert adj[0] == [] and adj[1] == []           # penalties read the history: no upload
+    assert 1 <= len(adj[2]) <= 6 and all(c.pinned for c in adj[2])   # one per step
+    assert len(events[0].prompt_logprobs) == 48
+    assert dev.graphs and all(g.replays for g in dev.graphs)

@@ -83,3 +83,13 @@ def test_a_repetition_penalty_verifies_chains():
         with pytest.raises(InvalidRequestError) as e:
             resolve(None, opts, TREE, True, 1.3)
         assert e.value.field == field and "repetition_penalty" in str(e.value)
+
+
+def test_frequency_and_presence_penalties_verify_chains_too():
+    """They count the generated tokens in the token history by position, as the repetition
+    penalty reads its window: the default tree falls back to chain; asking for one is refused
+    with the penalty named."""
+    assert resolve(None, Opts(), TREE, True, 1.0, True) == Speculation(True, 6, 0)
+    with pytest.raises(InvalidRequestError) as e:
+        resolve(None, Opts(mode="tree"), TREE, True, 1.0, True)
+    assert e.value.field == "speculative.mode" and "frequency_penalty" in str(e.value)

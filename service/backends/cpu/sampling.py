@@ -6,10 +6,17 @@ each field; floats travel as their float32 bits, so both backends see the same v
 request's recent tokens from the token history hist (n_slots, n_ctx) int32, where every step
 stores its input ids at [slot, position] (`record_tokens`). The chain, llama.cpp's default order:
 
-    penalty -> top-k -> top-p -> min-p -> temperature -> draw
+    penalty -> frequency/presence -> logit adjustments -> top-k -> top-p -> min-p ->
+    temperature -> draw
 
 - penalty r on the distinct ids among hist[slot, max(0, pos - n + 1) .. pos] (n = repeat_last_n):
-  l -> l / r if l > 0 else l * r (float32). Everything below reads the penalised logits l.
+  l -> l / r if l > 0 else l * r (float32).
+- frequency f and presence p (OpenAI's): with c_i the count of id i among the generated tokens
+  hist[slot, gen_start .. pos], l_i -> l_i - (c_i * f + p) for every i with c_i > 0, float32
+  rounding after each operation (f32(c_i) * f, then + p, then the subtraction).
+- logit adjustments: l_i -> l_i + d_i (float32) for each pair (i, d_i) of the row's range of the
+  step's adjustment list adj (K, 2) int32 (logit_bias, and -inf on the ids min_tokens bans).
+  Everything below reads the adjusted logits l.
 - greedy (temperature == 0): argmax l, the lowest id on ties.
 - top-k (0 < k < V): the first k tokens in the order (l descending, id ascending).
 - weights w_i = exp(l_i - l_max) in float64, z = sum of w over the top-k survivors.
@@ -23,8 +30,8 @@ stores its input ids at [slot, position] (`record_tokens`). The chain, llama.cpp
   none. A fixed order over ids (not over probabilities) is what a GPU block can scan without
   sorting.
 - log-probabilities, when n_top >= 0: of the raw (unpenalised) logits, log_softmax in float64,
-  stored as float32: the chosen token's and the n_top most likely (logit descending, id
-  ascending).
+  stored as float32: the chosen token's (the SCORE token's when the record names one: a prompt
+  token's log-probability) and the n_top most likely (logit descending, id ascending).
 
 Output record per row (OUT_WORDS int32 words): [id, logprob bits, top ids (TOP_MAX),
 top logprob bits (TOP_MAX)]; unused top entries are id -1, logprob 0.
@@ -137,17 +144,52 @@ def top_ids(x: np.ndarray, k: int) -> np.ndarray:
     return cand[np.lexsort((cand, -x[cand]))]
 
 
-# ---------------------------------------------------------------- the op
-def sample_row(row: np.ndarray, rec: np.ndarray, hist: np.ndarray, out: np.ndarray) -> None:
-    """One row of the op: row (V,) f32 logits, rec (N_PARAMS,) int32, hist (n_slots, n_ctx)
-    int32, out (OUT_WORDS,) int32."""
-    V = row.shape[0]
-    temperature = _f32(rec[Param.TEMPERATURE])
+def counted(lg: np.ndarray, generated: np.ndarray, frequency: np.float32,
+            presence: np.float32) -> np.ndarray:
+    """A copy of lg (V,) f32 with l_i - (c_i * frequency + presence) for the ids i that occur
+    c_i > 0 times in generated (n,) int32."""
+    work = np.array(lg, np.float32)
+    ids, c = np.unique(generated[(generated >= 0) & (generated < lg.size)], return_counts=True)
+    work[ids] = work[ids] - (c.astype(np.float32) * frequency + presence)
+    return work
+
+
+def adjusted(lg: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """A copy of lg (V,) f32 with l_i + d_i for each pair (i, d_i bits) of pairs (n, 2) int32
+    (unique ids; ids outside [0, V) are skipped)."""
+    work = np.array(lg, np.float32)
+    ok = (pairs[:, 0] >= 0) & (pairs[:, 0] < lg.size)
+    ids = pairs[ok, 0]
+    work[ids] = work[ids] + pairs[ok, 1].view(np.float32)
+    return work
+
+
+def _adjust(row: np.ndarray, rec: np.ndarray, hist: np.ndarray, adj: np.ndarray) -> np.ndarray:
+    """The logits the filters read: row (V,) f32 with the repetition penalty, the frequency /
+    presence penalties and the row's logit adjustments (the row itself when none applies)."""
     penalty, n = _f32(rec[Param.PENALTY]), int(rec[Param.REPEAT_LAST_N])
     slot, pos = int(rec[Param.SLOT]), int(rec[Param.POSITION])
     lg = row
     if penalty != 1 and n > 0 and slot >= 0:
         lg = penalised(row, hist[slot, max(0, pos - n + 1):pos + 1], penalty)
+    freq, pres = _f32(rec[Param.FREQUENCY]), _f32(rec[Param.PRESENCE])
+    gen = int(rec[Param.GEN_START])
+    if (freq != 0 or pres != 0) and slot >= 0 and gen <= pos:
+        lg = counted(lg, hist[slot, gen:pos + 1], freq, pres)
+    start, count = int(rec[Param.ADJ_START]), int(rec[Param.ADJ_COUNT])
+    if count > 0:
+        lg = adjusted(lg, adj[start:start + count])
+    return lg
+
+
+# ---------------------------------------------------------------- the op
+def sample_row(row: np.ndarray, rec: np.ndarray, hist: np.ndarray, adj: np.ndarray,
+               out: np.ndarray) -> None:
+    """One row of the op: row (V,) f32 logits, rec (N_PARAMS,) int32, hist (n_slots, n_ctx)
+    int32, adj (K, 2) int32 (the step's logit adjustments), out (OUT_WORDS,) int32."""
+    V = row.shape[0]
+    temperature = _f32(rec[Param.TEMPERATURE])
+    lg = _adjust(row, rec, hist, adj)
     if temperature == 0:
         chosen = int(np.argmax(lg))
     else:
@@ -165,15 +207,16 @@ def sample_row(row: np.ndarray, rec: np.ndarray, hist: np.ndarray, out: np.ndarr
         m = x.max()
         lse = m + np.log(np.exp(x - m).sum())
         fl = out.view(np.float32)
-        fl[1] = np.float32(x[chosen] - lse)
+        score = int(rec[Param.SCORE])
+        fl[1] = np.float32(x[score if 0 <= score < V else chosen] - lse)
         top = top_ids(x, min(n_top, TOP_MAX, V))
         out[2:2 + top.size] = top
         fl[2 + TOP_MAX:2 + TOP_MAX + top.size] = (x[top] - lse).astype(np.float32)
 
 
-def sample_rows(logits: np.ndarray, params: np.ndarray, hist: np.ndarray,
+def sample_rows(logits: np.ndarray, params: np.ndarray, hist: np.ndarray, adj: np.ndarray,
                 out: np.ndarray) -> None:
     """logits (L, V) f32, params (L, N_PARAMS) int32, hist (n_slots, n_ctx) int32,
-    out (L, OUT_WORDS) int32."""
+    adj (K, 2) int32, out (L, OUT_WORDS) int32."""
     for r in range(logits.shape[0]):
-        sample_row(logits[r], params[r], hist, out[r])
+        sample_row(logits[r], params[r], hist, adj, out[r])

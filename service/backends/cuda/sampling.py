@@ -4,8 +4,9 @@ ids of a draft chain, a step's input ids fed from the previous step's choices, a
 op (service/backends/cpu/sampling.py is its specification; the records' layout is
 step_format.py's).
 
-`SamplingOps` owns the sample op's per-row scratch (the penalised logits), sized once by
-prepare for up to `rows` rows of `vocab` logits.
+`SamplingOps` owns the sample op's per-row scratch (the penalised logits, and the token counts
+of the frequency / presence penalties, zero between launches), sized once by prepare for up to
+`rows` rows of `vocab` logits.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from service.backends.step_format import N_PARAMS, OUT_WORDS
 class SamplingOps:
     def __init__(self, launcher: Launcher) -> None:
         self.work: Any = None             # (rows * V,) f32 penalised logits, a row per logits row
+        self.counts: Any = None           # (rows * V,) i32 token counts, all zero between steps
         self.rows = 0
         self.vocab = 0
         self._launcher = launcher
 
     def prepare(self, memory: DeviceMemory, rows: int, vocab: int) -> None:
         self.work = memory.zeros((max(1, rows) * vocab,), "float32")   # (rows * V,) f32
+        self.counts = memory.zeros((max(1, rows) * vocab,), "int32")   # (rows * V,) i32
         self.rows, self.vocab = rows, vocab
 
     def argmax(self, logits, out) -> None:
@@ -79,7 +82,7 @@ class SamplingOps:
                                   [records, I32(OUT_WORDS), I32(records.shape[0]), src, I32(T),
                                    ids])
 
-    def sample(self, logits, params, hist, out) -> None:
+    def sample(self, logits, params, hist, adj, out) -> None:
         L, _, ld, _, V = view_rows(logits)
         if logits.ndim != 2:
             raise ValueError(f"sample logits: {logits.shape}, expected (L, V)")
@@ -93,9 +96,12 @@ class SamplingOps:
         check_dtype(hist, np.int32, "sample hist")
         if hist.ndim != 2 or not hist.flags.c_contiguous:
             raise ValueError(f"sample hist: {hist.shape} must be contiguous 2-D")
+        check_dtype(adj, np.int32, "sample adj")
+        if adj.ndim != 2 or adj.shape[1] != 2 or not adj.flags.c_contiguous:
+            raise ValueError(f"sample adj: {adj.shape}, expected contiguous (K, 2)")
         if self.work is None or L > self.rows or V != self.vocab:
             raise ValueError(f"sample: {L} rows of {V} exceed prepare_sampling's "
                              f"{self.rows} of {self.vocab}")
         self._launcher.launch("sample_rows", (L,), (SAMPLE_THREADS,),
-                              [logits, I32(ld), I32(V), params, hist, I32(hist.shape[1]),
-                               self.work, out])
+                              [logits, I32(ld), I32(V), params, hist, I32(hist.shape[1]), adj,
+                               self.work, self.counts, out])

@@ -39,6 +39,11 @@ n single-token forwards as ONE backend step (Transformer.forward_chain), each re
 previous choice on the device and choosing the next (service/engine/spec/draft_model.py). A
 `logits_hook(ids, logits)` (a drafter's Markov head) runs on the logits before every choice.
 
+Rows with logit adjustments (logit_bias, min_tokens bans: RowSampling.adjust) put their pairs
+in a separate adjustment list (K, 2) int32 (step_format.py), uploaded with a second copy only
+when some row of the step has pairs (rows of one sequence that share an Adjustment share its
+pairs), so steps without them pay nothing; it too alternates between two host buffers.
+
 KV row moves (tree compaction, `move_kv`) go through a second small host buffer of 3M words
 (slots | sources | destinations), also uploaded with one copy, then one kv_move op.
 """
@@ -52,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from service.backends.step_format import N_PARAMS, OUT_WORDS
+from service.backends.step_format import ADJ_ROW_MAX, N_PARAMS, OUT_WORDS
 from service.engine.runner.step import RowSampling, StepInput, StepOutput
 from service.model.transformer import Transformer
 
@@ -101,6 +106,11 @@ class ModelRunner:
         # (n_slots, n_ctx) i32 token history; without history one entry no record reads
         self.hist = be.zeros((n_slots, n_ctx) if kind.history else (1, 1), "int32")
         self._params = self._dev[self._o_par:self._o_feed].reshape(L, N_PARAMS)   # (L, N_PARAMS)
+        # (K, 2) i32 logit adjustment pairs, K = L * ADJ_ROW_MAX, two host buffers as above
+        self._adj_cap = max(1, L) * ADJ_ROW_MAX
+        self._adj_hosts = (be.host_buffer(2 * self._adj_cap), be.host_buffer(2 * self._adj_cap))
+        self._adj_dev = be.zeros((2 * self._adj_cap,), "int32")          # (2K,) i32
+        self._adj = self._adj_dev.reshape(self._adj_cap, 2)               # (K, 2) i32
         self._mv_host = be.host_buffer(3 * M)                     # (3M,) i32 pinned on CUDA
         self._mv_dev = be.zeros((3 * M,), "int32")                # (3M,) i32
         if kind.chains:
@@ -141,15 +151,37 @@ class ModelRunner:
             h[5 * M + pad:5 * M + T] = np.asarray(inp.attn_mask, np.int64).astype(np.int32)
         L = len(inp.logit_rows)
         h[self._o_rows:self._o_rows + L] = np.asarray(inp.logit_rows, np.int32) + pad
+        starts = self._pack_adjustments(inp.sampling)
         for r, (row, s) in enumerate(zip(inp.logit_rows, inp.sampling, strict=True)):
             o = self._o_par + r * N_PARAMS
             where = (int(inp.slots[row]), int(inp.positions[row])) if self.kind.history \
                 else (0, 0)
-            h[o:o + N_PARAMS] = s.record(*where)
+            h[o:o + N_PARAMS] = s.record(*where, starts[r])
         if feed is not None:
             f = self._o_feed
             h[f:f + T] = -1
             h[f + pad:f + T] = feed
+
+    def _pack_adjustments(self, rows: Sequence[RowSampling]) -> list[int]:
+        """Write the rows' adjustment pairs into the current host list (each Adjustment once)
+        and upload them; returns each row's first pair."""
+        h = self._adj_hosts[self._flip]
+        starts, placed, n = [0] * len(rows), {}, 0
+        for r, s in enumerate(rows):
+            if s.adjust is None:
+                continue
+            key = id(s.adjust)
+            if key not in placed:
+                k = len(s.adjust.pairs)
+                if n + k > self._adj_cap:
+                    raise ValueError(f"logit adjustments of {n + k} pairs exceed the step's "
+                                     f"{self._adj_cap}")
+                h[2 * n:2 * (n + k)] = s.adjust.pairs.reshape(-1)
+                placed[key], n = n, n + k
+            starts[r] = placed[key]
+        if n:
+            self.model.backend.upload_step(h[:2 * n], self._adj_dev[:2 * n])
+        return starts
 
     def step(self, inp: StepInput) -> StepOutput:
         """Run one step and read its choices back."""
@@ -216,7 +248,7 @@ class ModelRunner:
         slots = self._dev[2 * M:2 * M + T]                            # (T,) i32
         tree = ([self._dev[o * M:o * M + T] for o in (3, 4, 5)]       # 3 x (T,) i32
                 if self._explicit(inp) else [])
-        params, out, hist = self._params[:L], self._out[:L], self.hist
+        params, out, hist, adj = self._params[:L], self._out[:L], self.hist, self._adj
         history, hook = self.kind.history, self.logits_hook
 
         def choose(logits) -> None:                                   # logits (L, V) f32
@@ -225,7 +257,7 @@ class ModelRunner:
             if L:
                 if hook is not None:
                     hook(ids, logits)
-                be.sample(logits, params, hist, out)
+                be.sample(logits, params, hist, adj, out)
 
         kv_rows = inp.kv_positions if inp.kv_positions is not None else inp.positions
         kv_len = max(max(inp.positions), max(kv_rows)) + 1
@@ -255,7 +287,7 @@ class ModelRunner:
         def choose(i: int, logits) -> None:                             # logits (1, V) f32
             if hook is not None:
                 hook(ids[i:i + 1], logits)
-            be.sample(logits, params, self.hist, out[i + 1:i + 2])
+            be.sample(logits, params, self.hist, self._adj, out[i + 1:i + 2])
             be.chosen_ids(out[i + 1:i + 2], ids[i + 1:i + 2])           # d_{i+2}
 
         model.forward_chain(ids[:n], pos, slots, range(start + 1, start + n + 1), choose, first)

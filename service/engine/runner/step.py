@@ -4,7 +4,10 @@ token (RowSampling), and what comes back (StepOutput).
 The scheduler's plan and the drafters describe their steps in these types; the model runner
 (model_runner.py) pads, packs, runs and reads them back. A row chooses its token with a
 request's SamplingParams, its seed resolved, the draw's counter (the index of the token the row
-produces) and the log-probabilities asked; its parameter record is step_format.param_record's.
+produces), the log-probabilities asked, where its generated tokens start in the token history
+(the frequency / presence penalties count them there) and its sparse logit adjustments
+(`Adjustment`: logit_bias, and the bans of min_tokens); its parameter record is
+step_format.param_record's.
 """
 
 from __future__ import annotations
@@ -18,6 +21,29 @@ from service.backends.step_format import TOP_MAX, param_record, read_output
 from service.engine.types import SamplingParams, TokenLogprob
 
 
+@dataclass(frozen=True, eq=False)
+class Adjustment:
+    """One row's sparse additive logit adjustments: pairs (n, 2) int32 of [token id, delta f32
+    bits], unique ids ascending (the sample op adds delta to the id's logit after the
+    penalties). Compared by identity: rows of one sequence share theirs in a step's list."""
+
+    pairs: np.ndarray             # (n, 2) int32
+
+    @classmethod
+    def of(cls, bias: Sequence[tuple[int, float]], banned: Sequence[int] = ()
+           ) -> Adjustment | None:
+        """bias (token id, delta) with the banned ids' deltas -inf; None when both are empty."""
+        deltas = {int(t): np.float32(b) for t, b in bias}
+        deltas.update((int(t), np.float32(-np.inf)) for t in banned)
+        if not deltas:
+            return None
+        ids = np.array(sorted(deltas), np.int32)                          # (n,) i32
+        pairs = np.empty((ids.size, 2), np.int32)                         # (n, 2) i32
+        pairs[:, 0] = ids
+        pairs[:, 1] = np.array([deltas[int(i)] for i in ids], np.float32).view(np.int32)
+        return cls(pairs)
+
+
 @dataclass(frozen=True)
 class RowSampling(SamplingParams):
     """How one logits row chooses its token: the request's sampling (temperature 0 = greedy
@@ -25,22 +51,31 @@ class RowSampling(SamplingParams):
 
     token_index: int = 0          # the draw's counter: tokens generated before this one
     n_top: int = -1               # -1: no log-probabilities; else chosen + n_top alternatives
+    gen_start: int = 0            # position of the first generated token (the prompt length)
+    adjust: Adjustment | None = None   # logit_bias and min_tokens bans; None: none
+    score_id: int = -1            # >= 0: report this token's log-probability (a prompt token's)
 
     @classmethod
-    def of(cls, p: SamplingParams, seed: int, token_index: int, n_top: int) -> RowSampling:
+    def of(cls, p: SamplingParams, seed: int, token_index: int, n_top: int,
+           gen_start: int = 0, adjust: Adjustment | None = None) -> RowSampling:
         """Request sampling `p` with its resolved `seed`, for the draw `token_index`."""
         given = {f.name: getattr(p, f.name) for f in fields(SamplingParams)}
-        return cls(**{**given, "seed": seed}, token_index=token_index, n_top=n_top)
+        return cls(**{**given, "seed": seed}, token_index=token_index, n_top=n_top,
+                   gen_start=gen_start, adjust=adjust)
 
-    def record(self, slot: int, position: int) -> list[int]:
+    def record(self, slot: int, position: int, adj_start: int = 0) -> list[int]:
         """The sample op's parameter record (N_PARAMS int32) of this row, whose token history
-        is row `slot` of the history and whose own token is at `position`."""
+        is row `slot` of the history, whose own token is at `position` and whose adjustment
+        pairs start at `adj_start` of the step's list."""
         return param_record(
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
             min_p=self.min_p, penalty=self.repetition_penalty,
             repeat_last_n=self.repeat_last_n, seed=self.seed or 0,
             token_index=self.token_index, n_top=min(self.n_top, TOP_MAX), slot=slot,
-            position=position)
+            position=position, frequency=self.frequency_penalty,
+            presence=self.presence_penalty, gen_start=self.gen_start, adj_start=adj_start,
+            adj_count=0 if self.adjust is None else len(self.adjust.pairs),
+            score=self.score_id)
 
 
 # every filter off: the argmax, the lowest id on ties

@@ -24,6 +24,10 @@ class KVManager:
         ctx = seq.context_ids
         # a new prompt computes at least its last token (its logits choose the first one)
         limit = len(ctx) - (1 if seq.seed is None else 0)
+        if seq.request.prompt_logprobs is not None and (seq.prompt_scores is not None
+                                                        or not seq.t_start):
+            limit = 0               # every prompt position computes its logits
+
         cached = self.pool.match(ctx, limit)
         idle = sum(1 for b in cached if self.pool.ref[b] == 0)   # cached, counted as available
         if self.pool.blocks_for(len(ctx) + 1) - len(cached) > self.pool.available - idle:

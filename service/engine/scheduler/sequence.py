@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from service.engine.runner.step import Adjustment
 from service.engine.textstream import TextStream
 from service.engine.types import (
     Delta,
@@ -61,6 +62,21 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.history = list(self.request.prompt_ids)
+        self._adjust: tuple[Adjustment | None, Adjustment | None] | None = None
+        # prompt position p -> log-probability of prompt token p + 1, while scoring the prompt
+        self.prompt_scores: dict[int, TokenLogprob] | None = None
+
+    def adjustment(self, token_index: int) -> Adjustment | None:
+        """The sparse logit adjustment of the draw `token_index`: logit_bias, with the ids that
+        would end the generation (EOS unless ignore_eos, stop_token_ids) at -inf while
+        token_index < min_tokens. Built once per request (two shared objects)."""
+        if self._adjust is None:
+            stop, bias = self.request.stopping, self.request.sampling.logit_bias
+            banned = sorted(set(stop.stop_token_ids)
+                            | (set() if stop.ignore_eos else set(self.eog_ids)))
+            self._adjust = (Adjustment.of(bias),
+                            Adjustment.of(bias, banned) if stop.min_tokens else None)
+        return self._adjust[token_index < self.request.stopping.min_tokens]
 
     def send(self, event) -> None:
         """Hand an event to the request's sink. A sink that fails means its consumer is gone
@@ -94,15 +110,31 @@ class Sequence:
         n = len(self.request.prompt_ids) if self.seed is None else len(self.history) - 1
         return max(0, n - self.n_past)
 
+    @property
+    def scoring_prompt(self) -> bool:
+        """Whether its prompt's log-probabilities are still to compute (every prompt position
+        then runs, none taken from the prefix cache)."""
+        return self.request.prompt_logprobs is not None and self.prompt_scores is not None
+
     def start(self, slot: int, n_cached: int = 0) -> None:
         """Take `slot` with its first `n_cached` positions' KV rows already in place (prefix
-        cache). The first start sends Started; a resumption after a preemption sends nothing."""
+        cache). The first start sends Started (with prompt log-probabilities: once they are
+        computed, `scored`); a resumption after a preemption sends nothing."""
         self.slot, self.n_past, self.prefill_start = slot, n_cached, n_cached
         if self.t_start:
             return
         self.cached_prompt_tokens = n_cached
         self.t_start = time.perf_counter()
-        self.send(Started(prompt_tokens=len(self.request.prompt_ids), seed=self.seed_value))
+        if self.request.prompt_logprobs is None:
+            self.send(Started(prompt_tokens=len(self.request.prompt_ids), seed=self.seed_value))
+        else:
+            self.prompt_scores = {}
+
+    def scored(self) -> None:
+        """Every prompt position's log-probability is in prompt_scores: send Started."""
+        scores, self.prompt_scores = self.prompt_scores or {}, None
+        self.send(Started(prompt_tokens=len(self.request.prompt_ids), seed=self.seed_value,
+                          prompt_logprobs=tuple(scores[p] for p in sorted(scores))))
 
     def preempt(self) -> None:
         """Its KV blocks were taken back: it waits again and recomputes its context."""
@@ -130,6 +162,8 @@ class Sequence:
             out_ids.append(tok)
             if self.request.top_logprobs and i < len(logprobs) and logprobs[i] is not None:
                 out_lp.append(logprobs[i])
+            # stop sequences count from token min_tokens on (earlier text is emitted as is)
+            self.text.armed = len(self.generated) > stop.min_tokens
             if tok in self.eog_ids and not stop.ignore_eos:
                 reason = FinishReason.EOS
                 break

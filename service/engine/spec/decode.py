@@ -39,9 +39,13 @@ Move = tuple[int, np.ndarray, np.ndarray]   # (slot, KV rows written, rows they 
 
 def choice(seq: Sequence, ahead: int = 0) -> RowSampling:
     """How `seq` chooses the token `ahead` tokens after its next one (the draw's counter: the
-    index of the token the row produces, as plain decoding would count it)."""
-    return RowSampling.of(seq.request.sampling, seq.seed_value, len(seq.generated) + ahead,
-                          seq.request.top_logprobs or -1)
+    index of the token the row produces, as plain decoding would count it): its frequency /
+    presence penalties count the generated tokens from the prompt's end, its logit adjustment
+    is the sequence's for that index (logit_bias, min_tokens bans)."""
+    index = len(seq.generated) + ahead
+    return RowSampling.of(seq.request.sampling, seq.seed_value, index,
+                          seq.request.top_logprobs or -1, len(seq.request.prompt_ids),
+                          seq.adjustment(index))
 
 
 class Speculator:

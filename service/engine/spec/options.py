@@ -39,12 +39,14 @@ def _precondition(field: str, message: str) -> InvalidRequestError:
 
 
 def resolve(enabled: bool | None, opts: SpeculativeOptions, config: EngineConfig,
-            has_drafter: bool, repetition_penalty: float = 1.0) -> Speculation:
+            has_drafter: bool, repetition_penalty: float = 1.0,
+            reads_history: bool = False) -> Speculation:
     """The speculation of one request, or InvalidRequestError naming the offending field.
 
-    A request with a repetition penalty verifies chains: its penalty window reads the token
-    history by position, which the nodes of one tree depth share. Asking for tree mode with a
-    penalty is INVALID_ARGUMENT; a server default of tree verify falls back to chain."""
+    A request with a repetition penalty (or, reads_history, a frequency / presence penalty:
+    SamplingParams.reads_history) verifies chains: its penalty window reads the token history
+    by position, which the nodes of one tree depth share. Asking for tree mode with a penalty
+    is INVALID_ARGUMENT; a server default of tree verify falls back to chain."""
     mode, width, budget = opts.mode, opts.width, opts.tree_budget
     if _switched_off(enabled, opts):
         return Speculation(False, config.verify_width, 0)
@@ -62,7 +64,7 @@ def resolve(enabled: bool | None, opts: SpeculativeOptions, config: EngineConfig
     if mode == "chain" and budget is not None:
         raise InvalidRequestError("speculative.tree_budget", "applies to tree mode, not to "
                                   "mode chain")
-    tree = _tree(opts, config, repetition_penalty)
+    tree = _tree(opts, config, repetition_penalty != 1.0 or reads_history)
     if budget is not None and not 2 <= budget <= config.tree_budget:
         raise InvalidRequestError("speculative.tree_budget", f"must be in [2, "
                                   f"{config.tree_budget}] (the server's tree_budget), got "
@@ -93,7 +95,7 @@ def _switched_off(enabled: bool | None, opts: SpeculativeOptions) -> bool:
     return True
 
 
-def _tree(opts: SpeculativeOptions, config: EngineConfig, repetition_penalty: float) -> bool:
+def _tree(opts: SpeculativeOptions, config: EngineConfig, penalised: bool) -> bool:
     """Whether the request verifies a tree (asked for, or the server's default)."""
     mode, budget = opts.mode, opts.tree_budget
     tree = mode == "tree" or (mode is None and (budget is not None or config.tree_budget > 0))
@@ -101,13 +103,14 @@ def _tree(opts: SpeculativeOptions, config: EngineConfig, repetition_penalty: fl
         raise _precondition("speculative.tree_budget" if budget is not None
                             else "speculative.mode", "tree verify needs a server started with "
                             "tree_budget > 0 (--tree-budget); this one verifies chains")
-    if tree and repetition_penalty != 1.0:
+    if tree and penalised:
         if mode == "tree" or budget is not None:
             raise InvalidRequestError("speculative.mode" if mode == "tree"
                                       else "speculative.tree_budget",
                                       "tree verify does not combine with "
-                                      "sampling.repetition_penalty != 1 (the penalty reads the "
-                                      "token history by position, which sibling nodes share); "
-                                      "use mode chain")
+                                      "sampling.repetition_penalty != 1 or a "
+                                      "frequency_penalty / presence_penalty != 0 (the penalties "
+                                      "read the token history by position, which sibling nodes "
+                                      "share); use mode chain")
         return False
     return tree
