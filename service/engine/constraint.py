@@ -26,14 +26,13 @@ from service.errors import InvalidRequestError
 
 COMPILER_CACHE_BYTES = 256 << 20       # xgrammar's compiled-grammar cache (LRU by text)
 MAX_CONSTRAINT_CHARS = 1 << 20         # a longer schema / regex / grammar is refused unread
-MAX_ROLLBACK = 64                      # tokens a matcher can take back (speculative drafts)
 
 _lock = threading.Lock()
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")      # "[13:18:00] path.cc:820: "
 
 
 def xgr() -> Any:
-    import xgrammar                    # ~3 s: torch + transformers; first constrained request
+    import xgrammar  # ~3 s: torch + transformers; first constrained request
     return xgrammar
 
 
@@ -129,7 +128,7 @@ class Matcher:
 
     def __init__(self, compiled: Any, vocab_size: int):
         x = xgr()
-        self._m = x.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK)
+        self._m = x.GrammarMatcher(compiled)          # rollback is unlimited
         self.vocab_size = vocab_size
         self._stops = np.asarray(self._m.stop_token_ids, np.int64)
         self._buf = x.allocate_token_bitmask(1, vocab_size)
