@@ -103,6 +103,8 @@ def compile_constraint(tokenizer: Any, c: Constraint, vocab_size: int | None = N
     """The CompiledGrammar of `c` (cached by text in the compiler); a constraint that does not
     compile is INVALID_ARGUMENT naming its field."""
     check(c)
+    if not tokenizer.can_encode:
+        raise InvalidRequestError("constraint", "the model has no text vocabulary to constrain")
     comp = compiler(tokenizer, vocab_size)
     try:
         if c.kind == "json_schema":

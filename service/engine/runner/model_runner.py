@@ -43,6 +43,10 @@ Rows with logit adjustments (logit_bias, min_tokens bans: RowSampling.adjust) pu
 in a separate adjustment list (K, 2) int32 (step_format.py), uploaded with a second copy only
 when some row of the step has pairs (rows of one sequence that share an Adjustment share its
 pairs), so steps without them pay nothing; it too alternates between two host buffers.
+Rows with a structured-output token mask (RowSampling.mask) put it in the step's mask list
+(L, MASK_WORDS) int32 at their own row index (record word MASK; -1 for the others), uploaded
+with one more copy only when some row has a mask; the list is always passed to the sample op,
+so a captured graph serves steps with and without masks.
 
 KV row moves (tree compaction, `move_kv`) go through a second small host buffer of 3M words
 (slots | sources | destinations), also uploaded with one copy, then one kv_move op.
@@ -117,7 +121,6 @@ class ModelRunner:
                             be.host_buffer(max(1, L) * self._mask_w))
         self._mask_dev = be.zeros((max(1, L) * self._mask_w,), "int32")
         self._masks = self._mask_dev.reshape(max(1, L), self._mask_w)
-        self._has_masks = False
         self._mv_host = be.host_buffer(3 * M)                     # (3M,) i32 pinned on CUDA
         self._mv_dev = be.zeros((3 * M,), "int32")                # (3M,) i32
         if kind.chains:
@@ -159,7 +162,7 @@ class ModelRunner:
         L = len(inp.logit_rows)
         h[self._o_rows:self._o_rows + L] = np.asarray(inp.logit_rows, np.int32) + pad
         starts = self._pack_adjustments(inp.sampling)
-        self._has_masks = self._pack_masks(inp.sampling)
+        self._pack_masks(inp.sampling)
         for r, (row, s) in enumerate(zip(inp.logit_rows, inp.sampling, strict=True)):
             o = self._o_par + r * N_PARAMS
             where = (int(inp.slots[row]), int(inp.positions[row])) if self.kind.history \
@@ -191,11 +194,11 @@ class ModelRunner:
             self.model.backend.upload_step(h[:2 * n], self._adj_dev[:2 * n])
         return starts
 
-    def _pack_masks(self, rows: Sequence[RowSampling]) -> bool:
+    def _pack_masks(self, rows: Sequence[RowSampling]) -> None:
         """Write the masked rows' token masks (row r at mask row r) into the current host list
-        and upload them; False (nothing uploaded) when no row has one."""
+        and upload them; nothing when no row has one (the others' records say MASK = -1)."""
         if all(s.mask is None for s in rows):
-            return False
+            return
         W, h = self._mask_w, self._mask_hosts[self._flip]
         top = 0
         for r, s in enumerate(rows):
@@ -203,7 +206,6 @@ class ModelRunner:
                 h[r * W:(r + 1) * W] = s.mask
                 top = r + 1
         self.model.backend.upload_step(h[:top * W], self._mask_dev[:top * W])
-        return True
 
     def step(self, inp: StepInput) -> StepOutput:
         """Run one step and read its choices back."""
@@ -271,7 +273,7 @@ class ModelRunner:
         tree = ([self._dev[o * M:o * M + T] for o in (3, 4, 5)]       # 3 x (T,) i32
                 if self._explicit(inp) else [])
         params, out, hist, adj = self._params[:L], self._out[:L], self.hist, self._adj
-        masks = self._masks if self._has_masks else None
+        masks = self._masks      # always passed (a captured graph keeps its arguments)
         history, hook = self.kind.history, self.logits_hook
 
         def choose(logits) -> None:                                   # logits (L, V) f32
