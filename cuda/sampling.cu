@@ -27,6 +27,8 @@
 //     frequency f / presence p: c_i = count of id i in hist[slot, gen_start .. pos];
 //         l_i -= f32(c_i) * f + p where c_i > 0 (each operation rounded to f32, no FMA)
 //     adjustments: l_i += d_i for the row's pairs adj[adj_start .. adj_start + adj_count)
+//     token mask (P_MASK >= 0 and mask_w > 0): l_i = -inf where bit i of masks row P_MASK
+//         (mask_w int32 words, bit i % 32 of word i / 32) is clear
 //     greedy (T == 0): argmax l, lowest id on ties
 //     top-k: first k of (l desc, id asc);  w = exp(l - l_max) (f64), z = sum of w over top-k
 //     min-p: w >= min_p;  top-p: shortest (l desc, id asc) prefix with sum w >= top_p * z
@@ -37,6 +39,7 @@
 //           token's (the P_SCORE token's when >= 0) and the n_top largest (logit desc, id asc)
 //   logits (L, V) f32 row stride ld; params (L, N_PARAMS) int32 (step_format.Param); hist as
 //   above; adj (K, 2) int32 [id, delta f32 bits] (step_format.py; unique ids within a row);
+//   masks (R, mask_w) int32 token masks (mask_w 0: none; every row's P_MASK is then ignored);
 //   work (L, V) f32 per-row scratch (penalised logits, sized once by prepare_sampling);
 //   counts (L, V) int32 per-row scratch, all zero on entry and on exit (the penalties' counts:
 //   integer atomics, then one atomicExch per distinct id reads and clears its count, so exactly
@@ -117,8 +120,9 @@ extern "C" __global__ void feed_ids(const int* __restrict__ records, int ld, int
 // ---------------------------------------------------------------- sampling
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 sample_rows(const float* logits, int ld, int V, const int* __restrict__ params,
-            const int* __restrict__ hist, int n_ctx, const int* __restrict__ adj, float* work,
-            int* __restrict__ counts, int* __restrict__ out) {
+            const int* __restrict__ hist, int n_ctx, const int* __restrict__ adj,
+            const int* __restrict__ masks, int mask_w, float* work, int* __restrict__ counts,
+            int* __restrict__ out) {
     PDL_ENTRY();
     // logits and work carry no __restrict__: the filters read the row through one pointer
     // that is either, and work is written in this kernel (no read-only cache loads for it)
@@ -133,8 +137,9 @@ sample_rows(const float* logits, int ld, int V, const int* __restrict__ params,
     const int gen = P[P_GEN_START], adj0 = P[P_ADJ_START], n_adj = P[P_ADJ_COUNT];
     const bool repeat = penalty != 1.0f && n_win > 0 && slot >= 0;
     const bool count = (freq != 0.0f || pres != 0.0f) && slot >= 0 && gen <= pos;
+    const int mask_row = mask_w > 0 ? P[P_MASK] : -1;
     const float* l = x;
-    if (repeat || count || n_adj > 0) {
+    if (repeat || count || n_adj > 0 || mask_row >= 0) {
         float* w = work + (size_t)row * V;
         const int* h = hist + (size_t)max(slot, 0) * n_ctx;      // read only when slot >= 0
         for (int i = tid; i < V; i += SAMPLE_THREADS) w[i] = x[i];
@@ -171,6 +176,12 @@ sample_rows(const float* logits, int ld, int V, const int* __restrict__ params,
             if (id >= 0 && id < V) w[id] = __fadd_rn(w[id], __int_as_float(pair[1]));
         }
         __syncthreads();
+        if (mask_row >= 0) {                 // structured output: -inf where the bit is clear
+            const int* m = masks + (size_t)mask_row * mask_w;
+            for (int i = tid; i < V; i += SAMPLE_THREADS)
+                if (!((m[i >> 5] >> (i & 31)) & 1)) w[i] = NEG_INF;
+            __syncthreads();
+        }
         l = w;
     }
     // argmax of l: the greedy choice, and l_max for the filters

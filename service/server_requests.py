@@ -15,10 +15,13 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from service.chat_templates import RenderWatch, watching
+from service.engine.constraint import check as check_constraint
+from service.engine.constraint import compile_constraint
 from service.engine.spec.options import resolve as resolve_speculation
 from service.engine.types import (
     MAX_LOGIT_BIAS,
     MAX_N,
+    Constraint,
     GenerationRequest,
     SamplingParams,
     SpeculativeOptions,
@@ -182,13 +185,38 @@ async def request_from_proto(state: ServingState, engine: Any,
     speculation = resolve_speculation(speculative, options, engine.config,
                                       engine.config.drafter != "none",
                                       sampling.repetition_penalty, sampling.reads_history)
+    constraint = constraint_from_proto(msg)
+    if constraint is not None:
+        if speculation is not None and speculation.on and speculation.tree_budget > 0:
+            raise InvalidRequestError("speculative.mode", "tree speculation cannot be used "
+                                      "with a constraint; use chain or off")
+        await state.off_loop(compile_constraint, engine.tokenizer, constraint,
+                             engine.spec.vocab_size)
     return GenerationRequest(
+        constraint=constraint,
         request_id=msg.request_id, prompt_ids=await prompt_ids(state, engine, msg),
         sampling=sampling, stopping=stopping_from_proto(msg.stopping),
         top_logprobs=optional(msg.output, "top_logprobs", 0, int), speculative=speculative,
         speculative_options=options, speculation=speculation,
         prompt_logprobs=prompt_logprobs_from_proto(msg.output),
         priority=optional(msg, "priority", 0, int))
+
+
+def constraint_from_proto(msg: generation_pb2.GenerateRequest) -> Constraint | None:
+    """GenerateRequest.constraint as a Constraint (checked, not compiled), None when unset."""
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "choice":
+        c = Constraint("choice", options=tuple(msg.choice.options))
+    elif kind == "json_object":
+        if not msg.json_object:
+            raise InvalidRequestError("constraint.json_object", "must be true when set")
+        c = Constraint("json_object")
+    else:
+        c = Constraint(kind, getattr(msg, kind))
+    check_constraint(c)
+    return c
 
 
 def prompt_logprobs_from_proto(msg: generation_pb2.OutputOptions) -> int | None:

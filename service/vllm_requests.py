@@ -24,23 +24,28 @@ Every request field is mapped or refused with INVALID_ARGUMENT naming it; none i
                                      text options: this protocol returns token ids only, and
                                      the gateway detokenizes with them, so there is no text
                                      here for them to change
-    .grammar_from_first_token        where a constraint starts; constraints are refused
+    .json_schema .regex .grammar .choice .json_object
+                                     structured output (GenerateRequest.constraint's fields;
+                                     a compile error is INVALID_ARGUMENT on the field)
+    .grammar_from_first_token        ignored: constraints apply from the first token
     .prompt_logprobs                 N in [0, 20]: each prompt token's log-probability and N
                                      alternatives (input_logprobs of the first chunk, or of
                                      the complete message)
-    refused when set: prompt_logprobs -1, logprobs -1, every constraint (json_schema, regex,
-    grammar, structural_tag, json_object, choice), mm_inputs, extra_mm_inputs, media_refs,
-    kv_transfer_params(_json), data_parallel_rank other than 0.
+    refused when set: prompt_logprobs -1, logprobs -1, structural_tag, mm_inputs,
+    extra_mm_inputs, media_refs, kv_transfer_params(_json), data_parallel_rank other than 0.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from service.engine.constraint import compile_constraint
 from service.engine.spec.options import resolve as resolve_speculation
 from service.engine.types import (
     MAX_LOGIT_BIAS,
     MAX_TOP_LOGPROBS,
+    Constraint,
     Delta,
     Finished,
     FinishReason,
@@ -105,14 +110,27 @@ def check_request_fields(msg: Any) -> None:
         raise _refuse(f"{SP}.prompt_logprobs", "prompt log-probabilities of the whole "
                       "vocabulary (-1)")
     which = sp.WhichOneof("constraint")
-    if which is not None:
-        raise _refuse(f"{SP}.{which}", "constrained decoding is not implemented")
+    if which == "structural_tag":
+        raise _refuse(f"{SP}.{which}", "structural tags are not served (json_schema, regex, "
+                      "grammar, choice and json_object are)")
     if sp.HasField("logprobs") and sp.logprobs < 0:
         raise _refuse(f"{SP}.logprobs", "log-probabilities of the whole vocabulary (-1)")
     if sp.HasField("seed") and sp.seed < 0:
         raise InvalidRequestError(f"{SP}.seed", f"must be >= 0, got {sp.seed}")
     if sp.n > MAX_N:
         raise InvalidRequestError(f"{SP}.n", f"at most {MAX_N} samples, got {sp.n}")
+
+
+def constraint_of(sp: Any) -> Constraint | None:
+    """The structured-output constraint of vLLM's SamplingParams (None when unset)."""
+    which = sp.WhichOneof("constraint")
+    if which is None:
+        return None
+    if which == "choice":
+        return Constraint("choice", options=tuple(sp.choice.choices))
+    if which == "json_object":
+        return Constraint("json_object")
+    return Constraint(which, getattr(sp, which))
 
 
 def sampling_of(sp: Any) -> SamplingParams:
@@ -179,6 +197,18 @@ async def requests_from_proto(state: ServingState, engine: Any, msg: Any
         speculation=resolve_speculation(None, SpeculativeOptions(), engine.config,
                                         engine.config.drafter != "none",
                                         sampling.repetition_penalty, sampling.reads_history))
+    constraint = constraint_of(sp)
+    if constraint is not None:
+        if base.speculation is not None and base.speculation.on and base.speculation.tree_budget:
+            raise _refuse(f"{SP}.{sp.WhichOneof('constraint')}", "a constraint with the "
+                          "server's tree speculation")
+        try:
+            await state.off_loop(compile_constraint, engine.tokenizer, constraint,
+                                 engine.spec.vocab_size)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{SP}.{constraint.kind}", str(exc).split(": ", 1)[-1],
+                                      exc.reason) from exc
+        base = replace(base, constraint=constraint)
     try:
         base.validate(engine.spec.vocab_size, n_ctx)
     except InvalidRequestError as exc:

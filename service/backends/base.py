@@ -392,9 +392,11 @@ class Backend(abc.ABC):
         before that step is read back (the overlapped loop). src, ids (T,) int32."""
 
     @abc.abstractmethod
-    def sample(self, logits: Array, params: Array, hist: Array, adj: Array, out: Array) -> None:
+    def sample(self, logits: Array, params: Array, hist: Array, adj: Array, out: Array,
+               masks: Array | None = None) -> None:
         """Choose one token per logits row (service/backends/cpu/sampling.py defines the
         parameter record, the chain of filters, the draw and the output record).
         logits (L, V) f32, params (L, N_PARAMS) int32, hist (n_slots, n_ctx) int32,
         adj (K, 2) int32 the step's logit adjustments (step_format.py), out (L, OUT_WORDS)
-        int32."""
+        int32, masks (R, MASK_WORDS) int32 the step's token masks (rows whose record says
+        MASK >= 0 read theirs; None: no row reads any)."""

@@ -11,6 +11,10 @@ Adjustment list (the sample op's `adj` input, (K, 2) int32): the sparse additive
 adjustments of a step, [token id, delta f32 bits] pairs; row r reads pairs
 [ADJ_START, ADJ_START + ADJ_COUNT) (unique ids within a row; rows of one sequence may share a
 range). ADJ_ROW_MAX bounds one row's pairs (logit_bias + the ids min_tokens bans).
+Mask list (the sample op's `masks` input, (R, MASK_WORDS(V)) int32): structured-output token
+masks, bit (t % 32) of word t // 32 set when token t is allowed; row r with MASK = m >= 0 gives
+every token whose bit is clear in mask row m the logit -inf after the adjustments (before the
+filters). Rows with MASK = -1 read nothing of it.
 Output record (OUT_WORDS int32 words per row): [id, logprob bits, top ids (TOP_MAX),
 top logprob bits (TOP_MAX)]; unused top entries are id -1, logprob 0. The logprob is the chosen
 id's, or the SCORE id's where the record names one (a prompt token's log-probability).
@@ -49,9 +53,15 @@ class Param(enum.IntEnum):
     ADJ_START = 15      # first pair of the row's logit adjustments in the step's list
     ADJ_COUNT = 16      # pairs of the row's logit adjustments; 0 = none
     SCORE = 17          # -1: word 1 is the chosen id's log-probability; else this id's
+    MASK = 18           # -1: no token mask; else the row of the step's mask list it reads
 
 
 N_PARAMS = len(Param)
+
+
+def mask_words(vocab: int) -> int:
+    """int32 words of one token-mask row."""
+    return (vocab + 31) // 32
 
 
 def f32_bits(x: float) -> int:
@@ -63,7 +73,7 @@ def param_record(*, temperature: float, top_k: int, top_p: float, min_p: float,
                  penalty: float, repeat_last_n: int, seed: int, token_index: int, n_top: int,
                  slot: int, position: int, frequency: float = 0.0, presence: float = 0.0,
                  gen_start: int = 0, adj_start: int = 0, adj_count: int = 0,
-                 score: int = -1) -> list[int]:
+                 score: int = -1, mask: int = -1) -> list[int]:
     """One row's parameter record (N_PARAMS int32 values)."""
     seed &= (1 << 64) - 1
     rec = [0] * N_PARAMS
@@ -85,6 +95,7 @@ def param_record(*, temperature: float, top_k: int, top_p: float, min_p: float,
     rec[Param.ADJ_START] = adj_start
     rec[Param.ADJ_COUNT] = adj_count
     rec[Param.SCORE] = score
+    rec[Param.MASK] = mask
     return rec
 
 

@@ -87,7 +87,7 @@ from service.engine.types import (
     StoppingCriteria,
     TokenLogprob,
 )
-from service.errors import UnavailableError
+from service.errors import InvalidRequestError, UnavailableError
 from service.gguf.reader import GGUFFile
 from service.model.chat import ChatPrompt, chat_prompt, chat_prompt_text, template_for
 from service.model.spec import ModelSpec
@@ -287,7 +287,15 @@ class Engine:
             request.speculative, request.speculative_options, self.config,
             self.drafter is not None, request.sampling.repetition_penalty,
             request.sampling.reads_history)
-        return Sequence(request=request, sink=sink,
+        matcher = None
+        if request.constraint is not None:
+            if spec.on and spec.tree_budget:
+                raise InvalidRequestError("speculative.mode", "tree speculation cannot be "
+                                          "used with a constraint; use chain or off")
+            from service.engine.constraint import Matcher, compile_constraint
+            matcher = Matcher(compile_constraint(self.tokenizer, request.constraint,
+                                                 self.spec.vocab_size), self.spec.vocab_size)
+        return Sequence(request=request, sink=sink, matcher=matcher,
                         seed_value=resolve_seed(request.sampling.seed,
                                                 request.sampling.greedy),
                         text=TextStream(self.tokenizer, request.stopping.stop_sequences),

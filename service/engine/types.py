@@ -154,6 +154,19 @@ class Speculation:
     tree_budget: int         # > 0: tree verify with this many nodes; 0: chain verify
 
 
+CONSTRAINT_KINDS = ("json_schema", "regex", "grammar", "choice", "json_object")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Structured output: `kind` one of CONSTRAINT_KINDS; `text` the schema, regex or grammar
+    ("" for json_object); `options` the strings of a choice. Compiled by engine/constraint.py."""
+
+    kind: str
+    text: str = ""
+    options: tuple[str, ...] = ()
+
+
 class FinishReason(enum.Enum):
     LENGTH = "length"                # max_new_tokens reached
     EOS = "eos"                      # the model's end-of-generation token
@@ -161,6 +174,7 @@ class FinishReason(enum.Enum):
     STOP_TOKEN = "stop_token"        # one of stop_token_ids was generated
     CONTEXT_LIMIT = "context_limit"  # the sequence filled the context window
     CANCELLED = "cancelled"          # the caller cancelled (or its deadline passed)
+    CONSTRAINT = "constraint"        # the request's constraint was complete
     ERROR = "error"                  # the engine failed on this request
 
 
@@ -180,6 +194,8 @@ class GenerationRequest:
     # with k alternatives, in Started (sent once the prompt is processed)
     prompt_logprobs: int | None = None
     priority: int = 0                # admission order: lower first, FIFO within a level
+    # structured output (service/engine/constraint.py); None: unconstrained
+    constraint: Constraint | None = None
 
     def validate(self, vocab_size: int, n_ctx: int) -> None:
         if not self.prompt_ids:

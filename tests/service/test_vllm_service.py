@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import threading
 import time
 import zipfile
@@ -138,12 +139,11 @@ REFUSED = [
     ("sampling_params.prompt_logprobs", dict(prompt_logprobs=21)),
     ("sampling_params.logprobs", dict(logprobs=-1)),
     ("sampling_params.logprobs", dict(logprobs=21)),
-    ("sampling_params.json_schema", dict(json_schema="{}")),
-    ("sampling_params.regex", dict(regex="a+")),
-    ("sampling_params.grammar", dict(grammar="root ::= 'a'")),
+    ("sampling_params.json_schema", dict(json_schema="{not json")),
+    ("sampling_params.regex", dict(regex="a(")),
+    ("sampling_params.grammar", dict(grammar="root ::= (")),
     ("sampling_params.structural_tag", dict(structural_tag="{}")),
-    ("sampling_params.json_object", dict(json_object=True)),
-    ("sampling_params.choice", dict(choice=pb.ChoiceConstraint(choices=["a"]))),
+    ("sampling_params.choice", dict(choice=pb.ChoiceConstraint(choices=[""]))),
     ("sampling_params.seed", dict(seed=-1)),
     ("sampling_params.n", dict(n=17)),
     ("sampling_params.temperature", dict(temperature=-1.0)),
@@ -298,3 +298,12 @@ def test_a_model_without_vocabulary_advertises_no_tokenizer():
         assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
         out = gen(stub, [1, 2, 3], temperature=0.0, max_tokens=3, ignore_eos=True)
         assert len(out[-1].complete.output_ids) == 3
+
+
+def test_structured_output_fields_are_served(vllm, engine):
+    out = gen(vllm, prompt_ids(engine), temperature=0.0, max_tokens=32, regex=r"[0-9]{4}")
+    text = engine.tokenizer.decode(out[-1].complete.output_ids)
+    assert re.fullmatch(r"[0-9]{4}", text) and out[-1].complete.finish_reason == "stop"
+    out = gen(vllm, prompt_ids(engine), temperature=0.0, max_tokens=32,
+              choice=pb.ChoiceConstraint(choices=["north", "south"]))
+    assert engine.tokenizer.decode(out[-1].complete.output_ids) in ("north", "south")

@@ -580,3 +580,23 @@ def test_laguna_layers_launch_their_own_heads_window_rope_and_gate_views(gpu):
     # two RoPE tables: YaRN on the full-attention layers, plain on the sliding-window ones
     assert len(seen_tables) == len({(la.rope_dims, la.rope_base, la.rope_scaling)
                                     for la in spec.layers}) == 2
+
+
+def test_the_sample_op_takes_a_token_mask_list(gpu):
+    """sample_rows gets the mask list and its row width (0 without one: no record reads it);
+    a list of the wrong width is refused before the launch."""
+    from service.backends.step_format import N_PARAMS, OUT_WORDS, mask_words
+    be = create_backend("cuda", graphs=False)
+    V, L = 100, 2
+    be.prepare_sampling(L, V)
+    logits, params = be.zeros((L, V)), be.zeros((L, N_PARAMS), "int32")
+    hist, adj, out = be.zeros((1, 8), "int32"), be.zeros((1, 2), "int32"), \
+        be.zeros((L, OUT_WORDS), "int32")
+    masks = be.zeros((L, mask_words(V)), "int32")
+    be.sample(logits, params, hist, adj, out)
+    be.sample(logits, params, hist, adj, out, masks)
+    launches = [x for x in gpu.launches if x.kernel == "sample_rows"]
+    assert [int(x.args[8].value) for x in launches] == [0, mask_words(V)]
+    assert launches[1].args[7].shape == (L, mask_words(V))
+    with pytest.raises(ValueError, match="sample masks"):
+        be.sample(logits, params, hist, adj, out, be.zeros((L, 3), "int32"))

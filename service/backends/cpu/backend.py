@@ -165,5 +165,5 @@ class CpuBackend(Backend):
         fed = src >= 0
         ids[fed] = records[src[fed], 0]
 
-    def sample(self, logits, params, hist, adj, out) -> None:
-        sampling.sample_rows(logits, params, hist, adj, out)
+    def sample(self, logits, params, hist, adj, out, masks=None) -> None:
+        sampling.sample_rows(logits, params, hist, adj, out, masks)

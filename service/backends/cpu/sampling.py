@@ -164,7 +164,17 @@ def adjusted(lg: np.ndarray, pairs: np.ndarray) -> np.ndarray:
     return work
 
 
-def _adjust(row: np.ndarray, rec: np.ndarray, hist: np.ndarray, adj: np.ndarray) -> np.ndarray:
+def masked(lg: np.ndarray, words: np.ndarray) -> np.ndarray:
+    """A copy of lg (V,) f32 with -inf where the mask row `words` (int32) has a clear bit."""
+    bits = np.unpackbits(np.ascontiguousarray(words, np.int32).view(np.uint8),
+                         bitorder="little")[:lg.size].astype(bool)
+    work = np.array(lg, np.float32)
+    work[~bits] = -np.inf
+    return work
+
+
+def _adjust(row: np.ndarray, rec: np.ndarray, hist: np.ndarray, adj: np.ndarray,
+            masks: np.ndarray | None = None) -> np.ndarray:
     """The logits the filters read: row (V,) f32 with the repetition penalty, the frequency /
     presence penalties and the row's logit adjustments (the row itself when none applies)."""
     penalty, n = _f32(rec[Param.PENALTY]), int(rec[Param.REPEAT_LAST_N])
@@ -179,17 +189,20 @@ def _adjust(row: np.ndarray, rec: np.ndarray, hist: np.ndarray, adj: np.ndarray)
     start, count = int(rec[Param.ADJ_START]), int(rec[Param.ADJ_COUNT])
     if count > 0:
         lg = adjusted(lg, adj[start:start + count])
+    m = int(rec[Param.MASK])
+    if m >= 0 and masks is not None:
+        lg = masked(lg, masks[m])
     return lg
 
 
 # ---------------------------------------------------------------- the op
 def sample_row(row: np.ndarray, rec: np.ndarray, hist: np.ndarray, adj: np.ndarray,
-               out: np.ndarray) -> None:
+               out: np.ndarray, masks: np.ndarray | None = None) -> None:
     """One row of the op: row (V,) f32 logits, rec (N_PARAMS,) int32, hist (n_slots, n_ctx)
     int32, adj (K, 2) int32 (the step's logit adjustments), out (OUT_WORDS,) int32."""
     V = row.shape[0]
     temperature = _f32(rec[Param.TEMPERATURE])
-    lg = _adjust(row, rec, hist, adj)
+    lg = _adjust(row, rec, hist, adj, masks)
     if temperature == 0:
         chosen = int(np.argmax(lg))
     else:
@@ -215,8 +228,8 @@ def sample_row(row: np.ndarray, rec: np.ndarray, hist: np.ndarray, adj: np.ndarr
 
 
 def sample_rows(logits: np.ndarray, params: np.ndarray, hist: np.ndarray, adj: np.ndarray,
-                out: np.ndarray) -> None:
+                out: np.ndarray, masks: np.ndarray | None = None) -> None:
     """logits (L, V) f32, params (L, N_PARAMS) int32, hist (n_slots, n_ctx) int32,
-    adj (K, 2) int32, out (L, OUT_WORDS) int32."""
+    adj (K, 2) int32, out (L, OUT_WORDS) int32, masks (R, MASK_WORDS) int32 or None."""
     for r in range(logits.shape[0]):
-        sample_row(logits[r], params[r], hist, adj, out[r])
+        sample_row(logits[r], params[r], hist, adj, out[r], masks)

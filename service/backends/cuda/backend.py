@@ -231,8 +231,8 @@ class CudaBackend(Backend):
         self._sampling.record_tokens(ids, slots, positions, hist)
     def chosen_ids(self, records, out): self._sampling.chosen_ids(records, out)
     def feed_ids(self, records, src, ids): self._sampling.feed_ids(records, src, ids)
-    def sample(self, logits, params, hist, adj, out):
-        self._sampling.sample(logits, params, hist, adj, out)
+    def sample(self, logits, params, hist, adj, out, masks=None):
+        self._sampling.sample(logits, params, hist, adj, out, masks)
 
     # ---------------------------------------------------------------- parts' state by old names
     # Read by tests/gpu and bench (launch counting and timing, scratch poisoning, graph nodes);

@@ -242,7 +242,7 @@ FAMILIES = (
     Family("chosen_ids", "sampling.cu", "records:ptr ld,L:i32 out:ptr"),
     Family("feed_ids", "sampling.cu", "records:ptr ld,L:i32 src:ptr T:i32 ids:ptr"),
     Family("sample_rows", "sampling.cu", "logits:ptr ld,V:i32 params,hist:ptr n_ctx:i32 "
-                                         "adj,work,counts,out:ptr"),
+                                         "adj,masks:ptr mask_w:i32 work,counts,out:ptr"),
     # dequant.cu
     Family("dequant_{t}", "dequant.cu", f"{_PLANES} K:i32 r0,n:i64 out:ptr",
            _each(t=QUANT_TYPES + FLOAT_TYPES)),

@@ -19,7 +19,7 @@ from service.backends.cuda.kernels import ARGMAX_THREADS, SAMPLE_THREADS
 from service.backends.cuda.launcher import Launcher
 from service.backends.cuda.memory import DeviceMemory
 from service.backends.cuda.types import I32, ceil_div, check_dtype, view_rows
-from service.backends.step_format import N_PARAMS, OUT_WORDS
+from service.backends.step_format import N_PARAMS, OUT_WORDS, mask_words
 
 
 class SamplingOps:
@@ -82,7 +82,7 @@ class SamplingOps:
                                   [records, I32(OUT_WORDS), I32(records.shape[0]), src, I32(T),
                                    ids])
 
-    def sample(self, logits, params, hist, adj, out) -> None:
+    def sample(self, logits, params, hist, adj, out, masks=None) -> None:
         L, _, ld, _, V = view_rows(logits)
         if logits.ndim != 2:
             raise ValueError(f"sample logits: {logits.shape}, expected (L, V)")
@@ -99,9 +99,16 @@ class SamplingOps:
         check_dtype(adj, np.int32, "sample adj")
         if adj.ndim != 2 or adj.shape[1] != 2 or not adj.flags.c_contiguous:
             raise ValueError(f"sample adj: {adj.shape}, expected contiguous (K, 2)")
+        if masks is not None:
+            check_dtype(masks, np.int32, "sample masks")
+            if masks.ndim != 2 or masks.shape[1] != mask_words(V) or not masks.flags.c_contiguous:
+                raise ValueError(f"sample masks: {masks.shape}, expected contiguous "
+                                 f"(R, {mask_words(V)})")
         if self.work is None or L > self.rows or V != self.vocab:
             raise ValueError(f"sample: {L} rows of {V} exceed prepare_sampling's "
                              f"{self.rows} of {self.vocab}")
         self._launcher.launch("sample_rows", (L,), (SAMPLE_THREADS,),
                               [logits, I32(ld), I32(V), params, hist, I32(hist.shape[1]), adj,
+                               adj if masks is None else masks,
+                               I32(0 if masks is None else masks.shape[1]),
                                self.work, self.counts, out])

@@ -43,6 +43,10 @@ Rows with logit adjustments (logit_bias, min_tokens bans: RowSampling.adjust) pu
 in a separate adjustment list (K, 2) int32 (step_format.py), uploaded with a second copy only
 when some row of the step has pairs (rows of one sequence that share an Adjustment share its
 pairs), so steps without them pay nothing; it too alternates between two host buffers.
+Rows with a structured-output token mask (RowSampling.mask) put it in the step's mask list
+(L, MASK_WORDS) int32 at their own row index (record word MASK; -1 for the others), uploaded
+with one more copy only when some row has a mask; the list is always passed to the sample op,
+so a captured graph serves steps with and without masks.
 
 KV row moves (tree compaction, `move_kv`) go through a second small host buffer of 3M words
 (slots | sources | destinations), also uploaded with one copy, then one kv_move op.
@@ -57,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from service.backends.step_format import ADJ_ROW_MAX, N_PARAMS, OUT_WORDS
+from service.backends.step_format import ADJ_ROW_MAX, N_PARAMS, OUT_WORDS, mask_words
 from service.engine.runner.step import RowSampling, StepInput, StepOutput
 from service.model.transformer import Transformer
 
@@ -111,6 +115,12 @@ class ModelRunner:
         self._adj_hosts = (be.host_buffer(2 * self._adj_cap), be.host_buffer(2 * self._adj_cap))
         self._adj_dev = be.zeros((2 * self._adj_cap,), "int32")          # (2K,) i32
         self._adj = self._adj_dev.reshape(self._adj_cap, 2)               # (K, 2) i32
+        # (L, MASK_WORDS) i32 structured-output token masks, two host buffers as above
+        self._mask_w = mask_words(model.spec.vocab_size)
+        self._mask_hosts = (be.host_buffer(max(1, L) * self._mask_w),
+                            be.host_buffer(max(1, L) * self._mask_w))
+        self._mask_dev = be.zeros((max(1, L) * self._mask_w,), "int32")
+        self._masks = self._mask_dev.reshape(max(1, L), self._mask_w)
         self._mv_host = be.host_buffer(3 * M)                     # (3M,) i32 pinned on CUDA
         self._mv_dev = be.zeros((3 * M,), "int32")                # (3M,) i32
         if kind.chains:
@@ -152,11 +162,12 @@ class ModelRunner:
         L = len(inp.logit_rows)
         h[self._o_rows:self._o_rows + L] = np.asarray(inp.logit_rows, np.int32) + pad
         starts = self._pack_adjustments(inp.sampling)
+        self._pack_masks(inp.sampling)
         for r, (row, s) in enumerate(zip(inp.logit_rows, inp.sampling, strict=True)):
             o = self._o_par + r * N_PARAMS
             where = (int(inp.slots[row]), int(inp.positions[row])) if self.kind.history \
                 else (0, 0)
-            h[o:o + N_PARAMS] = s.record(*where, starts[r])
+            h[o:o + N_PARAMS] = s.record(*where, starts[r], r)
         if feed is not None:
             f = self._o_feed
             h[f:f + T] = -1
@@ -182,6 +193,19 @@ class ModelRunner:
         if n:
             self.model.backend.upload_step(h[:2 * n], self._adj_dev[:2 * n])
         return starts
+
+    def _pack_masks(self, rows: Sequence[RowSampling]) -> None:
+        """Write the masked rows' token masks (row r at mask row r) into the current host list
+        and upload them; nothing when no row has one (the others' records say MASK = -1)."""
+        if all(s.mask is None for s in rows):
+            return
+        W, h = self._mask_w, self._mask_hosts[self._flip]
+        top = 0
+        for r, s in enumerate(rows):
+            if s.mask is not None:
+                h[r * W:(r + 1) * W] = s.mask
+                top = r + 1
+        self.model.backend.upload_step(h[:top * W], self._mask_dev[:top * W])
 
     def step(self, inp: StepInput) -> StepOutput:
         """Run one step and read its choices back."""
@@ -249,6 +273,7 @@ class ModelRunner:
         tree = ([self._dev[o * M:o * M + T] for o in (3, 4, 5)]       # 3 x (T,) i32
                 if self._explicit(inp) else [])
         params, out, hist, adj = self._params[:L], self._out[:L], self.hist, self._adj
+        masks = self._masks      # always passed (a captured graph keeps its arguments)
         history, hook = self.kind.history, self.logits_hook
 
         def choose(logits) -> None:                                   # logits (L, V) f32
@@ -257,7 +282,7 @@ class ModelRunner:
             if L:
                 if hook is not None:
                     hook(ids, logits)
-                be.sample(logits, params, hist, adj, out)
+                be.sample(logits, params, hist, adj, out, masks)
 
         kv_rows = inp.kv_positions if inp.kv_positions is not None else inp.positions
         kv_len = max(max(inp.positions), max(kv_rows)) + 1

@@ -13,7 +13,7 @@ step_format.param_record's.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -54,6 +54,8 @@ class RowSampling(SamplingParams):
     gen_start: int = 0            # position of the first generated token (the prompt length)
     adjust: Adjustment | None = None   # logit_bias and min_tokens bans; None: none
     score_id: int = -1            # >= 0: report this token's log-probability (a prompt token's)
+    # structured output: allowed tokens, (MASK_WORDS,) int32 bits; None: all
+    mask: np.ndarray | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, p: SamplingParams, seed: int, token_index: int, n_top: int,
@@ -63,7 +65,8 @@ class RowSampling(SamplingParams):
         return cls(**{**given, "seed": seed}, token_index=token_index, n_top=n_top,
                    gen_start=gen_start, adjust=adjust)
 
-    def record(self, slot: int, position: int, adj_start: int = 0) -> list[int]:
+    def record(self, slot: int, position: int, adj_start: int = 0, mask_row: int = -1
+               ) -> list[int]:
         """The sample op's parameter record (N_PARAMS int32) of this row, whose token history
         is row `slot` of the history, whose own token is at `position` and whose adjustment
         pairs start at `adj_start` of the step's list."""
@@ -75,7 +78,7 @@ class RowSampling(SamplingParams):
             position=position, frequency=self.frequency_penalty,
             presence=self.presence_penalty, gen_start=self.gen_start, adj_start=adj_start,
             adj_count=0 if self.adjust is None else len(self.adjust.pairs),
-            score=self.score_id)
+            score=self.score_id, mask=mask_row if self.mask is not None else -1)
 
 
 # every filter off: the argmax, the lowest id on ties

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
 from service.engine.runner.step import Adjustment
 from service.engine.spec.width import DepthAcceptance
@@ -37,6 +38,7 @@ class Sequence:
     speculative: bool
     verify_width: int = 1                 # rows a chain verify step may hold (seed + drafts)
     tree_budget: int = 0                  # > 0: tree verify with this many nodes per step
+    matcher: Any = None                   # engine/constraint.Matcher of a constrained request
     slot: int = -1
     n_past: int = 0                       # committed KV rows
     seed: int | None = None               # last chosen token, KV row not yet written
@@ -68,6 +70,36 @@ class Sequence:
         self._adjust: tuple[Adjustment | None, Adjustment | None] | None = None
         # prompt position p -> log-probability of prompt token p + 1, while scoring the prompt
         self.prompt_scores: dict[int, TokenLogprob] | None = None
+        # constrained: row_masks[i] is the token mask after the committed tokens and the first
+        # i tokens of the draft being verified (row_masks[0]: the next token's)
+        self.row_masks: list = [self.matcher.mask()] if self.matcher is not None else []
+
+    def row_mask(self, ahead: int):
+        """The token mask of the draw `ahead` tokens after the next one; None: unconstrained."""
+        if self.matcher is None:
+            return None
+        if ahead >= len(self.row_masks):
+            raise RuntimeError("a constrained row's mask is not known yet (overlapped step?)")
+        return self.row_masks[ahead]
+
+    def constrain_draft(self, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` the constraint allows, with row_masks extended along
+        it (the matcher advances over the drafts, then rolls back: it stays at the committed
+        tokens)."""
+        from service.engine.constraint import allowed
+        m, kept = self.matcher, []
+        del self.row_masks[1:]
+        for d in drafts:
+            mask = self.row_masks[-1]
+            if d in self.eog_ids or not allowed(mask, d) or not m.accept(d):
+                break
+            kept.append(d)
+            nxt = m.mask()
+            self.row_masks.append(nxt)
+            if m.done(nxt):
+                break
+        m.rollback(len(kept))
+        return kept
 
     def adjustment(self, token_index: int) -> Adjustment | None:
         """The sparse logit adjustment of the draw `token_index`: logit_bias, with the ids that
@@ -174,10 +206,14 @@ class Sequence:
             if tok in stop.stop_token_ids:
                 reason, matched = FinishReason.STOP_TOKEN, tok
                 break
+            constraint_done = self.matcher is not None and self._advance(tok)
             piece, hit = self.text.push([tok])
             text_parts.append(piece)
             if hit is not None:
                 reason, matched = FinishReason.STOP_SEQUENCE, hit
+                break
+            if constraint_done:
+                reason = FinishReason.CONSTRAINT
                 break
             if len(self.generated) >= stop.max_new_tokens:
                 reason = FinishReason.LENGTH
@@ -194,6 +230,15 @@ class Sequence:
             self.finish(reason, matched)
         else:
             self.seed = tokens[-1]
+
+    def _advance(self, tok: int) -> bool:
+        """The matcher takes a committed token; True when the constraint is complete and
+        nothing but an end token may follow."""
+        if not self.matcher.accept(tok):
+            raise RuntimeError(f"token {tok} outside the constraint's mask was committed")
+        mask = self.matcher.mask()
+        self.row_masks = [mask]
+        return self.matcher.terminated or self.matcher.done(mask)
 
     def finish(self, reason: FinishReason, matched=None, error: str | None = None) -> None:
         if self.finished:

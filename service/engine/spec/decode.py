@@ -20,6 +20,7 @@ a drafter with its own KV cache gets the target's block table (`set_block_table`
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 import numpy as np
 
@@ -43,9 +44,11 @@ def choice(seq: Sequence, ahead: int = 0) -> RowSampling:
     presence penalties count the generated tokens from the prompt's end, its logit adjustment
     is the sequence's for that index (logit_bias, min_tokens bans)."""
     index = len(seq.generated) + ahead
-    return RowSampling.of(seq.request.sampling, seq.seed_value, index,
-                          seq.request.top_logprobs or -1, len(seq.request.prompt_ids),
-                          seq.adjustment(index))
+    row = RowSampling.of(seq.request.sampling, seq.seed_value, index,
+                         seq.request.top_logprobs or -1, len(seq.request.prompt_ids),
+                         seq.adjustment(index))
+    mask = seq.row_mask(ahead)
+    return row if mask is None else replace(row, mask=mask)
 
 
 class Speculator:
@@ -66,6 +69,8 @@ class Speculator:
     def overlaps(self, seqs: Seq[Sequence]) -> bool:
         """Whether plain steps of `seqs` may run overlapped (engine/overlap.py): none of them
         speculates, or they speculate with a pure drafter along chains (not trees)."""
+        if any(s.matcher is not None for s in seqs):
+            return False        # a constrained row's next mask needs its token on the host
         return all(not s.speculative for s in seqs) or (
             self.drafter is not None and self.drafter.pure
             and not any(s.tree_budget for s in seqs))
@@ -89,6 +94,8 @@ class Speculator:
                     timer.lap(OTHER)
                 draft = (draft_tree(self.drafter, seq, row.n_draft + 1) if seq.tree_budget
                          else draft + self.drafter.propose(seq, row.n_draft))
+                if seq.matcher is not None and not seq.tree_budget:
+                    draft = [draft[0], *seq.constrain_draft(draft[1:])]
                 if timer is not None:
                     timer.lap(DRAFT)
             batch.append((seq, draft))

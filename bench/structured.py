@@ -1,0 +1,94 @@
+"""Structured output's cost per token: constrained vs unconstrained decoding in the same run.
+
+At 1 and 16 concurrent streams (SmolLM2, greedy, speculation off), the wall time per generated
+token of requests with a constraint (a JSON-schema-free regex that keeps the model's text:
+words, spaces and punctuation, so every step carries a full-vocabulary mask) against the same
+requests without one, and their ratio (goal <= 1.05x). Constrained steps run non-overlapped
+(the next mask needs the token on the host), so on CUDA the ratio includes that.
+
+    python bench/structured.py [--backend cpu|cuda] [--tokens 64] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from service.config import EngineConfig, models_dir_from_env  # noqa: E402
+from service.engine.engine import Engine  # noqa: E402
+from service.engine.types import (  # noqa: E402
+    Constraint,
+    GenerationRequest,
+    SamplingParams,
+    StoppingCriteria,
+)
+from service.gguf.fetch import fetch_model  # noqa: E402
+from service.logging import configure_logging  # noqa: E402
+from tests.support.batching import together  # noqa: E402
+
+PROMPT = "Write a few sentences about the sea, the wind and the boats:"
+LOOSE = Constraint("regex", r"[A-Za-z ,.;'\-]{1,4000}")
+
+
+def per_token_ms(eng: Engine, streams: int, tokens: int, constrained: bool) -> float:
+    ids = tuple(eng.text_prompt_ids(PROMPT))
+    reqs = [GenerationRequest(f"r{i}", ids, SamplingParams(temperature=0.0),
+                              StoppingCriteria(max_new_tokens=tokens, ignore_eos=True),
+                              speculative=False, constraint=LOOSE if constrained else None)
+            for i in range(streams)]
+    t0 = time.perf_counter()
+    results, _ = together(eng, reqs)
+    wall = time.perf_counter() - t0
+    n = sum(len(r.token_ids) for r in results)
+    return 1000 * wall / max(1, n) * streams     # per token of one stream
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2, help="best of this many runs each")
+    ap.add_argument("--streams", default="1,16")
+    ap.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                    help="the engine's overlap mode (off: both sides run the same loop, so "
+                         "the ratio is the mask's own cost)")
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args(argv)
+    configure_logging("warning")
+    counts = [int(s) for s in args.streams.split(",")]
+    path = fetch_model("smollm2-135m", models_dir_from_env())
+    eng = Engine.load(path, EngineConfig(backend=args.backend, n_ctx=512,
+                                         n_slots=max(counts), overlap=args.overlap))
+    eng.start()
+    rows = []
+    try:
+        eng.warmup()
+        per_token_ms(eng, 1, 4, True)                  # xgrammar's import and compile
+        for n in counts:
+            per_token_ms(eng, n, 4, False)             # this batch size's first steps
+            runs = [(per_token_ms(eng, n, args.tokens, False),
+                     per_token_ms(eng, n, args.tokens, True)) for _ in range(args.rounds)]
+            plain, cons = min(p for p, _ in runs), min(c for _, c in runs)   # interleaved
+            rows.append({"streams": n, "plain_ms": plain, "constrained_ms": cons,
+                         "ratio": cons / plain})
+    finally:
+        eng.stop()
+    print(f"structured output, {args.backend}, overlap {args.overlap}, SmolLM2, {args.tokens} "
+          f"tokens, best of {args.rounds} (ms per token per stream; goal ratio <= 1.05)")
+    print(f"{'streams':>8} {'plain':>9} {'constrained':>12} {'ratio':>7}")
+    for r in rows:
+        print(f"{r['streams']:>8} {r['plain_ms']:>9.2f} {r['constrained_ms']:>12.2f} "
+              f"{r['ratio']:>6.3f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

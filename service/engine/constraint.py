@@ -1,0 +1,185 @@
+"""Structured output through xgrammar: a request's Constraint compiled against the model's
+vocabulary, and one matcher per constrained sequence that gives the next step's token mask.
+
+xgrammar (and the torch it imports) is loaded on the first constrained request, never at server
+import time. The vocabulary given to xgrammar is each token's exact byte string
+(Tokenizer.token_piece, llama.cpp's token_to_piece) as VocabType.RAW, so byte-level BPE
+(GPT-2 style) and SentencePiece (spaces as U+2581, <0xAB> byte tokens) vocabularies are both
+exact; control and unused tokens are b"" (never allowed), and the model's end-of-generation ids
+are the stop tokens (allowed exactly where the text is complete).
+
+Masks are int32 words, bit (t % 32) of word (t // 32) set when token t is allowed, one row of
+ceil(vocab / 32) words per constrained row.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Any
+
+import numpy as np
+
+from service.engine.types import Constraint
+from service.errors import InvalidRequestError
+
+COMPILER_CACHE_BYTES = 256 << 20       # xgrammar's compiled-grammar cache (LRU by text)
+MAX_CONSTRAINT_CHARS = 1 << 20         # a longer schema / regex / grammar is refused unread
+
+_lock = threading.Lock()
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")      # "[13:18:00] path.cc:820: "
+
+
+def xgr() -> Any:
+    import xgrammar  # ~3 s: torch + transformers; first constrained request
+    return xgrammar
+
+
+def mask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def tokenizer_info(tokenizer: Any, vocab_size: int | None = None) -> Any:
+    """xgrammar's TokenizerInfo for a service Tokenizer: exact bytes, RAW, EOG ids as stops.
+    `vocab_size` is the logits width (>= the tokenizer's; extra ids are never allowed)."""
+    x = xgr()
+    n = tokenizer.vocab_size
+    vocab = [tokenizer.token_piece(i, skip_special=True) for i in range(n)]
+    stops = sorted(tokenizer.eog_ids)
+    if tokenizer.eos_id is not None and tokenizer.eos_id not in stops:
+        stops.append(tokenizer.eos_id)
+    return x.TokenizerInfo(vocab, x.VocabType.RAW, vocab_size=max(vocab_size or n, n),
+                           stop_token_ids=stops)
+
+
+_compilers: dict[int, tuple[Any, Any]] = {}     # id(tokenizer) -> (tokenizer, compiler)
+
+
+def compiler(tokenizer: Any, vocab_size: int | None = None) -> Any:
+    """One GrammarCompiler per tokenizer (its cache keeps compiled grammars, bounded LRU)."""
+    with _lock:
+        hit = _compilers.get(id(tokenizer))
+        if hit is not None and hit[0] is tokenizer:
+            return hit[1]
+        x = xgr()
+        c = x.GrammarCompiler(tokenizer_info(tokenizer, vocab_size), max_threads=1,
+                              cache_enabled=True, cache_limit_bytes=COMPILER_CACHE_BYTES)
+        _compilers[id(tokenizer)] = (tokenizer, c)
+        return c
+
+
+def _field(c: Constraint) -> str:
+    return f"constraint.{c.kind}"
+
+
+def check(c: Constraint) -> None:
+    """Cheap checks that need no compiler (sizes, empty fields, JSON syntax)."""
+    if c.kind == "choice":
+        if not c.options or any(not o for o in c.options):
+            raise InvalidRequestError("constraint.choice.options",
+                                      "give at least one option, none empty")
+        if sum(len(o) for o in c.options) > MAX_CONSTRAINT_CHARS:
+            raise InvalidRequestError("constraint.choice.options", "too long")
+        return
+    if c.kind == "json_object":
+        return
+    if not c.text:
+        raise InvalidRequestError(_field(c), "is empty")
+    if len(c.text) > MAX_CONSTRAINT_CHARS:
+        raise InvalidRequestError(_field(c), f"longer than {MAX_CONSTRAINT_CHARS} characters")
+    if c.kind == "json_schema":
+        try:
+            json.loads(c.text)
+        except ValueError as e:
+            raise InvalidRequestError(_field(c), f"not JSON: {e}") from None
+
+
+def _ebnf_string(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)      # "..." with \" and \\ escaped, as EBNF reads
+
+
+def compile_constraint(tokenizer: Any, c: Constraint, vocab_size: int | None = None) -> Any:
+    """The CompiledGrammar of `c` (cached by text in the compiler); a constraint that does not
+    compile is INVALID_ARGUMENT naming its field."""
+    check(c)
+    if not tokenizer.can_encode:
+        raise InvalidRequestError("constraint", "the model has no text vocabulary to constrain")
+    comp = compiler(tokenizer, vocab_size)
+    try:
+        if c.kind == "json_schema":
+            return comp.compile_json_schema(c.text, any_whitespace=False, strict_mode=True)
+        if c.kind == "json_object":
+            return comp.compile_builtin_json_grammar()
+        if c.kind == "regex":
+            return comp.compile_regex(c.text)
+        if c.kind == "grammar":
+            return comp.compile_grammar(c.text, root_rule_name="root")
+        if c.kind == "choice":
+            body = " | ".join(_ebnf_string(o) for o in c.options)
+            return comp.compile_grammar(f"root ::= {body}", root_rule_name="root")
+    except (RuntimeError, ValueError, TypeError) as e:
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        reason = _LOG_PREFIX.sub("", lines[0]) if lines else type(e).__name__
+        raise InvalidRequestError(_field(c), reason) from None
+    raise InvalidRequestError("constraint", f"unknown constraint kind {c.kind!r}")
+
+
+class Matcher:
+    """One constrained sequence: the mask of its next token, advanced by committed tokens."""
+
+    def __init__(self, compiled: Any, vocab_size: int):
+        x = xgr()
+        self._m = x.GrammarMatcher(compiled)          # rollback is unlimited
+        self.vocab_size = vocab_size
+        self._stops = np.asarray(self._m.stop_token_ids, np.int64)
+        self._buf = x.allocate_token_bitmask(1, vocab_size)
+
+    def fill(self, out: np.ndarray) -> None:
+        """Write the next token's mask (int32 words) into `out`."""
+        self._m.fill_next_token_bitmask(self._buf, 0)
+        out[:] = self._buf.numpy()[0, :len(out)]
+
+    def mask(self) -> np.ndarray:
+        out = np.empty(mask_words(self.vocab_size), np.int32)
+        self.fill(out)
+        return out
+
+    def accept(self, token: int) -> bool:
+        """Advance by one token; False when the token is not allowed (nothing changes)."""
+        return bool(self._m.accept_token(int(token)))
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self._m.rollback(n)
+
+    @property
+    def terminated(self) -> bool:
+        """A stop token was accepted."""
+        return bool(self._m.is_terminated())
+
+    def done(self, mask: np.ndarray) -> bool:
+        """The text is complete and `mask` (this matcher's next mask) allows nothing but stop
+        tokens: the constraint ends the generation (FINISH_REASON_CONSTRAINT)."""
+        if not self._m.is_completed():
+            return False
+        m = mask.copy()
+        for t in self._stops:
+            if t < self.vocab_size:
+                m[t >> 5] &= np.int32(~(1 << (int(t) & 31)) if (t & 31) != 31 else 0x7FFFFFFF)
+        return not m.any()
+
+    @property
+    def completed(self) -> bool:
+        return bool(self._m.is_completed())
+
+
+def allowed(mask: np.ndarray, token: int) -> bool:
+    return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
+
+
+def mask_logits(logits: np.ndarray, mask: np.ndarray) -> None:
+    """-inf on the tokens `mask` forbids (the host reference of the sample op's mask)."""
+    n = logits.shape[-1]
+    bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[:n].astype(bool)
+    logits[~bits] = -np.inf

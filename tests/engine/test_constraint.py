@@ -1,0 +1,137 @@
+"""Structured output (service/engine/constraint.py): xgrammar over the GGUF vocabulary's exact
+bytes, for byte-level BPE (SmolLM2) and SentencePiece (Gemma-3); masked greedy walks whose text
+must satisfy the constraint; compile errors named by field."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+
+from service.engine import constraint as C
+from service.engine.types import Constraint
+from service.errors import InvalidRequestError
+from service.gguf.reader import GGUFFile
+from service.model.tokenizer import Tokenizer
+
+MODELS = {"bpe": Path("models/smollm2-135m.gguf"), "spm": Path("models/gemma3-270m.gguf")}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def tok(request):
+    path = MODELS[request.param]
+    if not path.exists():
+        pytest.skip(f"{path} missing")
+    return Tokenizer.from_metadata(GGUFFile(path).metadata)
+
+
+def walk(tok, c: Constraint, seed: int, max_tokens: int = 64) -> tuple[str, bool]:
+    """Random logits, masked: the text of the tokens drawn, and whether the constraint ended it
+    (complete, nothing else allowed) or an end-of-generation token was drawn where allowed."""
+    m = C.Matcher(C.compile_constraint(tok, c), tok.vocab_size)
+    rng = np.random.default_rng(seed)
+    ids = []
+    for _ in range(max_tokens):
+        mask = m.mask()
+        if m.done(mask):
+            return tok.decode(ids), True
+        lg = rng.standard_normal(tok.vocab_size).astype(np.float32)
+        lg[sorted(tok.eog_ids)] -= 3.0              # end late, when the text allows it
+        C.mask_logits(lg, mask)
+        t = int(np.argmax(lg))
+        assert C.allowed(mask, t)
+        if t in tok.eog_ids:
+            assert m.accept(t) and m.terminated
+            return tok.decode(ids), True
+        assert m.accept(t)
+        ids.append(t)
+    return tok.decode(ids), False
+
+
+def test_a_token_outside_the_mask_is_refused_and_changes_nothing(tok):
+    m = C.Matcher(C.compile_constraint(tok, Constraint("regex", r"[0-9]+")), tok.vocab_size)
+    letter = tok.encode("x", add_bos=False)[0]
+    digit = tok.encode("7", add_bos=False)[0]
+    assert not C.allowed(m.mask(), letter) and C.allowed(m.mask(), digit)
+    assert not m.accept(letter)
+    assert m.accept(digit)
+
+
+def test_the_vocabulary_is_exact_bytes(tok):
+    # every token the walk takes decodes to the text the matcher accepted: a multi-byte / space
+    # / byte-fallback piece would break re.fullmatch if the bytes given to xgrammar were wrong
+    pat = r"( [a-zà-ü]{1,6}){1,4}\."
+    for seed in range(4):
+        text, ended = walk(tok, Constraint("regex", pat), seed)
+        assert ended and re.fullmatch(pat, text), text
+
+
+@pytest.mark.parametrize("pat", [r"[0-9]{3}-[0-9]{4}", r"(yes|no|maybe)!", r"[A-Z][a-z]{2,5}"])
+def test_regex_walks_fullmatch(tok, pat):
+    for seed in range(3):
+        text, ended = walk(tok, Constraint("regex", pat), seed)
+        assert ended and re.fullmatch(pat, text), text
+
+
+def test_gbnf_and_choice(tok):
+    g = 'root ::= "(" num ("," num)* ")"\nnum ::= [1-9] [0-9]?'
+    for seed in range(3):
+        text, ended = walk(tok, Constraint("grammar", g), seed)
+        assert ended and re.fullmatch(r"\([1-9][0-9]?(,[1-9][0-9]?)*\)", text), text
+    text, ended = walk(tok, Constraint("choice", options=("red", "green", "blue")), 0)
+    assert ended and text in ("red", "green", "blue")
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+     "required": ["a"], "additionalProperties": False},
+    {"type": "object", "properties": {"c": {"enum": ["x", "y"]}, "d": {"type": "boolean"}},
+     "required": ["c", "d"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 5},
+     "minItems": 1, "maxItems": 3},
+    {"$defs": {"p": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0,
+                                                             "maximum": 99}},
+                     "required": ["x"], "additionalProperties": False}},
+     "type": "object", "properties": {"p": {"$ref": "#/$defs/p"}}, "required": ["p"],
+     "additionalProperties": False},
+]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=range(len(SCHEMAS)))
+def test_json_schema_walks_validate(tok, schema):
+    for seed in range(3):
+        text, ended = walk(tok, Constraint("json_schema", json.dumps(schema)), seed, 96)
+        assert ended, text
+        jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("c, field", [
+    (Constraint("grammar", "root ::= ("), "constraint.grammar"),
+    (Constraint("json_schema", "{not json"), "constraint.json_schema"),
+    (Constraint("regex", "a(b"), "constraint.regex"),
+    (Constraint("regex", ""), "constraint.regex"),
+    (Constraint("choice", options=()), "constraint.choice.options"),
+])
+def test_bad_constraints_name_their_field(tok, c, field):
+    with pytest.raises(InvalidRequestError) as ei:
+        C.compile_constraint(tok, c)
+    assert ei.value.field == field
+    assert "grammar_parser.cc" not in str(ei.value)
+
+
+def test_proto_conversion():
+    from service.proto_build import stubs
+    from service.server_requests import constraint_from_proto
+    pb = stubs().generation_pb2
+    assert constraint_from_proto(pb.GenerateRequest()) is None
+    msg = pb.GenerateRequest(choice=pb.Choice(options=["a", "b"]))
+    assert constraint_from_proto(msg) == Constraint("choice", options=("a", "b"))
+    assert constraint_from_proto(pb.GenerateRequest(regex="a+")) == Constraint("regex", "a+")
+    with pytest.raises(InvalidRequestError) as ei:
+        constraint_from_proto(pb.GenerateRequest(json_object=False))
+    assert ei.value.field == "constraint.json_object"
+    assert pb.FinishReason.Value("FINISH_REASON_CONSTRAINT") == 7

@@ -1,0 +1,58 @@
+"""Structured output over gRPC: GenerateRequest.constraint's fields are served (the text
+satisfies them, Finished says FINISH_REASON_CONSTRAINT), a constraint that does not compile is
+INVALID_ARGUMENT naming its field before any token, and the vLLM protocol maps its own
+structured-output fields to the same constraint."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import grpc
+import pytest
+
+from clients import error_details
+from service.proto_build import stubs
+
+pb = stubs().generation_pb2
+
+
+def request(**kw):
+    return pb.GenerateRequest(text="A short answer:", stopping=pb.StoppingCriteria(
+        max_new_tokens=48), sampling=pb.SamplingParams(temperature=0.0), **kw)
+
+
+def test_constraints_are_served_with_their_finish_reason(client):
+    out = client.complete(request=request(regex=r"[0-9]{3}-[0-9]{4}"))
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", out.text)
+    assert out.finish_reason == "CONSTRAINT"
+    out = client.complete(request=request(choice=pb.Choice(options=["alpha", "beta"])))
+    assert out.text in ("alpha", "beta") and out.finish_reason == "CONSTRAINT"
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    out = client.complete(request=request(json_schema=json.dumps(schema)))
+    assert 0 <= json.loads(out.text)["n"] <= 9
+    out = client.complete(request=request(grammar='root ::= "(" [a-c]+ ")"'))
+    assert re.fullmatch(r"\([a-c]+\)", out.text) or out.finish_reason == "LENGTH"
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(json_schema="{oops"), "constraint.json_schema"),
+    (dict(regex="a("), "constraint.regex"),
+    (dict(grammar="root ::= ("), "constraint.grammar"),
+    (dict(choice=pb.Choice()), "constraint.choice.options"),
+    (dict(json_object=False), "constraint.json_object"),
+])
+def test_a_bad_constraint_is_refused_by_field(client, kw, field):
+    with pytest.raises(grpc.RpcError) as ei:
+        client.complete(request=request(**kw))
+    e = error_details(ei.value)
+    assert (e.code, [f for f, _ in e.field_violations]) == ("INVALID_ARGUMENT", [field])
+
+
+def test_tree_speculation_with_a_constraint_is_refused(client):
+    with pytest.raises(grpc.RpcError) as ei:
+        client.complete(request=request(regex="a+", speculative=pb.SpeculativeOptions(
+            mode=pb.SPECULATIVE_MODE_TREE)))
+    assert [f for f, _ in error_details(ei.value).field_violations] == ["speculative.mode"]
