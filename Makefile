@@ -112,10 +112,13 @@ wheelhouse:
 	  gguf structlog grpcio-health-checking grpcio-reflection grpcio-status prometheus-client \
 	  smg-grpc-proto \
 	  tokenizers jinja2 numba protobuf grpcio grpcio-tools pytest hypothesis
-	# xgrammar without its torch/transformers/triton: GPU hosts have those, and they are gigabytes
+	# xgrammar without its torch/transformers/triton: GPU hosts have those, and they are gigabytes;
+	# pydantic (xgrammar's) and jsonschema (the structured-output tests') they lack
 	$(PYTHON) -m pip download --dest wheelhouse --only-binary=:all: --no-deps \
-	  --python-version $(GPU_PY) --platform manylinux_2_28_x86_64 --implementation cp \
-	  xgrammar apache-tvm-ffi
+	  --python-version $(GPU_PY) --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+	  --platform manylinux_2_17_x86_64 --implementation cp \
+	  xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection \
+	  jsonschema jsonschema-specifications referencing rpds-py
 
 clean:
 	rm -rf service/proto build dist *.egg-info .pytest_cache
