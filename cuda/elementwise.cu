@@ -87,6 +87,25 @@ __device__ __forceinline__ void rms_row(const float* xr, int D, float eps, Put p
     for (int k = threadIdx.x; k < D; k += blockDim.x) put(k, [&] { return xr[k]; }, r);
 }
 
+// rms_row's put for rms_norm (out[k] = x_k * r * w[k]) and rms_norm_add (x[k] += x_k * r * w[k]):
+// functors, not generic lambdas, which NVRTC 13.0 takes for host functions
+struct PutNorm {
+    float* out;
+    const float* w;
+    template <class X>
+    __device__ __forceinline__ void operator()(int k, X x_k, float r) const {
+        out[k] = __fmul_rn(__fmul_rn(x_k(), r), w[k]);
+    }
+};
+struct PutNormAdd {
+    float* x;
+    const float* w;
+    template <class X>
+    __device__ __forceinline__ void operator()(int k, X x_k, float r) const {
+        x[k] = __fadd_rn(x[k], __fmul_rn(__fmul_rn(x_k(), r), w[k]));
+    }
+};
+
 extern "C" __global__ void rms_norm(const float* __restrict__ x, int n1, int s0, int s1, int D,
                                     const float* __restrict__ w, float eps, float* out,
                                     int o0, int o1) {
@@ -94,9 +113,7 @@ extern "C" __global__ void rms_norm(const float* __restrict__ x, int n1, int s0,
     const int i = blockIdx.x / n1, j = blockIdx.x % n1;
     const float* xr = x + (size_t)i * s0 + (size_t)j * s1;
     float* orow = out + (size_t)i * o0 + (size_t)j * o1;
-    rms_row(xr, D, eps, [&](int k, auto x_k, float r) {
-        orow[k] = __fmul_rn(__fmul_rn(x_k(), r), w[k]);
-    });
+    rms_row(xr, D, eps, PutNorm{orow, w});
 }
 
 // rms_norm of rows t of x (T, D) into out, and the 8-bit blocks of out for the next GEMV.
@@ -145,9 +162,7 @@ extern "C" __global__ void rms_norm_add(const float* __restrict__ o, int ldo, in
     const int t = blockIdx.x;
     const float* orow = o + (size_t)t * ldo;
     float* xr = x + (size_t)t * ldx;
-    rms_row(orow, D, eps, [&](int k, auto x_k, float r) {
-        xr[k] = __fadd_rn(xr[k], __fmul_rn(__fmul_rn(x_k(), r), w[k]));
-    });
+    rms_row(orow, D, eps, PutNormAdd{xr, w});
 }
 
 extern "C" __global__ void add_rows(const float* a, int lda, const float* b, int ldb, int N,
