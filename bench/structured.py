@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 from service.config import EngineConfig, models_dir_from_env  # noqa: E402
 from service.engine.engine import Engine  # noqa: E402
 from service.engine.types import (  # noqa: E402
+    Collected,
     Constraint,
     GenerationRequest,
     SamplingParams,
@@ -30,7 +32,6 @@ from service.engine.types import (  # noqa: E402
 )
 from service.gguf.fetch import fetch_model  # noqa: E402
 from service.logging import configure_logging  # noqa: E402
-from tests.support.batching import together  # noqa: E402
 
 PROMPT = "Write a few sentences about the sea, the wind and the boats:"
 LOOSE = Constraint("regex", r"[A-Za-z ,.;'\-]{1,4000}")
@@ -42,8 +43,21 @@ def per_token_ms(eng: Engine, streams: int, tokens: int, constrained: bool) -> f
                               StoppingCriteria(max_new_tokens=tokens, ignore_eos=True),
                               speculative=False, constraint=LOOSE if constrained else None)
             for i in range(streams)]
+    results = [Collected() for _ in reqs]
+    left = threading.Semaphore(0)
+
+    def sink(result: Collected):
+        def add(ev) -> None:        # on the engine thread: record, and count the finished
+            result.add(ev)
+            if result.finished is not None:
+                left.release()
+        return add
+
     t0 = time.perf_counter()
-    results, _ = together(eng, reqs)
+    for req, result in zip(reqs, results, strict=True):
+        eng.submit(req, sink(result))
+    for _ in reqs:
+        left.acquire()
     wall = time.perf_counter() - t0
     n = sum(len(r.token_ids) for r in results)
     return 1000 * wall / max(1, n) * streams     # per token of one stream

@@ -197,8 +197,11 @@ __device__ __forceinline__ void attn_tiled(
 }
 
 // NDV = the accumulators per lane and row: Dv <= 32 NDV (_d128: NDV 4, _d256: NDV 8).
+// Two blocks per SM stated (what the shared memory allows for _d256 anyway): without it, NVRTC
+// 13.0's ptxas held the 4/5-bit-key _d128 kernels to 128 registers and spilled; 13.5 did not.
 #define ATTNT_KERNEL(kn, KT, vn, VT, ndv, dmax)                                              \
-    extern "C" __global__ void __launch_bounds__(32 * AT_WARPS) attnt_##kn##_##vn##_d##dmax(    \
+    extern "C" __global__ void __launch_bounds__(32 * AT_WARPS, 2)                           \
+    attnt_##kn##_##vn##_d##dmax(                                                             \
             const float* q, int q0, int q1, int T, int H, int Hkv, int D, int Dv, int QT,    \
             const u8* kq, const u8* kd, const u8* vq, const u8* vd, const int* slots,        \
             const int* positions, const int* table, int max_blocks, int lb, int window,      \

@@ -187,8 +187,8 @@ def test_the_compile_check_fails_on_a_source_that_drifted_from_the_registry(nvrt
         'extern "C" __global__ void feed_ids(const int* records, int ld, int L,\n'
         '    const int* src, int T, int* ids) {}\n'
         'extern "C" __global__ void sample_rows(const float* logits, int ld, int V,\n'
-        '    const int* params, const int* hist, int n_ctx, const int* adj, float* work,\n'
-        '    int* counts, int* out) {}\n')
+        '    const int* params, const int* hist, int n_ctx, const int* adj, const int* masks,\n'
+        '    int mask_w, float* work, int* counts, int* out) {}\n')
     report = cuda_check.check(nvrtc, ["sampling.cu"], tmp_path, io.StringIO())
     shown = cuda_check._shown(tmp_path / "sampling.cu")
     assert sorted(report.failed) == sorted([
