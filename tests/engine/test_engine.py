@@ -288,12 +288,22 @@ def test_logits_rows_do_not_depend_on_the_step_size(smol):
             smol._lock.wait(0.01)
         streams.submit(background[1])   # the lock is reentrant: the engine cannot take it yet
         n = len(ids)
-        z = np.full(n, 3, np.int32)    # slot 3: no request holds it while the lock is held
-        pos = np.arange(n, dtype=np.int32)
-        batch = np.array(model.forward(np.array(ids, np.int32), pos, z, n, n))
-        single = np.concatenate([
-            np.array(model.forward(np.array([t], np.int32), pos[i:i + 1], z[:1], i + 1, 1))
-            for i, t in enumerate(ids)])
+        # slot 3: no request holds it while the lock is held. Its table row points at block 0
+        # since its last release, which may hold a cached prefix: the rows here are written
+        # into blocks of its own, given back (uncached) before the lock is let go.
+        pool = smol.scheduler.kv.pool
+        assert 3 not in pool.owned and pool.ensure(3, n)
+        smol.runner.set_block_table(pool.take_table())
+        try:
+            z = np.full(n, 3, np.int32)
+            pos = np.arange(n, dtype=np.int32)
+            batch = np.array(model.forward(np.array(ids, np.int32), pos, z, n, n))
+            single = np.concatenate([
+                np.array(model.forward(np.array([t], np.int32), pos[i:i + 1], z[:1], i + 1, 1))
+                for i, t in enumerate(ids)])
+        finally:
+            pool.release(3)
+            smol.runner.set_block_table(pool.take_table())
         assert streams.results[1].started is None
     assert np.array_equal(batch, single)
     assert [r.token_ids for r in streams.wait(60)] == alone

@@ -155,11 +155,11 @@ def controlled_requests(spec: bool | None) -> list[GenerationRequest]:
 
 
 def test_controls_are_exact_under_speculation_and_batching(smol, monkeypatch):
+    """Greedy and seeded requests with penalties, bias and min_tokens: speculation on (n-gram
+    drafter) equals off, and together equals alone."""
     # verification taken as free, so drafts are verified whatever the start-up cost
     # measurement found on this machine (tests.support.engines: draft_in_full)
     monkeypatch.setattr(smol, "verify_alpha", 0.0)
-    """Greedy and seeded requests with penalties, bias and min_tokens: speculation on (n-gram
-    drafter) equals off, and together equals alone."""
     off = [alone(smol, r) for r in controlled_requests(False)]
     on = [alone(smol, r) for r in controlled_requests(None)]
     for a, b in zip(on, off, strict=True):
