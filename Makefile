@@ -61,7 +61,7 @@ generate: setup
 	$(BIN)/specstream generate $(MODEL) --prompt "$(PROMPT)" --max-new-tokens 64
 
 test: setup models
-	$(PY) -m pytest -m "not gpu" -q
+	$(PY) -m pytest -m "not gpu" -q --durations=20
 
 # The GPU host may be offline: test-gpu uses the venv when there is one, else the system python3
 # (with the wheelhouse on PYTHONPATH, see bench/gpu_host.sh).
