@@ -26,6 +26,7 @@ from service.backends import create_backend
 from service.backends.step_format import N_PARAMS, OUT_WORDS, param_record
 from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput
 from service.gguf.reader import GGUFFile
+from service.model.hidden import HiddenRows, HiddenTap
 from service.model.spec import ModelSpec
 from service.model.transformer import Transformer, positions_for
 from service.tools import synth
@@ -274,8 +275,23 @@ def ops(d: Driver) -> None:
     be.synchronize()
 
 
+def hidden(d: Driver) -> None:
+    """A runner with a hidden-state tap (points 0, 1 and n_layer; every row): a prefill, then
+    verify steps of 4 rows with the tap and without it (three each: eager, capture, replay),
+    then one step of a logits-rows tap."""
+    n = d.tr.spec.n_layer
+    tap = HiddenTap(tuple(sorted({0, 1, n})))
+    d.runner = ModelRunner(d.tr, N_SLOTS, N_CTX, hidden=tap)
+    d.step("tap-prefill-40", range(40), range(40), [0] * 40, [GREEDY], hidden=True)
+    for _ in range(3):
+        d.step("tap-verify-4", [1, 2, 3, 4], range(41, 45), [0] * 4, [GREEDY] * 4, hidden=True)
+        d.step("verify-4", [1, 2, 3, 4], range(41, 45), [0] * 4, [GREEDY] * 4)
+    d.runner = ModelRunner(d.tr, N_SLOTS, N_CTX, hidden=HiddenTap(tap.points, HiddenRows.LOGITS))
+    d.step("tap-logits-5", range(5), range(41, 46), [0] * 5, [GREEDY] * 2, hidden=True)
+
+
 SCRIPTS: dict[str, Callable[[Driver], None]] = {
-    "full": full, "widths": widths, "decode": decode, "kv": kv, "ops": ops}
+    "full": full, "widths": widths, "decode": decode, "kv": kv, "ops": ops, "hidden": hidden}
 
 
 def run(s: Scenario, kernels: CompiledKernels, files: dict[str, Path]) -> Result:

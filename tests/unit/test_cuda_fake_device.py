@@ -81,6 +81,7 @@ def all_scenarios() -> list[Scenario]:
                 Scenario(f"synth-{mix}", script="decode", options=(("gemv_early", True),)),
                 Scenario(f"synth-{mix}", script="decode", options=(("fuse_norm", True),))]
     out += [Scenario(m, kv=p, script="kv") for p in KV_PAIRS for m in ("qwen3", "gemma3")]
+    out += [Scenario(m, script="hidden") for m in ("qwen3", "gemma3")]
     return [*out, Scenario("qwen3", script="ops")]
 
 
@@ -205,6 +206,42 @@ def test_overlapped_steps_queue_both_readbacks_and_feed_ids_before_the_second_st
             assert names[names.index("feed_ids") + 1] != "sample_rows"
         else:                             # replayed graphs: the feed is the one eager launch
             assert names == ["feed_ids"], names
+
+
+@pytest.mark.parametrize("model", ["qwen3", "gemma3"])
+def test_hidden_state_taps_copy_each_point_inside_the_captured_step(results, model):
+    """A tapped step launches one copy_rows per capture point, (E, rows) wide, into the
+    runner's buffer; its graph holds them and replays; the same shape without the tap is
+    its own graph with no copy (untapped steps pay nothing)."""
+    r = results(Scenario(model, script="hidden"))
+    E = 256
+    by_label: dict[str, list] = {}
+    for m in r.marks:
+        by_label.setdefault(m.label, []).append(m)
+
+    def copies(m) -> list:
+        return [x for x in r.dev.launches[slice(*m.launches)] if x.kernel == "copy_rows"]
+
+    first = copies(by_label["tap-prefill-40"][0])
+    n = len(first)
+    assert n == 3 and all(x.grid == (ceil_rows(E), 64, 1) for x in first)  # padded to 64
+    tap, plain = by_label["tap-verify-4"], by_label["verify-4"]
+    assert [len(copies(m)) for m in tap] == [n, n, 0]     # eager, captured, replayed
+    assert all(x.graph is not None for x in copies(tap[1]))
+    graph = r.dev.graphs[tap[1].graphs[0]]
+    assert [x.grid for x in graph.nodes if isinstance(x, Launch) and x.kernel == "copy_rows"] \
+        == [(ceil_rows(E), 4, 1)] * n
+    assert tap[2].launches[0] == tap[2].launches[1] and graph.replays >= 2
+    assert all(not copies(m) for m in plain)
+    assert r.dev.graphs[plain[1].graphs[0]] is not graph
+    plain_graph = r.dev.graphs[plain[1].graphs[0]]
+    assert not [x for x in plain_graph.nodes if isinstance(x, Launch) and x.kernel == "copy_rows"]
+    logits = copies(by_label["tap-logits-5"][0])
+    assert [x.grid for x in logits] == [(ceil_rows(E), 2, 1)] * n     # the 2 logits rows
+
+
+def ceil_rows(n: int) -> int:
+    return -(-n // 256)       # ROW_THREADS
 
 
 def test_sampling_launches_one_block_per_logits_row(results):
