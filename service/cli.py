@@ -103,10 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="instead of --preset: an EAGLE-3 drafter (llama.cpp's eagle3 format) "
                           "for TARGET (a .gguf path or known model name), docs/speculative.md")
     syn.add_argument("--quant", default=None,
-                     help="Q4_K_M (default) | Q5_K_M | Q6_K | Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 "
-                          "| Q2_K | Q3_K_M | IQ4_NL | IQ4_XS | F16 | BF16 | F32 (llama.cpp's "
-                          "per-tensor mix for that file type); --eagle3: F16 (default) | F32 "
-                          "| Q8_0")
+                     help="Q4_K_M | Q5_K_M | Q6_K | Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q2_K "
+                          "| Q3_K_M | IQ4_NL | IQ4_XS | F16 | BF16 | F32 (llama.cpp's per-tensor "
+                          "mix for that file type; default Q4_K_M, with --eagle3 F16, F32 or "
+                          "Q8_0, default F16)")
     syn.add_argument("--target-layers", default=None,
                      help="--eagle3: the three target layers read, e.g. 2,15,27 (default: "
                           "2, n/2, n-3)")
