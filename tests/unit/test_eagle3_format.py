@@ -151,3 +151,11 @@ def test_the_unchanged_copy_is_accepted(tmp_path, reduced):
     """The rewrite itself breaks nothing: the negative cases above fail for their change."""
     s = Eagle3Spec.from_gguf(GGUFFile(rewrite(reduced, tmp_path / "same.gguf")))
     assert s == Eagle3Spec.from_gguf(GGUFFile(reduced))
+
+
+def test_inspect_names_a_drafter_file_and_its_format_problem(tmp_path, reduced):
+    from service.tools.inspect import describe
+
+    assert "an EAGLE-3 drafter file (its format checks pass)" in describe(reduced)
+    bad = rewrite(reduced, tmp_path / "bad.gguf", drop=("blk.0.attn_norm_2.weight",))
+    assert "refused: required tensor 'blk.0.attn_norm_2.weight' is missing" in describe(bad)
