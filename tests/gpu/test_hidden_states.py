@@ -23,19 +23,22 @@ MODELS = (*TINY_MODELS, *sorted(REAL_MODELS))
 HIDDEN_BOUND = 0.02          # test_models.py's per-layer bound (float summation order)
 
 
-def cuda_backend(graphs: bool):
+def cuda_backend(graphs: bool, **options):
     from service.backends.cuda.backend import CudaBackend
 
-    return CudaBackend(graphs=graphs)
+    return CudaBackend(graphs=graphs, **options)
 
 
 def steps(vocab: int) -> list[StepInput]:
-    """A 12-row prefill, then three 4-row verify steps (eager, captured, replayed)."""
-    ids = [(37 * i + 11) % vocab for i in range(24)]
+    """A 12-row prefill, then three 4-row verify steps and three 1-row decode steps (each:
+    eager, captured, replayed)."""
+    ids = [(37 * i + 11) % vocab for i in range(27)]
     out = [StepInput(ids[:12], range(12), [0] * 12, [11], [GREEDY], hidden=True)]
     for s in (12, 16, 20):
         out.append(StepInput(ids[s:s + 4], range(s, s + 4), [0] * 4, range(4), [GREEDY] * 4,
                              hidden=True))
+    for s in (24, 25, 26):
+        out.append(StepInput(ids[s:s + 1], [s], [0], [0], [GREEDY], hidden=True))
     return out
 
 
@@ -81,9 +84,15 @@ def test_replayed_graphs_copy_the_rows_eager_steps_copy(name):
         np.testing.assert_array_equal(a, b)
 
 
+OPTIONS = {"default": {}, "fuse-norm": {"fuse_norm": True}, "gemv-mma": {"gemv_mma": True}}
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("name", TINY_MODELS)
-def test_a_tap_changes_no_chosen_token(name):
-    _, with_tap = tapped(name, cuda_backend(graphs=True))
-    _, without = tapped(name, cuda_backend(graphs=True), hidden=False)
+def test_a_tap_changes_no_chosen_token(name, option):
+    """Also with the fused-norm GEMV (decode steps: the copy sits between a GEMV that writes
+    the next matmul's 8-bit blocks and that matmul) and the tensor-core GEMV."""
+    _, with_tap = tapped(name, cuda_backend(graphs=True, **OPTIONS[option]))
+    _, without = tapped(name, cuda_backend(graphs=True, **OPTIONS[option]), hidden=False)
     for a, b in zip(with_tap, without, strict=True):
         np.testing.assert_array_equal(a, b)

@@ -277,8 +277,8 @@ def ops(d: Driver) -> None:
 
 def hidden(d: Driver) -> None:
     """A runner with a hidden-state tap (points 0, 1 and n_layer; every row): a prefill, then
-    verify steps of 4 rows with the tap and without it (three each: eager, capture, replay),
-    then one step of a logits-rows tap."""
+    verify steps of 4 rows with the tap and without it and decode steps with it (three each:
+    eager, capture, replay), then one step of a logits-rows tap."""
     n = d.tr.spec.n_layer
     tap = HiddenTap(tuple(sorted({0, 1, n})))
     d.runner = ModelRunner(d.tr, N_SLOTS, N_CTX, hidden=tap)
@@ -286,6 +286,8 @@ def hidden(d: Driver) -> None:
     for _ in range(3):
         d.step("tap-verify-4", [1, 2, 3, 4], range(41, 45), [0] * 4, [GREEDY] * 4, hidden=True)
         d.step("verify-4", [1, 2, 3, 4], range(41, 45), [0] * 4, [GREEDY] * 4)
+    for i in range(3):
+        d.step("tap-decode", [5], [45 + i], [0], [GREEDY], hidden=True)
     d.runner = ModelRunner(d.tr, N_SLOTS, N_CTX, hidden=HiddenTap(tap.points, HiddenRows.LOGITS))
     d.step("tap-logits-5", range(5), range(41, 46), [0] * 5, [GREEDY] * 2, hidden=True)
 

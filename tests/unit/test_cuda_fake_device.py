@@ -82,6 +82,7 @@ def all_scenarios() -> list[Scenario]:
                 Scenario(f"synth-{mix}", script="decode", options=(("fuse_norm", True),))]
     out += [Scenario(m, kv=p, script="kv") for p in KV_PAIRS for m in ("qwen3", "gemma3")]
     out += [Scenario(m, script="hidden") for m in ("qwen3", "gemma3")]
+    out += [Scenario("qwen3", script="hidden", options=(("fuse_norm", True),))]
     return [*out, Scenario("qwen3", script="ops")]
 
 
@@ -238,6 +239,21 @@ def test_hidden_state_taps_copy_each_point_inside_the_captured_step(results, mod
     assert not [x for x in plain_graph.nodes if isinstance(x, Launch) and x.kernel == "copy_rows"]
     logits = copies(by_label["tap-logits-5"][0])
     assert [x.grid for x in logits] == [(ceil_rows(E), 2, 1)] * n     # the 2 logits rows
+
+
+def test_hidden_state_taps_sit_between_the_fused_norm_gemv_and_its_reader(results):
+    """With fuse_norm, a tapped decode step's copies keep the 8-bit blocks the fused GEMV
+    wrote (copy_rows is registered keeps_blocks): the step quantizes no more activations than
+    the untapped decode of the full scenario does per layer."""
+    r = results(Scenario("qwen3", script="hidden", options=(("fuse_norm", True),)))
+    m = next(m for m in r.marks if m.label == "tap-decode" and m.rep == 0)
+    names = [x.kernel for x in r.dev.launches[slice(*m.launches)]]
+    assert names.count("copy_rows") == 3
+    assert any(n.startswith("gemv_") and n.endswith("n") for n in names), names
+    plain = results(Scenario("qwen3", script="decode", options=(("fuse_norm", True),)))
+    p = next(m for m in plain.marks if m.label == "decode" and m.rep == 0)
+    plain_names = [x.kernel for x in plain.dev.launches[slice(*p.launches)]]
+    assert names.count("quantize_act") == plain_names.count("quantize_act")
 
 
 def ceil_rows(n: int) -> int:
