@@ -16,7 +16,8 @@ def rewrite(src: Path, dst: Path, meta: dict | None = None, drop: tuple[str, ...
     tensors in `drop` removed and `tensors` (name -> array, GGML type) added or replaced."""
     f = GGUFFile(src)
     meta, tensors = meta or {}, tensors or {}
-    w = gguf.GGUFWriter(str(dst), meta.pop("general.architecture", ("eagle3",))[0])
+    w = gguf.GGUFWriter(str(dst), meta.pop("general.architecture",
+                                     (f.metadata["general.architecture"],))[0])
     for key, value in f.metadata.items():
         if key in ("general.architecture", *drop) or key in meta:
             continue

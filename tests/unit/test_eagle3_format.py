@@ -159,3 +159,16 @@ def test_inspect_names_a_drafter_file_and_its_format_problem(tmp_path, reduced):
     assert "an EAGLE-3 drafter file (its format checks pass)" in describe(reduced)
     bad = rewrite(reduced, tmp_path / "bad.gguf", drop=("blk.0.attn_norm_2.weight",))
     assert "refused: required tensor 'blk.0.attn_norm_2.weight' is missing" in describe(bad)
+
+
+def test_integer_tensors_open_but_are_refused_as_weights(tmp_path, target):
+    """The reader takes I32 / I64 tensors (index tables such as d2t); a model whose weight has
+    one is refused by name."""
+    bad = rewrite(target[0], tmp_path / "int.gguf", tensors={
+        "blk.0.attn_norm.weight": (np.zeros(256, np.int32), gguf.GGMLQuantizationType.I32)})
+    f = GGUFFile(bad)
+    assert f.index_tensor("blk.0.attn_norm.weight").dtype == np.int64
+    with pytest.raises(ModelFormatError, match="'blk.0.attn_norm.weight' has integer type I32"):
+        ModelSpec.from_gguf(f)
+    with pytest.raises(ModelFormatError, match="an integer index table"):
+        GGUFFile(target[0]).index_tensor("blk.0.attn_norm.weight")
