@@ -292,8 +292,37 @@ def hidden(d: Driver) -> None:
     d.step("tap-logits-5", range(5), range(41, 46), [0] * 5, [GREEDY] * 2, hidden=True)
 
 
+def eagle3(d: Driver) -> None:
+    """An EAGLE-3 drafter for the model (service/model/eagle3_model.py; Q8_0, with a reduced
+    vocabulary and the pre-fc norm) on the same backend: encode 12 tapped rows, decode them as
+    one 12-row step, then one 1-row step."""
+    import tempfile
+
+    from service.model.eagle3 import Eagle3Spec
+    from service.model.eagle3_model import Eagle3Model
+    from service.tools.synth_eagle3 import synthesize_eagle3
+
+    be, n = d.be, d.tr.spec.n_layer
+    with tempfile.TemporaryDirectory() as tmp:
+        path = synthesize_eagle3(Path(tmp) / "e3.gguf", d.tr.f_path, layers=(0, 1, n),
+                                 draft_vocab=300, norm_before_fc=True, quant="Q8_0").path
+        f = GGUFFile(path)
+        spec = Eagle3Spec.from_gguf(f)
+        m = Eagle3Model(spec, f, d.tr, n_ctx=N_CTX, n_slots=N_SLOTS, max_tokens=MAX_TOKENS)
+    feats = be.zeros((12, 3 * spec.n_embd_target))                       # (12, 3Et) f32
+    g = be.zeros((12, spec.n_embd))                                      # (12, E) f32
+    ids, pos, slots = (be.zeros((12,), "int32") for _ in range(3))
+    be.upload_ints(np.arange(12, dtype=np.int32), ids)
+    be.upload_ints(positions_for(0, 12), pos)
+    d._marked("eagle3-encode", lambda: m.encode(feats, g))
+    d._marked("eagle3-decode-12", lambda: m.decode(ids, pos, slots, 12, g, 12))
+    d._marked("eagle3-decode-1", lambda: (m.decode(ids[:1], pos[:1], slots[:1], 13, g[:1], 1),
+                                          be.synchronize()))
+
+
 SCRIPTS: dict[str, Callable[[Driver], None]] = {
-    "full": full, "widths": widths, "decode": decode, "kv": kv, "ops": ops, "hidden": hidden}
+    "full": full, "widths": widths, "decode": decode, "kv": kv, "ops": ops, "hidden": hidden,
+    "eagle3": eagle3}
 
 
 def run(s: Scenario, kernels: CompiledKernels, files: dict[str, Path]) -> Result:
@@ -304,6 +333,7 @@ def run(s: Scenario, kernels: CompiledKernels, files: dict[str, Path]) -> Result
         tr = Transformer(ModelSpec.from_gguf(f), f, be, n_ctx=N_CTX, n_slots=N_SLOTS,
                          max_tokens=MAX_TOKENS, max_logits=MAX_LOGITS, type_k=s.kv[0],
                          type_v=s.kv[1])
+        tr.f_path = files[s.model]        # (the eagle3 script's synth reads the target file)
         d = Driver(tr, ModelRunner(tr, N_SLOTS, N_CTX), dev)
         SCRIPTS[s.script](d)
         return Result(s, dev, d.marks)

@@ -82,7 +82,8 @@ def all_scenarios() -> list[Scenario]:
                 Scenario(f"synth-{mix}", script="decode", options=(("fuse_norm", True),))]
     out += [Scenario(m, kv=p, script="kv") for p in KV_PAIRS for m in ("qwen3", "gemma3")]
     out += [Scenario(m, script="hidden") for m in ("qwen3", "gemma3")]
-    out += [Scenario("qwen3", script="hidden", options=(("fuse_norm", True),))]
+    out += [Scenario("qwen3", script="hidden", options=(("fuse_norm", True),)),
+            Scenario("qwen3", script="eagle3")]
     return [*out, Scenario("qwen3", script="ops")]
 
 
@@ -254,6 +255,19 @@ def test_hidden_state_taps_sit_between_the_fused_norm_gemv_and_its_reader(result
     p = next(m for m in plain.marks if m.label == "decode" and m.rep == 0)
     plain_names = [x.kernel for x in plain.dev.launches[slice(*p.launches)]]
     assert names.count("quantize_act") == plain_names.count("quantize_act")
+
+
+def test_an_eagle3_drafter_runs_on_the_fake_device(results):
+    """The drafter's encoder and decoder launch only compiled kernels with matching arguments
+    (checked at each launch): the fc GEMM/GEMV, the strided norms into [e | gn], RoPE + KV
+    write into its own cache, attention, the residual copy and the output over 300 rows."""
+    r = results(Scenario("qwen3", script="eagle3"))
+    marks = {m.label: m for m in r.marks}
+    for label in ("eagle3-encode", "eagle3-decode-12", "eagle3-decode-1"):
+        assert marks[label].launches[1] > marks[label].launches[0], label
+    names = {x.kernel for m in marks.values() for x in r.dev.launches[slice(*m.launches)]}
+    for prefix in ("embed_", "rms_norm", "rope_kv_", "attn", "copy_rows", "glu"):
+        assert any(n.startswith(prefix) for n in names), (prefix, names)
 
 
 def ceil_rows(n: int) -> int:
