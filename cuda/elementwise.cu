@@ -16,6 +16,9 @@
 //               grid T, block as rms_norm
 // add_rows      out[t, n] = a[t, n] + b[t, n] (b's row stride 0 = a broadcast vector)
 //               grid (ceil(N / ROW_THREADS), T), block ROW_THREADS
+// copy_rows     out[t, n] = src[t, n] (row strides lds, ldo): a step's hidden-state tap, the
+//               residual rows a drafter reads copied into the runner's buffer
+//               grid (ceil(N / ROW_THREADS), T), block ROW_THREADS
 // glu           out[t, f] = act(gate[t, f]) * up[t, f]; act 0 = silu g / (1 + exp(-g)),
 //               1 = gelu_tanh 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
 //               grid (ceil(F / ROW_THREADS), T), block ROW_THREADS; glu_quant also writes
@@ -171,6 +174,13 @@ extern "C" __global__ void add_rows(const float* a, int lda, const float* b, int
     const int t = blockIdx.y, n = blockIdx.x * ROW_THREADS + threadIdx.x;
     if (n >= N) return;
     out[(size_t)t * ldo + n] = __fadd_rn(a[(size_t)t * lda + n], b[(size_t)t * ldb + n]);
+}
+
+extern "C" __global__ void copy_rows(const float* src, int lds, int N, float* out, int ldo) {
+    PDL_ENTRY();
+    const int t = blockIdx.y, n = blockIdx.x * ROW_THREADS + threadIdx.x;
+    if (n >= N) return;
+    out[(size_t)t * ldo + n] = src[(size_t)t * lds + n];
 }
 
 __device__ __forceinline__ float glu_act(float g, int act) {

@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from service.errors import SpecstreamError
+from service.errors import ConfigError, SpecstreamError
 
 EPILOG = """examples:
   specstream models fetch smollm2-135m
@@ -96,13 +96,27 @@ def build_parser() -> argparse.ArgumentParser:
     syn = sub.add_parser("synth", help="write a seeded random-weight GGUF with a real "
                          "architecture's shapes (for benchmarks)")
     syn.add_argument("out", help="output .gguf path")
-    syn.add_argument("--preset", required=True,
+    syn.add_argument("--preset",
                      help="llama3-8b | llama3.2-1b | qwen3-30b-a3b | laguna-xs2 | tiny | tiny-moe "
                           "| tiny-qwen3moe-s | tiny-laguna | tiny-laguna-elem")
-    syn.add_argument("--quant", default="Q4_K_M",
+    syn.add_argument("--eagle3", metavar="TARGET",
+                     help="instead of --preset: an EAGLE-3 drafter (llama.cpp's eagle3 format) "
+                          "for TARGET (a .gguf path or known model name), docs/speculative.md")
+    syn.add_argument("--quant", default=None,
                      help="Q4_K_M | Q5_K_M | Q6_K | Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q2_K "
                           "| Q3_K_M | IQ4_NL | IQ4_XS | F16 | BF16 | F32 (llama.cpp's per-tensor "
-                          "mix for that file type)")
+                          "mix for that file type; default Q4_K_M, with --eagle3 F16, F32 or "
+                          "Q8_0, default F16)")
+    syn.add_argument("--target-layers", default=None,
+                     help="--eagle3: the three target layers read, e.g. 2,15,27 (default: "
+                          "2, n/2, n-3)")
+    syn.add_argument("--draft-vocab", type=int, default=0,
+                     help="--eagle3: a reduced draft vocabulary of N target ids (d2t); 0: the "
+                          "target's")
+    syn.add_argument("--own-embedding", action="store_true",
+                     help="--eagle3: write the drafter's own token embeddings")
+    syn.add_argument("--norm-before-fc", action="store_true",
+                     help="--eagle3: an RMS norm on the three target rows before fc")
     syn.add_argument("--seed", type=int, default=0, help="same seed -> identical file")
     syn.add_argument("--layers", type=int, default=None,
                      help="number of layers (default: the preset's)")
@@ -288,10 +302,35 @@ def cmd_generate(args) -> int:
 def cmd_synth(args) -> int:
     from service.tools.synth import synthesize
 
-    r = synthesize(args.out, args.preset, args.quant, seed=args.seed, n_layer=args.layers,
+    if (args.preset is None) == (args.eagle3 is None):
+        raise ConfigError([("preset", "give exactly one of --preset and --eagle3")])
+    if args.eagle3 is not None:
+        return _synth_eagle3(args)
+    r = synthesize(args.out, args.preset, args.quant or "Q4_K_M", seed=args.seed,
+                   n_layer=args.layers,
                    threads=args.threads, weight_std=args.weight_std)
     print(f"{r.path}: {r.n_bytes / 1e6:.1f} MB, {r.n_tensors} tensors, {r.seconds:.1f} s "
           f"({r.n_bytes / 1e6 / max(r.seconds, 1e-9):.0f} MB/s)")
+    return 0
+
+
+def _synth_eagle3(args) -> int:
+    from service.tools.synth_eagle3 import synthesize_eagle3
+
+    layers = None
+    if args.target_layers is not None:
+        try:
+            layers = tuple(int(k) for k in args.target_layers.split(","))
+        except ValueError:
+            raise ConfigError([("target-layers", f"{args.target_layers!r}: three integers "
+                                "separated by commas")]) from None
+    r = synthesize_eagle3(args.out, _resolve(args.eagle3), seed=args.seed, layers=layers,
+                          draft_vocab=args.draft_vocab, own_embedding=args.own_embedding,
+                          norm_before_fc=args.norm_before_fc, quant=args.quant or "F16",
+                          weight_std=args.weight_std)
+    s = r.spec
+    print(f"{r.path}: EAGLE-3 drafter, target layers {list(s.target_layers)}, width {s.n_embd}, "
+          f"draft vocabulary {s.draft_vocab}, {r.n_tensors} tensors, {r.n_bytes / 1e6:.1f} MB")
     return 0
 
 
@@ -352,7 +391,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handlers[args.command](args)
     except SpecstreamError as exc:
         from service.config import format_problems
-        from service.errors import ConfigError
 
         msg = format_problems(exc.problems) if isinstance(exc, ConfigError) else str(exc)
         print(f"specstream: {msg}", file=sys.stderr)

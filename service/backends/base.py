@@ -228,6 +228,11 @@ class Backend(abc.ABC):
         """out = a + b (b may broadcast, e.g. a bias)."""
 
     @abc.abstractmethod
+    def copy_rows(self, src: Array, out: Array) -> None:
+        """out (T, N) = src (T, N) f32; both may be row-strided views (a hidden-state tap copies
+        residual rows into columns of its buffer, service/model/hidden.py)."""
+
+    @abc.abstractmethod
     def rope_table(self, n_ctx: int, n_dims: int, base: float, scaling=None) -> Any:
         """cos/sin of pos * base^(-2i/n_dims) for pos < n_ctx, i < n_dims/2 (load time); with
         `scaling` (a spec.RopeScaling), YaRN's angles and magnitude (rope_angles.py)."""

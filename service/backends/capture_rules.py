@@ -29,8 +29,8 @@ FORBIDDEN = ("zeros", "upload_vector", "upload_ints", "to_host", "synchronize", 
              "load_matrix", "load_experts", "load_vector", "load_embedding", "rope_table",
              "prepare", "set_block_table")
 # Ops: their array arguments are checked and their shapes recorded.
-OPS = ("embed", "rms_norm", "matmul", "add", "rope", "glu", "kv_write", "attention", "moe",
-       "argmax", "chosen_ids")
+OPS = ("embed", "rms_norm", "matmul", "add", "copy_rows", "rope", "glu", "kv_write", "attention",
+       "moe", "argmax", "chosen_ids")
 # Calls whose returned arrays become workspace (registered; they run before any step).
 HANDS_OUT = ("zeros", "upload_vector", "rope_table")
 

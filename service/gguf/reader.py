@@ -20,6 +20,10 @@ from service.errors import ModelFormatError
 from service.gguf.prescan import QUANT_NAMES, Header, TensorEntry, prescan
 from service.gguf.quants import QuantType, block_spec, supported_types
 
+# integer element types a tensor may have as an index table (never a weight): its raw bytes
+# are read with `index_tensor`
+INDEX_TYPES = {int(QuantType.I32): np.int32, int(QuantType.I64): np.int64}
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -50,7 +54,8 @@ class GGUFFile:
 
     def _tensor_info(self, t: TensorEntry, data: np.ndarray) -> TensorInfo:
         spec = block_spec(t.type_id)
-        if spec is None:
+        index = t.type_id in INDEX_TYPES                # an index table (EAGLE-3's d2t)
+        if spec is None and not index:
             raise ModelFormatError(
                 f"{self.path}: tensor {t.name!r} has unsupported quant type "
                 f"{QUANT_NAMES.get(t.type_id, t.type_id)}; supported: "
@@ -61,7 +66,7 @@ class GGUFFile:
             raise ModelFormatError(f"{self.path}: tensor {t.name!r} has an empty shape {shape}")
         # prescan checked that rows are whole blocks and that the bytes lie inside the file
         start = self.header.data_start + t.offset
-        return TensorInfo(t.name, spec.qtype, shape, data[start:start + t.n_bytes])
+        return TensorInfo(t.name, QuantType(t.type_id), shape, data[start:start + t.n_bytes])
 
     # ---------------------------------------------------------------- metadata access
     def get(self, key: str, default: Any = None) -> Any:
@@ -88,6 +93,16 @@ class GGUFFile:
                 f"{self.path}: tensor {name!r} has shape {info.shape}, expected {tuple(shape)}"
             )
         return info
+
+    def index_tensor(self, name: str) -> np.ndarray:
+        """An integer index tensor (I32 / I64) as a flat int64 array (ModelFormatError when the
+        tensor is missing or of another type)."""
+        info = self.tensor(name)
+        dtype = INDEX_TYPES.get(int(info.qtype))
+        if dtype is None:
+            raise ModelFormatError(f"{self.path}: tensor {name!r} has type {info.qtype.name}; "
+                                   "an integer index table (I32 or I64) expected")
+        return np.frombuffer(info.raw, dtype=np.dtype(dtype).newbyteorder("<")).astype(np.int64)
 
     def has_tensor(self, name: str) -> bool:
         return name in self.tensors

@@ -320,7 +320,10 @@ class ModelSpec:
 
     def check_tensors(self, f: GGUFFile) -> None:
         for name, shape in self.tensor_shapes().items():
-            f.tensor(name, shape)
+            if f.tensor(name, shape).qtype.name in ("I32", "I64"):    # an index table type
+                raise ModelFormatError(f"{f.path}: tensor {name!r} has integer type "
+                                       f"{f.tensor(name).qtype.name}; a weight is float or "
+                                       "quantized")
 
 
 def _swa_pattern(f: GGUFFile, arch: str, n_layer: int) -> Callable[[int, int], int] | None:

@@ -15,6 +15,8 @@ Per layer (architecture differences come from ModelSpec.traits and ModelSpec.lay
     x += post_norm(o) if post_norms else o
 The query head count, RoPE table and FFN kind (dense or MoE) are the layer's (LayerSpec).
 logits = rms_norm(x) @ Wout
+A step given a hidden-state tap (hidden.py) also copies x as it enters each named layer (and the
+final x) into the tap's buffer, inside the same step.
 written with the backend's fused ops (base.py), whose defaults are exactly the separate ops: a
 norm or GLU that feeds a matmul, q/k norm + RoPE + KV write as one op, the residual add fused
 into the output and down projections (post-norm + add as one op where there are post-norms).
@@ -28,6 +30,7 @@ import numpy as np
 
 from service.backends.base import Backend
 from service.gguf.reader import GGUFFile
+from service.model.hidden import HiddenOut
 from service.model.spec import ModelSpec, RopeMode
 from service.model.weights import load_weights
 
@@ -92,7 +95,8 @@ class Transformer:
             self.backend.matmul(x, w, out[:, c0:c1])
 
     def forward(self, ids, positions, slots, kv_len: int, n_logits: int = 1, epilogue=None,
-                kv_positions=None, attn_lo=None, attn_mask=None):
+                kv_positions=None, attn_lo=None, attn_mask=None,
+                hidden: HiddenOut | None = None):
         """Run one step; return logits (n_logits, V) for the last n_logits tokens.
 
         ids, positions, slots: (T,) int32 backend arrays; padding rows have slot -1.
@@ -104,6 +108,8 @@ class Transformer:
         backend that captures the step captures it too. The backend may capture the step per
         (T, n_logits) and replay it: everything that changes between steps of one shape is read
         from ids, positions, slots and the cache.
+        `hidden`: also copy the residual rows at the tap's points into hidden.buf (hidden.py);
+        such a step is keyed apart, so steps without a tap run exactly the ops they did.
         """
         T = len(ids)
         if not 1 <= T <= self.max_tokens or not 0 <= n_logits <= min(T, self.max_logits):
@@ -114,14 +120,34 @@ class Transformer:
         if any(a is None for a in tree) and any(a is not None for a in tree):
             raise ValueError("kv_positions, attn_lo and attn_mask come together")
 
+        taps = self._taps(hidden, T, n_logits)
+
         def step():
-            logits = self._forward(ids, positions, slots, kv_len, n_logits, *tree)
+            logits = self._forward(ids, positions, slots, kv_len, n_logits, *tree, taps=taps)
             if epilogue is not None:
                 epilogue(logits)
             return logits
 
         inputs = (ids, positions, slots, *(a for a in tree if a is not None))
-        return self.backend.run_step((T, n_logits), inputs, step)
+        if hidden is None:
+            return self.backend.run_step((T, n_logits), inputs, step)
+        return self.backend.run_step((T, n_logits, "hidden", hidden.tap),
+                                     (*inputs, hidden.buf), step)
+
+    def _taps(self, hidden: HiddenOut | None, T: int, n_logits: int) -> dict:
+        """point k -> (residual rows to copy, their buffer view): the copies of one step."""
+        if hidden is None:
+            return {}
+        s = self.spec
+        hidden.tap.check(s.n_layer)
+        lo, hi = hidden.rows(T, n_logits)
+        E, buf = s.n_embd, hidden.buf
+        if buf.shape[0] < hi - lo or buf.shape[1] != hidden.tap.width(E):
+            raise ValueError(f"hidden-state buffer {tuple(buf.shape)}: at least "
+                             f"({hi - lo}, {hidden.tap.width(E)}) wanted")
+        x = self.ws_x
+        return {k: (x[lo:hi], buf[:hi - lo, j * E:(j + 1) * E])      # (R, E), (R, E) f32
+                for j, k in enumerate(hidden.tap.points)}
 
     def forward_chain(self, ids, positions, slots, kv_lens, epilogue, prologue=None) -> None:
         """Run n = len(ids) single-token steps as ONE backend step, keyed (1, 1, "chain", n):
@@ -149,7 +175,7 @@ class Transformer:
         self.backend.run_step((1, 1, "chain", n), (ids, positions, slots), chain)
 
     def _forward(self, ids, positions, slots, kv_len: int, n_logits: int, kv_positions=None,
-                 attn_lo=None, attn_mask=None):
+                 attn_lo=None, attn_mask=None, taps=None):
         s, be, W = self.spec, self.backend, self.weights
         T = len(ids)
         eps, neox = s.rms_eps, s.traits.rope_mode is RopeMode.NEOX
@@ -158,7 +184,10 @@ class Transformer:
         be.embed(W.embedding, ids, s.embed_scale, x)                    # (T, E)
         normed = False                    # h holds the norm the next matmul wants
         n = len(W.layers)
+        taps = taps or {}
         for i, L in enumerate(W.layers):
+            if i in taps:                 # the residual entering layer i
+                be.copy_rows(*taps[i])
             lay = s.layers[i]
             H, Q, G = lay.n_head, lay.n_head * hd, lay.n_head * lay.attn_gate
             qkv = self._rows(self.ws_qkv, T, Q + K + V + G)             # (T, Q+K+V+G)
@@ -206,6 +235,8 @@ class Transformer:
                 nxt = (W.layers[i + 1].attn_norm if i + 1 < n
                        else W.output_norm if n_logits == T else None)
                 normed = self._residual(act, L.down, L.post_ffw_norm, o, x, nxt, h)
+        if n in taps:                     # the final residual, before the output norm
+            be.copy_rows(*taps[n])
         if n_logits == 0:
             return self.ws_logits[:0]
         xs, hs = x[T - n_logits:], h[:n_logits]

@@ -99,8 +99,14 @@ def _tensor_lines(g: GGUFFile) -> tuple[list[str], int]:
 
 def serving_problem(g: GGUFFile) -> str | None:
     """Why `generate` and `serve` would refuse this file's hyperparameters (the same check,
-    ModelSpec.from_gguf, first problem), or None."""
+    ModelSpec.from_gguf, first problem), or None. An EAGLE-3 drafter file gets its own format
+    check (Eagle3Spec.from_gguf) and is named as one: it drafts for a target, never serves."""
+    from service.model.eagle3 import ARCH, Eagle3Spec
+
     try:
+        if g.get("general.architecture") == ARCH:
+            Eagle3Spec.from_gguf(g)
+            return "an EAGLE-3 drafter file (its format checks pass), not a target model"
         ModelSpec.from_gguf(g)
     except ModelFormatError as exc:
         return str(exc).removeprefix(f"{g.path}: ")

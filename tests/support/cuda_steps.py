@@ -26,6 +26,7 @@ from service.backends import create_backend
 from service.backends.step_format import N_PARAMS, OUT_WORDS, param_record
 from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput
 from service.gguf.reader import GGUFFile
+from service.model.hidden import HiddenRows, HiddenTap
 from service.model.spec import ModelSpec
 from service.model.transformer import Transformer, positions_for
 from service.tools import synth
@@ -274,8 +275,54 @@ def ops(d: Driver) -> None:
     be.synchronize()
 
 
+def hidden(d: Driver) -> None:
+    """A runner with a hidden-state tap (points 0, 1 and n_layer; every row): a prefill, then
+    verify steps of 4 rows with the tap and without it and decode steps with it (three each:
+    eager, capture, replay), then one step of a logits-rows tap."""
+    n = d.tr.spec.n_layer
+    tap = HiddenTap(tuple(sorted({0, 1, n})))
+    d.runner = ModelRunner(d.tr, N_SLOTS, N_CTX, hidden=tap)
+    d.step("tap-prefill-40", range(40), range(40), [0] * 40, [GREEDY], hidden=True)
+    for _ in range(3):
+        d.step("tap-verify-4", [1, 2, 3, 4], range(41, 45), [0] * 4, [GREEDY] * 4, hidden=True)
+        d.step("verify-4", [1, 2, 3, 4], range(41, 45), [0] * 4, [GREEDY] * 4)
+    for i in range(3):
+        d.step("tap-decode", [5], [45 + i], [0], [GREEDY], hidden=True)
+    d.runner = ModelRunner(d.tr, N_SLOTS, N_CTX, hidden=HiddenTap(tap.points, HiddenRows.LOGITS))
+    d.step("tap-logits-5", range(5), range(41, 46), [0] * 5, [GREEDY] * 2, hidden=True)
+
+
+def eagle3(d: Driver) -> None:
+    """An EAGLE-3 drafter for the model (service/model/eagle3_model.py; Q8_0, with a reduced
+    vocabulary and the pre-fc norm) on the same backend: encode 12 tapped rows, decode them as
+    one 12-row step, then one 1-row step."""
+    import tempfile
+
+    from service.model.eagle3 import Eagle3Spec
+    from service.model.eagle3_model import Eagle3Model
+    from service.tools.synth_eagle3 import synthesize_eagle3
+
+    be, n = d.be, d.tr.spec.n_layer
+    with tempfile.TemporaryDirectory() as tmp:
+        path = synthesize_eagle3(Path(tmp) / "e3.gguf", d.tr.f_path, layers=(0, 1, n),
+                                 draft_vocab=300, norm_before_fc=True, quant="Q8_0").path
+        f = GGUFFile(path)
+        spec = Eagle3Spec.from_gguf(f)
+        m = Eagle3Model(spec, f, d.tr, n_ctx=N_CTX, n_slots=N_SLOTS, max_tokens=MAX_TOKENS)
+    feats = be.zeros((12, 3 * spec.n_embd_target))                       # (12, 3Et) f32
+    g = be.zeros((12, spec.n_embd))                                      # (12, E) f32
+    ids, pos, slots = (be.zeros((12,), "int32") for _ in range(3))
+    be.upload_ints(np.arange(12, dtype=np.int32), ids)
+    be.upload_ints(positions_for(0, 12), pos)
+    d._marked("eagle3-encode", lambda: m.encode(feats, g))
+    d._marked("eagle3-decode-12", lambda: m.decode(ids, pos, slots, 12, g, 12))
+    d._marked("eagle3-decode-1", lambda: (m.decode(ids[:1], pos[:1], slots[:1], 13, g[:1], 1),
+                                          be.synchronize()))
+
+
 SCRIPTS: dict[str, Callable[[Driver], None]] = {
-    "full": full, "widths": widths, "decode": decode, "kv": kv, "ops": ops}
+    "full": full, "widths": widths, "decode": decode, "kv": kv, "ops": ops, "hidden": hidden,
+    "eagle3": eagle3}
 
 
 def run(s: Scenario, kernels: CompiledKernels, files: dict[str, Path]) -> Result:
@@ -286,6 +333,7 @@ def run(s: Scenario, kernels: CompiledKernels, files: dict[str, Path]) -> Result
         tr = Transformer(ModelSpec.from_gguf(f), f, be, n_ctx=N_CTX, n_slots=N_SLOTS,
                          max_tokens=MAX_TOKENS, max_logits=MAX_LOGITS, type_k=s.kv[0],
                          type_v=s.kv[1])
+        tr.f_path = files[s.model]        # (the eagle3 script's synth reads the target file)
         d = Driver(tr, ModelRunner(tr, N_SLOTS, N_CTX), dev)
         SCRIPTS[s.script](d)
         return Result(s, dev, d.marks)

@@ -81,6 +81,9 @@ def all_scenarios() -> list[Scenario]:
                 Scenario(f"synth-{mix}", script="decode", options=(("gemv_early", True),)),
                 Scenario(f"synth-{mix}", script="decode", options=(("fuse_norm", True),))]
     out += [Scenario(m, kv=p, script="kv") for p in KV_PAIRS for m in ("qwen3", "gemma3")]
+    out += [Scenario(m, script="hidden") for m in ("qwen3", "gemma3")]
+    out += [Scenario("qwen3", script="hidden", options=(("fuse_norm", True),)),
+            Scenario("qwen3", script="eagle3")]
     return [*out, Scenario("qwen3", script="ops")]
 
 
@@ -205,6 +208,70 @@ def test_overlapped_steps_queue_both_readbacks_and_feed_ids_before_the_second_st
             assert names[names.index("feed_ids") + 1] != "sample_rows"
         else:                             # replayed graphs: the feed is the one eager launch
             assert names == ["feed_ids"], names
+
+
+@pytest.mark.parametrize("model", ["qwen3", "gemma3"])
+def test_hidden_state_taps_copy_each_point_inside_the_captured_step(results, model):
+    """A tapped step launches one copy_rows per capture point, (E, rows) wide, into the
+    runner's buffer; its graph holds them and replays; the same shape without the tap is
+    its own graph with no copy (untapped steps pay nothing)."""
+    r = results(Scenario(model, script="hidden"))
+    E = 256
+    by_label: dict[str, list] = {}
+    for m in r.marks:
+        by_label.setdefault(m.label, []).append(m)
+
+    def copies(m) -> list:
+        return [x for x in r.dev.launches[slice(*m.launches)] if x.kernel == "copy_rows"]
+
+    first = copies(by_label["tap-prefill-40"][0])
+    n = len(first)
+    assert n == 3 and all(x.grid == (ceil_rows(E), 64, 1) for x in first)  # padded to 64
+    tap, plain = by_label["tap-verify-4"], by_label["verify-4"]
+    assert [len(copies(m)) for m in tap] == [n, n, 0]     # eager, captured, replayed
+    assert all(x.graph is not None for x in copies(tap[1]))
+    graph = r.dev.graphs[tap[1].graphs[0]]
+    assert [x.grid for x in graph.nodes if isinstance(x, Launch) and x.kernel == "copy_rows"] \
+        == [(ceil_rows(E), 4, 1)] * n
+    assert tap[2].launches[0] == tap[2].launches[1] and graph.replays >= 2
+    assert all(not copies(m) for m in plain)
+    assert r.dev.graphs[plain[1].graphs[0]] is not graph
+    plain_graph = r.dev.graphs[plain[1].graphs[0]]
+    assert not [x for x in plain_graph.nodes if isinstance(x, Launch) and x.kernel == "copy_rows"]
+    logits = copies(by_label["tap-logits-5"][0])
+    assert [x.grid for x in logits] == [(ceil_rows(E), 2, 1)] * n     # the 2 logits rows
+
+
+def test_hidden_state_taps_sit_between_the_fused_norm_gemv_and_its_reader(results):
+    """With fuse_norm, a tapped decode step's copies keep the 8-bit blocks the fused GEMV
+    wrote (copy_rows is registered keeps_blocks): the step quantizes no more activations than
+    the untapped decode of the full scenario does per layer."""
+    r = results(Scenario("qwen3", script="hidden", options=(("fuse_norm", True),)))
+    m = next(m for m in r.marks if m.label == "tap-decode" and m.rep == 0)
+    names = [x.kernel for x in r.dev.launches[slice(*m.launches)]]
+    assert names.count("copy_rows") == 3
+    assert any(n.startswith("gemv_") and n.endswith("n") for n in names), names
+    plain = results(Scenario("qwen3", script="decode", options=(("fuse_norm", True),)))
+    p = next(m for m in plain.marks if m.label == "decode" and m.rep == 0)
+    plain_names = [x.kernel for x in plain.dev.launches[slice(*p.launches)]]
+    assert names.count("quantize_act") == plain_names.count("quantize_act")
+
+
+def test_an_eagle3_drafter_runs_on_the_fake_device(results):
+    """The drafter's encoder and decoder launch only compiled kernels with matching arguments
+    (checked at each launch): the fc GEMM/GEMV, the strided norms into [e | gn], RoPE + KV
+    write into its own cache, attention, the residual copy and the output over 300 rows."""
+    r = results(Scenario("qwen3", script="eagle3"))
+    marks = {m.label: m for m in r.marks}
+    for label in ("eagle3-encode", "eagle3-decode-12", "eagle3-decode-1"):
+        assert marks[label].launches[1] > marks[label].launches[0], label
+    names = {x.kernel for m in marks.values() for x in r.dev.launches[slice(*m.launches)]}
+    for prefix in ("embed_", "rms_norm", "rope_kv_", "attn", "copy_rows", "glu"):
+        assert any(n.startswith(prefix) for n in names), (prefix, names)
+
+
+def ceil_rows(n: int) -> int:
+    return -(-n // 256)       # ROW_THREADS
 
 
 def test_sampling_launches_one_block_per_logits_row(results):

@@ -106,6 +106,9 @@ class CpuBackend(Backend):
     def add(self, a, b, out):
         np.add(a, b, out=out)
 
+    def copy_rows(self, src, out):
+        np.copyto(out, src)
+
     def rope_table(self, n_ctx, n_dims, base, scaling=None):
         return ops.rope_table(n_ctx, n_dims, base, scaling)
 

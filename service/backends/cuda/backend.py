@@ -170,6 +170,7 @@ class CudaBackend(Backend):
     # ---------------------------------------------------------------- ops
     def embed(self, table, ids, scale, out): self._ew.embed(table, ids, scale, out)
     def add(self, a, b, out): self._ew.add(a, b, out)
+    def copy_rows(self, src, out): self._ew.copy_rows(src, out)
     def glu(self, gate, up, activation, out): self._ew.glu(gate, up, activation, out)
     def softplus_gate(self, a, g): self._ew.softplus_gate(a, g)
     def glu_for_matmul(self, gate, up, activation, out):

@@ -1,6 +1,7 @@
 """Row-wise op launchers of the CUDA backend (cuda/elementwise.cu): the embedding lookup, the
-residual / bias add, the attention output's softplus gate, and the gated linear unit (with its
-output's 8-bit blocks for the down projection's GEMV when it feeds one).
+residual / bias add, the row copy of a hidden-state tap, the attention output's softplus gate,
+and the gated linear unit (with its output's 8-bit blocks for the down projection's GEMV when
+it feeds one).
 
 `ElementwiseOps` owns nothing but its launches; glu_for_matmul records the view whose blocks
 it wrote in the shared launcher.ActivationBlocks.
@@ -56,6 +57,18 @@ class ElementwiseOps:
             raise ValueError(f"add: out {out.shape} vs {a.shape}")
         self._launcher.launch("add_rows", (ceil_div(N, ROW_THREADS), T), (ROW_THREADS,),
                               [a, I32(lda), b, I32(ldb), I32(N), out, I32(ldo)])
+
+    def copy_rows(self, src, out) -> None:
+        """out (T, N) = src (T, N), f32 rows with their own strides (base.py)."""
+        T, _, lds, _, N = view_rows(src)
+        To, _, ldo, _, No = view_rows(out)
+        if src.ndim != 2 or out.ndim != 2 or (T, N) != (To, No):
+            raise ValueError(f"copy_rows: src {src.shape} vs out {out.shape} (2-D, equal)")
+        check_dtype(src, np.float32, "copy_rows src")
+        check_dtype(out, np.float32, "copy_rows out")
+        self._launcher.launch("copy_rows", (ceil_div(N, ROW_THREADS), T), (ROW_THREADS,),
+                              [src, I32(lds), I32(N), out, I32(ldo)])
+        self._blocks.wrote(out)       # (a tap's buffer is never a GEMV input; kept exact)
 
     def glu(self, gate, up, activation: str, out) -> None:
         self._glu("glu", gate, up, activation, out, [])

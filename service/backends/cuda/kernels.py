@@ -213,6 +213,9 @@ FAMILIES = (
            "x:ptr ldx,D:i32 w:ptr eps:f32 out:ptr ldo:i32 qa,ads:ptr"),
     Family("rms_norm_add", "elementwise.cu", "o:ptr ldo,D:i32 w:ptr eps:f32 x:ptr ldx:i32"),
     Family("add_rows", "elementwise.cu", "a:ptr lda:i32 b:ptr ldb,N:i32 out:ptr ldo:i32"),
+    # writes only the tap's buffer, never a GEMV input: the activation blocks stay valid
+    Family("copy_rows", "elementwise.cu", "src:ptr lds,N:i32 out:ptr ldo:i32",
+           keeps_blocks=True),
     Family("glu", "elementwise.cu", "gate:ptr ldg:i32 up:ptr ldu,F,act:i32 out:ptr ldo:i32"),
     Family("glu_quant", "elementwise.cu",
            "gate:ptr ldg:i32 up:ptr ldu,F,act:i32 out:ptr ldo:i32 qa,ads:ptr"),

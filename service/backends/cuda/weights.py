@@ -4,9 +4,10 @@ and the end of loading.
 Matrices keep the file's blocks split into planes, exactly the file's bytes (no dequantized
 copy); they go through the pinned staging ring of upload.py (upload "pinned": copies overlap
 reading the file, the stream waits on the device) or one synchronous copy per plane
-("pageable"). A tensor loaded alone is kept by name, so a tied embedding and output matrix are
-one copy. The loader tracks the widest K and the largest matrix, which size the GEMV and GEMM
-scratch at prepare time.
+("pageable"). A tensor loaded alone is kept by its name and the address of its bytes, so a
+tied embedding and output matrix are one copy, and a drafter's tensor of the target's name (an
+EAGLE-3 file's output.weight) is its own. The loader tracks the widest K and the largest matrix,
+which size the GEMV and GEMM scratch at prepare time.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class WeightLoader:
         self.tensor_bytes = 0                 # file bytes of the tensors loaded
         self.weight_bytes = 0                 # device bytes of the weights
         self.load_seconds = 0.0
-        self.shared: dict[str, CudaMatrix] = {}    # tensors loaded alone, by name
+        # tensors loaded alone, by (name, address of the file bytes)
+        self.shared: dict[tuple[str, int], CudaMatrix] = {}
         self.max_k = 32                       # widest matrix row (GEMV activation scratch)
         self.max_elems = 0                    # rows * K of the largest matrix (GEMM tiles)
         self._load_t0: float | None = None
@@ -90,15 +92,16 @@ class WeightLoader:
         if not self.can_fuse(tensors):
             raise ValueError("cannot fuse tensors of different types or widths: "
                              + ", ".join(f"{t.name} {t.qtype.name}" for t in tensors))
-        if len(tensors) == 1 and tensors[0].name in self.shared:
-            return self.shared[tensors[0].name]
+        key = (tensors[0].name, tensors[0].raw.__array_interface__["data"][0])
+        if len(tensors) == 1 and key in self.shared:
+            return self.shared[key]
         layout = layout_of(tensors[0].qtype)
         k = tensors[0].shape[-1]
         _check_width(k, layout, tensors[0].name)
         rows = sum(int(np.prod(t.shape[:-1])) for t in tensors)
         m = CudaMatrix(layout, rows, k, self._upload_planes([t.raw for t in tensors], layout))
         if len(tensors) == 1:
-            self.shared[tensors[0].name] = m
+            self.shared[key] = m
         self.max_k = max(self.max_k, k)
         self.max_elems = max(self.max_elems, rows * k)
         return m

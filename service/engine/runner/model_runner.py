@@ -48,6 +48,12 @@ Rows with a structured-output token mask (RowSampling.mask) put it in the step's
 with one more copy only when some row has a mask; the list is always passed to the sample op,
 so a captured graph serves steps with and without masks.
 
+A runner built with a hidden-state tap (`hidden`, service/model/hidden.py: the residual rows at
+the layers a drafter names) owns its device buffer (R, P * E) f32; a step with
+StepInput.hidden copies its rows there inside the step (its own graph per shape: steps without
+it run their graphs unchanged), and `hidden_states(inp)` is the view of that step's real rows.
+There is one buffer: the next step with a tap overwrites it, so its reader runs before that.
+
 KV row moves (tree compaction, `move_kv`) go through a second small host buffer of 3M words
 (slots | sources | destinations), also uploaded with one copy, then one kv_move op.
 """
@@ -63,6 +69,7 @@ import numpy as np
 
 from service.backends.step_format import ADJ_ROW_MAX, N_PARAMS, OUT_WORDS, mask_words
 from service.engine.runner.step import RowSampling, StepInput, StepOutput
+from service.model.hidden import HiddenOut, HiddenRows, HiddenTap
 from service.model.transformer import Transformer
 
 
@@ -90,9 +97,14 @@ class Pending:
 
 class ModelRunner:
     def __init__(self, model: Transformer, n_slots: int, n_ctx: int, kind: RunnerKind = TARGET,
-                 logits_hook: Callable | None = None):
+                 logits_hook: Callable | None = None, hidden: HiddenTap | None = None):
         self.model, self.kind, self.logits_hook = model, kind, logits_hook
         be, M, L = model.backend, model.max_tokens, model.max_logits
+        self._hidden: HiddenOut | None = None
+        if hidden is not None:
+            hidden.check(model.spec.n_layer)
+            self._hidden = HiddenOut(hidden, be.zeros(                # (R, P * E) f32
+                (hidden.capacity(M, L), hidden.width(model.spec.n_embd))))
         self.sizes = be.step_sizes(M)
         self._o_rows, self._o_par = 6 * M, 6 * M + L
         self._o_feed = 6 * M + L + L * N_PARAMS
@@ -286,7 +298,31 @@ class ModelRunner:
 
         kv_rows = inp.kv_positions if inp.kv_positions is not None else inp.positions
         kv_len = max(max(inp.positions), max(kv_rows)) + 1
-        model.forward(ids, pos, slots, kv_len, L, choose if history or L else None, *tree)
+        model.forward(ids, pos, slots, kv_len, L, choose if history or L else None, *tree,
+                      hidden=self._tap(inp))
+
+    def _tap(self, inp: StepInput) -> HiddenOut | None:
+        if not inp.hidden:
+            return None
+        if self._hidden is None:
+            raise ValueError("a step asks for hidden states of a runner built without a tap")
+        return self._hidden
+
+    @property
+    def hidden_tap(self) -> HiddenTap | None:
+        """The runner's hidden-state tap (None: its steps copy no hidden states)."""
+        return None if self._hidden is None else self._hidden.tap
+
+    def hidden_states(self, inp: StepInput):
+        """The device rows (R, P * E) f32 that step `inp` (run with hidden=True, the last such
+        step) copied: one per row of inp (ALL) or per logits row (LOGITS), in row order."""
+        if self._hidden is None:
+            raise ValueError("a runner built without a hidden-state tap has no hidden states")
+        n, buf = len(inp.token_ids), self._hidden.buf
+        if self._hidden.tap.rows is HiddenRows.LOGITS:
+            return buf[:len(inp.logit_rows)]
+        T = self.padded(n)                # padding rows come first
+        return buf[T - n:T]
 
     def chain(self, start: int, n: int, slot: int, row: RowSampling) -> None:
         """After a launched step whose last row chose d1 (output record 0, on the device): n

@@ -103,6 +103,7 @@ class StepInput:
     kv_positions: Sequence[int] | None = None     # KV row each row writes (default: position)
     attn_lo: Sequence[int] | None = None          # sees rows [0, attn_lo) (default: position+1)
     attn_mask: Sequence[int] | None = None        # ... and attn_lo + bit for each set bit
+    hidden: bool = False          # copy the runner's hidden-state tap rows (model/hidden.py)
 
     def check(self, max_tokens: int, max_logits: int) -> None:
         n = len(self.token_ids)

@@ -1,0 +1,167 @@
+"""`specstream synth --eagle3 TARGET OUT.gguf`: a seeded random-weight EAGLE-3 drafter in
+llama.cpp's format (service/model/eagle3.py) for a given target: the target's width, heads,
+FFN size, RoPE and tokenizer; three target layers (by default EAGLE-3's low / middle / high:
+2, n // 2, n - 3, sorted); optionally a reduced draft vocabulary (d2t, a seeded sorted subset of
+the target's ids) and the drafter's own token embeddings.
+
+Weights are normal with standard deviation `weight_std` (F32, F16, or Q8_0 via the gguf
+package's quantizer for the 2-D ones), norm weights 1 + uniform(-0.05, 0.05) in F32; every
+tensor from its own generator seeded by (seed, name), so a file depends on its options only.
+The written file is re-read by Eagle3Spec.from_gguf and checked against the target before
+this returns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from service.errors import ConfigError
+from service.gguf.reader import GGUFFile
+from service.model.eagle3 import ARCH, D2T, Eagle3Spec
+from service.model.spec import ModelSpec
+
+QUANTS = ("F32", "F16", "Q8_0")
+NORM_JITTER = 0.05
+
+
+@dataclass(frozen=True)
+class Eagle3SynthResult:
+    path: Path
+    spec: Eagle3Spec
+    n_tensors: int
+    n_bytes: int
+
+
+def default_layers(n_layer: int) -> tuple[int, int, int]:
+    """EAGLE-3's low / middle / high target layers (2, n // 2, n - 3), sorted; for shallow
+    targets, three distinct points of 0..n_layer."""
+    pts = sorted({min(2, n_layer), n_layer // 2, max(n_layer - 3, 0)})
+    if len(pts) < 3:
+        pts = sorted({0, n_layer // 2, n_layer})
+    if len(pts) < 3:
+        raise ConfigError([("eagle3", f"a target of {n_layer} layers has no three distinct "
+                                      "capture points")])
+    return tuple(pts)
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    h = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return np.random.default_rng(int.from_bytes(h[:8], "little"))
+
+
+def _draft_spec(t: ModelSpec, layers: tuple[int, ...], draft_vocab: int, own_embedding: bool,
+                norm_before_fc: bool) -> Eagle3Spec:
+    return Eagle3Spec(
+        n_embd=t.n_embd, n_embd_target=t.n_embd, target_layers=tuple(layers),
+        n_head=t.n_head, n_head_kv=t.n_head_kv, head_dim=t.head_dim, n_ff=t.n_ff,
+        vocab_size=t.vocab_size, draft_vocab=draft_vocab or t.vocab_size,
+        n_ctx_train=t.n_ctx_train, rms_eps=t.rms_eps, rope_base=t.layers[0].rope_base,
+        rope_dims=t.rope_dims, norm_before_fc=norm_before_fc, norm_before_residual=False,
+        own_embedding=own_embedding, own_output=True, has_d2t=bool(draft_vocab),
+        has_rope_freqs=False)
+
+
+def _problems(t: ModelSpec, layers, draft_vocab: int, quant: str, weight_std: float,
+              out: Path) -> list[tuple[str, str]]:
+    p = []
+    if quant not in QUANTS:
+        p.append(("quant", f"{quant!r} is not one of " + ", ".join(QUANTS)))
+    if layers is not None and (len(layers) != 3 or len(set(layers)) != 3
+                               or not all(0 <= k <= t.n_layer for k in layers)):
+        p.append(("target-layers", f"{list(layers)}: three distinct layers in "
+                                   f"[0, {t.n_layer}] wanted"))
+    if not 0 <= draft_vocab <= t.vocab_size:
+        p.append(("draft-vocab", f"{draft_vocab} is out of range [0, {t.vocab_size}]"))
+    if not weight_std > 0:
+        p.append(("weight-std", f"{weight_std} must be positive"))
+    if t.n_ff < 1 or t.head_dim != t.head_dim_v:
+        p.append(("eagle3", "the target has no dense FFN size or unequal key/value head "
+                            "sizes; an EAGLE-3 block needs both"))
+    if not out.parent.is_dir():
+        p.append(("out", f"{out.parent} is not a directory"))
+    return p
+
+
+def synthesize_eagle3(out: str | os.PathLike, target: str | os.PathLike, *, seed: int = 0,
+                      layers: tuple[int, ...] | None = None, draft_vocab: int = 0,
+                      own_embedding: bool = False, norm_before_fc: bool = False,
+                      quant: str = "F16", weight_std: float = 0.02) -> Eagle3SynthResult:
+    """Write a random EAGLE-3 drafter for `target` (a GGUF path) to `out`; ConfigError listing
+    every bad option."""
+    out, tf = Path(out), GGUFFile(target)
+    t = ModelSpec.from_gguf(tf)
+    if problems := _problems(t, layers, draft_vocab, quant, weight_std, out):
+        raise ConfigError(problems)
+    spec = _draft_spec(t, layers or default_layers(t.n_layer), draft_vocab, own_embedding,
+                       norm_before_fc)
+    tensors = _tensors(spec, seed, weight_std)
+    _write(out, tf, spec, tensors, quant)
+    got = Eagle3Spec.from_gguf(GGUFFile(out))
+    got.check_target(t, str(out))
+    return Eagle3SynthResult(out, got, len(tensors), out.stat().st_size)
+
+
+def _tensors(spec: Eagle3Spec, seed: int, std: float) -> dict[str, np.ndarray]:
+    out = {}
+    for name, shape in spec.tensor_shapes().items():
+        g = _rng(seed, name)
+        if name == D2T:
+            ids = g.choice(spec.vocab_size, spec.draft_vocab, replace=False)
+            out[name] = np.sort(ids).astype(np.int64)                       # (Vd,) i64
+        elif len(shape) == 1:                                               # norm weights
+            out[name] = (1 + g.uniform(-NORM_JITTER, NORM_JITTER, shape)).astype(np.float32)
+        else:
+            out[name] = (g.standard_normal(shape) * std).astype(np.float32)
+    return out
+
+
+def _write(out: Path, target: GGUFFile, spec: Eagle3Spec, tensors: dict[str, np.ndarray],
+           quant: str) -> None:
+    import gguf
+
+    from service.gguf.writer import copy_metadata, write_tensor_data
+
+    part = out.with_name(out.name + ".part")
+    w = gguf.GGUFWriter(str(part), ARCH)
+    qt = gguf.GGMLQuantizationType
+    try:
+        copy_metadata(target, w, None, None, drop=lambda k: not k.startswith("tokenizer."))
+        w.add_name(f"eagle3 synth for {target.get('general.name', target.path.stem)}")
+        w.add_array(f"{ARCH}.target_layers", [int(k) for k in spec.target_layers])
+        for key, v in (("target_hidden_size", spec.n_embd_target),
+                       ("embedding_length", spec.n_embd), ("block_count", 1),
+                       ("feed_forward_length", spec.n_ff), ("context_length", spec.n_ctx_train),
+                       ("attention.head_count", spec.n_head),
+                       ("attention.head_count_kv", spec.n_head_kv),
+                       ("attention.key_length", spec.head_dim),
+                       ("attention.value_length", spec.head_dim),
+                       ("rope.dimension_count", spec.rope_dims),
+                       ("vocab_size", spec.vocab_size)):
+            w.add_uint32(f"{ARCH}.{key}", int(v))
+        w.add_float32(f"{ARCH}.attention.layer_norm_rms_epsilon", spec.rms_eps)
+        w.add_float32(f"{ARCH}.rope.freq_base", spec.rope_base)
+        if spec.norm_before_fc:
+            w.add_bool(f"{ARCH}.norm_before_fc", True)
+        data = []
+        for name, a in tensors.items():
+            if name == D2T:
+                raw, dtype = a, qt.I64
+            elif a.ndim == 1 or quant == "F32":
+                raw, dtype = a, qt.F32
+            elif quant == "F16":
+                raw, dtype = a.astype(np.float16), qt.F16
+            else:
+                raw, dtype = gguf.quants.quantize(a, qt.Q8_0), qt.Q8_0
+            w.add_tensor_info(name, a.shape, np.dtype(np.float32), raw.nbytes, raw_dtype=dtype)
+            data.append([raw])
+    except BaseException:
+        w.close()
+        part.unlink(missing_ok=True)
+        raise
+    write_tensor_data(w, data, part, out)
+
