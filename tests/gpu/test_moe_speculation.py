@@ -1,0 +1,157 @@
+"""Speculation on MoE targets on the CUDA backend (tests/engine/test_moe_speculation.py's
+identities): the tiny qwen3moe and Laguna files, and a synthetic `tiny-moe` file at Q4_K_M
+(K-quant expert GEMVs; made at test time, a few MB), with drafting in full on captured steps.
+
+Greedy output with speculation equals plain greedy output for the n-gram and model drafters at
+verify widths 4, 6 and 16, and the width-16 verify steps ran as captured CUDA graphs; seeded
+sampled speculation equals plain sampling; a request alone equals it in a batch of four
+speculating requests; and each token the speculating CUDA engine chose is the CPU backend's
+(rounding activations the GPU's way) choice on the same history wherever the CPU's top-2 gap is
+clear."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from service.backends.cpu.backend import CpuBackend
+from tests.engine.test_moe_speculation import (
+    DRAFTS,
+    PROMPTS,
+    batch_requests,
+    compare_sampled,
+)
+from tests.support.batching import alone, same_output, together
+from tests.support.engines import Engine, run, running_engine
+from tests.support.models import TINY, build_model, forward_host
+from tests.support.near_ties import top2_gap
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+WIDTHS = (4, 6, 16)
+N_NEW = 40
+CLEAR_GAP = 1.0          # tests/golden/test_moe_oracle.py's
+TARGETS = ("tiny-qwen3moe-s-q8", "tiny-laguna-q8", "tiny-laguna-elem-q5", "synth-tiny-moe")
+
+
+@pytest.fixture(scope="module")
+def synth_files(tmp_path_factory) -> dict[str, str]:
+    """The `tiny-moe` preset (qwen3moe: 8 experts, 2 used, hidden 256) at Q4_K_M, and the same
+    weights (same seed) at Q8_0 to draft for it; the oracle fixtures' weight spread (0.25), for
+    logits with clear choices."""
+    from service.tools.synth import synthesize
+
+    d = tmp_path_factory.mktemp("moe-spec")
+    return {quant: str(synthesize(d / f"tiny-moe-{quant}.gguf", "tiny-moe", quant, seed=3,
+                                       weight_std=0.25).path)
+            for quant in ("Q4_K_M", "Q8_0")}
+
+
+def files(target: str, synth: dict[str, str]) -> tuple[str, str]:
+    """(target file, its draft file)."""
+    if target == "synth-tiny-moe":
+        return synth["Q4_K_M"], synth["Q8_0"]
+    return str(TINY / f"{target}.gguf"), str(TINY / f"{DRAFTS[target]}.gguf")
+
+
+def cuda_engine(path: str, **options):
+    """A CUDA engine with captured steps, verify width 16, drafting in full."""
+    return running_engine(path, **{"backend": "cuda", "n_ctx": 256, "n_slots": 1,
+                                   "verify_width": 16, "cuda_graphs": True, **options},
+                          draft_in_full=True)
+
+
+def greedy_at_widths(eng: Engine) -> tuple[list[list[int]], dict[int, tuple[int, int]]]:
+    """Plain greedy ids per prompt, and (drafted, accepted) per width, every speculating run
+    equal to the plain one."""
+    plain = [run(eng, p, max_new_tokens=N_NEW, ignore_eos=True, speculative=False).token_ids
+             for p in PROMPTS]
+    counts = {}
+    for width in WIDTHS:
+        eng.config = replace(eng.config, verify_width=width)
+        drafted = accepted = 0
+        for i, prompt in enumerate(PROMPTS):
+            out = run(eng, prompt, max_new_tokens=N_NEW, ignore_eos=True)
+            assert out.token_ids == plain[i], (width, i)
+            drafted += out.finished.usage.draft_tokens
+            accepted += out.finished.usage.accepted_draft_tokens
+        counts[width] = (drafted, accepted)
+    return plain, counts
+
+
+def verify_graphs(eng: Engine) -> set[tuple[int, int]]:
+    """(tokens, logits rows) of the captured steps that verified drafts (> 1 logits row)."""
+    return {(k[0], k[1]) for k in eng.model.backend.graph_keys
+            if isinstance(k[1], int) and len(k) > 2 and k[2] != "chain" and k[1] > 1}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_ngram_speculation_equals_plain_greedy_on_cuda(target, synth_files):
+    path, _ = files(target, synth_files)
+    with cuda_engine(path, drafter="ngram", ngram_size=1) as eng:
+        _, counts = greedy_at_widths(eng)
+    print(f"\n{target} ngram 1 on CUDA: (drafted, accepted) per width {counts}")
+    assert all(d > 0 for d, _ in counts.values()), counts
+    assert sum(a for _, a in counts.values()) > 0, counts
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_model_drafter_speculation_equals_plain_greedy_on_cuda(target, synth_files):
+    """Widths 4, 6 and 16 with the quantized copy drafting; the verify steps of 16 rows (15
+    drafts in full) were captured; the tokens the engine chose are the CPU backend's choices
+    on the same history where the CPU's choice is clear."""
+    path, draft = files(target, synth_files)
+    with cuda_engine(path, drafter="model", draft_model=draft) as eng:
+        plain, counts = greedy_at_widths(eng)
+        graphs = verify_graphs(eng)
+    print(f"\n{target} model drafter on CUDA: (drafted, accepted) per width {counts}; "
+          f"captured verify steps {sorted(graphs)}")
+    assert all(d > 0 for d, _ in counts.values()), counts
+    if target != "tiny-laguna-elem-q5":          # its draft has other weights
+        assert all(a > 0.5 * d for d, a in counts.values()), counts
+    assert any(t == 16 for t, _ in graphs), graphs
+    assert_clear_choices_agree_with_the_cpu(path, plain)
+
+
+def assert_clear_choices_agree_with_the_cpu(path: str, outputs: list[list[int]]) -> None:
+    """Each prompt's CUDA output teacher-forced through the CPU backend (GPU activation
+    rounding): where the CPU's top-2 gap is clear, its argmax is the token CUDA chose."""
+    compared = 0
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        ids = list(prompt) + out
+        tr = build_model(path, CpuBackend(act_quant="gpu"), n_ctx=128, max_tokens=len(ids))
+        logits = forward_host(tr, ids[:-1], 0, len(ids) - 1)[len(prompt) - 1:]
+        clear = np.array([top2_gap(r) for r in logits]) >= CLEAR_GAP
+        np.testing.assert_array_equal(logits.argmax(1)[clear], np.array(out)[clear])
+        compared += int(clear.sum())
+    assert compared >= len(outputs) * N_NEW // 4, compared
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+@pytest.mark.parametrize("target", ["tiny-qwen3moe-s-q8", "tiny-laguna-q8", "synth-tiny-moe"])
+def test_sampled_speculation_equals_plain_sampling_on_cuda(target, drafter, synth_files):
+    path, draft = files(target, synth_files)
+    extra = {"draft_model": draft} if drafter == "model" else {"ngram_size": 1}
+    with cuda_engine(path, drafter=drafter, verify_width=6, **extra) as eng:
+        drafted, accepted = compare_sampled(eng)
+    print(f"\n{target} {drafter}, sampled on CUDA: {accepted}/{drafted} drafts accepted")
+    assert drafted > 0 and accepted > 0
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+@pytest.mark.parametrize("target", ["tiny-qwen3moe-s-q8", "tiny-laguna-q8", "synth-tiny-moe"])
+def test_a_request_alone_equals_it_in_a_speculating_batch_on_cuda(target, drafter, synth_files):
+    path, draft = files(target, synth_files)
+    extra = {"draft_model": draft} if drafter == "model" else {"ngram_size": 1}
+    with cuda_engine(path, drafter=drafter, n_slots=4, verify_width=16, **extra) as eng:
+        reqs = batch_requests(drafter)
+        ref = [alone(eng, r) for r in reqs]
+        got, stats = together(eng, reqs)
+    bad = [(r.request_id, a.token_ids, b.token_ids)
+           for r, a, b in zip(reqs, got, ref, strict=True) if not same_output(a, b)]
+    assert not bad
+    assert stats.max_sequences == 4
+    assert sum(g.finished.usage.accepted_draft_tokens for g in got) > 0
