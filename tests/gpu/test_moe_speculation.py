@@ -27,7 +27,7 @@ from tests.engine.test_moe_speculation import (
 from tests.support.batching import alone, same_output, together
 from tests.support.engines import Engine, run, running_engine
 from tests.support.models import TINY, build_model, forward_host
-from tests.support.near_ties import top2_gap
+from tests.support.near_ties import logprob_gap, top2_gap
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -67,18 +67,18 @@ def cuda_engine(path: str, **options):
                           draft_in_full=True)
 
 
-def greedy_at_widths(eng: Engine) -> tuple[list[list[int]], dict[int, tuple[int, int]]]:
-    """Plain greedy ids per prompt, and (drafted, accepted) per width, every speculating run
-    equal to the plain one."""
-    plain = [run(eng, p, max_new_tokens=N_NEW, ignore_eos=True, speculative=False).token_ids
-             for p in PROMPTS]
+def greedy_at_widths(eng: Engine) -> tuple[list, dict[int, tuple[int, int]]]:
+    """The plain greedy runs per prompt (with top-2 log-probabilities), and (drafted, accepted)
+    per width, every speculating run's ids equal to the plain one's."""
+    plain = [run(eng, p, max_new_tokens=N_NEW, ignore_eos=True, speculative=False,
+                 top_logprobs=2) for p in PROMPTS]
     counts = {}
     for width in WIDTHS:
         eng.config = replace(eng.config, verify_width=width)
         drafted = accepted = 0
         for i, prompt in enumerate(PROMPTS):
             out = run(eng, prompt, max_new_tokens=N_NEW, ignore_eos=True)
-            assert out.token_ids == plain[i], (width, i)
+            assert out.token_ids == plain[i].token_ids, (width, i)
             drafted += out.finished.usage.draft_tokens
             accepted += out.finished.usage.accepted_draft_tokens
         counts[width] = (drafted, accepted)
@@ -117,18 +117,21 @@ def test_model_drafter_speculation_equals_plain_greedy_on_cuda(target, files):
     assert_clear_choices_agree_with_the_cpu(path, plain)
 
 
-def assert_clear_choices_agree_with_the_cpu(path: str, outputs: list[list[int]]) -> None:
-    """Each prompt's CUDA output teacher-forced through the CPU backend (GPU activation
-    rounding): where the CPU's top-2 gap is clear, its argmax is the token CUDA chose."""
+def assert_clear_choices_agree_with_the_cpu(path: str, plain: list) -> None:
+    """Each prompt's CUDA greedy ids teacher-forced through the CPU backend (GPU activation
+    rounding): where both the CPU's and CUDA's top-2 gaps are clear, the CPU's argmax is the
+    token CUDA chose. (These random-weight models amplify rounding: the CPU's two rounding
+    modes already differ at gaps of up to ~2 on one side, never at gaps clear on both.)"""
     compared = 0
-    for prompt, out in zip(PROMPTS, outputs, strict=True):
-        ids = list(prompt) + out
+    for prompt, out in zip(PROMPTS, plain, strict=True):
+        ids = list(prompt) + out.token_ids
         tr = build_model(path, CpuBackend(act_quant="gpu"), n_ctx=128, max_tokens=len(ids))
         logits = forward_host(tr, ids[:-1], 0, len(ids) - 1)[len(prompt) - 1:]
         clear = np.array([top2_gap(r) for r in logits]) >= CLEAR_GAP
-        np.testing.assert_array_equal(logits.argmax(1)[clear], np.array(out)[clear])
+        clear &= np.array([logprob_gap(lp) for lp in out.logprobs]) >= CLEAR_GAP
+        np.testing.assert_array_equal(logits.argmax(1)[clear], np.array(out.token_ids)[clear])
         compared += int(clear.sum())
-    assert compared >= len(outputs) * N_NEW // 4, compared
+    assert compared >= len(plain) * N_NEW // 8, compared
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
