@@ -205,3 +205,30 @@ def test_width_16_is_accepted_on_moe_targets(target, drafts):
         assert eng.config.verify_width == 16
         assert eng.spec.moe is not None
         assert 16 in eng.model.backend.step_sizes(16)
+
+
+@pytest.mark.parametrize("target", ["tiny-qwen3moe-s-q8", "tiny-laguna-q8",
+                                    "tiny-laguna-elem-q5"])
+def test_rows_of_steps_up_to_the_engines_limit_equal_one_row_steps(target):
+    """The engine's CPU backend keeps steps of up to MAX_STEP_ROWS (64) rows invariant (a
+    batch of four 16-row verify steps is one step): 48 ids fed one per step, in 16-row steps
+    and in one 48-row step give the same logits bit for bit (routing, combine, shared expert,
+    sliding windows of 8 row by row); a backend invariant only to 16 rows does not (the
+    48-row step's sgemm rounds otherwise), so the comparison can tell."""
+    import numpy as np
+
+    from service.backends.cpu.backend import CpuBackend
+    from service.config.schema import MAX_STEP_ROWS
+    from tests.support.models import build_model, teacher_forced
+
+    ids = [(37 * i + 11) % 512 for i in range(48)]
+
+    def rows(invariant: int, chunk: int) -> np.ndarray:
+        tr = build_model(path(target), CpuBackend(invariant_tokens=invariant), n_ctx=64,
+                         max_tokens=48)
+        return teacher_forced(tr, ids, chunk)
+
+    one = rows(MAX_STEP_ROWS, 1)
+    np.testing.assert_array_equal(rows(MAX_STEP_ROWS, 16), one)
+    np.testing.assert_array_equal(rows(MAX_STEP_ROWS, 48), one)
+    assert not np.array_equal(rows(16, 48), one)      # the control

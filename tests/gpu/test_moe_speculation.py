@@ -159,3 +159,21 @@ def test_a_request_alone_equals_it_in_a_speculating_batch_on_cuda(arch, drafter,
     assert not bad
     assert stats.max_sequences == 4
     assert sum(g.finished.usage.accepted_draft_tokens for g in got) > 0
+
+
+@pytest.mark.parametrize("target", NGRAM_TARGETS)
+def test_rows_of_verify_sized_steps_equal_one_row_steps_on_cuda(target, files):
+    """What the identities rest on, on CUDA: 48 ids fed one per step and in steps of 6 and 16
+    rows (the engine's backend options: steps of up to 64 rows invariant) give the same logits
+    bit for bit (device routing, gathered expert GEMVs, combine, sliding windows)."""
+    from service.backends import create_backend
+    from service.config.schema import MAX_STEP_ROWS
+    from tests.support.models import teacher_forced
+
+    ids = [(37 * i + 11) % 512 for i in range(48)]
+    tr = build_model(files[target][0], create_backend("cuda", graphs=False,
+                                                      invariant_tokens=MAX_STEP_ROWS),
+                     n_ctx=64, max_tokens=48)
+    one = teacher_forced(tr, ids, 1)
+    for chunk in (6, 16):
+        np.testing.assert_array_equal(teacher_forced(tr, ids, chunk), one, err_msg=str(chunk))
