@@ -5,9 +5,9 @@ identities): the tiny qwen3moe and Laguna files, and a synthetic `tiny-moe` file
 Greedy output with speculation equals plain greedy output for the n-gram and model drafters at
 verify widths 4, 6 and 16, and the width-16 verify steps ran as captured CUDA graphs; seeded
 sampled speculation equals plain sampling; a request alone equals it in a batch of four
-speculating requests; and each token the speculating CUDA engine chose is the CPU backend's
-(rounding activations the GPU's way) choice on the same history wherever the CPU's top-2 gap is
-clear."""
+speculating requests; each token the CUDA engine chose is the CPU backend's (rounding
+activations the GPU's way) choice on the same history wherever both top-2 gaps are clear; and
+rows of 6- and 16-row steps equal one-row steps bit for bit."""
 
 from __future__ import annotations
 
