@@ -214,7 +214,7 @@ class Driver:
 # ---------------------------------------------------------------- scripts
 def full(d: Driver) -> None:
     """A block table and a token history written, prefill (captured at 64 rows, eager at 128),
-    sampled decode, a two-sequence batch, verify steps of 4, 5 and 12 rows, tree verify rows
+    sampled decode, a two-sequence batch, verify steps of 4, 5, 12 and 16 rows, tree verify rows
     with a KV move, a draft chain and a prefill through Transformer.forward; each step shape
     three times (eager, capture, replay)."""
     c = d.tr.cache
@@ -230,6 +230,7 @@ def full(d: Driver) -> None:
     d.repeat(3, "verify-4", [1, 2, 3, 4], range(41, 45), [0] * 4, [GREEDY_TOP] * 4)
     d.repeat(3, "verify-5", range(5), range(41, 46), [0] * 5, [GREEDY] * 5)
     d.repeat(3, "verify-12", range(12), range(41, 53), [0] * 12, [GREEDY_TOP] * 12)
+    d.repeat(3, "verify-16", range(16), range(41, 57), [0] * 16, [GREEDY] * 16)   # widest
     d.repeat(3, "tree-4", [1, 2, 3, 4], [41, 42, 42, 43], [0] * 4, [GREEDY] * 4,
              kv_positions=[41, 42, 43, 44], attn_lo=[41] * 4, attn_mask=[0, 1, 1, 5])
     d._marked("move-kv", lambda: d.runner.move_kv([0, 0], [43, 44], [42, 43]))
