@@ -108,7 +108,9 @@ def greedy_at_widths(eng: Engine, target: str) -> dict[int, tuple[int, int]]:
     return counts
 
 
-@pytest.mark.parametrize("ngram", [1, 2])
+# n-gram length 1 only: it drafts most often (length 2 verified the same rows less often and
+# doubled the CI time of this file)
+@pytest.mark.parametrize("ngram", [1])
 @pytest.mark.parametrize("target", TARGETS)
 def test_ngram_speculation_equals_plain_greedy(target, ngram):
     with engine(target, drafter="ngram", ngram_size=ngram) as eng:
