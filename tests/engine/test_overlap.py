@@ -9,6 +9,7 @@ test also checks that fed steps really ran."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -16,13 +17,21 @@ import pytest
 
 from service.engine.runner.step import GREEDY, StepInput
 from service.engine.types import (
+    Constraint,
     Delta,
     FinishReason,
     GenerationRequest,
     SamplingParams,
     StoppingCriteria,
 )
-from tests.support.batching import Streams, same_output, sampled, smollm2_prompts, together
+from tests.support.batching import (
+    Streams,
+    alone,
+    same_output,
+    sampled,
+    smollm2_prompts,
+    together,
+)
 from tests.support.engines import Result, running_engine, wait_idle
 from tests.support.models import build_model
 
@@ -222,3 +231,40 @@ def test_speculating_streams_overlap_between_drafts_and_equal_the_one_step_loop(
     assert fed.n >= 10, f"only {fed.n} fed steps"
     assert got[0].finished.usage.draft_tokens > 0, "the repetitive greedy stream never drafted"
     assert got[0].finished.usage.accepted_draft_tokens > 0
+
+
+def test_constrained_greedy_streams_overlap_and_equal_the_one_step_loop(engines, monkeypatch):
+    """Constrained greedy rows run overlapped: a fed row chooses without its mask (the mask
+    needs the token still in flight) and the host checks the choice against the mask once it
+    has it; a refused choice is dropped with the row fed from it and runs again masked. The
+    streams (JSON schemas, a regex, an unconstrained row beside them) equal the one-step
+    loop's, alone and batched, and refusals really happened."""
+    on, off = engines
+    refusals = []
+    inner = on.overlapped._commit
+
+    def commit(seqs, out, ahead):
+        refused = inner(seqs, out, ahead)
+        refusals.append(refused)
+        return refused
+
+    monkeypatch.setattr(on.overlapped, "_commit", commit)
+    digit = {"type": "integer", "minimum": 0, "maximum": 9}
+    cs = [Constraint("json_schema", json.dumps({
+              "type": "object", "properties": {"a": digit, "b": {"type": "boolean"}},
+              "required": ["a", "b"], "additionalProperties": False})),
+          Constraint("regex", r"[A-Za-z ,.]{1,200}"),
+          Constraint("json_schema", json.dumps({"type": "array", "items": digit,
+                                                "minItems": 2, "maxItems": 4})),
+          None,
+          Constraint("choice", options=("the sea", "the wind", "a boat")),
+          Constraint("regex", r"[a-z ]{1,200}")]
+    reqs = [GenerationRequest(f"c{i}", tuple(smollm2_prompts()[i % 4]) + (i + 5,), GREEDY,
+                              StoppingCriteria(max_new_tokens=20), constraint=c)
+            for i, c in enumerate(cs)]
+    got, ref, n_fed = both(engines, reqs)
+    assert not mismatches(got, ref)
+    assert n_fed >= 10, f"only {n_fed} fed steps"
+    assert any(refusals), "no unmasked choice was refused: the recovery path did not run"
+    solo = [alone(on, r) for r in reqs[:3]]
+    assert all(same_output(a, b) for a, b in zip(solo, ref, strict=False))
