@@ -123,6 +123,7 @@ class OverlappedDecode:
                 if id(seq) in later:
                     self._void.add(id(seq))
                 refused = True
+                self._stats().mask_refusals += 1
                 continue
             live.append((r, seq, tok))
         advance_constrained([(seq, tok) for _, seq, tok in live])   # next masks, one batch
