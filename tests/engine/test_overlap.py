@@ -233,22 +233,9 @@ def test_speculating_streams_overlap_between_drafts_and_equal_the_one_step_loop(
     assert got[0].finished.usage.accepted_draft_tokens > 0
 
 
-def test_constrained_greedy_streams_overlap_and_equal_the_one_step_loop(engines, monkeypatch):
-    """Constrained greedy rows run overlapped: a fed row chooses without its mask (the mask
-    needs the token still in flight) and the host checks the choice against the mask once it
-    has it; a refused choice is dropped with the row fed from it and runs again masked. The
-    streams (JSON schemas, a regex, an unconstrained row beside them) equal the one-step
-    loop's, alone and batched, and refusals really happened."""
-    on, off = engines
-    refusals = []
-    inner = on.overlapped._commit
-
-    def commit(seqs, out, ahead):
-        refused = inner(seqs, out, ahead)
-        refusals.append(refused)
-        return refused
-
-    monkeypatch.setattr(on.overlapped, "_commit", commit)
+def constrained_requests() -> list[GenerationRequest]:
+    """Greedy SmolLM2 requests under JSON schemas, regexes and a choice, one unconstrained:
+    rows whose unmasked choices the masks often refuse (the schemas) and seldom (the regexes)."""
     digit = {"type": "integer", "minimum": 0, "maximum": 9}
     cs = [Constraint("json_schema", json.dumps({
               "type": "object", "properties": {"a": digit, "b": {"type": "boolean"}},
@@ -259,12 +246,23 @@ def test_constrained_greedy_streams_overlap_and_equal_the_one_step_loop(engines,
           None,
           Constraint("choice", options=("the sea", "the wind", "a boat")),
           Constraint("regex", r"[a-z ]{1,200}")]
-    reqs = [GenerationRequest(f"c{i}", tuple(smollm2_prompts()[i % 4]) + (i + 5,), GREEDY,
+    return [GenerationRequest(f"c{i}", tuple(smollm2_prompts()[i % 4]) + (i + 5,), GREEDY,
                               StoppingCriteria(max_new_tokens=20), constraint=c)
             for i, c in enumerate(cs)]
-    got, ref, n_fed = both(engines, reqs)
+
+
+def test_constrained_greedy_streams_overlap_and_equal_the_one_step_loop(engines):
+    """Constrained greedy rows run overlapped: a fed row chooses without its mask (the mask
+    needs the token still in flight) and the host checks the choice against the mask once it
+    has it; a refused choice is dropped with the row fed from it and runs again masked. The
+    streams equal the one-step loop's, batched and alone, and refusals really happened."""
+    on, off = engines
+    reqs = constrained_requests()
+    fed = FedSteps(on)
+    got, stats = together(on, reqs)
+    ref, _ = together(off, reqs)
     assert not mismatches(got, ref)
-    assert n_fed >= 10, f"only {n_fed} fed steps"
-    assert any(refusals), "no unmasked choice was refused: the recovery path did not run"
+    assert fed.n >= 10, f"only {fed.n} fed steps"
+    assert stats.mask_refusals > 0, "no unmasked choice was refused: recovery did not run"
     solo = [alone(on, r) for r in reqs[:3]]
     assert all(same_output(a, b) for a, b in zip(solo, ref, strict=False))
