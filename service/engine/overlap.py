@@ -106,7 +106,8 @@ class OverlappedDecode:
         sequence that ends here while a later row of it is in flight gives that row back.
         A constrained row chose without its mask (fed_input): a token its mask refuses is
         dropped with the row in flight after it (fed that token), and True says so: the loop
-        ends after the step in flight and the next plan runs the row again with its mask."""
+        ends after the step in flight and the next plan runs the row again with its mask (and
+        its next few, Sequence.refused_unmasked)."""
         later = {id(s) for s in ahead}
         tokens = [int(t) for t in out.token_ids[:len(seqs)]]
         refused = False
@@ -124,7 +125,10 @@ class OverlappedDecode:
                     self._void.add(id(seq))
                 refused = True
                 self._stats().mask_refusals += 1
+                seq.refused_unmasked()
                 continue
+            if seq.matcher is not None:
+                seq.kept_unmasked()
             live.append((r, seq, tok))
         advance_constrained([(seq, tok) for _, seq, tok in live])   # next masks, one batch
         for r, seq, tok in live:

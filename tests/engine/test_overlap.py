@@ -262,7 +262,49 @@ def test_constrained_greedy_streams_overlap_and_equal_the_one_step_loop(engines)
     got, stats = together(on, reqs)
     ref, _ = together(off, reqs)
     assert not mismatches(got, ref)
-    assert fed.n >= 10, f"only {fed.n} fed steps"
+    assert fed.n >= 5, f"only {fed.n} fed steps"      # refusals send rows to masked steps
     assert stats.mask_refusals > 0, "no unmasked choice was refused: recovery did not run"
     solo = [alone(on, r) for r in reqs[:3]]
     assert all(same_output(a, b) for a, b in zip(solo, ref, strict=False))
+
+
+def test_which_constrained_rows_overlap_and_the_refusal_backoff():
+    """Greedy constrained rows without log-probabilities overlap (sampled ones, or with
+    log-probabilities, do not); a refusal sends the row to masked steps for 4 tokens, the next
+    for 8, and kept unmasked choices ease the wait back to 4."""
+    from service.engine.scheduler.sequence import Sequence
+    from service.engine.spec.decode import Speculator
+
+    class Matcher:              # allows everything, never ends
+        ahead, terminated = None, False
+
+        def mask(self):
+            return np.full(2, -1, np.int32)
+
+        def accept(self, t):
+            return True
+
+        def done(self, mask):
+            return False
+
+    def seq(sampling=GREEDY, top_logprobs=0):
+        req = GenerationRequest("r", (1, 2), sampling, StoppingCriteria(max_new_tokens=99),
+                                top_logprobs=top_logprobs)
+        return Sequence(request=req, sink=lambda ev: None, seed_value=0, text=None,
+                        eog_ids=frozenset(), n_ctx=512, speculative=False, matcher=Matcher())
+
+    sp = Speculator(None)
+    s = seq()
+    assert sp.overlaps([s]) and not sp.overlaps([s, seq(sampled(1))])
+    assert not sp.overlaps([seq(top_logprobs=2)])
+    s.refused_unmasked()
+    assert s.mask_wait == 4 and not sp.overlaps([s])
+    for _ in range(4):
+        assert not sp.overlaps([s])
+        s._advance(7)
+    assert sp.overlaps([s])
+    s.refused_unmasked()
+    assert s.mask_wait == 8 and s.mask_backoff == 16
+    for _ in range(20):
+        s.kept_unmasked()
+    assert s.mask_backoff == 4

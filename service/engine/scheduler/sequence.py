@@ -26,6 +26,8 @@ from service.engine.types import (
     Usage,
 )
 
+MIN_MASK_BACKOFF, MAX_MASK_BACKOFF = 4, 64
+
 
 @dataclass
 class Sequence:
@@ -39,6 +41,10 @@ class Sequence:
     verify_width: int = 1                 # rows a chain verify step may hold (seed + drafts)
     tree_budget: int = 0                  # > 0: tree verify with this many nodes per step
     matcher: Any = None                   # engine/constraint.Matcher of a constrained request
+    # after its mask refused an overlapped unmasked choice (engine/overlap.py): tokens to commit
+    # from masked (non-overlapped) steps first, and the next such wait (doubles per refusal)
+    mask_wait: int = 0
+    mask_backoff: int = 4
     slot: int = -1
     n_past: int = 0                       # committed KV rows
     seed: int | None = None               # last chosen token, KV row not yet written
@@ -89,6 +95,18 @@ class Sequence:
         the argmax over the allowed ones when allowed) without log-probabilities (they would
         be normalized over all tokens)."""
         return self.request.sampling.greedy and not self.request.top_logprobs
+
+    def refused_unmasked(self) -> None:
+        """Its mask refused the choice an overlapped row made without it: a sequence whose
+        unmasked choices keep failing (the model writes what the constraint forbids) costs
+        three steps per token overlapped, so it commits its next tokens from masked steps
+        (a wait doubling from 4 up to 64 per refusal, easing by 1 with each choice kept)."""
+        self.mask_wait = self.mask_backoff
+        self.mask_backoff = min(MAX_MASK_BACKOFF, 2 * self.mask_backoff)
+
+    def kept_unmasked(self) -> None:
+        """An overlapped choice made without its mask was allowed."""
+        self.mask_backoff = max(MIN_MASK_BACKOFF, self.mask_backoff - 1)
 
     def constrain_draft(self, drafts: list[int]) -> list[int]:
         """The longest prefix of `drafts` the constraint allows, with row_masks extended along
@@ -243,6 +261,7 @@ class Sequence:
         """The matcher takes a committed token; True when the constraint is complete and
         nothing but an end token may follow."""
         m = self.matcher
+        self.mask_wait = max(0, self.mask_wait - 1)
         if m.ahead == tok:              # accepted and its next mask filled with the step's rows
             m.ahead = None
             mask = self.row_masks[0]

@@ -72,7 +72,7 @@ class Speculator:
         speculates, or they speculate with a pure drafter along chains (not trees); a
         constrained one only when it does not speculate and a choice made without its mask is
         its own wherever the mask allows it (Sequence.unmasked_exact; overlap.py checks)."""
-        if any(s.matcher is not None and (s.speculative or not s.unmasked_exact)
+        if any(s.matcher is not None and (s.speculative or not s.unmasked_exact or s.mask_wait)
                for s in seqs):
             return False        # a constrained row's next mask needs its token on the host
         return all(not s.speculative for s in seqs) or (
