@@ -3,10 +3,11 @@
 At 1 and 16 concurrent streams (SmolLM2, greedy, speculation off), the wall time per generated
 token of requests with a constraint (a JSON-schema-free regex that keeps the model's text:
 words, spaces and punctuation, so every step carries a full-vocabulary mask) against the same
-requests without one, and their ratio (goal <= 1.05x). Constrained steps run non-overlapped
-(the next mask needs the token on the host), so on CUDA the ratio includes that.
+requests without one, and their ratio (goal <= 1.05x). Greedy constrained rows run overlapped
+(a fed row chooses without its mask and the host checks it against the mask, filled meanwhile:
+docs/structured-output.md); the table also gives how many overlapped choices the masks refused.
 
-    python bench/structured.py [--backend cpu|cuda] [--tokens 64] [--rounds 2]
+    python bench/structured.py [--backend cpu|cuda] [--tokens 64] [--rounds 2] [--regex R]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from service.config import EngineConfig, models_dir_from_env  # noqa: E402
 from service.engine.engine import Engine  # noqa: E402
+from service.engine.stepprofile import StepStats  # noqa: E402
 from service.engine.types import (  # noqa: E402
     Collected,
     Constraint,
@@ -37,11 +39,13 @@ PROMPT = "Write a few sentences about the sea, the wind and the boats:"
 LOOSE = Constraint("regex", r"[A-Za-z ,.;'\-]{1,4000}")
 
 
-def per_token_ms(eng: Engine, streams: int, tokens: int, constrained: bool) -> float:
+def per_token_ms(eng: Engine, streams: int, tokens: int, constraint: Constraint | None
+                 ) -> tuple[float, int]:
+    """ms per token of one stream, and the overlapped choices the masks refused."""
     ids = tuple(eng.text_prompt_ids(PROMPT))
     reqs = [GenerationRequest(f"r{i}", ids, SamplingParams(temperature=0.0),
                               StoppingCriteria(max_new_tokens=tokens, ignore_eos=True),
-                              speculative=False, constraint=LOOSE if constrained else None)
+                              speculative=False, constraint=constraint)
             for i in range(streams)]
     results = [Collected() for _ in reqs]
     left = threading.Semaphore(0)
@@ -53,6 +57,8 @@ def per_token_ms(eng: Engine, streams: int, tokens: int, constrained: bool) -> f
                 left.release()
         return add
 
+    with eng._lock:
+        eng.stats = StepStats()
     t0 = time.perf_counter()
     for req, result in zip(reqs, results, strict=True):
         eng.submit(req, sink(result))
@@ -60,7 +66,7 @@ def per_token_ms(eng: Engine, streams: int, tokens: int, constrained: bool) -> f
         left.acquire()
     wall = time.perf_counter() - t0
     n = sum(len(r.token_ids) for r in results)
-    return 1000 * wall / max(1, n) * streams     # per token of one stream
+    return 1000 * wall / max(1, n) * streams, eng.stats.mask_refusals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                     help="the engine's overlap mode (off: both sides run the same loop, so "
                          "the ratio is the mask's own cost)")
+    ap.add_argument("--regex", default=LOOSE.text,
+                    help="the constraint (a counted repetition such as {1,4000} costs xgrammar "
+                         "far more per mask than + : bench/maskfill.py)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     configure_logging("warning")
@@ -83,22 +92,25 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         eng.warmup()
-        per_token_ms(eng, 1, 4, True)                  # xgrammar's import and compile
+        c = Constraint("regex", args.regex)
+        per_token_ms(eng, 1, 4, c)                     # xgrammar's import and compile
         for n in counts:
-            per_token_ms(eng, n, 4, False)             # this batch size's first steps
-            runs = [(per_token_ms(eng, n, args.tokens, False),
-                     per_token_ms(eng, n, args.tokens, True)) for _ in range(args.rounds)]
-            plain, cons = min(p for p, _ in runs), min(c for _, c in runs)   # interleaved
+            per_token_ms(eng, n, 4, None)              # this batch size's first steps
+            runs = [(per_token_ms(eng, n, args.tokens, None),
+                     per_token_ms(eng, n, args.tokens, c)) for _ in range(args.rounds)]
+            plain = min(p for (p, _), _ in runs)                        # interleaved
+            cons, refused = min(c for _, c in runs)
             rows.append({"streams": n, "plain_ms": plain, "constrained_ms": cons,
-                         "ratio": cons / plain})
+                         "ratio": cons / plain, "refused": refused})
     finally:
         eng.stop()
     print(f"structured output, {args.backend}, overlap {args.overlap}, SmolLM2, {args.tokens} "
-          f"tokens, best of {args.rounds} (ms per token per stream; goal ratio <= 1.05)")
-    print(f"{'streams':>8} {'plain':>9} {'constrained':>12} {'ratio':>7}")
+          f"tokens, best of {args.rounds} (ms per token per stream; goal ratio <= 1.05), "
+          f"regex {args.regex!r}")
+    print(f"{'streams':>8} {'plain':>9} {'constrained':>12} {'ratio':>7} {'refused':>8}")
     for r in rows:
         print(f"{r['streams']:>8} {r['plain_ms']:>9.2f} {r['constrained_ms']:>12.2f} "
-              f"{r['ratio']:>6.3f}x")
+              f"{r['ratio']:>6.3f}x {r['refused']:>8}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -126,22 +126,26 @@ def compile_constraint(tokenizer: Any, c: Constraint, vocab_size: int | None = N
 
 
 class Matcher:
-    """One constrained sequence: the mask of its next token, advanced by committed tokens."""
+    """One constrained sequence: the mask of its next token, advanced by committed tokens.
+    Masks are filled by xgrammar straight into numpy rows (DLPack): no torch buffer between."""
 
     def __init__(self, compiled: Any, vocab_size: int):
         x = xgr()
         self._m = x.GrammarMatcher(compiled)          # rollback is unlimited
         self.vocab_size = vocab_size
         self._stops = np.asarray(self._m.stop_token_ids, np.int64)
-        self._buf = x.allocate_token_bitmask(1, vocab_size)
+        # (W,) i32: every token but the stop tokens; done() ANDs the next mask with it
+        self._free = np.full(mask_words(vocab_size), -1, np.int32)
+        for t in self._stops[self._stops < vocab_size]:
+            self._free.view(np.uint32)[t >> 5] &= ~np.uint32(1 << (int(t) & 31))
+        self.ahead: int | None = None     # a committed token already accepted (advance_rows)
 
     def fill(self, out: np.ndarray) -> None:
-        """Write the next token's mask (int32 words) into `out`."""
-        self._m.fill_next_token_bitmask(self._buf, 0)
-        out[:] = self._buf.numpy()[0, :len(out)]
+        """Write the next token's mask (int32 words) into `out` (W,) i32 contiguous."""
+        self._m.fill_next_token_bitmask(out.reshape(1, -1), 0)
 
     def mask(self) -> np.ndarray:
-        out = np.empty(mask_words(self.vocab_size), np.int32)
+        out = np.empty(mask_words(self.vocab_size), np.int32)      # (W,) i32
         self.fill(out)
         return out
 
@@ -161,17 +165,45 @@ class Matcher:
     def done(self, mask: np.ndarray) -> bool:
         """The text is complete and `mask` (this matcher's next mask) allows nothing but stop
         tokens: the constraint ends the generation (FINISH_REASON_CONSTRAINT)."""
-        if not self._m.is_completed():
-            return False
-        m = mask.copy()
-        for t in self._stops:
-            if t < self.vocab_size:
-                m[t >> 5] &= np.int32(~(1 << (int(t) & 31)) if (t & 31) != 31 else 0x7FFFFFFF)
-        return not m.any()
+        return bool(self._m.is_completed()) and not np.bitwise_and(mask, self._free).any()
 
     @property
     def completed(self) -> bool:
         return bool(self._m.is_completed())
+
+
+# Rows a step's batch fill spreads over host threads from (fewer: one thread, no hand-off)
+THREADED_ROWS = 4
+_batchers: dict[bool, Any] = {}
+
+
+def _batcher(threaded: bool) -> Any:
+    with _lock:
+        b = _batchers.get(threaded)
+        if b is None:
+            b = _batchers[threaded] = xgr().BatchGrammarMatcher("auto" if threaded else 1)
+        return b
+
+
+def advance_rows(matchers: list[Matcher], tokens: list[int]) -> np.ndarray:
+    """Accept one committed token per matcher and fill every next mask, all in one batch
+    (xgrammar's BatchGrammarMatcher: accept, then fill on its threads from THREADED_ROWS rows
+    up) into one array, returned (n, W) i32; each matcher's `ahead` records its token. A token
+    a matcher refuses leaves it unchanged with `ahead` None (its row of the array is garbage):
+    the per-token path then refuses it as before."""
+    x, n = xgr(), len(matchers)
+    masks = np.empty((n, mask_words(matchers[0].vocab_size) if n else 1), np.int32)   # (n, W)
+    if not n:
+        return masks
+    ok = x.BatchGrammarMatcher.batch_accept_token([m._m for m in matchers],
+                                                  [int(t) for t in tokens])
+    keep = [i for i in range(n) if ok[i]]
+    if keep:
+        _batcher(len(keep) >= THREADED_ROWS).batch_fill_next_token_bitmask(
+            [matchers[i]._m for i in keep], masks, keep)
+    for i, m in enumerate(matchers):
+        m.ahead = int(tokens[i]) if ok[i] else None
+    return masks
 
 
 def allowed(mask: np.ndarray, token: int) -> bool:

@@ -58,7 +58,7 @@ from service.engine.scheduler.kv import KVManager
 from service.engine.scheduler.plan import DecodeRow, PrefillChunk, StepPlan
 from service.engine.scheduler.policy import Scheduler
 from service.engine.scheduler.sequence import Sequence
-from service.engine.spec.decode import Draft, Speculator, choice, commit
+from service.engine.spec.decode import Draft, Speculator, advance_plain, choice, commit
 from service.engine.spec.drafters import Drafter, create_drafter
 from service.engine.spec.options import resolve as resolve_speculation
 from service.engine.spec.tree_verify import compact, n_rows
@@ -426,6 +426,7 @@ class Engine:
         timer = timer if batch else None    # the profile is of decode steps
         if timer is not None:           # before committing: a finishing request reports it
             timer.charge([seq for seq, _ in batch])
+        advance_plain(batch, outs)      # constrained rows' next masks, in one batch
         moves = [commit(seq, draft, out) for (seq, draft), out in zip(batch, outs, strict=True)
                  if out is not None and not seq.finished]
         self.stats.kv_moves += compact(self.runner, [m for m in moves if m is not None])

@@ -33,10 +33,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from service.engine.constraint import allowed
 from service.engine.runner.model_runner import ModelRunner
 from service.engine.runner.step import StepInput, StepOutput
 from service.engine.scheduler.policy import Scheduler
-from service.engine.scheduler.sequence import Sequence
+from service.engine.scheduler.sequence import Sequence, advance_constrained
 from service.engine.spec.decode import Speculator, choice, verify_input
 from service.engine.stepprofile import EMIT, READBACK, SCHEDULE, STEP, StepStats
 
@@ -55,6 +56,7 @@ class OverlappedDecode:
         pending = runner.submit(verify_input([(s, [s.seed]) for s in seqs]))
         lap(STEP)
         drafting = False
+        self._void: set[int] = set()        # sequences whose row in flight was fed a refusal
         try:
             for seq in seqs:
                 seq.n_past += 1
@@ -74,11 +76,11 @@ class OverlappedDecode:
                 out = runner.collect(pending)
                 lap(READBACK)
                 self._stats().count_decode(len(seqs), len(seqs))
-                self._commit(seqs, out, nxt or [])
+                refused = self._commit(seqs, out, nxt or [])
                 lap(EMIT)
                 if not nxt:
                     return
-                drafting = self._would_draft(nxt)
+                drafting = refused or self._would_draft(nxt)
                 seqs, pending = nxt, ahead
         except Exception:
             runner.abandon()
@@ -99,23 +101,49 @@ class OverlappedDecode:
                         or self.speculator.would_draft(s, self.scheduler.draft_length(s)))
                    for s in seqs)
 
-    def _commit(self, seqs: list[Sequence], out: StepOutput, ahead: list[Sequence]) -> None:
+    def _commit(self, seqs: list[Sequence], out: StepOutput, ahead: list[Sequence]) -> bool:
         """Each sequence's token of a plain step (its row already counted in n_past); a
-        sequence that ends here while a later row of it is in flight gives that row back."""
+        sequence that ends here while a later row of it is in flight gives that row back.
+        A constrained row chose without its mask (fed_input): a token its mask refuses is
+        dropped with the row in flight after it (fed that token), and True says so: the loop
+        ends after the step in flight and the next plan runs the row again with its mask (and
+        its next few, Sequence.refused_unmasked)."""
         later = {id(s) for s in ahead}
-        for r, seq in enumerate(seqs):
+        tokens = [int(t) for t in out.token_ids[:len(seqs)]]
+        refused = False
+        live: list[tuple[int, Sequence, int]] = []
+        for r, (seq, tok) in enumerate(zip(seqs, tokens, strict=True)):
             if seq.finished:            # cancelled or failed while its row was in flight
                 continue
+            if id(seq) in self._void:   # fed a refused token: its row is void
+                self._void.discard(id(seq))
+                seq.n_past -= 1
+                continue
+            if seq.matcher is not None and not allowed(seq.row_masks[0], tok):
+                seq.n_past -= 1         # computed its KV row, but chose without its mask
+                if id(seq) in later:
+                    self._void.add(id(seq))
+                refused = True
+                self._stats().mask_refusals += 1
+                seq.refused_unmasked()
+                continue
+            if seq.matcher is not None:
+                seq.kept_unmasked()
+            live.append((r, seq, tok))
+        advance_constrained([(seq, tok) for _, seq, tok in live])   # next masks, one batch
+        for r, seq, tok in live:
             seq.count_step(1)
-            seq.emit([int(out.token_ids[r])], out.logprobs[r:r + 1])
+            seq.emit([tok], out.logprobs[r:r + 1])
             if seq.finished:
                 if id(seq) in later:
                     seq.n_past -= 1     # that row is not part of its committed context
                 self._release(seq)
+        return refused
 
 
 def fed_input(seqs: list[Sequence]) -> StepInput:
     """A plain step whose ids the previous step chooses on the device (fed): each sequence's
-    row at its next position, choosing the token after the one still in flight."""
+    row at its next position, choosing the token after the one still in flight; a constrained
+    row without its mask (it needs that token on the host), checked when committed."""
     return StepInput([0] * len(seqs), [s.n_past for s in seqs], [s.slot for s in seqs],
-                     range(len(seqs)), [choice(s, 1) for s in seqs])
+                     range(len(seqs)), [choice(s, 1, masked=False) for s in seqs])

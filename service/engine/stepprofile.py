@@ -47,6 +47,7 @@ class StepStats:
         self.step_tokens = 0            # tokens (rows, padding left out) those steps computed
         self.last_rows = 0              # decode rows of the last step (0 once idle)
         self.last_tokens = 0            # tokens of the last step (0 once idle)
+        self.mask_refusals = 0          # overlapped unmasked choices a constraint refused
         self.profile: IterationProfile | None = None   # set by a benchmark: where time goes
 
     def count_step(self, n_sequences: int, n_rows: int, n_chunks: int = 0,

@@ -135,3 +135,54 @@ def test_proto_conversion():
         constraint_from_proto(pb.GenerateRequest(json_object=False))
     assert ei.value.field == "constraint.json_object"
     assert pb.FinishReason.Value("FINISH_REASON_CONSTRAINT") == 7
+
+
+def _done_reference(m: C.Matcher, mask: np.ndarray) -> bool:
+    """done() written out: complete, and the mask with the stop tokens cleared is empty."""
+    if not m.completed:
+        return False
+    bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
+    bits[[t for t in m._stops if t < m.vocab_size]] = 0
+    return not bits.any()
+
+
+@pytest.mark.parametrize("threaded_rows", [1, 100])
+def test_batch_advance_equals_one_row_at_a_time(tok, threaded_rows, monkeypatch):
+    """advance_rows (batch accept, batch fill, threaded or not) gives each matcher the state and
+    the next mask that accept + mask() give it alone, rows of different constraints mixed; a
+    refused token leaves its matcher as it was."""
+    monkeypatch.setattr(C, "THREADED_ROWS", threaded_rows)
+    cs = [Constraint("regex", r"[a-z ]{1,40}"), Constraint("regex", r"[0-9]+(\.[0-9]+)?"),
+          Constraint("json_schema", json.dumps({"type": "object", "properties": {
+              "n": {"type": "integer"}, "s": {"type": "string"}}, "required": ["n", "s"]})),
+          Constraint("choice", options=("yes", "no", "maybe"))]
+    V = tok.vocab_size
+    batch = [C.Matcher(C.compile_constraint(tok, c), V) for c in cs]
+    alone = [C.Matcher(C.compile_constraint(tok, c), V) for c in cs]
+    rng = np.random.default_rng(5)
+    live = list(range(len(cs)))
+    for step in range(24):
+        toks = []
+        for i in live:
+            mask = alone[i].mask()
+            lg = rng.standard_normal(V).astype(np.float32)
+            lg[sorted(tok.eog_ids)] = -np.inf
+            if step % 5 == 4:                        # now and then a token the mask refuses
+                lg[np.unpackbits(mask.view(np.uint8), bitorder="little")[:V] == 1] = -np.inf
+            else:
+                C.mask_logits(lg, mask)
+            toks.append(int(np.argmax(lg)) if np.isfinite(lg).any() else 0)
+        masks = C.advance_rows([batch[i] for i in live], toks)
+        for r, (i, t) in enumerate(zip(live, toks, strict=True)):
+            ok = alone[i].accept(t)
+            assert (batch[i].ahead == t) if ok else batch[i].ahead is None
+            ref = alone[i].mask()
+            assert np.array_equal(batch[i].mask(), ref)
+            if ok:
+                assert np.array_equal(masks[r], ref)
+                assert batch[i].done(masks[r]) == _done_reference(alone[i], ref)
+            batch[i].ahead = None
+        live = [i for i in live if not alone[i].done(alone[i].mask())]
+        if not live:
+            break
+    assert step >= 3

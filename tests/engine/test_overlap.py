@@ -9,6 +9,7 @@ test also checks that fed steps really ran."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -16,13 +17,21 @@ import pytest
 
 from service.engine.runner.step import GREEDY, StepInput
 from service.engine.types import (
+    Constraint,
     Delta,
     FinishReason,
     GenerationRequest,
     SamplingParams,
     StoppingCriteria,
 )
-from tests.support.batching import Streams, same_output, sampled, smollm2_prompts, together
+from tests.support.batching import (
+    Streams,
+    alone,
+    same_output,
+    sampled,
+    smollm2_prompts,
+    together,
+)
 from tests.support.engines import Result, running_engine, wait_idle
 from tests.support.models import build_model
 
@@ -222,3 +231,80 @@ def test_speculating_streams_overlap_between_drafts_and_equal_the_one_step_loop(
     assert fed.n >= 10, f"only {fed.n} fed steps"
     assert got[0].finished.usage.draft_tokens > 0, "the repetitive greedy stream never drafted"
     assert got[0].finished.usage.accepted_draft_tokens > 0
+
+
+def constrained_requests() -> list[GenerationRequest]:
+    """Greedy SmolLM2 requests under JSON schemas, regexes and a choice, one unconstrained:
+    rows whose unmasked choices the masks often refuse (the schemas) and seldom (the regexes)."""
+    digit = {"type": "integer", "minimum": 0, "maximum": 9}
+    cs = [Constraint("json_schema", json.dumps({
+              "type": "object", "properties": {"a": digit, "b": {"type": "boolean"}},
+              "required": ["a", "b"], "additionalProperties": False})),
+          Constraint("regex", r"[A-Za-z ,.]{1,200}"),
+          Constraint("json_schema", json.dumps({"type": "array", "items": digit,
+                                                "minItems": 2, "maxItems": 4})),
+          None,
+          Constraint("choice", options=("the sea", "the wind", "a boat")),
+          Constraint("regex", r"[a-z ]{1,200}")]
+    return [GenerationRequest(f"c{i}", tuple(smollm2_prompts()[i % 4]) + (i + 5,), GREEDY,
+                              StoppingCriteria(max_new_tokens=20), constraint=c)
+            for i, c in enumerate(cs)]
+
+
+def test_constrained_greedy_streams_overlap_and_equal_the_one_step_loop(engines):
+    """Constrained greedy rows run overlapped: a fed row chooses without its mask (the mask
+    needs the token still in flight) and the host checks the choice against the mask once it
+    has it; a refused choice is dropped with the row fed from it and runs again masked. The
+    streams equal the one-step loop's, batched and alone, and refusals really happened."""
+    on, off = engines
+    reqs = constrained_requests()
+    fed = FedSteps(on)
+    got, stats = together(on, reqs)
+    ref, _ = together(off, reqs)
+    assert not mismatches(got, ref)
+    assert fed.n >= 5, f"only {fed.n} fed steps"      # refusals send rows to masked steps
+    assert stats.mask_refusals > 0, "no unmasked choice was refused: recovery did not run"
+    solo = [alone(on, r) for r in reqs[:3]]
+    assert all(same_output(a, b) for a, b in zip(solo, ref, strict=False))
+
+
+def test_which_constrained_rows_overlap_and_the_refusal_backoff():
+    """Greedy constrained rows without log-probabilities overlap (sampled ones, or with
+    log-probabilities, do not); a refusal sends the row to masked steps for 4 tokens, the next
+    for 8, and kept unmasked choices ease the wait back to 4."""
+    from service.engine.scheduler.sequence import Sequence
+    from service.engine.spec.decode import Speculator
+
+    class Matcher:              # allows everything, never ends
+        ahead, terminated = None, False
+
+        def mask(self):
+            return np.full(2, -1, np.int32)
+
+        def accept(self, t):
+            return True
+
+        def done(self, mask):
+            return False
+
+    def seq(sampling=GREEDY, top_logprobs=0):
+        req = GenerationRequest("r", (1, 2), sampling, StoppingCriteria(max_new_tokens=99),
+                                top_logprobs=top_logprobs)
+        return Sequence(request=req, sink=lambda ev: None, seed_value=0, text=None,
+                        eog_ids=frozenset(), n_ctx=512, speculative=False, matcher=Matcher())
+
+    sp = Speculator(None)
+    s = seq()
+    assert sp.overlaps([s]) and not sp.overlaps([s, seq(sampled(1))])
+    assert not sp.overlaps([seq(top_logprobs=2)])
+    s.refused_unmasked()
+    assert s.mask_wait == 4 and not sp.overlaps([s])
+    for _ in range(4):
+        assert not sp.overlaps([s])
+        s._advance(7)
+    assert sp.overlaps([s])
+    s.refused_unmasked()
+    assert s.mask_wait == 8 and s.mask_backoff == 16
+    for _ in range(20):
+        s.kept_unmasked()
+    assert s.mask_backoff == 4

@@ -26,6 +26,8 @@ from service.engine.types import (
     Usage,
 )
 
+MIN_MASK_BACKOFF, MAX_MASK_BACKOFF = 4, 64
+
 
 @dataclass
 class Sequence:
@@ -39,6 +41,10 @@ class Sequence:
     verify_width: int = 1                 # rows a chain verify step may hold (seed + drafts)
     tree_budget: int = 0                  # > 0: tree verify with this many nodes per step
     matcher: Any = None                   # engine/constraint.Matcher of a constrained request
+    # after its mask refused an overlapped unmasked choice (engine/overlap.py): tokens to commit
+    # from masked (non-overlapped) steps first, and the next such wait (doubles per refusal)
+    mask_wait: int = 0
+    mask_backoff: int = 4
     slot: int = -1
     n_past: int = 0                       # committed KV rows
     seed: int | None = None               # last chosen token, KV row not yet written
@@ -81,6 +87,26 @@ class Sequence:
         if ahead >= len(self.row_masks):
             raise RuntimeError("a constrained row's mask is not known yet (overlapped step?)")
         return self.row_masks[ahead]
+
+    @property
+    def unmasked_exact(self) -> bool:
+        """Whether its choice made without the constraint's mask equals the masked choice
+        whenever the mask allows it: greedy (the argmax over all tokens, lowest id on ties, is
+        the argmax over the allowed ones when allowed) without log-probabilities (they would
+        be normalized over all tokens)."""
+        return self.request.sampling.greedy and not self.request.top_logprobs
+
+    def refused_unmasked(self) -> None:
+        """Its mask refused the choice an overlapped row made without it: a sequence whose
+        unmasked choices keep failing (the model writes what the constraint forbids) costs
+        three steps per token overlapped, so it commits its next tokens from masked steps
+        (a wait doubling from 4 up to 64 per refusal, easing by 1 with each choice kept)."""
+        self.mask_wait = self.mask_backoff
+        self.mask_backoff = min(MAX_MASK_BACKOFF, 2 * self.mask_backoff)
+
+    def kept_unmasked(self) -> None:
+        """An overlapped choice made without its mask was allowed."""
+        self.mask_backoff = max(MIN_MASK_BACKOFF, self.mask_backoff - 1)
 
     def constrain_draft(self, drafts: list[int]) -> list[int]:
         """The longest prefix of `drafts` the constraint allows, with row_masks extended along
@@ -234,11 +260,24 @@ class Sequence:
     def _advance(self, tok: int) -> bool:
         """The matcher takes a committed token; True when the constraint is complete and
         nothing but an end token may follow."""
-        if not self.matcher.accept(tok):
-            raise RuntimeError(f"token {tok} outside the constraint's mask was committed")
-        mask = self.matcher.mask()
-        self.row_masks = [mask]
-        return self.matcher.terminated or self.matcher.done(mask)
+        m = self.matcher
+        self.mask_wait = max(0, self.mask_wait - 1)
+        if m.ahead == tok:              # accepted and its next mask filled with the step's rows
+            m.ahead = None
+            mask = self.row_masks[0]
+        else:
+            if not m.accept(tok):
+                raise RuntimeError(f"token {tok} outside the constraint's mask was committed")
+            mask = m.mask()
+            self.row_masks = [mask]
+        return m.terminated or m.done(mask)
+
+    def advances(self, tok: int) -> bool:
+        """Whether committing `tok` as its next token advances its matcher (emit's order: an
+        end or stop id ends the sequence before the constraint sees it)."""
+        return (self.matcher is not None and not self.finished
+                and not (tok in self.eog_ids and not self.request.stopping.ignore_eos)
+                and tok not in self.request.stopping.stop_token_ids)
 
     def finish(self, reason: FinishReason, matched=None, error: str | None = None) -> None:
         if self.finished:
@@ -265,3 +304,17 @@ class Sequence:
                       mean_tokens_per_step=self.step_tokens / steps if steps else 0.0,
                       cached_prompt_tokens=self.cached_prompt_tokens)
         self.send(Finished(reason, usage, timings, matched, error))
+
+
+def advance_constrained(commits: list[tuple[Sequence, int]]) -> None:
+    """A step's constrained sequences each about to commit one token (`commits`: sequence, its
+    token): their matchers accept the tokens and fill their next masks in one batch
+    (constraint.advance_rows), before the emits, which then find their masks ready."""
+    commits = [(s, t) for s, t in commits if s.advances(t)]
+    if not commits:
+        return
+    from service.engine.constraint import advance_rows
+    masks = advance_rows([s.matcher for s, _ in commits], [t for _, t in commits])   # (n, W)
+    for (seq, _), mask in zip(commits, masks, strict=True):
+        if seq.matcher.ahead is not None:
+            seq.row_masks = [mask]

@@ -26,7 +26,7 @@ import numpy as np
 
 from service.engine.runner.step import RowSampling, StepInput, StepOutput
 from service.engine.scheduler.plan import DecodeRow, SlotChange
-from service.engine.scheduler.sequence import Sequence
+from service.engine.scheduler.sequence import Sequence, advance_constrained
 from service.engine.spec.chain import accept_chain
 from service.engine.spec.drafters import Drafter, SlotView
 from service.engine.spec.tree import Tree
@@ -38,16 +38,17 @@ Draft = list[int] | Tree
 Move = tuple[int, np.ndarray, np.ndarray]   # (slot, KV rows written, rows they belong in)
 
 
-def choice(seq: Sequence, ahead: int = 0) -> RowSampling:
+def choice(seq: Sequence, ahead: int = 0, masked: bool = True) -> RowSampling:
     """How `seq` chooses the token `ahead` tokens after its next one (the draw's counter: the
     index of the token the row produces, as plain decoding would count it): its frequency /
     presence penalties count the generated tokens from the prompt's end, its logit adjustment
-    is the sequence's for that index (logit_bias, min_tokens bans)."""
+    is the sequence's for that index (logit_bias, min_tokens bans). masked=False: without the
+    constraint's mask (an overlapped row whose mask needs the token still in flight)."""
     index = len(seq.generated) + ahead
     row = RowSampling.of(seq.request.sampling, seq.seed_value, index,
                          seq.request.top_logprobs or -1, len(seq.request.prompt_ids),
                          seq.adjustment(index))
-    mask = seq.row_mask(ahead)
+    mask = seq.row_mask(ahead) if masked else None
     return row if mask is None else replace(row, mask=mask)
 
 
@@ -68,8 +69,11 @@ class Speculator:
 
     def overlaps(self, seqs: Seq[Sequence]) -> bool:
         """Whether plain steps of `seqs` may run overlapped (engine/overlap.py): none of them
-        speculates, or they speculate with a pure drafter along chains (not trees)."""
-        if any(s.matcher is not None for s in seqs):
+        speculates, or they speculate with a pure drafter along chains (not trees); a
+        constrained one only when it does not speculate and a choice made without its mask is
+        its own wherever the mask allows it (Sequence.unmasked_exact; overlap.py checks)."""
+        if any(s.matcher is not None and (s.speculative or not s.unmasked_exact or s.mask_wait)
+               for s in seqs):
             return False        # a constrained row's next mask needs its token on the host
         return all(not s.speculative for s in seqs) or (
             self.drafter is not None and self.drafter.pure
@@ -126,6 +130,14 @@ def split(batch: list[tuple[Sequence, Draft]], out: StepOutput) -> list[StepOutp
         parts.append(StepOutput(out.token_ids[o:o + n], out.logprobs[o:o + n]))
         o += n
     return parts
+
+
+def advance_plain(batch: list[tuple[Sequence, Draft]], outs: Seq[StepOutput | None]) -> None:
+    """Before the commits: the constrained sequences of plain rows accept their tokens and
+    fill their next masks together (one batch over host threads, not one row at a time)."""
+    advance_constrained([(seq, int(out.token_ids[0])) for (seq, draft), out
+                         in zip(batch, outs, strict=True)
+                         if out is not None and isinstance(draft, list) and len(draft) == 1])
 
 
 def commit(seq: Sequence, draft: Draft, out: StepOutput) -> Move | None:
