@@ -149,10 +149,13 @@ class LevelProfile:
     grpc.aio), gRPC's C-core threads, the other Python threads (the benchmark's clients) and
     the native compute pool (numba's and BLAS's other workers)."""
 
-    def __init__(self, engine, loop_thread) -> None:
+    def __init__(self, engine, loop_thread, loop) -> None:
         from service.engine.stepprofile import IterationProfile
+        from service.server_generate import mailbox
 
         self.engine, self.loop_id = engine, loop_thread.native_id
+        self.box = mailbox(loop)
+        self.hops0 = self.box.hops
         engine.stats.profile = self.prof = IterationProfile()
         self.cpu0 = thread_cpu()
 
@@ -171,7 +174,7 @@ class LevelProfile:
                    else "grpc_core_cpu_s" if comm.startswith(GRPC_CORE)
                    else "clients_cpu_s" if tid in py else "pool_cpu_s")
             got[key] += s
-        return {**self.prof.summary(), **got, "wall_s": wall}
+        return {**self.prof.summary(), **got, "hops": self.box.hops - self.hops0, "wall_s": wall}
 
 
 def level(client: SpecstreamClient, reqs: list[dict], profile=None) -> dict[str, float]:
@@ -244,20 +247,21 @@ def print_table(rows: list[dict]) -> None:
 
 def print_profile(rows: list[dict]) -> None:
     """The engine thread's ms per iteration by part, and the CPU seconds of the threads."""
-    parts = ("schedule", "draft", "step", "readback", "emit", "other", "idle")
+    parts = ("schedule", "draft", "pack", "step", "readback", "emit", "other", "idle", "host")
     cpus = ("engine_cpu_s", "pool_cpu_s", "grpc_loop_cpu_s", "grpc_core_cpu_s", "clients_cpu_s")
-    print("\nwhere the time goes: the engine thread's ms per iteration, and CPU s of the level by "
-          "thread (engine, compute pool, gRPC event loop, gRPC core, client threads)")
+    print("\nwhere the time goes: the engine thread's ms per iteration (host: schedule + draft + "
+          "pack + emit + other), and CPU s of the level by thread (engine, compute pool, gRPC "
+          "event loop, gRPC core, client threads); hops: event-loop wake-ups for the streams")
     print(f"{'streams':>8}{'iters':>7}{'steps':>7}" + "".join(f"{p:>9}" for p in parts)
           + "".join(f"{h:>10}" for h in ("engine", "pool", "grpc-loop", "grpc-core", "clients"))
-          + f"{'wall s':>8}")
+          + f"{'hops':>7}{'wall s':>8}")
     for r in rows:
         p = r.get("profile")
         if not p:
             continue
         print(f"{r['streams']:>8}{p['iterations']:>7}{p['steps']:>7}"
               + "".join(f"{p[k]:>9.2f}" for k in parts)
-              + "".join(f"{p[c]:>10.2f}" for c in cpus) + f"{p['wall_s']:>8.2f}")
+              + "".join(f"{p[c]:>10.2f}" for c in cpus) + f"{p['hops']:>7}{p['wall_s']:>8.2f}")
 
 
 def met(ok: bool) -> str:
@@ -393,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                     ps = prompts(n, r)
                     runs.append(level(client, [request(p, a.tokens, a, i)
                                                for i, p in enumerate(ps)],
-                                      lambda: LevelProfile(engine, srv._thread)))
+                                      lambda: LevelProfile(engine, srv._thread, srv._loop)))
                 rows.append(max(runs, key=lambda x: x["agg_tok_s"]))
                 rows[-1]["ratio"] = rows[-1]["agg_tok_s"] / rows[0]["agg_tok_s"]
                 print(f"  {n} streams: {rows[-1]['agg_tok_s']:.1f} tok/s", flush=True)

@@ -115,8 +115,9 @@ class StepTimer:
 
 
 # ---------------------------------------------------------------- the iteration profile
-SCHEDULE, DRAFTING, STEP, READBACK, EMIT, LOOP, IDLE = range(7)
-ITERATION_PARTS = ("schedule", "draft", "step", "readback", "emit", "other", "idle")
+SCHEDULE, DRAFTING, STEP, READBACK, EMIT, LOOP, IDLE, PACK = range(8)
+ITERATION_PARTS = ("schedule", "draft", "step", "readback", "emit", "other", "idle", "pack")
+HOST_PARTS = (SCHEDULE, DRAFTING, PACK, EMIT, LOOP)   # the host's own work (not the model's)
 
 
 class IterationProfile:
@@ -126,8 +127,10 @@ class IterationProfile:
         schedule   admission, the plan, its slot changes (under the engine's lock); in the
                    overlapped loop, planning the next step
         draft      the drafters' proposals
-        step       packing, uploading and running the model step (on the CPU backend the whole
-                   forward pass and the sample op; on an asynchronous backend only the launch)
+        pack       the step's rows as a StepInput (sampling records included), packed into
+                   the runner's host buffer and uploaded (ModelRunner.on_packed laps it)
+        step       running the model step (on the CPU backend the whole forward pass and the
+                   sample op; on an asynchronous backend only the launch)
         readback   waiting for the step's choices and copying them back (an asynchronous
                    backend's device time shows here)
         emit       committing: stop checks, detokenization, the Delta events handed to the
@@ -150,8 +153,10 @@ class IterationProfile:
         self._t = now
 
     def summary(self) -> dict[str, float]:
-        """Milliseconds per engine iteration for each part, and the counts."""
+        """Milliseconds per engine iteration for each part, the host's (HOST_PARTS) in all, and
+        the counts."""
         n = max(self.iterations, 1)
         return {**{p: s * 1e3 / n for p, s in zip(ITERATION_PARTS, self.seconds, strict=True)},
+                "host": sum(self.seconds[i] for i in HOST_PARTS) * 1e3 / n,
                 "iterations": self.iterations, "steps": self.steps}
 

@@ -130,6 +130,9 @@ class ModelRunner:
             self._chain_dev = be.zeros((2 * M + N_PARAMS,), "int32")      # (2M + N_PARAMS,)
             self._chain_ids = be.zeros((M,), "int32")    # (M,) i32 d1..dk, written on device
         self._launched = False        # a step not read back yet (its host buffer is in use)
+        # called once a step is packed and uploaded, before the model runs (the engine's
+        # iteration profile charges the packing to its own part); None: nothing
+        self.on_packed: Callable[[], None] | None = None
         self._chained = False         # ... followed by a chain (its ids are in _chain_ids)
         be.prepare_sampling(L, model.spec.vocab_size)
 
@@ -266,6 +269,8 @@ class ModelRunner:
         T, L = self.padded(len(inp.token_ids)), len(inp.logit_rows)
         self._pack(inp, T, h, feed)
         be.upload_step(h, self._dev)
+        if self.on_packed is not None:
+            self.on_packed()
         ids, pos = self._dev[:T], self._dev[M:M + T]                  # (T,) i32 each
         if feed is not None:
             be.feed_ids(self._out, self._dev[self._o_feed:self._o_feed + T], ids)
