@@ -13,11 +13,11 @@ step_format.param_record's.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
-from service.backends.step_format import TOP_MAX, param_record, read_output
+from service.backends.step_format import TOP_MAX, Param, param_record, read_output
 from service.engine.types import SamplingParams, TokenLogprob
 
 
@@ -61,9 +61,34 @@ class RowSampling(SamplingParams):
     def of(cls, p: SamplingParams, seed: int, token_index: int, n_top: int,
            gen_start: int = 0, adjust: Adjustment | None = None) -> RowSampling:
         """Request sampling `p` with its resolved `seed`, for the draw `token_index`."""
-        given = {f.name: getattr(p, f.name) for f in fields(SamplingParams)}
+        given = {name: getattr(p, name) for name in _SAMPLING_FIELDS}
         return cls(**{**given, "seed": seed}, token_index=token_index, n_top=n_top,
                    gen_start=gen_start, adjust=adjust)
+
+    def at(self, token_index: int, adjust: Adjustment | None, mask: np.ndarray | None = None
+           ) -> RowSampling:
+        """This row for the draw `token_index` with `adjust` and `mask`: a copy of its fields
+        without dataclass construction (a sequence's rows of every step are copies of one
+        template, built once per request), sharing its static record (`static_record`), which
+        none of the three changes."""
+        row = object.__new__(RowSampling)
+        d = row.__dict__
+        d.update(self.__dict__)
+        d["token_index"], d["adjust"], d["mask"] = token_index, adjust, mask
+        return row
+
+    def static_record(self) -> np.ndarray:
+        """The words of this row's parameter record that depend on the request alone, (N_PARAMS,)
+        int32 with TOKEN_INDEX, SLOT, POSITION, ADJ_START, ADJ_COUNT and MASK 0 (`record`
+        sets them; the runner packs a step's rows from these, ModelRunner._pack). Computed once
+        and kept with the row and its copies (`at`); do not write into it."""
+        rec = self.__dict__.get("_static")
+        if rec is None:
+            rec = np.array(replace(self, token_index=0, adjust=None, mask=None).record(0, 0),
+                           np.int32)                                     # (N_PARAMS,) i32
+            rec.flags.writeable = False
+            self.__dict__["_static"] = rec
+        return rec
 
     def record(self, slot: int, position: int, adj_start: int = 0, mask_row: int = -1
                ) -> list[int]:
@@ -80,6 +105,11 @@ class RowSampling(SamplingParams):
             adj_count=0 if self.adjust is None else len(self.adjust.pairs),
             score=self.score_id, mask=mask_row if self.mask is not None else -1)
 
+
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+# the record words a row's draw and place set (the rest: RowSampling.static_record)
+DYNAMIC_WORDS = (Param.TOKEN_INDEX, Param.SLOT, Param.POSITION, Param.ADJ_START, Param.ADJ_COUNT,
+                 Param.MASK)
 
 # every filter off: the argmax, the lowest id on ties
 GREEDY = RowSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,

@@ -20,7 +20,6 @@ a drafter with its own KV cache gets the target's block table (`set_block_table`
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import replace
 
 import numpy as np
 
@@ -44,11 +43,12 @@ def choice(seq: Sequence, ahead: int = 0) -> RowSampling:
     presence penalties count the generated tokens from the prompt's end, its logit adjustment
     is the sequence's for that index (logit_bias, min_tokens bans)."""
     index = len(seq.generated) + ahead
-    row = RowSampling.of(seq.request.sampling, seq.seed_value, index,
-                         seq.request.top_logprobs or -1, len(seq.request.prompt_ids),
-                         seq.adjustment(index))
-    mask = seq.row_mask(ahead)
-    return row if mask is None else replace(row, mask=mask)
+    base = seq.row_template        # the request's row, built once (its record's static words)
+    if base is None:
+        base = seq.row_template = RowSampling.of(
+            seq.request.sampling, seq.seed_value, 0, seq.request.top_logprobs or -1,
+            len(seq.request.prompt_ids))
+    return base.at(index, seq.adjustment(index), seq.row_mask(ahead))
 
 
 class Speculator:
