@@ -247,11 +247,13 @@ def print_table(rows: list[dict]) -> None:
 
 def print_profile(rows: list[dict]) -> None:
     """The engine thread's ms per iteration by part, and the CPU seconds of the threads."""
-    parts = ("schedule", "draft", "pack", "step", "readback", "emit", "other", "idle", "host")
+    parts = ("schedule", "draft", "pack", "step", "readback", "emit", "other", "idle", "host",
+             "host_cpu", "step_cpu")
     cpus = ("engine_cpu_s", "pool_cpu_s", "grpc_loop_cpu_s", "grpc_core_cpu_s", "clients_cpu_s")
     print("\nwhere the time goes: the engine thread's ms per iteration (host: schedule + draft + "
-          "pack + emit + other), and CPU s of the level by thread (engine, compute pool, gRPC "
-          "event loop, gRPC core, client threads); hops: event-loop wake-ups for the streams")
+          "pack + emit + other, wall and the engine thread's CPU; step_cpu: the model step's "
+          "CPU), and CPU s of the level by thread (engine, compute pool, gRPC event loop, gRPC "
+          "core, client threads); hops: event-loop wake-ups for the streams")
     print(f"{'streams':>8}{'iters':>7}{'steps':>7}" + "".join(f"{p:>9}" for p in parts)
           + "".join(f"{h:>10}" for h in ("engine", "pool", "grpc-loop", "grpc-core", "clients"))
           + f"{'hops':>7}{'wall s':>8}")

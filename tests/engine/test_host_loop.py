@@ -95,6 +95,9 @@ def test_row_copies_keep_the_request_and_take_the_draw():
     assert (row.static_record() == static).all()
     with pytest.raises(ValueError):
         row.static_record()[0] = 1              # shared by the copies: read-only
+    fresh = RowSampling.of(p, 5, 0, -1)         # copies made before anyone asked for it
+    a, b = fresh.at(1, None), fresh.at(2, adj)
+    assert a.static_record() is b.static_record() is fresh.static_record()
 
 
 # ------------------------------------------------------------------ the streams' mailbox

@@ -71,6 +71,7 @@ class RowSampling(SamplingParams):
         without dataclass construction (a sequence's rows of every step are copies of one
         template, built once per request), sharing its static record (`static_record`), which
         none of the three changes."""
+        self.static_record()            # computed once, here, for every copy
         row = object.__new__(RowSampling)
         d = row.__dict__
         d.update(self.__dict__)
