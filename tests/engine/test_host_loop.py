@@ -119,3 +119,28 @@ def test_one_loop_wakeup_per_batch_and_each_stream_in_order():
     got, first, total = asyncio.run(run())
     assert first == 1 and total == 2
     assert got == [list(range(0, 60, 3)) + [60], list(range(1, 60, 3)), list(range(2, 60, 3))]
+
+
+# ------------------------------------------------------------------ plain decode rows
+class Chain(list):
+    """A draft list verify_input does not take for plain (its general, per-segment path)."""
+
+
+def test_plain_rows_equal_the_general_segment_path():
+    from service.engine.mixed import mixed_input
+    from service.engine.spec.decode import verify_input
+    from tests.engine.test_mixed_steps import decoded, seq
+
+    seqs = [seq(i, 4 + i, greedy=i % 2 == 0) for i in range(5)]
+    for i, s in enumerate(seqs):
+        s.slot = 4 - i
+        decoded(s, 20 + i)
+    fast = verify_input([(s, [s.seed]) for s in seqs])
+    general = verify_input([(s, Chain([s.seed])) for s in seqs])
+    mixed = mixed_input([(s, [s.seed]) for s in seqs], [])
+    for inp in (fast, mixed):
+        assert (list(inp.token_ids), list(inp.positions), list(inp.slots),
+                list(inp.logit_rows), list(inp.sampling), inp.kv_positions) == (
+            list(general.token_ids), list(general.positions), list(general.slots),
+            list(general.logit_rows), list(general.sampling), general.kv_positions)
+    assert list(fast.token_ids) == [20, 21, 22, 23, 24] and list(fast.slots) == [4, 3, 2, 1, 0]

@@ -104,6 +104,8 @@ class Speculator:
 
 def verify_input(batch: list[tuple[Sequence, Draft]]) -> StepInput:
     """Every row of the batch in one step; every row chooses a token."""
+    if all(type(d) is list and len(d) == 1 for _, d in batch):
+        return plain_input(batch)
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -116,6 +118,14 @@ def verify_input(batch: list[tuple[Sequence, Draft]]) -> StepInput:
         sampling += [choice(seq, p - seq.n_past) for p in seg.positions]
     T = len(ids)
     return StepInput(ids, positions, slots, range(T), sampling, **step_fields(segments))
+
+
+def plain_input(batch: list[tuple[Sequence, list[int]]]) -> StepInput:
+    """The step of plain decode rows (each draft [seed] alone, at its sequence's next
+    position): verify_input's rows for such a batch, one list per field instead of one
+    segment per row."""
+    return StepInput([d[0] for _, d in batch], [s.n_past for s, _ in batch],
+                     [s.slot for s, _ in batch], range(len(batch)), [choice(s) for s, _ in batch])
 
 
 def split(batch: list[tuple[Sequence, Draft]], out: StepOutput) -> list[StepOutput]:
