@@ -16,12 +16,16 @@ synth-8b|synth-1b|synth-tiny`, generated seeded into --synth-dir and reused) and
 get --prompt-tokens random ordinary vocabulary ids, fresh per level and round.
 
 Where the time goes, per level: the engine thread's wall time per iteration split into
-scheduling (admission, the plan), drafting, the model step (on the CPU the whole forward pass
-and sampling; on a GPU the launch), readback (waiting for the choices: a GPU's step time shows
+scheduling (admission, the plan), drafting, packing (the step's rows and sampling records into
+the runner's buffer, and the upload), the model step (on the CPU the whole forward pass and
+sampling; on a GPU the launch), readback (waiting for the choices: a GPU's step time shows
 here), emitting (stop checks, detokenization, the Deltas handed to the stream writers), other
-and idle (service/engine/stepprofile.IterationProfile), and the CPU seconds of the engine
-thread, of the gRPC event-loop thread (protobuf and grpc.aio's stream writes) and of the rest of
-the process (gRPC's core threads and these client threads).
+and idle (service/engine/stepprofile.IterationProfile); the host's part in all (schedule +
+draft + pack + emit + other), as wall time and as the engine thread's own CPU time (which a
+busy machine or the GIL held by the event loop does not inflate), and the model step's CPU;
+the event-loop wake-ups that carried the streams' events (hops); and the CPU seconds of the
+engine thread, of the gRPC event-loop thread (protobuf and grpc.aio's stream writes) and of the
+rest of the process (gRPC's core threads and these client threads).
 
 Prefix part (--prefix-tokens N, 0 skips it), through the same server after the levels: request A
 is a random N-token prefix + a 16-token suffix, 1 token generated; request B the same prefix +
