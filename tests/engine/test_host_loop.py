@@ -40,7 +40,7 @@ def varied_rows(vocab: int) -> list[RowSampling]:
     mask = np.zeros(mask_words(vocab), np.int32)                        # (W,) i32
     mask[0] = 0b1011
     base = RowSampling.of(sampled, (1 << 40) + 12345, 0, 5, gen_start=7)
-    base.static_record()            # cached before the copies: they must not inherit a draw
+    base.static_record()            # cached before the copies: they must not take its draw
     return [GREEDY,
             RowSampling.of(sampled, 99, 3, -1, gen_start=2),
             base.at(4, bias),
@@ -98,6 +98,7 @@ def test_row_copies_keep_the_request_and_take_the_draw():
     fresh = RowSampling.of(p, 5, 0, -1)         # copies made before anyone asked for it
     a, b = fresh.at(1, None), fresh.at(2, adj)
     assert a.static_record() is b.static_record() is fresh.static_record()
+    assert RowSampling(**vars(a)) == a          # a copy holds its fields and nothing else
 
 
 # ------------------------------------------------------------------ the streams' mailbox

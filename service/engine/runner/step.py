@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
+from operator import attrgetter
 
 import numpy as np
 
@@ -69,9 +70,7 @@ class RowSampling(SamplingParams):
            ) -> RowSampling:
         """This row for the draw `token_index` with `adjust` and `mask`: a copy of its fields
         without dataclass construction (a sequence's rows of every step are copies of one
-        template, built once per request), sharing its static record (`static_record`), which
-        none of the three changes."""
-        self.static_record()            # computed once, here, for every copy
+        template, built once per request)."""
         row = object.__new__(RowSampling)
         d = row.__dict__
         d.update(self.__dict__)
@@ -81,14 +80,18 @@ class RowSampling(SamplingParams):
     def static_record(self) -> np.ndarray:
         """The words of this row's parameter record that depend on the request alone, (N_PARAMS,)
         int32 with TOKEN_INDEX, SLOT, POSITION, ADJ_START, ADJ_COUNT and MASK 0 (`record`
-        sets them; the runner packs a step's rows from these, ModelRunner._pack). Computed once
-        and kept with the row and its copies (`at`); do not write into it."""
-        rec = self.__dict__.get("_static")
+        sets them; the runner packs a step's rows from these, ModelRunner._pack). Built once
+        per distinct set of the fields it reads (a bounded cache shared by every row); do not
+        write into it."""
+        key = _static_key(self)
+        rec = _STATIC.get(key)
         if rec is None:
             rec = np.array(replace(self, token_index=0, adjust=None, mask=None).record(0, 0),
                            np.int32)                                     # (N_PARAMS,) i32
             rec.flags.writeable = False
-            self.__dict__["_static"] = rec
+            if len(_STATIC) >= STATIC_CACHE_MAX:
+                _STATIC.clear()
+            _STATIC[key] = rec
         return rec
 
     def record(self, slot: int, position: int, adj_start: int = 0, mask_row: int = -1
@@ -108,6 +111,14 @@ class RowSampling(SamplingParams):
 
 
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+# the fields RowSampling.record reads but for the draw's and place's words (DYNAMIC_WORDS):
+# the key of the static records' cache (0.0 and -0.0 share an entry: the sample op only
+# compares and multiplies these floats, where the two are alike)
+_static_key = attrgetter("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                         "repeat_last_n", "seed", "n_top", "frequency_penalty",
+                         "presence_penalty", "gen_start", "score_id")
+_STATIC: dict[tuple, np.ndarray] = {}
+STATIC_CACHE_MAX = 1 << 14      # distinct requests' records kept (then the cache starts over)
 # the record words a row's draw and place set (the rest: RowSampling.static_record)
 DYNAMIC_WORDS = (Param.TOKEN_INDEX, Param.SLOT, Param.POSITION, Param.ADJ_START, Param.ADJ_COUNT,
                  Param.MASK)
