@@ -16,12 +16,16 @@ synth-8b|synth-1b|synth-tiny`, generated seeded into --synth-dir and reused) and
 get --prompt-tokens random ordinary vocabulary ids, fresh per level and round.
 
 Where the time goes, per level: the engine thread's wall time per iteration split into
-scheduling (admission, the plan), drafting, the model step (on the CPU the whole forward pass
-and sampling; on a GPU the launch), readback (waiting for the choices: a GPU's step time shows
+scheduling (admission, the plan), drafting, packing (the step's rows and sampling records into
+the runner's buffer, and the upload), the model step (on the CPU the whole forward pass and
+sampling; on a GPU the launch), readback (waiting for the choices: a GPU's step time shows
 here), emitting (stop checks, detokenization, the Deltas handed to the stream writers), other
-and idle (service/engine/stepprofile.IterationProfile), and the CPU seconds of the engine
-thread, of the gRPC event-loop thread (protobuf and grpc.aio's stream writes) and of the rest of
-the process (gRPC's core threads and these client threads).
+and idle (service/engine/stepprofile.IterationProfile); the host's part in all (schedule +
+draft + pack + emit + other), as wall time and as the engine thread's own CPU time (which a
+busy machine or the GIL held by the event loop does not inflate), and the model step's CPU;
+the event-loop wake-ups that carried the streams' events (hops); and the CPU seconds of the
+engine thread, of the gRPC event-loop thread (protobuf and grpc.aio's stream writes) and of the
+rest of the process (gRPC's core threads and these client threads).
 
 Prefix part (--prefix-tokens N, 0 skips it), through the same server after the levels: request A
 is a random N-token prefix + a 16-token suffix, 1 token generated; request B the same prefix +
@@ -149,10 +153,13 @@ class LevelProfile:
     grpc.aio), gRPC's C-core threads, the other Python threads (the benchmark's clients) and
     the native compute pool (numba's and BLAS's other workers)."""
 
-    def __init__(self, engine, loop_thread) -> None:
+    def __init__(self, engine, loop_thread, loop) -> None:
         from service.engine.stepprofile import IterationProfile
+        from service.server_generate import mailbox
 
         self.engine, self.loop_id = engine, loop_thread.native_id
+        self.box = mailbox(loop)
+        self.hops0 = self.box.hops
         engine.stats.profile = self.prof = IterationProfile()
         self.cpu0 = thread_cpu()
 
@@ -171,7 +178,7 @@ class LevelProfile:
                    else "grpc_core_cpu_s" if comm.startswith(GRPC_CORE)
                    else "clients_cpu_s" if tid in py else "pool_cpu_s")
             got[key] += s
-        return {**self.prof.summary(), **got, "wall_s": wall}
+        return {**self.prof.summary(), **got, "hops": self.box.hops - self.hops0, "wall_s": wall}
 
 
 def level(client: SpecstreamClient, reqs: list[dict], profile=None) -> dict[str, float]:
@@ -244,20 +251,23 @@ def print_table(rows: list[dict]) -> None:
 
 def print_profile(rows: list[dict]) -> None:
     """The engine thread's ms per iteration by part, and the CPU seconds of the threads."""
-    parts = ("schedule", "draft", "step", "readback", "emit", "other", "idle")
+    parts = ("schedule", "draft", "pack", "step", "readback", "emit", "other", "idle", "host",
+             "host_cpu", "step_cpu")
     cpus = ("engine_cpu_s", "pool_cpu_s", "grpc_loop_cpu_s", "grpc_core_cpu_s", "clients_cpu_s")
-    print("\nwhere the time goes: the engine thread's ms per iteration, and CPU s of the level by "
-          "thread (engine, compute pool, gRPC event loop, gRPC core, client threads)")
+    print("\nwhere the time goes: the engine thread's ms per iteration (host: schedule + draft + "
+          "pack + emit + other, wall and the engine thread's CPU; step_cpu: the model step's "
+          "CPU), and CPU s of the level by thread (engine, compute pool, gRPC event loop, gRPC "
+          "core, client threads); hops: event-loop wake-ups for the streams")
     print(f"{'streams':>8}{'iters':>7}{'steps':>7}" + "".join(f"{p:>9}" for p in parts)
           + "".join(f"{h:>10}" for h in ("engine", "pool", "grpc-loop", "grpc-core", "clients"))
-          + f"{'wall s':>8}")
+          + f"{'hops':>7}{'wall s':>8}")
     for r in rows:
         p = r.get("profile")
         if not p:
             continue
         print(f"{r['streams']:>8}{p['iterations']:>7}{p['steps']:>7}"
               + "".join(f"{p[k]:>9.2f}" for k in parts)
-              + "".join(f"{p[c]:>10.2f}" for c in cpus) + f"{p['wall_s']:>8.2f}")
+              + "".join(f"{p[c]:>10.2f}" for c in cpus) + f"{p['hops']:>7}{p['wall_s']:>8.2f}")
 
 
 def met(ok: bool) -> str:
@@ -393,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                     ps = prompts(n, r)
                     runs.append(level(client, [request(p, a.tokens, a, i)
                                                for i, p in enumerate(ps)],
-                                      lambda: LevelProfile(engine, srv._thread)))
+                                      lambda: LevelProfile(engine, srv._thread, srv._loop)))
                 rows.append(max(runs, key=lambda x: x["agg_tok_s"]))
                 rows[-1]["ratio"] = rows[-1]["agg_tok_s"] / rows[0]["agg_tok_s"]
                 print(f"  {n} streams: {rows[-1]['agg_tok_s']:.1f} tok/s", flush=True)

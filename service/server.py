@@ -10,7 +10,7 @@ The servicers are the only place that converts protobuf <-> domain types:
 One interceptor (service/interceptors.py) maps every exception to its status code.
 
     client --Generate--> GenerationServicer --submit(GenerationRequest, sink)--> Engine thread
-    client <--Started/Delta*/Finished-- EventBuffer <--call_soon_threadsafe(event)-- sink
+    client <--Started/Delta*/Finished-- EventBuffer <--LoopMailbox (one loop hop a batch)-- sink
 
 Prompts are rendered and tokenized on a small thread pool (`PROMPT_WORKERS`), never on the event
 loop (ServingState.off_loop).

@@ -1,16 +1,20 @@
 """specstream.v1.GenerationService: Generate streams a request's events; Tokenize and
 Detokenize answer at once.
 
-The engine thread never waits on a client: its sink only schedules a callback on the event
-loop. Each stream buffers at most `stream_buffer` events; past that, pending Deltas are merged
-into one, so a slow reader costs memory proportional to its text, never an engine stall.
-A cancelled or expired call raises CancelledError in the handler, whose `finally` cancels the
-engine request (the engine frees the slot within one step).
+The engine thread never waits on a client: its sink only queues the event for the event loop
+(LoopMailbox: one wake-up of the loop for everything queued before the loop drains it, so a step
+costs one loop hop, not one per stream). Each stream buffers at most `stream_buffer` events;
+past that, pending Deltas are merged into one, so a slow reader costs memory proportional to
+its text, never an engine stall. A cancelled or expired call raises CancelledError in the
+handler, whose `finally` cancels the engine request (the engine frees the slot within one
+step).
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from functools import lru_cache
@@ -39,11 +43,57 @@ def merge_deltas(a: Delta, b: Delta) -> Delta:
                  logprobs=a.logprobs + b.logprobs)
 
 
+class LoopMailbox:
+    """The engine thread's hand-off to one event loop, shared by every stream on it: events
+    queue here (buffer, event) under a lock, and ONE call_soon_threadsafe wakes the loop for
+    all that queue before it drains them, so a step that emits to 64 streams costs one loop
+    hop, not 64 (each hop writes to the loop's self-pipe and contends for the GIL). Each
+    buffer's events keep their order: one FIFO, drained in order on the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[EventBuffer, Event]] = []
+        self._scheduled = False
+        self.hops = 0                    # loop wake-ups scheduled (tests, benchmarks)
+
+    def put(self, buffer: EventBuffer, event: Event) -> None:
+        """Called on the engine thread; never blocks (beyond the lock), never raises."""
+        with self._lock:
+            self._items.append((buffer, event))
+            if self._scheduled:
+                return
+            self._scheduled = True
+            self.hops += 1
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:
+            pass                         # the loop is closed: nobody is listening any more
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items, self._scheduled = self._items, [], False
+        for buffer, event in items:
+            buffer._push(event)
+
+
+_MAILBOXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def mailbox(loop: asyncio.AbstractEventLoop) -> LoopMailbox:
+    """The loop's mailbox (made on first use, on the loop's thread)."""
+    box = _MAILBOXES.get(loop)
+    if box is None:
+        box = _MAILBOXES[loop] = LoopMailbox(loop)
+    return box
+
+
 class EventBuffer:
     """Bounded hand-off of one request's events from the engine thread to its stream."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, maxsize: int) -> None:
         self._loop = loop
+        self._mailbox = mailbox(loop)
         self._maxsize = max(1, maxsize)
         self._items: deque[Event] = deque()
         self._waiter: asyncio.Future | None = None
@@ -51,10 +101,7 @@ class EventBuffer:
 
     def sink(self, event: Event) -> None:
         """Called on the engine thread; never blocks, never raises."""
-        try:
-            self._loop.call_soon_threadsafe(self._push, event)
-        except RuntimeError:
-            pass                         # the loop is closed: nobody is listening any more
+        self._mailbox.put(self, event)
 
     def _push(self, event: Event) -> None:
         items = self._items

@@ -68,6 +68,13 @@ class SampleGroup:
     async def events(self) -> AsyncIterator[tuple[int, Event]]:
         """(sample index, event) as they come, until every sample has sent Finished."""
         n = len(self._reqs)
+        if n == 1:                  # one stream: its buffer alone, no task per event
+            buf = self.buffers[0]
+            while not self.done[0]:
+                event = await buf.get()
+                self.done[0] = isinstance(event, Finished)
+                yield 0, event
+            return
         reqs_given = self._given
         pending: dict[asyncio.Future, int] = {}
 

@@ -70,6 +70,7 @@ from service.engine.stepprofile import (
     IDLE,
     LOOP,
     OTHER,
+    PACK,
     READBACK,
     SCHEDULE,
     STEP,
@@ -135,6 +136,7 @@ class Engine:
         self._ready = threading.Event()
         self._stopping = False
         self.runner = ModelRunner(model, config.n_slots, config.n_ctx)
+        self.runner.on_packed = lambda: self._lap(PACK)     # the iteration profile's part
         # rows of one decode step (the backends' step-size-invariant width, within the model's
         # workspace) and the fixed prefill chunk, under config.max_step_tokens
         rows, chunk = step_budget(config)

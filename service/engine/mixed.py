@@ -29,6 +29,8 @@ from service.engine.spec.decode import Draft, choice, split, verify_input
 
 def mixed_input(batch: list[tuple[Sequence, Draft]], chunks: Seq[PrefillChunk]) -> StepInput:
     """The decode batch's verify rows (spec/decode.verify_input) and `chunks` in one step."""
+    if not chunks:
+        return verify_input(batch)      # the same rows, in the same order
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []

@@ -116,8 +116,9 @@ class StepTimer:
 
 
 # ---------------------------------------------------------------- the iteration profile
-SCHEDULE, DRAFTING, STEP, READBACK, EMIT, LOOP, IDLE = range(7)
-ITERATION_PARTS = ("schedule", "draft", "step", "readback", "emit", "other", "idle")
+SCHEDULE, DRAFTING, STEP, READBACK, EMIT, LOOP, IDLE, PACK = range(8)
+ITERATION_PARTS = ("schedule", "draft", "step", "readback", "emit", "other", "idle", "pack")
+HOST_PARTS = (SCHEDULE, DRAFTING, PACK, EMIT, LOOP)   # the host's own work (not the model's)
 
 
 class IterationProfile:
@@ -127,8 +128,10 @@ class IterationProfile:
         schedule   admission, the plan, its slot changes (under the engine's lock); in the
                    overlapped loop, planning the next step
         draft      the drafters' proposals
-        step       packing, uploading and running the model step (on the CPU backend the whole
-                   forward pass and the sample op; on an asynchronous backend only the launch)
+        pack       the step's rows as a StepInput (sampling records included), packed into
+                   the runner's host buffer and uploaded (ModelRunner.on_packed laps it)
+        step       running the model step (on the CPU backend the whole forward pass and the
+                   sample op; on an asynchronous backend only the launch)
         readback   waiting for the step's choices and copying them back (an asynchronous
                    backend's device time shows here)
         emit       committing: stop checks, detokenization, the Delta events handed to the
@@ -136,23 +139,34 @@ class IterationProfile:
         other      the rest of an iteration (block-table uploads, bookkeeping)
         idle       waiting for work
 
-    Each `lap(part)` charges the time since the previous lap to `part`.
+    Each `lap(part)` charges the time since the previous lap to `part`: the wall time, and the
+    engine thread's own CPU time (time.thread_time: what the part costs the host, without the
+    time the thread waited for the GIL or for a core on a busy machine; the first lap only
+    starts the CPU clock, since the profile is made on another thread).
     """
 
     def __init__(self) -> None:
         self.seconds = [0.0] * len(ITERATION_PARTS)
+        self.cpu_seconds = [0.0] * len(ITERATION_PARTS)
         self.iterations = 0
         self.steps = 0
         self._t = time.perf_counter()
+        self._c: float | None = None
 
     def lap(self, part: int) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         self.seconds[part] += now - self._t
-        self._t = now
+        if self._c is not None:
+            self.cpu_seconds[part] += cpu - self._c
+        self._t, self._c = now, cpu
 
     def summary(self) -> dict[str, float]:
-        """Milliseconds per engine iteration for each part, and the counts."""
+        """Milliseconds per engine iteration: each part's wall time, the host's (HOST_PARTS) in
+        all, wall and CPU, the model step's CPU, and the counts."""
         n = max(self.iterations, 1)
         return {**{p: s * 1e3 / n for p, s in zip(ITERATION_PARTS, self.seconds, strict=True)},
+                "host": sum(self.seconds[i] for i in HOST_PARTS) * 1e3 / n,
+                "host_cpu": sum(self.cpu_seconds[i] for i in HOST_PARTS) * 1e3 / n,
+                "step_cpu": self.cpu_seconds[STEP] * 1e3 / n,
                 "iterations": self.iterations, "steps": self.steps}
 

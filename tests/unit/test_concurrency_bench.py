@@ -71,9 +71,12 @@ def test_short_run_on_a_tiny_synthetic_model(C, tmp_path):
     for row in res["rows"]:         # the per-iteration profile of each level
         prof = row["profile"]
         assert prof["steps"] >= row["tokens"] // row["streams"] - 1 and prof["iterations"] >= 1
-        parts = sum(prof[k] for k in ("schedule", "draft", "step", "readback", "emit", "other",
-                                      "idle"))
-        assert prof["step"] > 0 and prof["emit"] > 0
+        parts = sum(prof[k] for k in ("schedule", "draft", "pack", "step", "readback", "emit",
+                                      "other", "idle"))
+        assert prof["step"] > 0 and prof["emit"] > 0 and prof["pack"] > 0
+        host = sum(prof[k] for k in ("schedule", "draft", "pack", "emit", "other"))
+        assert abs(prof["host"] - host) < 1e-6 and 0 < prof["host_cpu"] and prof["step_cpu"] > 0
+        assert prof["hops"] >= 1    # the streams' events reached the event loop
         assert parts * prof["iterations"] <= (prof["wall_s"] * 1.05 + 0.05) * 1e3
         # CPU seconds in clock ticks (10 ms, rounded per thread): a tiny level may take none
         assert all(prof[k] >= 0 for k in ("engine_cpu_s", "grpc_loop_cpu_s", "grpc_core_cpu_s",

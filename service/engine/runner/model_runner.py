@@ -67,7 +67,7 @@ from typing import Any
 
 import numpy as np
 
-from service.backends.step_format import ADJ_ROW_MAX, N_PARAMS, OUT_WORDS, mask_words
+from service.backends.step_format import ADJ_ROW_MAX, N_PARAMS, OUT_WORDS, Param, mask_words
 from service.engine.runner.step import RowSampling, StepInput, StepOutput
 from service.model.hidden import HiddenOut, HiddenRows, HiddenTap
 from service.model.transformer import Transformer
@@ -142,6 +142,9 @@ class ModelRunner:
             self._chain_dev = be.zeros((2 * M + N_PARAMS,), "int32")      # (2M + N_PARAMS,)
             self._chain_ids = be.zeros((M,), "int32")    # (M,) i32 d1..dk, written on device
         self._launched = False        # a step not read back yet (its host buffer is in use)
+        # called once a step is packed and uploaded, before the model runs (the engine's
+        # iteration profile charges the packing to its own part); None: nothing
+        self.on_packed: Callable[[], None] | None = None
         self._chained = False         # ... followed by a chain (its ids are in _chain_ids)
         be.prepare_sampling(L, model.spec.vocab_size)
 
@@ -173,17 +176,32 @@ class ModelRunner:
             h[5 * M + pad:5 * M + T] = np.asarray(inp.attn_mask, np.int64).astype(np.int32)
         L = len(inp.logit_rows)
         h[self._o_rows:self._o_rows + L] = np.asarray(inp.logit_rows, np.int32) + pad
-        starts = self._pack_adjustments(inp.sampling)
-        self._pack_masks(inp.sampling)
-        for r, (row, s) in enumerate(zip(inp.logit_rows, inp.sampling, strict=True)):
-            o = self._o_par + r * N_PARAMS
-            where = (int(inp.slots[row]), int(inp.positions[row])) if self.kind.history \
-                else (0, 0)
-            h[o:o + N_PARAMS] = s.record(*where, starts[r], r)
+        self._pack_records(inp, h[self._o_par:self._o_par + L * N_PARAMS].reshape(L, N_PARAMS))
         if feed is not None:
             f = self._o_feed
             h[f:f + T] = -1
             h[f + pad:f + T] = feed
+
+    def _pack_records(self, inp: StepInput, rec: np.ndarray) -> None:
+        """The logits rows' parameter records into `rec` (L, N_PARAMS) int32, as arrays over the
+        rows: each row's static words (RowSampling.static_record, built once per request), then
+        the words its draw and place set; equal to each row's RowSampling.record."""
+        rows = inp.sampling
+        if not rows:
+            return
+        starts = self._pack_adjustments(rows)
+        self._pack_masks(rows)
+        rec[:] = [s.static_record() for s in rows]
+        rec[:, Param.TOKEN_INDEX] = [s.token_index for s in rows]
+        if self.kind.history:
+            at = np.asarray(inp.logit_rows)                               # (L,) step rows
+            rec[:, Param.SLOT] = np.asarray(inp.slots)[at]
+            rec[:, Param.POSITION] = np.asarray(inp.positions)[at]
+        else:
+            rec[:, Param.SLOT] = rec[:, Param.POSITION] = 0
+        rec[:, Param.ADJ_START] = starts
+        rec[:, Param.ADJ_COUNT] = [0 if s.adjust is None else len(s.adjust.pairs) for s in rows]
+        rec[:, Param.MASK] = [-1 if s.mask is None else r for r, s in enumerate(rows)]
 
     def _pack_adjustments(self, rows: Sequence[RowSampling]) -> list[int]:
         """Write the rows' adjustment pairs into the current host list (each Adjustment once)
@@ -278,6 +296,8 @@ class ModelRunner:
         T, L = self.padded(len(inp.token_ids)), len(inp.logit_rows)
         self._pack(inp, T, h, feed)
         be.upload_step(h, self._dev)
+        if self.on_packed is not None:
+            self.on_packed()
         ids, pos = self._dev[:T], self._dev[M:M + T]                  # (T,) i32 each
         if feed is not None:
             be.feed_ids(self._out, self._dev[self._o_feed:self._o_feed + T], ids)

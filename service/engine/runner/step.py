@@ -13,11 +13,12 @@ step_format.param_record's.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
+from operator import attrgetter
 
 import numpy as np
 
-from service.backends.step_format import TOP_MAX, param_record, read_output
+from service.backends.step_format import TOP_MAX, Param, param_record, read_output
 from service.engine.types import SamplingParams, TokenLogprob
 
 
@@ -61,9 +62,37 @@ class RowSampling(SamplingParams):
     def of(cls, p: SamplingParams, seed: int, token_index: int, n_top: int,
            gen_start: int = 0, adjust: Adjustment | None = None) -> RowSampling:
         """Request sampling `p` with its resolved `seed`, for the draw `token_index`."""
-        given = {f.name: getattr(p, f.name) for f in fields(SamplingParams)}
+        given = {name: getattr(p, name) for name in _SAMPLING_FIELDS}
         return cls(**{**given, "seed": seed}, token_index=token_index, n_top=n_top,
                    gen_start=gen_start, adjust=adjust)
+
+    def at(self, token_index: int, adjust: Adjustment | None, mask: np.ndarray | None = None
+           ) -> RowSampling:
+        """This row for the draw `token_index` with `adjust` and `mask`: a copy of its fields
+        without dataclass construction (a sequence's rows of every step are copies of one
+        template, built once per request)."""
+        row = object.__new__(RowSampling)
+        d = row.__dict__
+        d.update(self.__dict__)
+        d["token_index"], d["adjust"], d["mask"] = token_index, adjust, mask
+        return row
+
+    def static_record(self) -> np.ndarray:
+        """The words of this row's parameter record that depend on the request alone, (N_PARAMS,)
+        int32 with TOKEN_INDEX, SLOT, POSITION, ADJ_START, ADJ_COUNT and MASK 0 (`record`
+        sets them; the runner packs a step's rows from these, ModelRunner._pack). Built once
+        per distinct set of the fields it reads (a bounded cache shared by every row); do not
+        write into it."""
+        key = _static_key(self)
+        rec = _STATIC.get(key)
+        if rec is None:
+            rec = np.array(replace(self, token_index=0, adjust=None, mask=None).record(0, 0),
+                           np.int32)                                     # (N_PARAMS,) i32
+            rec.flags.writeable = False
+            if len(_STATIC) >= STATIC_CACHE_MAX:
+                _STATIC.clear()
+            _STATIC[key] = rec
+        return rec
 
     def record(self, slot: int, position: int, adj_start: int = 0, mask_row: int = -1
                ) -> list[int]:
@@ -80,6 +109,19 @@ class RowSampling(SamplingParams):
             adj_count=0 if self.adjust is None else len(self.adjust.pairs),
             score=self.score_id, mask=mask_row if self.mask is not None else -1)
 
+
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+# the fields RowSampling.record reads but for the draw's and place's words (DYNAMIC_WORDS):
+# the key of the static records' cache (0.0 and -0.0 share an entry: the sample op only
+# compares and multiplies these floats, where the two are alike)
+_static_key = attrgetter("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                         "repeat_last_n", "seed", "n_top", "frequency_penalty",
+                         "presence_penalty", "gen_start", "score_id")
+_STATIC: dict[tuple, np.ndarray] = {}
+STATIC_CACHE_MAX = 1 << 14      # distinct requests' records kept (then the cache starts over)
+# the record words a row's draw and place set (the rest: RowSampling.static_record)
+DYNAMIC_WORDS = (Param.TOKEN_INDEX, Param.SLOT, Param.POSITION, Param.ADJ_START, Param.ADJ_COUNT,
+                 Param.MASK)
 
 # every filter off: the argmax, the lowest id on ties
 GREEDY = RowSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,

@@ -74,6 +74,7 @@ class Sequence:
     def __post_init__(self) -> None:
         self.history = list(self.request.prompt_ids)
         self._adjust: tuple[Adjustment | None, Adjustment | None] | None = None
+        self.row_template: Any = None      # spec/decode.choice's RowSampling, made once
         # prompt position p -> log-probability of prompt token p + 1, while scoring the prompt
         self.prompt_scores: dict[int, TokenLogprob] | None = None
         # constrained: row_masks[i] is the token mask after the committed tokens and the first

@@ -20,7 +20,6 @@ a drafter with its own KV cache gets the target's block table (`set_block_table`
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import replace
 
 import numpy as np
 
@@ -45,11 +44,12 @@ def choice(seq: Sequence, ahead: int = 0, masked: bool = True) -> RowSampling:
     is the sequence's for that index (logit_bias, min_tokens bans). masked=False: without the
     constraint's mask (an overlapped row whose mask needs the token still in flight)."""
     index = len(seq.generated) + ahead
-    row = RowSampling.of(seq.request.sampling, seq.seed_value, index,
-                         seq.request.top_logprobs or -1, len(seq.request.prompt_ids),
-                         seq.adjustment(index))
-    mask = seq.row_mask(ahead) if masked else None
-    return row if mask is None else replace(row, mask=mask)
+    base = seq.row_template        # the request's row, built once (its record's static words)
+    if base is None:
+        base = seq.row_template = RowSampling.of(
+            seq.request.sampling, seq.seed_value, 0, seq.request.top_logprobs or -1,
+            len(seq.request.prompt_ids))
+    return base.at(index, seq.adjustment(index), seq.row_mask(ahead) if masked else None)
 
 
 class Speculator:
@@ -108,6 +108,8 @@ class Speculator:
 
 def verify_input(batch: list[tuple[Sequence, Draft]]) -> StepInput:
     """Every row of the batch in one step; every row chooses a token."""
+    if all(type(d) is list and len(d) == 1 for _, d in batch):
+        return plain_input(batch)
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -120,6 +122,14 @@ def verify_input(batch: list[tuple[Sequence, Draft]]) -> StepInput:
         sampling += [choice(seq, p - seq.n_past) for p in seg.positions]
     T = len(ids)
     return StepInput(ids, positions, slots, range(T), sampling, **step_fields(segments))
+
+
+def plain_input(batch: list[tuple[Sequence, list[int]]]) -> StepInput:
+    """The step of plain decode rows (each draft [seed] alone, at its sequence's next
+    position): verify_input's rows for such a batch, one list per field instead of one
+    segment per row."""
+    return StepInput([d[0] for _, d in batch], [s.n_past for s, _ in batch],
+                     [s.slot for s, _ in batch], range(len(batch)), [choice(s) for s, _ in batch])
 
 
 def split(batch: list[tuple[Sequence, Draft]], out: StepOutput) -> list[StepOutput]:
