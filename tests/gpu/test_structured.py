@@ -82,14 +82,18 @@ def test_constrained_requests_on_cuda(smol_cuda):
 def test_constrained_greedy_overlapped_equals_the_one_step_loop_on_cuda():
     """The overlapped loop with constrained greedy rows (fed rows choose unmasked, the host
     checks them against their masks) streams what the one-step loop streams, on CUDA."""
-    from tests.engine.test_overlap import constrained_requests
+    from tests.engine.test_overlap import FedSteps, constrained_requests
     reqs = constrained_requests()
     with cuda_engine("smollm2", n_slots=8, overlap="on") as on, \
             cuda_engine("smollm2", n_slots=8, overlap="off") as off:
+        fed = FedSteps(on)
         got, stats = together(on, reqs)
         ref, _ = together(off, reqs)
         solo = alone(on, reqs[0])
     for a, b in zip(got, ref, strict=True):
         assert same_output(a, b), (a.text, b.text)
     assert same_output(solo, ref[0])
-    assert stats.mask_refusals > 0
+    # the rows really ran overlapped; whether an unmasked choice is refused depends on the
+    # backend's logits (the CPU test asserts refusals and their recovery; the H200 saw none)
+    assert fed.n >= 5, f"only {fed.n} fed steps"
+    print(f"\nmask refusals on CUDA: {stats.mask_refusals}")
