@@ -178,20 +178,27 @@ def batch_requests(kind: str) -> list[GenerationRequest]:
             for i in range(4)]
 
 
+def batch_equals_alone(eng: Engine, drafter: str) -> list:
+    """batch_requests(drafter) together on `eng` equal each alone (tokens, text,
+    log-probabilities), four at once, drafts verified; the batch's results."""
+    reqs = batch_requests(drafter)
+    ref = [alone(eng, r) for r in reqs]
+    got, stats = together(eng, reqs)
+    bad = [(r.request_id, a.token_ids, b.token_ids)
+           for r, a, b in zip(reqs, got, ref, strict=True) if not same_output(a, b)]
+    assert not bad
+    assert stats.max_sequences == 4
+    assert sum(g.finished.usage.draft_tokens for g in got) > 0
+    return got
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
 @pytest.mark.parametrize("arch", sorted(ARCH))
 def test_a_request_alone_equals_it_in_a_speculating_batch(arch, drafter, drafts):
     """Verify rows of four sequences share each step (up to 4 x 6 rows): the tokens, text and
     log-probabilities of every request equal its run alone."""
     with arch_engine(arch, drafter, drafts, n_slots=4, verify_width=6) as eng:
-        reqs = batch_requests(drafter)
-        ref = [alone(eng, r) for r in reqs]
-        got, stats = together(eng, reqs)
-    bad = [(r.request_id, a.token_ids, b.token_ids)
-           for r, a, b in zip(reqs, got, ref, strict=True) if not same_output(a, b)]
-    assert not bad
-    assert stats.max_sequences == 4
-    assert sum(g.finished.usage.draft_tokens for g in got) > 0
+        got = batch_equals_alone(eng, drafter)
     assert sum(g.finished.usage.accepted_draft_tokens for g in got) > 0
 
 

@@ -21,10 +21,9 @@ from tests.engine.test_moe_speculation import (
     ARCH,
     MODEL_DRAFTS,
     PROMPTS,
-    batch_requests,
+    batch_equals_alone,
     compare_sampled,
 )
-from tests.support.batching import alone, same_output, together
 from tests.support.engines import Engine, run, running_engine
 from tests.support.models import TINY, build_model, forward_host
 from tests.support.near_ties import logprob_gap, top2_gap
@@ -161,14 +160,7 @@ def test_a_request_alone_equals_it_in_a_speculating_batch_on_cuda(arch, drafter,
     path, draft = files[PAIRS[arch][drafter == "model"]]
     extra = {"draft_model": draft} if drafter == "model" else {"ngram_size": 1}
     with cuda_engine(path, drafter=drafter, n_slots=4, verify_width=16, **extra) as eng:
-        reqs = batch_requests(drafter)
-        ref = [alone(eng, r) for r in reqs]
-        got, stats = together(eng, reqs)
-    bad = [(r.request_id, a.token_ids, b.token_ids)
-           for r, a, b in zip(reqs, got, ref, strict=True) if not same_output(a, b)]
-    assert not bad
-    assert stats.max_sequences == 4
-    assert sum(g.finished.usage.draft_tokens for g in got) > 0
+        got = batch_equals_alone(eng, drafter)
     if drafter == "model":
         assert sum(g.finished.usage.accepted_draft_tokens for g in got) > 0
 
