@@ -30,8 +30,10 @@
 //               router logits (in place), the n_used experts with the largest probability
 //               (+ bias[e] when bias is not null: the selection only; lowest index first
 //               among equals), their probabilities, renormalized when asked (by a sum of at
-//               least 2^-14), times scale; one thread per token, grid ceil(T /
-//               MOE_ROUTE_THREADS), block MOE_ROUTE_THREADS (64)
+//               least 2^-14), times scale; one warp per token (lanes own experts lane + 32 j;
+//               the softmax sum added by lane 0 in expert order, each pick a warp arg-max on
+//               (value, -index)), grid ceil(T / (MOE_ROUTE_THREADS / 32)), block
+//               MOE_ROUTE_THREADS (64)
 // softplus_gate a[t, k] *= softplus(g[t, (k / Dv) * G + (G == 1 ? 0 : k % Dv)]) for k < HD
 //               (HD = H * Dv; G = 1: one gate per head, G = Dv: one per element); softplus
 //               as ggml's: v > 20 ? v : log(1 + exp(v)); grid (ceil(HD / ROW_THREADS), T),
@@ -236,45 +238,65 @@ extern "C" __global__ void moe_route(float* logits, int ld, int T, int n_expert,
                                      int normalize, int sigmoid, const float* bias, float scale,
                                      int* ids, float* weights) {
     PDL_ENTRY();
-    const int t = blockIdx.x * MOE_ROUTE_THREADS + threadIdx.x;
-    if (t >= T) return;
+    constexpr int NONE = 0x7fffffff;                  // no expert picked yet
+    const int lane = threadIdx.x & 31;
+    const int t = blockIdx.x * (MOE_ROUTE_THREADS / 32) + threadIdx.x / 32;
+    if (t >= T) return;                               // the whole warp leaves together
     float* p = logits + (size_t)t * ld;
+    int* id = ids + (size_t)t * n_used;
+    float* wt = weights + (size_t)t * n_used;
     if (sigmoid) {
-        for (int e = 0; e < n_expert; e++) p[e] = 1.0f / __fadd_rn(1.0f, expf(-p[e]));
+        for (int e = lane; e < n_expert; e += 32) p[e] = 1.0f / __fadd_rn(1.0f, expf(-p[e]));
     } else {
-        float mx = p[0];
-        for (int e = 1; e < n_expert; e++) mx = fmaxf(mx, p[e]);
-        float sum = 0.0f;
-        for (int e = 0; e < n_expert; e++) {
-            p[e] = expf(__fsub_rn(p[e], mx));
-            sum = __fadd_rn(sum, p[e]);
-        }
-        for (int e = 0; e < n_expert; e++) p[e] = p[e] / sum;
+        float mx = __int_as_float(0xff800000);        // -inf; fmaxf: one maximum in any order
+        for (int e = lane; e < n_expert; e += 32) mx = fmaxf(mx, p[e]);
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+        for (int e = lane; e < n_expert; e += 32) p[e] = expf(__fsub_rn(p[e], mx));
+        __syncwarp();
+        float sum = 0.0f;                             // in expert order, as one thread would
+        if (lane == 0)
+            for (int e = 0; e < n_expert; e++) sum = __fadd_rn(sum, p[e]);
+        sum = __shfl_sync(FULL_MASK, sum, 0);
+        for (int e = lane; e < n_expert; e += 32) p[e] = p[e] / sum;
     }
+    __syncwarp();
     float wsum = 0.0f;
     for (int u = 0; u < n_used; u++) {
-        int best = -1;
+        int best = NONE;
         float best_s = 0.0f;
-        for (int e = 0; e < n_expert; e++) {
+        for (int e = lane; e < n_expert; e += 32) {
             bool taken = false;
-            for (int v = 0; v < u; v++) taken |= ids[t * n_used + v] == e;
+            for (int v = 0; v < u; v++) taken |= id[v] == e;
             const float s = bias ? __fadd_rn(p[e], bias[e]) : p[e];
-            if (!taken && (best < 0 || s > best_s)) {
+            if (!taken && (best == NONE || s > best_s)) {
                 best = e;
                 best_s = s;
             }
         }
-        ids[t * n_used + u] = best;
-        weights[t * n_used + u] = p[best];
-        wsum = __fadd_rn(wsum, p[best]);
+        for (int o = 16; o > 0; o >>= 1) {            // larger value, then lower index, wins
+            const int ob = __shfl_xor_sync(FULL_MASK, best, o);
+            const float os = __shfl_xor_sync(FULL_MASK, best_s, o);
+            if (ob != NONE &&
+                (best == NONE || os > best_s || (os == best_s && ob < best))) {
+                best = ob;
+                best_s = os;
+            }
+        }
+        const float pb = p[best];
+        if (lane == 0) {
+            id[u] = best;
+            wt[u] = pb;
+        }
+        wsum = __fadd_rn(wsum, pb);
+        __syncwarp();                                 // id[u] seen by every lane next round
     }
+    if (lane != 0) return;
     if (normalize) {
         wsum = fmaxf(wsum, 6.103515625e-5f);
-        for (int u = 0; u < n_used; u++) weights[t * n_used + u] = weights[t * n_used + u] / wsum;
+        for (int u = 0; u < n_used; u++) wt[u] = wt[u] / wsum;
     }
     if (scale != 1.0f)
-        for (int u = 0; u < n_used; u++)
-            weights[t * n_used + u] = __fmul_rn(weights[t * n_used + u], scale);
+        for (int u = 0; u < n_used; u++) wt[u] = __fmul_rn(wt[u], scale);
 }
 
 extern "C" __global__ void softplus_gate(float* __restrict__ a, int lda, int HD, int Dv,

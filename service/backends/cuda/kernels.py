@@ -132,7 +132,7 @@ MMA_ROWS = 16 * MMA_M     # gemv_mma.cu: output rows per block
 QUANT_WARPS = 4           # quantize.cu quantize_act: block (32, QUANT_WARPS), a group per warp
 ROW_THREADS = 256         # elementwise.cu embed, add_rows, glu[_quant], moe_combine: threads per
                           # block along a row, grid (ceil(N / ROW_THREADS), rows)
-MOE_ROUTE_THREADS = 64    # elementwise.cu moe_route: tokens (threads) per block
+MOE_ROUTE_THREADS = 64    # elementwise.cu moe_route: threads per block, a warp per token
 NORM_MAX_THREADS = 256    # act_quant.cuh: the largest norm block (types.norm_block)
 ROPE_KV_MAX_D = 512       # rope_kv.cu: the head size its shared row holds
 ATT_WARPS = 4             # attention.cu: block (32, ATT_WARPS)

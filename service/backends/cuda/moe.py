@@ -44,7 +44,7 @@ class MoeOps:
         m, P = self.scratch, T * n_used
         logits, ids, w = m["logits"][:T], m["ids"][:P], m["w"][:P]
         self._gemv.matmul(x, router, logits)                           # (T, n_expert)
-        self._launcher.launch("moe_route", (ceil_div(T, MOE_ROUTE_THREADS),),
+        self._launcher.launch("moe_route", (ceil_div(T, MOE_ROUTE_THREADS // 32),),
                               (MOE_ROUTE_THREADS,),
                               [logits, I32(logits.shape[1]), I32(T), I32(router.n),
                                I32(n_used), I32(1 if normalize else 0),
