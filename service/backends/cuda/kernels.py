@@ -133,6 +133,7 @@ QUANT_WARPS = 4           # quantize.cu quantize_act: block (32, QUANT_WARPS), a
 ROW_THREADS = 256         # elementwise.cu embed, add_rows, glu[_quant], moe_combine: threads per
                           # block along a row, grid (ceil(N / ROW_THREADS), rows)
 MOE_ROUTE_THREADS = 64    # elementwise.cu moe_route: threads per block, a warp per token
+MOE_MAX_EXPERTS = 512     # elementwise.cu moe_route: experts a warp holds (16 a lane)
 NORM_MAX_THREADS = 256    # act_quant.cuh: the largest norm block (types.norm_block)
 ROPE_KV_MAX_D = 512       # rope_kv.cu: the head size its shared row holds
 ATT_WARPS = 4             # attention.cu: block (32, ATT_WARPS)
@@ -156,7 +157,8 @@ def cuda_defines() -> dict[str, int | str]:
     table goes as its comma-separated values (an array initializer's body)."""
     return {"GEMV_WARPS": GEMV_WARPS, "MMA_WARPS": MMA_WARPS, "MMA_M": MMA_M,
             "MMA_ROWS": MMA_ROWS, "QUANT_WARPS": QUANT_WARPS, "ROW_THREADS": ROW_THREADS,
-            "MOE_ROUTE_THREADS": MOE_ROUTE_THREADS, "NORM_MAX_THREADS": NORM_MAX_THREADS,
+            "MOE_ROUTE_THREADS": MOE_ROUTE_THREADS,
+            "MOE_MAX_EXPERTS": MOE_MAX_EXPERTS, "NORM_MAX_THREADS": NORM_MAX_THREADS,
             "ROPE_KV_MAX_D": ROPE_KV_MAX_D, "ATT_WARPS": ATT_WARPS, "ATT_MAX_D": ATT_MAX_D,
             "ATT_MAX_DV": ATT_MAX_DV, "AT_ROWS": AT_ROWS, "AT_KEYS": AT_KEYS,
             "AT_WARPS": AT_WARPS, "ARGMAX_THREADS": ARGMAX_THREADS,

@@ -13,7 +13,7 @@ from typing import Any
 
 from service.backends.cuda.elementwise import ElementwiseOps
 from service.backends.cuda.gemv import GemvOps
-from service.backends.cuda.kernels import MOE_ROUTE_THREADS, ROW_THREADS
+from service.backends.cuda.kernels import MOE_MAX_EXPERTS, MOE_ROUTE_THREADS, ROW_THREADS
 from service.backends.cuda.launcher import Launcher
 from service.backends.cuda.memory import DeviceMemory
 from service.backends.cuda.types import F32, I32, CudaMatrix, ceil_div, opt_ptr, view_rows
@@ -28,6 +28,9 @@ class MoeOps:
 
     def prepare(self, memory: DeviceMemory, *, max_tokens: int, n_embd: int, n_expert: int,
                 n_used: int, n_ff: int) -> None:
+        if n_expert > MOE_MAX_EXPERTS or not 0 < n_used <= n_expert:
+            raise ValueError(f"mixture of experts: {n_used} of {n_expert} experts; the CUDA "
+                             f"router takes 1..n_expert of at most {MOE_MAX_EXPERTS}")
         rows, z = max_tokens * max(1, n_used), memory.zeros
         self.scratch = {"logits": z((max_tokens, n_expert)),        # (T, n_expert) f32
                         "ids": z((rows,), "int32"),                  # (P,) i32 expert ids
