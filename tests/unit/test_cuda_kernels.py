@@ -40,8 +40,9 @@ def test_the_names_the_launchers_build_are_registered():
     kv = ("f16", "q8_0", "q4_0")
     assert {f"rope_kv_{k}_{v}" for k in kv for v in kv} <= set(reg)
     assert {f"attn_{k}_{v}_d{d}" for k in kv for v in kv for d in (128, 256)} <= set(reg)
-    # GEMVs read the blocks; copy_rows (a hidden-state tap) writes a buffer no GEMV reads
-    assert all(k.keeps_blocks == (k.name.startswith("gemv_") or k.name == "copy_rows")
+    # GEMVs (the expert-grouped moeg_ too) read the blocks; copy_rows (a hidden-state tap)
+    # writes a buffer no GEMV reads
+    assert all(k.keeps_blocks == (k.name.startswith(("gemv_", "moeg_")) or k.name == "copy_rows")
                for k in reg.values())
 
 
