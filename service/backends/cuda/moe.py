@@ -132,10 +132,7 @@ class MoeOps:
         nc = self.group_nc or moe_group_nc(T, n_used, n_expert)
         if nc not in MOEG_NC:
             raise ValueError(f"moe: group_nc {nc}: one of {MOEG_NC}")
-        tiles = moe_group_tiles(P, n_expert, nc)
-        self._launcher.launch("moe_group", (1,), (MOE_GROUP_THREADS,),
-                              [m["ids"][:P], I32(P), I32(n_expert), I32(self._cap), I32(nc),
-                               m["counts"], m["rows"], m["tiles"], m["n_tiles"]])
+        tiles = self.group(P, n_expert, nc)
         a = m["a"][:P]                                                 # (P, F) f32
         act = _ACTIVATIONS[activation]
         if gate.layout.kernel == up.layout.kernel:
@@ -146,6 +143,20 @@ class MoeOps:
             self.grouped_matmul(x, (up,), u, nc, tiles, n_used)
             self._ew.glu(g, u, activation, a)
         self.grouped_matmul(a, (down,), y, nc, tiles, 1)              # (P, E)
+
+    def group(self, n_pairs: int, n_expert: int, nc: int) -> int:
+        """moe_group over the scratch's ids[:n_pairs]: per expert its count and pairs (token
+        order), and tiles of up to nc of them (cuda/moe.cu). Returns the tile bound (grid.y of
+        the grouped GEMVs)."""
+        m = self.scratch
+        if n_pairs > m["tiles"].shape[0] or n_expert != m["counts"].shape[0] or nc not in MOEG_NC:
+            raise ValueError(f"moe_group: {n_pairs} pairs, {n_expert} experts, {nc} columns "
+                             f"per tile; prepared for {m['tiles'].shape[0]} / "
+                             f"{m['counts'].shape[0]}, tiles of {MOEG_NC}")
+        self._launcher.launch("moe_group", (1,), (MOE_GROUP_THREADS,),
+                              [m["ids"][:n_pairs], I32(n_pairs), I32(n_expert), I32(self._cap),
+                               I32(nc), m["counts"], m["rows"], m["tiles"], m["n_tiles"]])
+        return moe_group_tiles(n_pairs, n_expert, nc)
 
     def grouped_matmul(self, x, mats: tuple[CudaMatrix, ...], out, nc: int, tiles: int,
                        act_div: int, act: int = 0) -> None:
