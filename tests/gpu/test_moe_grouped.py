@@ -113,6 +113,32 @@ def test_moe_group_sorts_pairs_by_expert_in_token_order(cuda, T):
         assert [(b // cap, b % cap, n) for b, n in tiles.tolist()] == tiles_ref, nc
 
 
+def test_moe_group_reads_ids_past_one_shared_memory_chunk(cuda):
+    """520 tokens (a prefill chunk): 4,160 pairs, past the 4,096 ids moe_group stages at once
+    (kernels.MOE_GROUP_CHUNK); random distinct experts per token."""
+    from service.backends.cuda.kernels import MOE_GROUP_CHUNK
+
+    T = 520
+    rng = np.random.default_rng(5)
+    ids = np.concatenate([rng.choice(N_EXP, N_USED, replace=False) for _ in range(T)])
+    ids = ids.astype(np.int32)
+    assert ids.size > MOE_GROUP_CHUNK
+    cuda.prepare(max_tokens=T, n_head=1, head_dim_v=32, n_ctx=1024, n_embd=E,
+                 moe_experts=N_EXP, moe_used=N_USED, moe_ff=F)
+    moe = cuda._moe
+    s = moe.scratch
+    s["ids"][:ids.size] = cp.asarray(ids)
+    moe.group(ids.size, N_EXP, 16)
+    counts_ref, rows_ref, tiles_ref = reference_groups(ids, 16)
+    np.testing.assert_array_equal(cp.asnumpy(s["counts"]), counts_ref)
+    rows = cp.asnumpy(s["rows"]).reshape(N_EXP, T)
+    for e in range(N_EXP):
+        assert rows[e, :counts_ref[e]].tolist() == rows_ref[e], e
+    n_tiles = int(cp.asnumpy(s["n_tiles"])[0])
+    assert [(b // T, b % T, n) for b, n in cp.asnumpy(s["tiles"])[:n_tiles].tolist()] \
+        == tiles_ref
+
+
 # ---------------------------------------------------------------- the moe op
 def _moe_case(cuda, label: str, types: tuple[str, str, str], rng):
     cpu = CpuBackend()
