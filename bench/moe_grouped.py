@@ -1,8 +1,9 @@
 """Expert-grouped against gathered MoE on the GPU: one qwen3-30b-a3b-shaped MoE layer (128
 experts, 8 used, hidden 2048, expert FFN 768, gate / up / down in one weight type, an F32
-router) through `CudaBackend.moe`, at 1, 8 and 64 tokens.
+router) through `CudaBackend.moe`, at 1, 6, 8, 16 and 64 tokens (decode, verify widths, many
+streams).
 
-    python bench/moe_grouped.py [--tokens 1 8 64] [--type Q4_K] [--reps 20] [--json PATH]
+    python bench/moe_grouped.py [--tokens 1 6 8 16 64] [--type Q4_K] [--reps 20] [--json PATH]
 
 Each row: the MoE op (router GEMV, routing, expert GEMVs, combine) timed inside one CUDA graph
 of `reps` calls, each call on another random input (other experts, so the selected experts'
@@ -43,7 +44,7 @@ def _experts(be, qt, shape: tuple[int, int, int], seed: int):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 6, 8, 16, 64])
     ap.add_argument("--type", default="Q4_K", help="the experts' weight type (default Q4_K)")
     ap.add_argument("--reps", type=int, default=20, help="calls per captured graph")
     ap.add_argument("--json", type=Path, help="write the rows here too")

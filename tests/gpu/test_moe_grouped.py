@@ -242,3 +242,29 @@ def test_captured_grouped_steps_equal_gathered_and_eager(name):
     same = np.array_equal(outs["grouped"], outs["gathered"])
     print(f"{name}: grouped == gathered logits bits: {same}")
     np.testing.assert_array_equal(outs["grouped"], outs["gathered"])
+
+
+# ---------------------------------------------------------------- the benchmark's plumbing
+def test_the_moe_bench_writes_its_rows(tmp_path):
+    """bench/moe_grouped.py at 1 and 8 tokens, 2 calls per graph: every time positive, the
+    distinct experts between n_used and the pairs, their bytes at most the pairs' bytes."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "moe_grouped.py"
+    spec = importlib.util.spec_from_file_location("moe_grouped_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    out = tmp_path / "moe.json"
+    assert bench.main(["--tokens", "1", "8", "--reps", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["tokens"] for r in rows] == [1, 8]
+    for r in rows:
+        T = r["tokens"]
+        assert bench.N_USED <= r["distinct_experts"] <= min(bench.N_EXPERT, T * bench.N_USED)
+        assert 0 < r["ideal_bytes"] <= r["pair_bytes"]
+        assert r["gathered_s"] > 0 and r["grouped_s"] > 0
+        assert all(v > 0 for v in r["by_nc_s"].values()) and "1" in r["by_nc_s"]
