@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
 
             def timed(min_tokens: int | None, nc: int | None = None, run=run) -> float:
                 be.moe_group_min_tokens, moe.group_nc = min_tokens, nc
+                run(0)                       # eager first: its kernels loaded before capture
+                be.synchronize()
                 return graph_time(be.stream, run, a.reps)
 
             gathered = timed(None)
