@@ -2,6 +2,7 @@
 
     python bench/e2e_decode.py [--models synth-1b,synth-8b,smollm2-135m] [--tokens 256]
                                [--rounds 2] [--backend cuda] [--json PATH]
+                               [--parts step,default,engine,no-overlap,grpc]
 
 - step: the graph-replayed decode step back to back (bench/gpu_decode.py `_decode_rate`: the
   position uploaded, the step replayed, the argmax fed back on the device, the id read), the
@@ -18,8 +19,9 @@
 - llama.cpp: `llama-bench -n 128 -p 0 -fa 1 -r 3` on the same file, when --llama-bench names
   the binary (bench/llamacpp_cuda.sh builds it from the vendored source), with the ratios.
 
-Synthetic models (synth-1b = llama3.2-1b, synth-8b = llama3-8b, Q4_K_M, seed 0) are generated
-into --synth-dir and reused; real models come from $SPECSTREAM_MODELS_DIR. The last lines are a
+Synthetic models (synth-1b = llama3.2-1b, synth-8b = llama3-8b, synth-30b-a3b = qwen3-30b-a3b,
+Q4_K_M, seed 0) are generated into --synth-dir and reused (--parts: fewer loads of a large
+file); real models come from $SPECSTREAM_MODELS_DIR. The last lines are a
 table with each figure and its ratio to the step rate.
 """
 
@@ -36,7 +38,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from synth_model import DEFAULT_DIR, synth_model  # noqa: E402
 
-SYNTH = {"synth-1b": "llama3.2-1b", "synth-8b": "llama3-8b"}
+SYNTH = {"synth-1b": "llama3.2-1b", "synth-8b": "llama3-8b", "synth-30b-a3b": "qwen3-30b-a3b"}
+PARTS = ("step", "default", "engine", "no-overlap", "grpc")
 PROMPT = tuple(range(1000, 1016))
 
 
@@ -121,25 +124,30 @@ def bench(name: str, path: Path, a) -> dict:
     row: dict = {"model": name, "file": str(path)}
     if a.llama_bench:
         row["llamacpp"] = llamacpp_rate(a.llama_bench, path)
-    if a.backend == "cuda":
+    if a.backend == "cuda" and "step" in a.parts:
         row["step"] = step_rate(path, a.tokens)
-    eng = Engine.load(path, EngineConfig(backend=a.backend, n_slots=4))
-    eng.start()
-    try:
-        engine_rate(eng, 32, None)
-        row["default"] = max(engine_rate(eng, a.tokens, None) for _ in range(a.rounds))
-    finally:
-        eng.stop(30)
+    if "default" in a.parts:
+        eng = Engine.load(path, EngineConfig(backend=a.backend, n_slots=4))
+        eng.start()
+        try:
+            engine_rate(eng, 32, None)
+            row["default"] = max(engine_rate(eng, a.tokens, None) for _ in range(a.rounds))
+        finally:
+            eng.stop(30)
     for overlap in ("on", "off"):
+        key = "engine" if overlap == "on" else "engine_no_overlap"
+        want_grpc = overlap == "on" and "grpc" in a.parts
+        if (key == "engine" and "engine" not in a.parts and not want_grpc) or (
+                key == "engine_no_overlap" and "no-overlap" not in a.parts):
+            continue
         cfg = EngineConfig(backend=a.backend, n_slots=4, verify_width=1,
                            drafter="none", overlap=overlap)
         eng = Engine.load(path, cfg)
         eng.start()
         try:
             engine_rate(eng, 32)                                    # warm every step shape
-            key = "engine" if overlap == "on" else "engine_no_overlap"
             row[key] = max(engine_rate(eng, a.tokens) for _ in range(a.rounds))
-            if overlap == "on":
+            if want_grpc:
                 row["grpc"] = grpc_rate(eng, a.tokens)
         finally:
             eng.stop(30)
@@ -161,11 +169,11 @@ def table(rows: list[dict]) -> str:
         step, base = r.get("step"), r.get("llamacpp")
 
         def ratio(k: str, over, r=r) -> str:
-            return f"{r[k] / over:.2f}x" if over else "-"
+            return f"{r[k] / over:.2f}x" if over and r.get(k) else "-"
 
-        lines.append(f"| {r['model']} | {cell(base)} | {cell(step)} | {cell(r['engine'])} | "
-                     f"{cell(r['engine_no_overlap'])} | {cell(r['grpc'])} | "
-                     f"{cell(r['default'])} | {ratio('engine', step)} | "
+        lines.append(f"| {r['model']} | {cell(base)} | {cell(step)} | {cell(r.get('engine'))} | "
+                     f"{cell(r.get('engine_no_overlap'))} | {cell(r.get('grpc'))} | "
+                     f"{cell(r.get('default'))} | {ratio('engine', step)} | "
                      f"{ratio('engine', base)} | {ratio('grpc', base)} |")
     return "\n".join(lines)
 
@@ -178,9 +186,14 @@ def main() -> None:
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--synth-dir", default=DEFAULT_DIR)
     ap.add_argument("--json", default="")
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help=f"which figures to measure, of {','.join(PARTS)} (each loads the model)")
     ap.add_argument("--llama-bench", default="", metavar="BINARY",
                     help="llama.cpp's llama-bench: its tg128 on the same files, side by side")
     a = ap.parse_args()
+    a.parts = a.parts.split(",")
+    if not set(a.parts) <= set(PARTS):
+        ap.error(f"--parts: of {','.join(PARTS)}")
     rows = []
     for name in a.models.split(","):
         path = model_file(name, a.synth_dir)

@@ -182,6 +182,9 @@ def bench_decode(cp, G, a, results: dict) -> None:
 
     models = [(preset, "synth", quant) for preset, quant in T.SYNTH]
     models += [(name, "file", None) for name in T.REAL]
+    if a.models:                  # named: a real file's name, else a synthetic preset
+        models = [(m, "file", None) if m in T.REAL else (m, "synth", "Q4_K_M")
+                  for m in a.models]
     for model, source, quant in models:
         row = {"model": model, "source": source}
         try:

@@ -64,6 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--tokens", type=int, help="decode tokens per model (default 128, quick 32)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic models and inputs")
+    ap.add_argument("--models", metavar="A,B",
+                    help="decode only these models: synthetic presets (Q4_K_M, e.g. "
+                         "qwen3-30b-a3b) or real file names (default: "
+                         f"{','.join(p for p, _ in SYNTH + tuple((r, None) for r in REAL))})")
     ap.add_argument("--synth-dir", default="/tmp/specstream-synth",
                     help="where synthetic models are generated (reused when present)")
     a = ap.parse_args(argv)
@@ -75,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.tokens = a.tokens or (32 if a.quick else 128)
     a.gemv = a.only in (None, "gemv")
     a.decode = a.only in (None, "decode")
+    a.models = a.models.split(",") if a.models else None
     return a
 
 

@@ -30,8 +30,10 @@
 //               router logits (in place), the n_used experts with the largest probability
 //               (+ bias[e] when bias is not null: the selection only; lowest index first
 //               among equals), their probabilities, renormalized when asked (by a sum of at
-//               least 2^-14), times scale; one thread per token, grid ceil(T /
-//               MOE_ROUTE_THREADS), block MOE_ROUTE_THREADS (64)
+//               least 2^-14), times scale; one warp per token, n_expert <= MOE_MAX_EXPERTS
+//               (lane l holds experts l + 32 j in registers; the softmax sum added by lane 0
+//               in expert order, each pick a warp arg-max on (value, -index)), grid
+//               ceil(T / (MOE_ROUTE_THREADS / 32)), block MOE_ROUTE_THREADS (64)
 // softplus_gate a[t, k] *= softplus(g[t, (k / Dv) * G + (G == 1 ? 0 : k % Dv)]) for k < HD
 //               (HD = H * Dv; G = 1: one gate per head, G = Dv: one per element); softplus
 //               as ggml's: v > 20 ? v : log(1 + exp(v)); grid (ceil(HD / ROW_THREADS), T),
@@ -44,9 +46,9 @@
 #include "rope.cuh"
 #include "glu.cuh"
 
-// ROW_THREADS (256) and MOE_ROUTE_THREADS (64) come as -D defines
+// ROW_THREADS (256), MOE_ROUTE_THREADS (64) and MOE_MAX_EXPERTS (512) come as -D defines
 // (service/backends/cuda/kernels.py).
-#if !defined(ROW_THREADS) || !defined(MOE_ROUTE_THREADS)
+#if !defined(ROW_THREADS) || !defined(MOE_ROUTE_THREADS) || !defined(MOE_MAX_EXPERTS)
 #error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
 #endif
 
@@ -224,45 +226,91 @@ extern "C" __global__ void moe_route(float* logits, int ld, int T, int n_expert,
                                      int normalize, int sigmoid, const float* bias, float scale,
                                      int* ids, float* weights) {
     PDL_ENTRY();
-    const int t = blockIdx.x * MOE_ROUTE_THREADS + threadIdx.x;
-    if (t >= T) return;
+    constexpr int EPL = MOE_MAX_EXPERTS / 32;         // experts per lane, in registers
+    constexpr int NONE = 0x7fffffff;                  // no expert picked yet
+    const int lane = threadIdx.x & 31;
+    const int t = blockIdx.x * (MOE_ROUTE_THREADS / 32) + threadIdx.x / 32;
+    if (t >= T) return;                               // the whole warp leaves together
     float* p = logits + (size_t)t * ld;
-    if (sigmoid) {
-        for (int e = 0; e < n_expert; e++) p[e] = 1.0f / __fadd_rn(1.0f, expf(-p[e]));
-    } else {
-        float mx = p[0];
-        for (int e = 1; e < n_expert; e++) mx = fmaxf(mx, p[e]);
-        float sum = 0.0f;
-        for (int e = 0; e < n_expert; e++) {
-            p[e] = expf(__fsub_rn(p[e], mx));
-            sum = __fadd_rn(sum, p[e]);
-        }
-        for (int e = 0; e < n_expert; e++) p[e] = p[e] / sum;
+    float v[EPL];                                     // v[j]: expert lane + 32 j
+#pragma unroll
+    for (int j = 0; j < EPL; j++) {
+        const int e = lane + 32 * j;
+        v[j] = e < n_expert ? p[e] : 0.0f;
     }
-    float wsum = 0.0f;
-    for (int u = 0; u < n_used; u++) {
-        int best = -1;
-        float best_s = 0.0f;
-        for (int e = 0; e < n_expert; e++) {
-            bool taken = false;
-            for (int v = 0; v < u; v++) taken |= ids[t * n_used + v] == e;
-            const float s = bias ? __fadd_rn(p[e], bias[e]) : p[e];
-            if (!taken && (best < 0 || s > best_s)) {
-                best = e;
-                best_s = s;
+    if (sigmoid) {
+#pragma unroll
+        for (int j = 0; j < EPL; j++) v[j] = 1.0f / __fadd_rn(1.0f, expf(-v[j]));
+    } else {
+        float mx = __int_as_float(0xff800000);        // -inf; fmaxf: one maximum in any order
+#pragma unroll
+        for (int j = 0; j < EPL; j++)
+            if (lane + 32 * j < n_expert) mx = fmaxf(mx, v[j]);
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+#pragma unroll
+        for (int j = 0; j < EPL; j++) v[j] = expf(__fsub_rn(v[j], mx));
+        float sum = 0.0f;                             // lane 0 adds in expert order
+#pragma unroll
+        for (int j = 0; j < EPL; j++) {
+            if (32 * j >= n_expert) break;            // uniform over the warp
+            for (int src = 0; src < 32; src++) {
+                const float x = __shfl_sync(FULL_MASK, v[j], src);
+                if (lane == 0 && src + 32 * j < n_expert) sum = __fadd_rn(sum, x);
             }
         }
-        ids[t * n_used + u] = best;
-        weights[t * n_used + u] = p[best];
-        wsum = __fadd_rn(wsum, p[best]);
+        sum = __shfl_sync(FULL_MASK, sum, 0);
+#pragma unroll
+        for (int j = 0; j < EPL; j++) v[j] = v[j] / sum;
     }
+#pragma unroll
+    for (int j = 0; j < EPL; j++)                     // the probabilities, in place
+        if (lane + 32 * j < n_expert) p[lane + 32 * j] = v[j];
+    float sel[EPL];                                   // the selection score (bias added)
+#pragma unroll
+    for (int j = 0; j < EPL; j++) {
+        const int e = lane + 32 * j;
+        sel[j] = bias && e < n_expert ? __fadd_rn(v[j], bias[e]) : v[j];
+    }
+    unsigned taken = 0;                               // bit j: expert lane + 32 j picked
+    float wsum = 0.0f;
+    for (int u = 0; u < n_used; u++) {
+        int best = NONE;
+        float best_s = 0.0f, best_p = 0.0f;
+#pragma unroll
+        for (int j = 0; j < EPL; j++) {               // this lane's experts, ascending
+            if (lane + 32 * j < n_expert && !(taken >> j & 1u) &&
+                (best == NONE || sel[j] > best_s)) {
+                best = lane + 32 * j;
+                best_s = sel[j];
+                best_p = v[j];
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {            // larger score, then lower index, wins
+            const int ob = __shfl_xor_sync(FULL_MASK, best, o);
+            const float os = __shfl_xor_sync(FULL_MASK, best_s, o);
+            const float op = __shfl_xor_sync(FULL_MASK, best_p, o);
+            if (ob != NONE &&
+                (best == NONE || os > best_s || (os == best_s && ob < best))) {
+                best = ob;
+                best_s = os;
+                best_p = op;
+            }
+        }
+        if ((best & 31) == lane) taken |= 1u << (best >> 5);
+        if (lane == 0) {
+            ids[(size_t)t * n_used + u] = best;
+            weights[(size_t)t * n_used + u] = best_p;
+        }
+        wsum = __fadd_rn(wsum, best_p);
+    }
+    if (lane != 0) return;
+    float* wt = weights + (size_t)t * n_used;
     if (normalize) {
         wsum = fmaxf(wsum, 6.103515625e-5f);
-        for (int u = 0; u < n_used; u++) weights[t * n_used + u] = weights[t * n_used + u] / wsum;
+        for (int u = 0; u < n_used; u++) wt[u] = wt[u] / wsum;
     }
     if (scale != 1.0f)
-        for (int u = 0; u < n_used; u++)
-            weights[t * n_used + u] = __fmul_rn(weights[t * n_used + u], scale);
+        for (int u = 0; u < n_used; u++) wt[u] = __fmul_rn(wt[u], scale);
 }
 
 extern "C" __global__ void softplus_gate(float* __restrict__ a, int lda, int HD, int Dv,

@@ -204,7 +204,29 @@ __device__ __forceinline__ void gemv_float(const u8* __restrict__ W, int K, int 
     for (int c = 0; c < NC; c++)
 #pragma unroll
         for (int r = 0; r < R; r++) acc[c][r] = 0.0f;
-    for (int k = lane; k < K; k += WARP) {
+    // FU passes of the lane's k's load their weights together (in flight at once); every
+    // (c, r) still adds its products in ascending k, so FU changes no bit.
+    constexpr int FU = NC * R <= 2 ? 8 : NC * R <= 8 ? 4 : 1;
+    int k = lane;
+    for (; k + WARP * (FU - 1) < K; k += WARP * FU) {
+        float w[FU][R];
+#pragma unroll
+        for (int u = 0; u < FU; u++)
+#pragma unroll
+            for (int r = 0; r < R; r++) w[u][r] = F::at(W, rbase[r] + k + WARP * u);
+#pragma unroll
+        for (int u = 0; u < FU; u++)
+#pragma unroll
+            for (int c = 0; c < NC; c++) {
+                if (c < cols.nc) {
+                    const float xv =
+                        x[(size_t)((cols.c0 + c) / cols.act_div) * ldx + k + WARP * u];
+#pragma unroll
+                    for (int r = 0; r < R; r++) acc[c][r] += w[u][r] * xv;
+                }
+            }
+    }
+    for (; k < K; k += WARP) {
         float w[R];
 #pragma unroll
         for (int r = 0; r < R; r++) w[r] = F::at(W, rbase[r] + k);

@@ -132,10 +132,11 @@ MMA_ROWS = 16 * MMA_M     # gemv_mma.cu: output rows per block
 QUANT_WARPS = 4           # quantize.cu quantize_act: block (32, QUANT_WARPS), a group per warp
 ROW_THREADS = 256         # elementwise.cu embed, add_rows, glu[_quant], moe_combine: threads per
                           # block along a row, grid (ceil(N / ROW_THREADS), rows)
-MOE_ROUTE_THREADS = 64    # elementwise.cu moe_route: tokens (threads) per block
+MOE_ROUTE_THREADS = 64    # elementwise.cu moe_route: threads per block, a warp per token
+MOE_MAX_EXPERTS = 512     # elementwise.cu moe_route: experts a warp holds (16 a lane); moe.cu
+                          # moe_group: experts its shared counts hold
 MOE_GROUP_THREADS = 1024  # moe.cu moe_group: threads of its one block (a warp per expert)
 MOE_GROUP_CHUNK = 4096    # moe.cu moe_group: expert ids staged in shared memory at a time
-MOE_MAX_EXPERTS = 1024    # moe.cu moe_group: experts its shared counts hold
 NORM_MAX_THREADS = 256    # act_quant.cuh: the largest norm block (types.norm_block)
 ROPE_KV_MAX_D = 512       # rope_kv.cu: the head size its shared row holds
 ATT_WARPS = 4             # attention.cu: block (32, ATT_WARPS)

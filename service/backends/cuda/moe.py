@@ -64,9 +64,9 @@ class MoeOps:
 
     def prepare(self, memory: DeviceMemory, *, max_tokens: int, n_embd: int, n_expert: int,
                 n_used: int, n_ff: int) -> None:
-        if n_expert > MOE_MAX_EXPERTS:
-            raise ValueError(f"moe: {n_expert} experts, the CUDA backend groups at most "
-                             f"{MOE_MAX_EXPERTS}")
+        if n_expert > MOE_MAX_EXPERTS or not 0 < n_used <= n_expert:
+            raise ValueError(f"mixture of experts: {n_used} of {n_expert} experts; the CUDA "
+                             f"router takes 1..n_expert of at most {MOE_MAX_EXPERTS}")
         rows, z = max_tokens * max(1, n_used), memory.zeros
         self._cap = max_tokens        # a token picks an expert at most once
         self.scratch = {"logits": z((max_tokens, n_expert)),        # (T, n_expert) f32
@@ -114,7 +114,7 @@ class MoeOps:
         m, P = self.scratch, T * n_used
         logits = m["logits"][:T]
         self._gemv.matmul(x, router, logits)                           # (T, n_expert)
-        self._launcher.launch("moe_route", (ceil_div(T, MOE_ROUTE_THREADS),),
+        self._launcher.launch("moe_route", (ceil_div(T, MOE_ROUTE_THREADS // 32),),
                               (MOE_ROUTE_THREADS,),
                               [logits, I32(logits.shape[1]), I32(T), I32(router.n),
                                I32(n_used), I32(1 if normalize else 0),
