@@ -44,6 +44,7 @@
 #include "quant_types.cuh"
 #include "act_quant.cuh"
 #include "rope.cuh"
+#include "glu.cuh"
 
 // ROW_THREADS (256), MOE_ROUTE_THREADS (64) and MOE_MAX_EXPERTS (512) come as -D defines
 // (service/backends/cuda/kernels.py).
@@ -183,19 +184,6 @@ extern "C" __global__ void copy_rows(const float* src, int lds, int N, float* ou
     const int t = blockIdx.y, n = blockIdx.x * ROW_THREADS + threadIdx.x;
     if (n >= N) return;
     out[(size_t)t * ldo + n] = src[(size_t)t * lds + n];
-}
-
-__device__ __forceinline__ float glu_act(float g, int act) {
-    if (act == 0) return g / __fadd_rn(expf(-g), 1.0f);
-    float y = __fmul_rn(g, g);
-    y = __fmul_rn(y, 0.044715f);
-    y = __fadd_rn(y, 1.0f);
-    y = __fmul_rn(y, g);
-    y = __fmul_rn(y, 0.7978845608028654f);
-    y = tanhf(y);
-    y = __fadd_rn(y, 1.0f);
-    y = __fmul_rn(y, g);
-    return __fmul_rn(y, 0.5f);
 }
 
 extern "C" __global__ void glu(const float* __restrict__ gate, int ldg,

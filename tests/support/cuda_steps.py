@@ -321,9 +321,45 @@ def eagle3(d: Driver) -> None:
                                           be.synchronize()))
 
 
+def moe(d: Driver) -> None:
+    """The MoE op straight on the backend, 16 tokens, with experts of the model's shapes in
+    every weight type (gate, up and down of one type: the grouped GLU kernel), grouped at every
+    tile width (labels moe-<type>-c<NC>) and gathered (moe-<type>-gathered), then gate, up and
+    down of three types (moe-mixed: the grouped GEMVs with the GLU apart)."""
+    from service.backends.cuda.types import MOEG_NC
+    from service.gguf.reader import TensorInfo
+    from tests.support.blocks import ALL_TYPES, qtype, random_tensor
+
+    be, m, E, T = d.be, d.tr.spec.moe, d.tr.spec.n_embd, 16
+    F, n_exp, k = m.n_ff_expert, m.n_expert, m.n_expert_used
+    rng = np.random.default_rng(0)
+    router = be.load_matrix([TensorInfo("moe.router", qtype("F32"), (n_exp, E),
+                                        random_tensor("F32", n_exp, E, rng))])
+    x, out = be.zeros((T, E)), be.zeros((T, E))                          # (T, E) f32
+
+    def experts(types: tuple[str, str, str]) -> list:
+        shapes = ((n_exp, F, E), (n_exp, F, E), (n_exp, E, F))
+        return [be.load_experts(TensorInfo(f"moe.{t}.{i}", qtype(t), sh,
+                                           random_tensor(t, sh[0] * sh[1], sh[2], rng)))
+                for i, (t, sh) in enumerate(zip(types, shapes, strict=True))]
+
+    def run(label: str, mats: list, nc: int | None, grouped: bool = True) -> None:
+        be._moe.group_nc, be.moe_group_min_tokens = nc, (2 if grouped else None)
+        d._marked(label, lambda: be.moe(x, router, *mats, k, True, "silu", out))
+
+    for t in ALL_TYPES:
+        mats = experts((t, t, t))
+        for nc in MOEG_NC:
+            run(f"moe-{t.lower()}-c{nc}", mats, nc)
+        run(f"moe-{t.lower()}-gathered", mats, None, grouped=False)
+    run("moe-mixed", experts(("Q4_K", "Q5_K", "Q6_K")), None)
+    be._moe.group_nc, be.moe_group_min_tokens = None, 2
+    be.synchronize()
+
+
 SCRIPTS: dict[str, Callable[[Driver], None]] = {
     "full": full, "widths": widths, "decode": decode, "kv": kv, "ops": ops, "hidden": hidden,
-    "eagle3": eagle3}
+    "eagle3": eagle3, "moe": moe}
 
 
 def run(s: Scenario, kernels: CompiledKernels, files: dict[str, Path]) -> Result:

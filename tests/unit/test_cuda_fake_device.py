@@ -18,11 +18,14 @@ import numpy as np
 import pytest
 
 from service.backends import create_backend
+from service.backends.cuda.kernels import MOEG_GLU_ROWS, MOEG_ROWS
+from service.backends.cuda.types import MOEG_NC, moe_group_nc, moe_group_tiles
 from service.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.types import Finished, GenerationRequest, SamplingParams, StoppingCriteria
 from service.tools import synth
 from tests.support import cuda_steps
+from tests.support.blocks import ALL_TYPES
 from tests.support.cuda_steps import KV_TYPES, Result, Scenario
 from tests.support.fake_cupy import CUDADriverError, install
 from tests.support.fake_gpu import (
@@ -83,7 +86,7 @@ def all_scenarios() -> list[Scenario]:
     out += [Scenario(m, kv=p, script="kv") for p in KV_PAIRS for m in ("qwen3", "gemma3")]
     out += [Scenario(m, script="hidden") for m in ("qwen3", "gemma3")]
     out += [Scenario("qwen3", script="hidden", options=(("fuse_norm", True),)),
-            Scenario("qwen3", script="eagle3")]
+            Scenario("qwen3", script="eagle3"), Scenario("qwen3moe", script="moe")]
     return [*out, Scenario("qwen3", script="ops")]
 
 
@@ -381,6 +384,76 @@ def test_each_backend_option_launches_its_own_kernels(results, option):
     opts, driver = OPTIONS[option]
     _expect(option, results(Scenario("qwen3", options=opts, driver=driver)),
             results(Scenario("qwen3")))
+
+
+# ---------------------------------------------------------------- expert-grouped MoE
+def moe_segments(r: Result) -> list[tuple[int, list[Launch]]]:
+    """Each MoE op of a run's log: (its step's tokens, its launches from moe_route to
+    moe_combine)."""
+    out, cur = [], None
+    for x in r.dev.launches:
+        if x.kernel == "moe_route":
+            cur = (int(x.args[2].value), [x])         # moe_route(logits, ld, T, ...)
+        elif cur is not None:
+            cur[1].append(x)
+            if x.kernel == "moe_combine":
+                out.append(cur)
+                cur = None
+    return out
+
+
+def test_moe_steps_of_two_or_more_tokens_group_pairs_by_expert(results):
+    """tiny-qwen3moe (16 experts, 4 used): in every step of 2+ tokens (prefill, batch, verify,
+    tree, eager and captured) each MoE op groups the pairs by expert (moe_group, one block, over
+    T * 4 pairs, tiles of types.moe_group_nc's width) and runs the grouped gate|up+GLU and down
+    GEMVs over grid.y = the tile bound; one-token steps (decode, draft chains) keep the gathered
+    GEMVs and the separate GLU."""
+    r = results(Scenario("qwen3moe", kv=FAMILIES["qwen3moe"]))
+    n_exp, k = 16, 4
+    seen = Counter()
+    for T, xs in moe_segments(r):
+        names = [x.kernel for x in xs]
+        if T == 1:
+            assert "moe_group" not in names and not any(n.startswith("moeg_") for n in names)
+            assert "glu" in names
+            seen["gathered"] += 1
+            continue
+        nc = moe_group_nc(T, k, n_exp)
+        bound = moe_group_tiles(T * k, n_exp, nc)
+        (group,) = [x for x in xs if x.kernel == "moe_group"]
+        assert group.grid == (1, 1, 1)
+        assert [int(group.args[i].value) for i in (1, 2, 4)] == [T * k, n_exp, nc]
+        gemvs = [x for x in xs if x.kernel.startswith("moeg_")]
+        assert [family(x.kernel) for x in gemvs] == [
+            f"moeg_glu_<t>_c{nc}r{MOEG_GLU_ROWS[nc]}", f"moeg_<t>_c{nc}r{MOEG_ROWS[nc]}"]
+        assert all(x.grid[1] == bound for x in gemvs), (T, [x.grid for x in gemvs])
+        assert "glu" not in names and not any(n.startswith("gemv_") for n in names)
+        seen["captured" if group.graph is not None else "eager"] += 1
+    assert seen["gathered"] and seen["eager"] and seen["captured"], seen
+
+
+def test_moe_group_min_tokens_none_keeps_the_gathered_path(results):
+    r = results(Scenario("qwen3moe", script="decode", options=(("moe_group_min_tokens", None),)))
+    segs = moe_segments(r)
+    assert {T for T, _ in segs} >= {1, 2, 8}
+    assert not {n for n in r.kernels if n == "moe_group" or n.startswith("moeg_")}
+
+
+def test_the_moe_op_runs_every_grouped_kernel_of_every_type_and_tile_width(results, compiled):
+    r = results(Scenario("qwen3moe", script="moe"))
+    by_label = {m.label: {x.kernel for x in r.dev.launches[slice(*m.launches)]} for m in r.marks}
+    for t in (t.lower() for t in ALL_TYPES):
+        for nc in MOEG_NC:
+            assert {"moe_group", f"moeg_glu_{t}_c{nc}r{MOEG_GLU_ROWS[nc]}",
+                    f"moeg_{t}_c{nc}r{MOEG_ROWS[nc]}"} <= by_label[f"moe-{t}-c{nc}"]
+        gathered = by_label[f"moe-{t}-gathered"]
+        assert "moe_group" not in gathered and "glu" in gathered
+    mixed = by_label["moe-mixed"]
+    nc = moe_group_nc(16, 4, 16)                  # the script's 16 tokens, 4 of 16 experts
+    assert {f"moeg_{t}_c{nc}r{MOEG_ROWS[nc]}" for t in ("q4_k", "q5_k", "q6_k")} <= mixed
+    assert "glu" in mixed and not {n for n in mixed if n.startswith("moeg_glu_")}
+    mine = {n for n in compiled.kernels if n == "moe_group" or n.startswith("moeg_")}
+    assert mine and mine <= r.kernels
 
 
 # ---------------------------------------------------------------- coverage

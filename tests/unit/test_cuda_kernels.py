@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from service.backends.cuda import kernels, sources
-from service.backends.cuda.types import NULL, gemv_choice
+from service.backends.cuda.types import MOEG_NC, NULL, gemv_choice
 from service.tools import cuda_check
 
 
@@ -37,11 +37,17 @@ def test_the_names_the_launchers_build_are_registered():
         assert f"dequant_{t}" in reg and f"embed_{t}" in reg
     for t in kernels.GEMV_PREFETCH_TYPES:
         assert f"gemv_{t}_c1r1pn" in reg
+    for t in kernels.QUANT_TYPES + kernels.FLOAT_TYPES:      # moe.py's grouped GEMVs
+        for nc in MOEG_NC:
+            assert f"moeg_{t}_c{nc}r{kernels.MOEG_ROWS[nc]}" in reg
+            assert f"moeg_glu_{t}_c{nc}r{kernels.MOEG_GLU_ROWS[nc]}" in reg
+    assert "moe_group" in reg
     kv = ("f16", "q8_0", "q4_0")
     assert {f"rope_kv_{k}_{v}" for k in kv for v in kv} <= set(reg)
     assert {f"attn_{k}_{v}_d{d}" for k in kv for v in kv for d in (128, 256)} <= set(reg)
-    # GEMVs read the blocks; copy_rows (a hidden-state tap) writes a buffer no GEMV reads
-    assert all(k.keeps_blocks == (k.name.startswith("gemv_") or k.name == "copy_rows")
+    # GEMVs (the expert-grouped moeg_ too) read the blocks; copy_rows (a hidden-state tap)
+    # writes a buffer no GEMV reads
+    assert all(k.keeps_blocks == (k.name.startswith(("gemv_", "moeg_")) or k.name == "copy_rows")
                for k in reg.values())
 
 

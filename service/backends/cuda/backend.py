@@ -63,7 +63,7 @@ class CudaBackend(Backend):
                  prefill_scratch_mib: int = 128, pdl: bool = True, gemv_early: bool = False,
                  gemv_mma: bool = False, gemv_prefetch_rows: int = GEMV_PREFETCH_ROWS,
                  prefill_attention_min_tokens: int | None = PREFILL_ATTENTION_MIN_TOKENS,
-                 fuse_norm: bool = False):
+                 fuse_norm: bool = False, moe_group_min_tokens: int | None = 2):
         """graphs: capture each step shape once and replay it (graphs.py). upload: "pinned" (a
         ring of `staging_buffers` pinned buffers of `staging_mib` MiB, copies overlapped with
         reading the file) or "pageable" (one synchronous copy per plane). pdl: launch captured
@@ -71,7 +71,9 @@ class CudaBackend(Backend):
         cuda-bindings). gemv_*, fuse_norm: gemv.py. prefill_gemm_min_tokens (gemm.py, tiles in
         at most `prefill_scratch_mib` MiB), prefill_attention_min_tokens (attention.py):
         thresholds of wide steps, raised past `invariant_tokens`; None: never. Every choice
-        but gemv_mma and the prefill thresholds gives the same bits."""
+        but gemv_mma and the prefill thresholds gives the same bits.
+        moe_group_min_tokens: MoE steps of at least this many tokens group the (token, expert)
+        pairs by expert (moe.py); None: the gathered expert GEMVs always."""
         # CPU threads do not apply; every GEMV column and attention query is computed the same
         # way at any step size, so steps up to invariant_tokens are invariant here.
         del threads
@@ -95,7 +97,8 @@ class CudaBackend(Backend):
                              fuse_norm=fuse_norm)
         self._norm = NormOps(launcher, blocks)
         self._ew = ElementwiseOps(launcher, blocks)
-        self._moe = MoeOps(launcher, self._gemv, self._ew)
+        self._moe = MoeOps(launcher, self._gemv, self._ew,
+                           group_min_tokens=moe_group_min_tokens)
         self._rope = RopeOps(launcher, self._weights.upload_vector)
         self._kv = KVOps(self.stream, launcher)
         self._attn = AttentionOps(launcher, blocks,
@@ -110,6 +113,7 @@ class CudaBackend(Backend):
     gemv_prefetch_rows = _Of("_gemv", "prefetch_rows")
     gemv_mma = _Of("_gemv", "mma")
     fuse_norm = _Of("_gemv", "fuse_norm")
+    moe_group_min_tokens = _Of("_moe", "group_min_tokens")
     prefill_gemm_min_tokens = _Of("_gemm", "min_tokens")
     prefill_attention_min_tokens = _Of("_attn", "tiled_min_tokens")
     upload = _Of("_weights", "upload")

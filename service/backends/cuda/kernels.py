@@ -133,7 +133,10 @@ QUANT_WARPS = 4           # quantize.cu quantize_act: block (32, QUANT_WARPS), a
 ROW_THREADS = 256         # elementwise.cu embed, add_rows, glu[_quant], moe_combine: threads per
                           # block along a row, grid (ceil(N / ROW_THREADS), rows)
 MOE_ROUTE_THREADS = 64    # elementwise.cu moe_route: threads per block, a warp per token
-MOE_MAX_EXPERTS = 512     # elementwise.cu moe_route: experts a warp holds (16 a lane)
+MOE_MAX_EXPERTS = 512     # elementwise.cu moe_route: experts a warp holds (16 a lane); moe.cu
+                          # moe_group: experts its shared counts hold
+MOE_GROUP_THREADS = 1024  # moe.cu moe_group: threads of its one block (a warp per expert)
+MOE_GROUP_CHUNK = 4096    # moe.cu moe_group: expert ids staged in shared memory at a time
 NORM_MAX_THREADS = 256    # act_quant.cuh: the largest norm block (types.norm_block)
 ROPE_KV_MAX_D = 512       # rope_kv.cu: the head size its shared row holds
 ATT_WARPS = 4             # attention.cu: block (32, ATT_WARPS)
@@ -157,8 +160,9 @@ def cuda_defines() -> dict[str, int | str]:
     table goes as its comma-separated values (an array initializer's body)."""
     return {"GEMV_WARPS": GEMV_WARPS, "MMA_WARPS": MMA_WARPS, "MMA_M": MMA_M,
             "MMA_ROWS": MMA_ROWS, "QUANT_WARPS": QUANT_WARPS, "ROW_THREADS": ROW_THREADS,
-            "MOE_ROUTE_THREADS": MOE_ROUTE_THREADS,
-            "MOE_MAX_EXPERTS": MOE_MAX_EXPERTS, "NORM_MAX_THREADS": NORM_MAX_THREADS,
+            "MOE_ROUTE_THREADS": MOE_ROUTE_THREADS, "MOE_GROUP_THREADS": MOE_GROUP_THREADS,
+            "MOE_GROUP_CHUNK": MOE_GROUP_CHUNK, "MOE_MAX_EXPERTS": MOE_MAX_EXPERTS,
+            "NORM_MAX_THREADS": NORM_MAX_THREADS,
             "ROPE_KV_MAX_D": ROPE_KV_MAX_D, "ATT_WARPS": ATT_WARPS, "ATT_MAX_D": ATT_MAX_D,
             "ATT_MAX_DV": ATT_MAX_DV, "AT_ROWS": AT_ROWS, "AT_KEYS": AT_KEYS,
             "AT_WARPS": AT_WARPS, "ARGMAX_THREADS": ARGMAX_THREADS,
@@ -178,11 +182,18 @@ GEMV_MMA_TYPES = ("q4_k", "q6_k")        # gemv_mma.cu: gemv_mma_<type>_c8 / _c1
 GEMV_MMA_NC = (8, 16)
 GEMV_PREFETCH_TYPES = ("q4_k", "q6_k")   # gemv.cu: gemv_<type>_c1r1pn (c1r1p: every type)
 ATT_SIZES = (128, 256)                   # attention*.cu _d128 / _d256: Dv <= 128 / 256
+# moe.cu MOEG_DOWN / MOEG_GLU: columns per tile -> rows per warp of the expert-grouped down
+# GEMV and of the gate | up GEMV with the GLU (2R weight rows per warp)
+MOEG_ROWS = {1: 1, 2: 2, 4: 4, 8: 4, 16: 4}
+MOEG_GLU_ROWS = {1: 1, 2: 1, 4: 2, 8: 2, 16: 2}
 
 _PLANES = "p0,p1,p2,p3:ptr"
 _GEMV_TAIL = "n_cols:i32 ids:ptr rows_per_expert,act_div:i32 out:ptr ldo,accumulate:i32"
 _PAGING = "table:ptr max_blocks,lb:i32"
 _WIDTHS = [{"nc": nc, "r": r, "v": ""} for nc, r in GEMV_VARIANTS]
+_MOEG_TAIL = "tiles,n_tiles,rows:ptr cap,rows_per_expert,act_div:i32"
+_MOEG = tuple({"nc": nc, "r": r} for nc, r in MOEG_ROWS.items())
+_MOEG_GLU = tuple({"nc": nc, "r": r} for nc, r in MOEG_GLU_ROWS.items())
 
 FAMILIES = (
     # gemv.cu
@@ -252,6 +263,21 @@ FAMILIES = (
     Family("dequant_{t}", "dequant.cu", f"{_PLANES} K:i32 r0,n:i64 out:ptr",
            _each(t=QUANT_TYPES + FLOAT_TYPES)),
     Family("round_f16", "dequant.cu", "x:ptr ldx,T,K:i32 out:ptr"),
+    # moe.cu
+    Family("moe_group", "moe.cu", "ids:ptr P,n_expert,cap,nc:i32 counts,rows,tiles,n_tiles:ptr"),
+    Family("moeg_{t}_c{nc}r{r}", "moe.cu",
+           f"{_PLANES} K,N:i32 qa,ads:ptr {_MOEG_TAIL} out:ptr ldo:i32",
+           tuple({"t": t, **w} for t in QUANT_TYPES for w in _MOEG), keeps_blocks=True),
+    Family("moeg_glu_{t}_c{nc}r{r}", "moe.cu",
+           f"g0,g1,g2,g3,u0,u1,u2,u3:ptr K,N:i32 qa,ads:ptr {_MOEG_TAIL} act:i32 out:ptr "
+           "ldo:i32", tuple({"t": t, **w} for t in QUANT_TYPES for w in _MOEG_GLU),
+           keeps_blocks=True),
+    Family("moeg_{t}_c{nc}r{r}", "moe.cu",
+           f"W:ptr K,N:i32 x:ptr ldx:i32 {_MOEG_TAIL} out:ptr ldo:i32",
+           tuple({"t": t, **w} for t in FLOAT_TYPES for w in _MOEG), keeps_blocks=True),
+    Family("moeg_glu_{t}_c{nc}r{r}", "moe.cu",
+           f"Wg,Wu:ptr K,N:i32 x:ptr ldx:i32 {_MOEG_TAIL} act:i32 out:ptr ldo:i32",
+           tuple({"t": t, **w} for t in FLOAT_TYPES for w in _MOEG_GLU), keeps_blocks=True),
 )
 
 

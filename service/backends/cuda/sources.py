@@ -21,7 +21,7 @@ ARCH = "sm_90"   # the H200; the compile check targets it, the backend asks the 
 # One translation unit per op family (docs/design.md#one-file-per-op-family); each .cu includes
 # the headers it needs.
 SOURCES = ("gemv.cu", "gemv_mma.cu", "quantize.cu", "elementwise.cu", "rope_kv.cu",
-           "attention.cu", "attention_tiled.cu", "sampling.cu", "dequant.cu")
+           "attention.cu", "attention_tiled.cu", "sampling.cu", "dequant.cu", "moe.cu")
 
 # -std=c++17 for constexpr/if constexpr in the per-type traits; no fast-math: the kernels must
 # round like the CPU reference (fused multiply-add contraction stays on, as nvcc's default).

@@ -146,3 +146,26 @@ def overlaps(a, key: ViewKey) -> bool:
     p, rows, k, ld = matrix_key(a)
     q, rows2, k2, ld2 = key
     return p < q + ((rows2 - 1) * ld2 + k2) * 4 and q < p + ((rows - 1) * ld + k) * 4
+
+
+# Column variants of cuda/moe.cu's expert-grouped GEMVs (kernels.MOEG_ROWS's keys).
+MOEG_NC = (1, 2, 4, 8, 16)
+
+
+def moe_group_nc(n_tokens: int, n_used: int, n_expert: int) -> int:
+    """Columns per tile of the expert-grouped GEMVs for a step of n_tokens tokens: about twice
+    the rows an expert gets on average (P = n_tokens * n_used pairs over n_expert experts), at
+    most n_tokens (no expert has more rows), rounded up to a variant. Every choice gives the same
+    bits; it trades registers and idle columns (an expert with fewer rows than NC) against
+    weight re-reads (an expert with more rows spans several tiles)."""
+    want = min(n_tokens, -(-2 * n_tokens * n_used // max(1, n_expert)))
+    return next((nc for nc in MOEG_NC if nc >= want), MOEG_NC[-1])
+
+
+def moe_group_tiles(n_pairs: int, n_expert: int, nc: int) -> int:
+    """The most tiles moe_group can make of n_pairs (token, expert) pairs: each of at most
+    A = min(n_expert, n_pairs) experts with c_e rows gives ceil(c_e / nc) tiles, and
+    sum ceil(c_e / nc) <= (n_pairs + A (nc - 1)) / nc; never more than one tile per pair. The
+    grouped GEMVs' grid.y (blocks past the step's actual count exit at once)."""
+    a = min(n_expert, n_pairs)
+    return min(n_pairs, (n_pairs + a * (nc - 1)) // nc)
