@@ -85,40 +85,54 @@ struct MmaCols {
 
 __device__ __forceinline__ u8 byte_of(const u32* w, int i) { return (w[i >> 2] >> (8 * (i & 3))) & 0xFF; }
 
-// ------------------------------------------------------------------ Q4_K
-struct MmaQ4K {
+// ------------------------------------------------------------------ Q4_K, Q5_K
+// HB = false: Q4_K, planes qs (128 B), scales (12 B), dm;  HB = true: Q5_K, planes qs, qh (32 B:
+// bit j of byte l = bit 4 of element l of sub-block j), scales, dm. Codes 0..15 / 0..31.
+template <bool HB>
+struct MmaK45 {
     static constexpr int QK = 256;                 // elements per weight block
     __device__ static int units(int G) { return G / 8; }   // a warp's step: one super-block
     struct W {                  // one super-block of rows gid (r = 0) and gid + 8 (r = 1)
         int2 q[4][2];           // bytes 32 p + 8 tid .. + 7 of quant pair p
+        int2 qh[2];             // Q5_K: qh bytes 8 tid .. + 7
         u32 sc[2][3], dm[2];    // the 12 scale bytes, (d, dmin) f16 pair
     };
     __device__ static void load(const Planes& P, const size_t (&row)[2], int b, int, int tid,
                                 W& w) {
+        const u8* scales = HB ? P.p2 : P.p1;
+        const u8* dms = HB ? P.p3 : P.p2;
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             const size_t blk = row[r] + b;
 #pragma unroll
             for (int p = 0; p < 4; p++)
                 w.q[p][r] = *reinterpret_cast<const int2*>(P.p0 + blk * 128 + 32 * p + 8 * tid);
+            w.qh[r] = HB ? *reinterpret_cast<const int2*>(P.p1 + blk * 32 + 8 * tid)
+                         : make_int2(0, 0);
 #pragma unroll
-            for (int i = 0; i < 3; i++) w.sc[r][i] = reinterpret_cast<const u32*>(P.p1 + blk * 12)[i];
-            w.dm[r] = *reinterpret_cast<const u32*>(P.p2 + blk * 4);
+            for (int i = 0; i < 3; i++) w.sc[r][i] = reinterpret_cast<const u32*>(scales + blk * 12)[i];
+            w.dm[r] = *reinterpret_cast<const u32*>(dms + blk * 4);
         }
+    }
+    // the lane's codes of sub-block j from its quant word and high-bit word
+    __device__ static int code(int q, int qh, int j) {
+        const int lo = (q >> (4 * (j & 1))) & 0x0F0F0F0F;
+        return HB ? lo | (((qh >> j) & 0x01010101) << 4) : lo;
     }
     template <int M, int NT>
     __device__ static void mma(const W (&w)[M], int b, int, int tid, const MmaCols& cols,
                                float (&acc)[M][NT][4]) {
 #pragma unroll
         for (int j = 0; j < 8; j++) {           // sub-block j: nibbles (j & 1) of pair j / 2
-            const int grp = 8 * b + j, p = j >> 1, sh = 4 * (j & 1);
+            const int grp = 8 * b + j, p = j >> 1;
             int a[M][4];
             float ds[M][2], dm[M][2];
 #pragma unroll
             for (int m = 0; m < M; m++) {
                 const int2 q0 = w[m].q[p][0], q1 = w[m].q[p][1];
-                a[m][0] = (q0.x >> sh) & 0x0F0F0F0F; a[m][1] = (q1.x >> sh) & 0x0F0F0F0F;
-                a[m][2] = (q0.y >> sh) & 0x0F0F0F0F; a[m][3] = (q1.y >> sh) & 0x0F0F0F0F;
+                const int2 h0 = w[m].qh[0], h1 = w[m].qh[1];
+                a[m][0] = code(q0.x, h0.x, j); a[m][1] = code(q1.x, h1.x, j);
+                a[m][2] = code(q0.y, h0.y, j); a[m][3] = code(q1.y, h1.y, j);
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
                     int sc, mn;
@@ -151,6 +165,8 @@ struct MmaQ4K {
         }
     }
 };
+using MmaQ4K = MmaK45<false>;
+using MmaQ5K = MmaK45<true>;
 
 // ------------------------------------------------------------------ Q6_K
 struct MmaQ6K {
@@ -234,20 +250,78 @@ struct MmaQ6K {
     }
 };
 
-// ------------------------------------------------------------------ Q8_0, Q4_0
-// 32-element blocks with one f16 d each; a warp's step is U consecutive blocks of a row (loads
-// in flight), the last step of a row guarded (K / 32 need not be a multiple of U).
-//   Q8_0 (NIB = false): codes int8, planes qs (32 B), d:  d * da * s
-//   Q4_0 (NIB = true):  codes q - 8 (element j: low nibble of byte j, j + 16: high nibble of byte
-//                       j; planes qs (16 B), d):  d * da * s
-// with s the exact integer dot product of the group's codes with the activation codes.
-template <int U, bool NIB>
+// ------------------------------------------------------------------ Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
+// 32-element blocks; per block the lane's 8 codes (elements 8 tid .. 8 tid + 7, for the MMA's
+// k permutation) as two words, the scale d and, for the types with a min (w = d * q + m), m:
+//   Q8_0  codes int8                       planes qs (32 B), d
+//   Q4_0  codes q - 8                      planes qs (16 B: element j low nibble of byte j,
+//                                          j + 16 its high nibble), d
+//   Q4_1  codes q (0..15), min m           planes qs, (d, m)
+//   Q5_0  codes q - 16 (bit 4 from qh)     planes qs, qh (u32: bit j = bit 4 of element j), d
+//   Q5_1  codes q (0..31), min m           planes qs, qh, (d, m)
+// so that d * da * s (+ m * da * sa) is the group's product, s the exact integer dot product.
+__device__ __forceinline__ int2 nibbles8(const u8* qs, int tid) {
+    const int2 v = *reinterpret_cast<const int2*>(qs + 8 * (tid & 1));   // tid 0, 1: low nibbles
+    const int sh = 4 * (tid >> 1);                                        // tid 2, 3: high
+    return make_int2((v.x >> sh) & 0x0F0F0F0F, (v.y >> sh) & 0x0F0F0F0F);
+}
+__device__ __forceinline__ int2 high8(const u8* qh, int tid) {          // bit 4 of the 8 codes
+    const u32 h = *reinterpret_cast<const u32*>(qh);
+    return make_int2(spread4(h >> (8 * tid)), spread4(h >> (8 * tid + 4)));
+}
+__device__ __forceinline__ int2 minus(int2 c, int z) { return make_int2(__vsub4(c.x, z), __vsub4(c.y, z)); }
+__device__ __forceinline__ int2 with_high(int2 c, int2 h) { return make_int2(c.x | h.x, c.y | h.y); }
+
+struct BlkQ8_0 {
+    static constexpr bool MIN = false;
+    __device__ static int2 codes(const Planes& P, size_t blk, int tid) {
+        return *reinterpret_cast<const int2*>(P.p0 + blk * 32 + 8 * tid);
+    }
+    __device__ static float2 dm(const Planes& P, size_t blk) { return make_float2(h2f(ld_u16(P.p1 + blk * 2)), 0.0f); }
+};
+struct BlkQ4_0 {
+    static constexpr bool MIN = false;
+    __device__ static int2 codes(const Planes& P, size_t blk, int tid) {
+        return minus(nibbles8(P.p0 + blk * 16, tid), 0x08080808);
+    }
+    __device__ static float2 dm(const Planes& P, size_t blk) { return make_float2(h2f(ld_u16(P.p1 + blk * 2)), 0.0f); }
+};
+struct BlkQ4_1 {
+    static constexpr bool MIN = true;
+    __device__ static int2 codes(const Planes& P, size_t blk, int tid) {
+        return nibbles8(P.p0 + blk * 16, tid);
+    }
+    __device__ static float2 dm(const Planes& P, size_t blk) {
+        return make_float2(h2f(ld_u16(P.p1 + blk * 4)), h2f(ld_u16(P.p1 + blk * 4 + 2)));
+    }
+};
+struct BlkQ5_0 {
+    static constexpr bool MIN = false;
+    __device__ static int2 codes(const Planes& P, size_t blk, int tid) {
+        return minus(with_high(nibbles8(P.p0 + blk * 16, tid), high8(P.p1 + blk * 4, tid)),
+                     0x10101010);
+    }
+    __device__ static float2 dm(const Planes& P, size_t blk) { return make_float2(h2f(ld_u16(P.p2 + blk * 2)), 0.0f); }
+};
+struct BlkQ5_1 {
+    static constexpr bool MIN = true;
+    __device__ static int2 codes(const Planes& P, size_t blk, int tid) {
+        return with_high(nibbles8(P.p0 + blk * 16, tid), high8(P.p1 + blk * 4, tid));
+    }
+    __device__ static float2 dm(const Planes& P, size_t blk) {
+        return make_float2(h2f(ld_u16(P.p2 + blk * 4)), h2f(ld_u16(P.p2 + blk * 4 + 2)));
+    }
+};
+
+// A warp's step is U consecutive blocks of a row (loads in flight), the last step of a row
+// guarded (K / 32 need not be a multiple of U).
+template <int U, class B>
 struct Mma32 {
     static constexpr int QK = 32;
     __device__ static int units(int G) { return (G + U - 1) / U; }
     struct W {                 // U blocks of rows gid (r = 0) and gid + 8 (r = 1)
-        int2 q[U][2];          // the lane's 8 codes: elements 8 tid .. 8 tid + 7
-        float d[U][2];
+        int2 q[U][2];          // the lane's 8 codes
+        float2 dm[U][2];       // (d, m), m = 0 without a min
     };
     __device__ static void load(const Planes& P, const size_t (&row)[2], int b, int G, int tid,
                                 W& w) {
@@ -258,19 +332,11 @@ struct Mma32 {
             for (int r = 0; r < 2; r++) {
                 if (g < G) {
                     const size_t blk = row[r] + g;
-                    if (NIB) {         // tid 0, 1: low nibbles of bytes 8 tid ..; 2, 3: high
-                        const int2 v = *reinterpret_cast<const int2*>(P.p0 + blk * 16
-                                                                      + 8 * (tid & 1));
-                        const int sh = 4 * (tid >> 1);
-                        w.q[u][r] = make_int2(__vsub4((v.x >> sh) & 0x0F0F0F0F, 0x08080808),
-                                              __vsub4((v.y >> sh) & 0x0F0F0F0F, 0x08080808));
-                    } else {
-                        w.q[u][r] = *reinterpret_cast<const int2*>(P.p0 + blk * 32 + 8 * tid);
-                    }
-                    w.d[u][r] = h2f(ld_u16(P.p1 + blk * 2));
+                    w.q[u][r] = B::codes(P, blk, tid);
+                    w.dm[u][r] = B::dm(P, blk);
                 } else {
                     w.q[u][r] = make_int2(0, 0);
-                    w.d[u][r] = 0.0f;
+                    w.dm[u][r] = make_float2(0.0f, 0.0f);
                 }
             }
         }
@@ -285,23 +351,33 @@ struct Mma32 {
 #pragma unroll
             for (int t = 0; t < NT; t++) {
                 const int2 v = *reinterpret_cast<const int2*>(cols.codes(t, grp) + 8 * tid);
-                const float da[2] = {cols.scale(t, 0, grp).x, cols.scale(t, 1, grp).x};
+                const float2 e[2] = {cols.scale(t, 0, grp), cols.scale(t, 1, grp)};
 #pragma unroll
                 for (int m = 0; m < M; m++) {
                     int d[4];
                     mma_k32(d, w[m].q[u][0].x, w[m].q[u][1].x, w[m].q[u][0].y, w[m].q[u][1].y,
                             v.x, v.y);
 #pragma unroll
-                    for (int i = 0; i < 4; i++)
-                        acc[m][t][i] = __fmaf_rn(__fmul_rn(w[m].d[u][i >> 1], da[i & 1]),
-                                                 exact_f(d[i]), acc[m][t][i]);
+                    for (int i = 0; i < 4; i++) {
+                        const float2 ws = w[m].dm[u][i >> 1], s = e[i & 1];
+                        if (B::MIN)             // da * (d * s + m * sa)
+                            acc[m][t][i] = __fmaf_rn(s.x, __fmaf_rn(ws.x, exact_f(d[i]),
+                                                                    __fmul_rn(ws.y, s.y)),
+                                                     acc[m][t][i]);
+                        else                    // (d * da) * s
+                            acc[m][t][i] = __fmaf_rn(__fmul_rn(ws.x, s.x), exact_f(d[i]),
+                                                     acc[m][t][i]);
+                    }
                 }
             }
         }
     }
 };
-using MmaQ8_0 = Mma32<4, false>;
-using MmaQ4_0 = Mma32<4, true>;
+using MmaQ8_0 = Mma32<4, BlkQ8_0>;
+using MmaQ4_0 = Mma32<4, BlkQ4_0>;
+using MmaQ4_1 = Mma32<4, BlkQ4_1>;
+using MmaQ5_0 = Mma32<4, BlkQ5_0>;
+using MmaQ5_1 = Mma32<4, BlkQ5_1>;
 
 template <class T, int M, int NT>
 __device__ __forceinline__ void gemv_mma(Planes P, int K, int N, const signed char* __restrict__ qa,
@@ -358,18 +434,26 @@ __device__ __forceinline__ void gemv_mma(Planes P, int K, int N, const signed ch
     }
 }
 
-#define GEMV_MMA_KERNEL(name, T, NC)                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)                            \
+// Launch bounds: 256 threads, the registers left to ptxas (it keeps the narrow tiles at <= 128,
+// two blocks an SM); Q5_K asks for one block an SM, as at 128 its 8-column tile spills.
+#define MMA_BOUNDS __launch_bounds__(32 * MMA_WARPS)
+#define MMA_BOUNDS_1 __launch_bounds__(32 * MMA_WARPS, 1)
+#define GEMV_MMA_KERNEL(name, T, NC, BOUNDS)                                                \
+    extern "C" __global__ void BOUNDS                                                       \
     gemv_mma_##name##_c##NC(const u8* p0, const u8* p1, const u8* p2, const u8* p3, int K,  \
                             int N, const signed char* qa, const float2* ads, int n_cols,    \
                             float* out, int ldo, int accumulate) {                          \
-        gemv_mma<T, MMA_M_C##NC, NC / 8>(Planes{p0, p1, p2, p3}, K, N, qa, ads, n_cols, out, ldo,        \
-                            accumulate);                                                    \
+        gemv_mma<T, MMA_M_C##NC, NC / 8>(Planes{p0, p1, p2, p3}, K, N, qa, ads, n_cols, out, \
+                                         ldo, accumulate);                                  \
     }
-#define GEMV_MMA_KERNELS(name, T)                                                           \
-    GEMV_MMA_KERNEL(name, T, 8) GEMV_MMA_KERNEL(name, T, 16) GEMV_MMA_KERNEL(name, T, 32)   \
-    GEMV_MMA_KERNEL(name, T, 64)
-GEMV_MMA_KERNELS(q4_k, MmaQ4K)
-GEMV_MMA_KERNELS(q6_k, MmaQ6K)
-GEMV_MMA_KERNELS(q8_0, MmaQ8_0)
-GEMV_MMA_KERNELS(q4_0, MmaQ4_0)
+#define GEMV_MMA_KERNELS(name, T, BOUNDS)                                                   \
+    GEMV_MMA_KERNEL(name, T, 8, BOUNDS) GEMV_MMA_KERNEL(name, T, 16, BOUNDS)                \
+    GEMV_MMA_KERNEL(name, T, 32, BOUNDS) GEMV_MMA_KERNEL(name, T, 64, BOUNDS)
+GEMV_MMA_KERNELS(q4_k, MmaQ4K, MMA_BOUNDS)
+GEMV_MMA_KERNELS(q5_k, MmaQ5K, MMA_BOUNDS_1)
+GEMV_MMA_KERNELS(q6_k, MmaQ6K, MMA_BOUNDS)
+GEMV_MMA_KERNELS(q8_0, MmaQ8_0, MMA_BOUNDS)
+GEMV_MMA_KERNELS(q4_0, MmaQ4_0, MMA_BOUNDS)
+GEMV_MMA_KERNELS(q4_1, MmaQ4_1, MMA_BOUNDS)
+GEMV_MMA_KERNELS(q5_0, MmaQ5_0, MMA_BOUNDS)
+GEMV_MMA_KERNELS(q5_1, MmaQ5_1, MMA_BOUNDS)

@@ -180,7 +180,8 @@ KV_TYPES = tuple(str(t) for t in BACKEND_KV_TYPES["cuda"])        # kv_quant.cuh
 # gemv.cu GEMV_VARIANTS: (columns, rows per warp)
 GEMV_VARIANTS = ((1, 1), (1, 2), (2, 2), (4, 2), (8, 2), (16, 2), (2, 4), (4, 4), (8, 4),
                  (16, 4))
-GEMV_MMA_TYPES = ("q4_k", "q6_k", "q8_0", "q4_0")   # gemv_mma.cu: gemv_mma_<type>_c<NC>
+# gemv_mma.cu: gemv_mma_<type>_c<NC>
+GEMV_MMA_TYPES = ("q4_k", "q6_k", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q5_k")
 GEMV_MMA_NC = tuple(MMA_TILE_M)     # the tiles' columns
 GEMV_PREFETCH_TYPES = ("q4_k", "q6_k")   # gemv.cu: gemv_<type>_c1r1pn (c1r1p: every type)
 ATT_SIZES = (128, 256)                   # attention*.cu _d128 / _d256: Dv <= 128 / 256
