@@ -48,7 +48,7 @@ def bench_gemv(cp, G, a, copy_bw: float) -> list[dict]:
     for name in a.types:
         for n, k in a.shapes:
             t0 = time.perf_counter()
-            new = _gemv_row(cp, G, be, ro, rng, name, n, k, a.columns)
+            new = _gemv_row(cp, G, be, ro, rng, name, n, k, a.columns, a.mma_columns)
             rows += new
             cp.get_default_memory_pool().free_all_blocks()     # this row's weight copies
             r = new[0]
@@ -72,10 +72,12 @@ def _random_raw(name: str, n: int, k: int, rng) -> np.ndarray:
     return np.resize(small, n * (small.size // m))                     # (n * row_bytes,) u8
 
 
-def _gemv_row(cp, G, be, ro, rng, name: str, n: int, k: int, columns) -> list[dict]:
+def _gemv_row(cp, G, be, ro, rng, name: str, n: int, k: int, columns,
+              mma_columns=()) -> list[dict]:
     """The row of the default (dp4a) GEMV; for types with a tensor-core GEMV (CudaBackend's
     gemv_mma, which runs every width on it, one column included) a second row "<type> mma"
-    (its ratios against its own one column; the dp4a row above has the default's)."""
+    (its ratios against its own one column; the dp4a row above has the default's), timed
+    also at `mma_columns` (its 32- and 64-column tiles, the GEMM kept off)."""
     from service.backends.cuda.kernels import GEMV_MMA_TYPES
     from service.backends.cuda.types import CudaMatrix
     from service.gguf.quants import QuantType
@@ -92,8 +94,8 @@ def _gemv_row(cp, G, be, ro, rng, name: str, n: int, k: int, columns) -> list[di
                      for _ in range(copies - 1)]
         flat = [cp.concatenate(w.planes) for w in ws]                  # the same bytes, one each
         sink = cp.zeros(1, cp.int32)
-    be.prepare(max_tokens=max(columns), n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
-    c_max = max(columns)
+    c_max = max((*columns, *mma_columns))
+    be.prepare(max_tokens=c_max, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
     x = be.zeros((c_max, k))                                           # (C, K) f32
     with be.stream:
         x[...] = cp.asarray(rng.normal(0, 1, (c_max, k)).astype(np.float32))
@@ -112,11 +114,12 @@ def _gemv_row(cp, G, be, ro, rng, name: str, n: int, k: int, columns) -> list[di
                "read_only_s": t_ro, "cols": cols}
         if w0.layout.kernel not in GEMV_MMA_TYPES:
             return [row]
-        be.gemv_mma = True
+        gemm = be.prefill_gemm_min_tokens
+        be.gemv_mma, be.prefill_gemm_min_tokens = True, None
         try:
-            mma = timed(columns)
+            mma = timed((*columns, *mma_columns))
         finally:
-            be.gemv_mma = False
+            be.gemv_mma, be.prefill_gemm_min_tokens = False, gemm
     return [row, {**row, "type": f"{name} mma", "variant": "mma", "cols": mma}]
 
 
@@ -396,7 +399,8 @@ def report(results: dict, a) -> str:
     parts = []
     torch_rows = results["torch_bf16"] if isinstance(results["torch_bf16"], list) else []
     if results["gemv"]:
-        parts.append(T.gemv_table(results["gemv"], a.columns, results["copy_bw"], torch_rows))
+        parts.append(T.gemv_table(results["gemv"], a.columns, results["copy_bw"], torch_rows,
+                                  a.mma_columns))
         parts.append(T.torch_table(torch_rows, a.columns) if torch_rows else
                      f"torch bf16 GEMV: {results['torch_bf16'].get('error')}")
     if results["decode"]:

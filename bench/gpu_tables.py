@@ -6,8 +6,8 @@ Results are one JSON-ready dict (`--json` writes it):
     copy_bw      bytes read + written per second of a device-to-device copy
     gemv         [{type, n, k, bytes, read_only_s, cols: {"1": s, ...}}]   (N x K = rows x width)
                  (variant "mma", type "<type> mma": the tensor-core GEMV, CudaBackend(gemv_mma=
-                 True), its "1" the dp4a kernel's; not counted in the goals, which judge the
-                 default kernels)
+                 True), also at the MMA_COLUMNS (its 32- and 64-column tiles); not counted in
+                 the goals, which judge the default kernels)
     torch_bf16   [{n, k, bytes, cols}]  or {"error": why}
     decode       [{model, source, weight_bytes, n_layer, eager_tok_s, graph_tok_s, graph_nodes,
                    launches: {embed, layers, head} (of one eager step), load_s, synth_s}]
@@ -31,6 +31,9 @@ L2_BYTES = 60 * 2**20          # the H200's L2: rotated weight copies must excee
 TYPES = ("Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "F16")
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096))      # (N, K)
 COLUMNS = (1, 2, 4, 8, 16)
+# the tensor-core rows only, one tile each (gemv_mma.cu c32 / c64); the default takes the GEMM
+# at these widths (prefill_gemm_min_tokens)
+MMA_COLUMNS = (32, 64)
 QUICK_TYPES, QUICK_SHAPES, QUICK_COLUMNS = ("Q4_K", "Q8_0"), ((4096, 14336),), (1, 8, 16)
 SYNTH = (("llama3-8b", "Q4_K_M"), ("llama3.2-1b", "Q4_K_M"))
 REAL = ("smollm2-135m", "gemma3-270m")
@@ -76,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.types = QUICK_TYPES if a.quick else TYPES
     a.shapes = QUICK_SHAPES if a.quick else SHAPES
     a.columns = QUICK_COLUMNS if a.quick else COLUMNS
+    a.mma_columns = MMA_COLUMNS
     a.tokens = a.tokens or (32 if a.quick else 128)
     a.gemv = a.only in (None, "gemv")
     a.decode = a.only in (None, "decode")
@@ -221,14 +225,18 @@ def _x(v: float | None, width: int = 7, pct: bool = False) -> str:
     return f"{v:{width}.0%}" if pct else f"{v:{width - 1}.2f}x"
 
 
-def gemv_table(rows: list[dict], columns, copy_bw: float, torch_rows=None) -> str:
-    """One line per (type, shape): microseconds per GEMV at each column count, the read-only
-    kernel and the copy floor over the same bytes, and ratios measured in this run."""
+def gemv_table(rows: list[dict], columns, copy_bw: float, torch_rows=None,
+               mma_columns=()) -> str:
+    """One line per (type, shape): microseconds per GEMV at each column count (`mma_columns`:
+    timed on the tensor-core rows only, "-" on the others), the read-only kernel and the copy
+    floor over the same bytes, and ratios measured in this run."""
     torch = {(r["n"], r["k"]): r for r in torch_rows or []}
+    wide = tuple(mma_columns)
     head = (f"{'type':8} {'N x K':>13} {'MB':>7} {'copy':>7} {'read':>7} "
-            + " ".join(f"{'c=' + str(c):>8}" for c in columns)
+            + " ".join(f"{'c=' + str(c):>8}" for c in (*columns, *wide))
             + f" {'c1 GB/s':>8} {'read/c1':>7} {'copy/c1':>7} {'c8/c1':>7} {'c16/c1':>7}"
-            f" {'vs bf16':>7} {'llama c1':>8} {'llama c8/c1':>11}")
+            + "".join(f" {f'c{c}/c1':>7}" for c in wide)
+            + f" {'vs bf16':>7} {'llama c1':>8} {'llama c8/c1':>11}")
     lines = ["GEMV: us per call inside one CUDA graph of back-to-back calls, weights rotated "
              f"past the {L2_BYTES >> 20} MB L2",
              "copy = bytes / device copy bandwidth; read = a read-only kernel over the same "
@@ -243,11 +251,13 @@ def gemv_table(rows: list[dict], columns, copy_bw: float, torch_rows=None) -> st
         rec = LLAMACPP_GEMV_US.get((r["type"], r["n"], r["k"]))
         lines.append(
             f"{r['type']:8} {r['n']:>6}x{r['k']:<6} {r['bytes'] / 1e6:7.1f} {_us(copy_s, 7)} "
-            f"{_us(r['read_only_s'], 7)} " + " ".join(_us(_col(r, c)) for c in columns)
+            f"{_us(r['read_only_s'], 7)} "
+            + " ".join(_us(_col(r, c)) for c in (*columns, *wide))
             + f" {'-' if bw1 is None else f'{bw1 / 1e9:.0f}':>8}"
             f" {_x(_ratio(r['read_only_s'], t1), pct=True)} {_x(_ratio(copy_s, t1), pct=True)}"
             f" {_x(_ratio(_col(r, 8), t1))} {_x(_ratio(_col(r, 16), t1))}"
-            f" {_x(_ratio(bw1, bf_bw))} {'-' if rec is None else f'{rec[0]:.1f}':>8}"
+            + "".join(f" {_x(_ratio(_col(r, c), t1))}" for c in wide)
+            + f" {_x(_ratio(bw1, bf_bw))} {'-' if rec is None else f'{rec[0]:.1f}':>8}"
             f" {_x(None if rec is None else rec[3] / rec[0], 11)}")
     return "\n".join(lines)
 

@@ -1,26 +1,30 @@
-// gemv_mma.cu: out[c, n] (+)= sum_k W[n, k] x[c, k] for 2..16 columns c per block column, on
+// gemv_mma.cu: out[c, n] (+)= sum_k W[n, k] x[c, k] for 1..64 columns c per block column, on
 // int8 tensor cores (mma.sync, sm_80+) instead of gemv.cu's per-column dp4a.
 //
 // Inputs as gemv.cu's plain mode: W in planes (quant_types.cuh), x as 8-bit blocks: codes qa
 // (C, K) int8, per 32-group (da, sa) with x[c, k] ~ da * qa[c, k], sa = sum of the group's
 // codes. Per row n, column c and group j (s_j = the integer dot product of the group's weight
-// codes with qa, from the MMA):
+// codes with qa, from the MMA, exact):
 //   Q4_K  (codes 0..15, scale d*sc_j, min dmin*m_j):
 //           da * (d*sc_j * s_j - dmin*m_j * sa)
 //   Q6_K  (codes q - 32, 16-element halves with signed scales sc0, sc1):
 //           d * da * (sc0 * s_j,0 + sc1 * s_j,1)          (the integer combination is exact)
+//   Q8_0  (codes int8), Q4_0 (codes q - 8):  d * da * s_j
 // the same math as quant_types.cuh's dot(), not its rounding order: results differ from gemv.cu
-// in the last bits and do not match across NC (CudaBackend(gemv_mma=True) opts in).
+// in the last bits (CudaBackend(gemv_mma=True) opts in). Every rounding is explicit (__fmaf_rn,
+// __fmul_rn, __fadd_rn: no contraction left to the compiler), and a column's sequence of them
+// depends neither on NC nor on the block's rows: a column gets the same bits from every tile.
 // accumulate = 1 adds the product to what out (C, ldo) f32 holds.
 //
-// Launch (gemv_mma_<type>_c<NC>, NC = 8 or 16): block (32, MMA_WARPS), grid
-// (ceil(N / MMA_ROWS), ceil(C / NC)). A block owns MMA_ROWS = 16 * MMA_M rows (MMA_M m-tiles of
-// 16) and NC columns (NT = NC / 8 n-tiles); its warp w takes super-blocks b = w, w + MMA_WARPS,
-// ... of K (split-K inside the block: enough warps in flight for short matrices), loads their
-// weights for all m-tiles first, then per group runs one MMA per (m-tile, n-tile) and scales
-// the int32 results into float accumulators. The warps' partial sums meet in shared memory and
-// are added in warp order (deterministic). Rows >= N and columns >= C read row N - 1 / column
-// C - 1 (valid memory) and are not written.
+// Launch (gemv_mma_<type>_c<NC>, NC = 8, 16, 32, 64; M = MMA_M_C<NC> m-tiles of 16 rows):
+// block (32, MMA_WARPS), grid (ceil(N / (16 M)), ceil(C / NC)). A block owns 16 M rows and NC
+// columns (NT = NC / 8 n-tiles); its warp w takes the units b = w, w + MMA_WARPS, ... of K
+// (a K-quant super-block, or 4 blocks of 32 for Q8_0 / Q4_0; split-K inside the block: enough
+// warps in flight for short matrices), loads their weights for all m-tiles first, then per
+// group and n-tile loads the column's codes once and runs one MMA per m-tile, scaling the int32
+// results into float accumulators. The warps' partial sums meet in shared memory (two n-tiles
+// a round) and are added in warp order (deterministic). Rows >= N and columns >= C read row
+// N - 1 / column C - 1 (valid memory) and are not written.
 //
 // Fragments (PTX ISA, mma.m16n8k32 / m16n8k16 .s8; lane = 4 gid + tid):
 //   A (16 x k, row-major): row gid in regs 0 (and 2), row gid + 8 in regs 1 (and 3);
@@ -32,12 +36,14 @@
 #include "pdl.cuh"
 #include "quant_types.cuh"
 
-// MMA_WARPS (8), MMA_M (2) and MMA_ROWS (16 * MMA_M) come as -D defines
-// (service/backends/cuda/kernels.py).
-#if !defined(MMA_WARPS) || !defined(MMA_M) || !defined(MMA_ROWS)
+// MMA_WARPS (8) and MMA_M_C<NC> (m-tiles of 16 rows per block of the NC-column tile: 2, 2, 2, 1)
+// come as -D defines (service/backends/cuda/kernels.py).
+#if !defined(MMA_WARPS) || !defined(MMA_M_C8) || !defined(MMA_M_C16)
 #error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
 #endif
-static_assert(MMA_ROWS == 16 * MMA_M, "a block's rows are MMA_M m-tiles of 16");
+#if !defined(MMA_M_C32) || !defined(MMA_M_C64)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
 
 // d = A (16 x 32 s8) * B (32 x 8 s8), int32
 __device__ __forceinline__ void mma_k32(int (&d)[4], int a0, int a1, int a2, int a3, int b0,
@@ -56,53 +62,77 @@ __device__ __forceinline__ void mma_k16(int (&d)[4], int a0, int a1, int b0) {
                  : "r"(a0), "r"(a1), "r"(b0), "r"(0));
 }
 
-// Where a lane reads its columns: n-tile t's B column (gid) codes, and the (da, sa) rows of the
-// two D columns it owns (2 tid, 2 tid + 1).
-template <int NT>
+// v as a float, exactly, for |v| < 2^22: the float 1.5 * 2^23 + v (its bits: those of 1.5 * 2^23
+// plus v) minus 1.5 * 2^23; an integer add and a float add instead of the conversion unit.
+__device__ __forceinline__ float exact_f(int v) {
+    return __fsub_rn(__int_as_float(0x4B400000 + v), 12582912.0f);
+}
+
+// Where a lane reads its columns: n-tile t's B column (ca + 8 t: the lane's gid) codes, and the
+// (da, sa) of the two D columns it owns (cs + 8 t + i, i = 0, 1: 2 tid + i); columns past the
+// last read the last one (valid memory, never written).
 struct MmaCols {
-    const signed char* a[NT];
-    const float2* s[NT][2];
+    const signed char* qa;
+    const float2* ads;
+    int K, G, ca, cs, last;
+    __device__ __forceinline__ const signed char* codes(int t, int grp) const {
+        return qa + (size_t)min(ca + 8 * t, last) * K + 32 * grp;
+    }
+    __device__ __forceinline__ float2 scale(int t, int i, int grp) const {
+        return ads[(size_t)min(cs + 8 * t + i, last) * G + grp];
+    }
 };
 
 __device__ __forceinline__ u8 byte_of(const u32* w, int i) { return (w[i >> 2] >> (8 * (i & 3))) & 0xFF; }
 
-// ------------------------------------------------------------------ Q4_K
-struct MmaQ4K {
+// ------------------------------------------------------------------ Q4_K, Q5_K
+// HB = false: Q4_K, planes qs (128 B), scales (12 B), dm;  HB = true: Q5_K, planes qs, qh (32 B:
+// bit j of byte l = bit 4 of element l of sub-block j), scales, dm. Codes 0..15 / 0..31.
+template <bool HB>
+struct MmaK45 {
+    static constexpr int QK = 256;                 // elements per weight block
+    __device__ static int units(int G) { return G / 8; }   // a warp's step: one super-block
     struct W {                  // one super-block of rows gid (r = 0) and gid + 8 (r = 1)
         int2 q[4][2];           // bytes 32 p + 8 tid .. + 7 of quant pair p
+        int2 qh[2];             // Q5_K: qh bytes 8 tid .. + 7
         u32 sc[2][3], dm[2];    // the 12 scale bytes, (d, dmin) f16 pair
     };
-    __device__ static void load(const Planes& P, const size_t (&blk)[2], int tid, W& w) {
+    __device__ static void load(const Planes& P, const size_t (&row)[2], int b, int, int tid,
+                                W& w) {
+        const u8* scales = HB ? P.p2 : P.p1;
+        const u8* dms = HB ? P.p3 : P.p2;
 #pragma unroll
         for (int r = 0; r < 2; r++) {
+            const size_t blk = row[r] + b;
 #pragma unroll
             for (int p = 0; p < 4; p++)
-                w.q[p][r] = *reinterpret_cast<const int2*>(P.p0 + blk[r] * 128 + 32 * p + 8 * tid);
+                w.q[p][r] = *reinterpret_cast<const int2*>(P.p0 + blk * 128 + 32 * p + 8 * tid);
+            w.qh[r] = HB ? *reinterpret_cast<const int2*>(P.p1 + blk * 32 + 8 * tid)
+                         : make_int2(0, 0);
 #pragma unroll
-            for (int i = 0; i < 3; i++) w.sc[r][i] = reinterpret_cast<const u32*>(P.p1 + blk[r] * 12)[i];
-            w.dm[r] = *reinterpret_cast<const u32*>(P.p2 + blk[r] * 4);
+            for (int i = 0; i < 3; i++) w.sc[r][i] = reinterpret_cast<const u32*>(scales + blk * 12)[i];
+            w.dm[r] = *reinterpret_cast<const u32*>(dms + blk * 4);
         }
     }
-    template <int NT>
-    __device__ static void mma(const W (&w)[MMA_M], int b, int tid, const MmaCols<NT>& cols,
-                               float (&acc)[MMA_M][NT][4]) {
+    // the lane's codes of sub-block j from its quant word and high-bit word
+    __device__ static int code(int q, int qh, int j) {
+        const int lo = (q >> (4 * (j & 1))) & 0x0F0F0F0F;
+        return HB ? lo | (((qh >> j) & 0x01010101) << 4) : lo;
+    }
+    template <int M, int NT>
+    __device__ static void mma(const W (&w)[M], int b, int, int tid, const MmaCols& cols,
+                               float (&acc)[M][NT][4]) {
 #pragma unroll
         for (int j = 0; j < 8; j++) {           // sub-block j: nibbles (j & 1) of pair j / 2
-            const int grp = 8 * b + j, p = j >> 1, sh = 4 * (j & 1);
-            int bf[NT][2];
-            float2 e[NT][2];
+            const int grp = 8 * b + j, p = j >> 1;
+            int a[M][4];
+            float ds[M][2], dm[M][2];
 #pragma unroll
-            for (int t = 0; t < NT; t++) {
-                const int2 v = *reinterpret_cast<const int2*>(cols.a[t] + 32 * grp + 8 * tid);
-                bf[t][0] = v.x; bf[t][1] = v.y;
-                e[t][0] = cols.s[t][0][grp]; e[t][1] = cols.s[t][1][grp];
-            }
-#pragma unroll
-            for (int m = 0; m < MMA_M; m++) {
+            for (int m = 0; m < M; m++) {
                 const int2 q0 = w[m].q[p][0], q1 = w[m].q[p][1];
-                const int a0 = (q0.x >> sh) & 0x0F0F0F0F, a1 = (q1.x >> sh) & 0x0F0F0F0F;
-                const int a2 = (q0.y >> sh) & 0x0F0F0F0F, a3 = (q1.y >> sh) & 0x0F0F0F0F;
-                float ds[2], dm[2];
+                const int2 h0 = w[m].qh[0], h1 = w[m].qh[1];
+                a[m][0] = code(q0.x, h0.x, j); a[m][1] = code(q1.x, h1.x, j);
+                a[m][2] = code(q0.y, h0.y, j); a[m][3] = code(q1.y, h1.y, j);
 #pragma unroll
                 for (int r = 0; r < 2; r++) {
                     int sc, mn;
@@ -110,35 +140,49 @@ struct MmaQ4K {
 #pragma unroll
                     for (int i = 0; i < 12; i++) q[i] = byte_of(w[m].sc[r], i);
                     k_scale_min(q, j, sc, mn);
-                    ds[r] = h2f(w[m].dm[r] & 0xFFFF) * (float)sc;
-                    dm[r] = h2f(w[m].dm[r] >> 16) * (float)mn;
+                    ds[m][r] = __fmul_rn(h2f(w[m].dm[r] & 0xFFFF), (float)sc);
+                    dm[m][r] = __fmul_rn(h2f(w[m].dm[r] >> 16), (float)mn);
                 }
+            }
 #pragma unroll
-                for (int t = 0; t < NT; t++) {
+            for (int t = 0; t < NT; t++) {
+                const int2 v = *reinterpret_cast<const int2*>(cols.codes(t, grp) + 8 * tid);
+                const float2 e[2] = {cols.scale(t, 0, grp), cols.scale(t, 1, grp)};
+#pragma unroll
+                for (int m = 0; m < M; m++) {
                     int d[4];
-                    mma_k32(d, a0, a1, a2, a3, bf[t][0], bf[t][1]);
+                    mma_k32(d, a[m][0], a[m][1], a[m][2], a[m][3], v.x, v.y);
 #pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        const float2 s = e[t][i & 1];
-                        acc[m][t][i] += s.x * (ds[i >> 1] * (float)d[i] - dm[i >> 1] * s.y);
+                    for (int i = 0; i < 4; i++) {   // da * (d*sc * s - dmin*m * sa)
+                        const float2 s = e[i & 1];
+                        const int r = i >> 1;
+                        const float u = __fmaf_rn(ds[m][r], exact_f(d[i]),
+                                                  -__fmul_rn(dm[m][r], s.y));
+                        acc[m][t][i] = __fmaf_rn(s.x, u, acc[m][t][i]);
                     }
                 }
             }
         }
     }
 };
+using MmaQ4K = MmaK45<false>;
+using MmaQ5K = MmaK45<true>;
 
 // ------------------------------------------------------------------ Q6_K
 struct MmaQ6K {
+    static constexpr int QK = 256;
+    __device__ static int units(int G) { return G / 8; }
     struct W {                   // one super-block of rows gid (r = 0) and gid + 8 (r = 1)
         u32 ql[2][2][2][2];      // [half h][16-half e][u][r]: ql bytes 64h + 32u + 16e + 4tid ..
         u32 qh[2][2][2];         // [h][e][r]: qh bytes 32h + 16e + 4tid ..
         u32 sc[2][4];            // the 16 signed scale bytes
         u16 d[2];
     };
-    __device__ static void load(const Planes& P, const size_t (&blk)[2], int tid, W& w) {
+    __device__ static void load(const Planes& P, const size_t (&row)[2], int b, int, int tid,
+                                W& w) {
 #pragma unroll
         for (int r = 0; r < 2; r++) {
+            const size_t blk = row[r] + b;
 #pragma unroll
             for (int h = 0; h < 2; h++)
 #pragma unroll
@@ -147,12 +191,12 @@ struct MmaQ6K {
 #pragma unroll
                     for (int u = 0; u < 2; u++)
                         w.ql[h][e][u][r] = *reinterpret_cast<const u32*>(
-                            P.p0 + blk[r] * 128 + 64 * h + 32 * u + o);
-                    w.qh[h][e][r] = *reinterpret_cast<const u32*>(P.p1 + blk[r] * 64 + 32 * h + o);
+                            P.p0 + blk * 128 + 64 * h + 32 * u + o);
+                    w.qh[h][e][r] = *reinterpret_cast<const u32*>(P.p1 + blk * 64 + 32 * h + o);
                 }
 #pragma unroll
-            for (int i = 0; i < 4; i++) w.sc[r][i] = reinterpret_cast<const u32*>(P.p2 + blk[r] * 16)[i];
-            w.d[r] = *reinterpret_cast<const u16*>(P.p3 + blk[r] * 2);
+            for (int i = 0; i < 4; i++) w.sc[r][i] = reinterpret_cast<const u32*>(P.p2 + blk * 16)[i];
+            w.d[r] = *reinterpret_cast<const u16*>(P.p3 + blk * 2);
         }
     }
     // codes - 32 of sub-block 4h + s (s = 0..3) for the 4 bytes of ql word pair / qh word
@@ -161,45 +205,44 @@ struct MmaQ6K {
                             | (((qh >> (2 * s)) & 0x03030303u) << 4));
         return __vsub4(c, 0x20202020);
     }
-    template <int NT>
-    __device__ static void mma(const W (&w)[MMA_M], int b, int tid, const MmaCols<NT>& cols,
-                               float (&acc)[MMA_M][NT][4]) {
+    template <int M, int NT>
+    __device__ static void mma(const W (&w)[M], int b, int, int tid, const MmaCols& cols,
+                               float (&acc)[M][NT][4]) {
 #pragma unroll
         for (int j = 0; j < 8; j++) {           // sub-block j = 4 h + s
             const int grp = 8 * b + j, h = j >> 2, s = j & 3;
-            int bf[NT][2];
-            float2 e[NT][2];
+            int a[M][2][2];                 // [m][half][r]
+            int sc[M][2][2];                // [m][r][half]
+            float dr[M][2];
 #pragma unroll
-            for (int t = 0; t < NT; t++) {
-#pragma unroll
-                for (int half = 0; half < 2; half++)
-                    bf[t][half] = *reinterpret_cast<const int*>(cols.a[t] + 32 * grp + 16 * half
-                                                                + 4 * tid);
-                e[t][0] = cols.s[t][0][grp]; e[t][1] = cols.s[t][1][grp];
-            }
-#pragma unroll
-            for (int m = 0; m < MMA_M; m++) {
-                int a[2][2];                    // [half][r]
-                int sc[2][2];                   // [r][half]
+            for (int m = 0; m < M; m++) {
 #pragma unroll
                 for (int half = 0; half < 2; half++)
 #pragma unroll
                     for (int r = 0; r < 2; r++) {
                         const u32 ql[2] = {w[m].ql[h][half][0][r], w[m].ql[h][half][1][r]};
-                        a[half][r] = codes(ql, w[m].qh[h][half][r], s);
-                        sc[r][half] = (signed char)byte_of(w[m].sc[r], 8 * h + 2 * s + half);
+                        a[m][half][r] = codes(ql, w[m].qh[h][half][r], s);
+                        sc[m][r][half] = (signed char)byte_of(w[m].sc[r], 8 * h + 2 * s + half);
                     }
-                const float d0 = h2f(w[m].d[0]), d1 = h2f(w[m].d[1]);
+                dr[m][0] = h2f(w[m].d[0]); dr[m][1] = h2f(w[m].d[1]);
+            }
 #pragma unroll
-                for (int t = 0; t < NT; t++) {
+            for (int t = 0; t < NT; t++) {
+                const signed char* pa = cols.codes(t, grp) + 4 * tid;
+                const int b0 = *reinterpret_cast<const int*>(pa);
+                const int b1 = *reinterpret_cast<const int*>(pa + 16);
+                const float da[2] = {cols.scale(t, 0, grp).x, cols.scale(t, 1, grp).x};
+#pragma unroll
+                for (int m = 0; m < M; m++) {
                     int d[2][4];
-                    mma_k16(d[0], a[0][0], a[0][1], bf[t][0]);
-                    mma_k16(d[1], a[1][0], a[1][1], bf[t][1]);
+                    mma_k16(d[0], a[m][0][0], a[m][0][1], b0);
+                    mma_k16(d[1], a[m][1][0], a[m][1][1], b1);
 #pragma unroll
-                    for (int i = 0; i < 4; i++) {
+                    for (int i = 0; i < 4; i++) {   // d * da * (sc0 * s0 + sc1 * s1), exact ints
                         const int r = i >> 1;
-                        const int is = sc[r][0] * d[0][i] + sc[r][1] * d[1][i];
-                        acc[m][t][i] += (r ? d1 : d0) * e[t][i & 1].x * (float)is;
+                        const int is = sc[m][r][0] * d[0][i] + sc[m][r][1] * d[1][i];
+                        acc[m][t][i] = __fmaf_rn(__fmul_rn(dr[m][r], da[i & 1]),
+                                                 __int2float_rn(is), acc[m][t][i]);
                     }
                 }
             }
@@ -207,73 +250,210 @@ struct MmaQ6K {
     }
 };
 
-template <class T, int NT>
+// ------------------------------------------------------------------ Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
+// 32-element blocks; per block the lane's 8 codes (elements 8 tid .. 8 tid + 7, for the MMA's
+// k permutation) as two words, the scale d and, for the types with a min (w = d * q + m), m:
+//   Q8_0  codes int8                       planes qs (32 B), d
+//   Q4_0  codes q - 8                      planes qs (16 B: element j low nibble of byte j,
+//                                          j + 16 its high nibble), d
+//   Q4_1  codes q (0..15), min m           planes qs, (d, m)
+//   Q5_0  codes q - 16 (bit 4 from qh)     planes qs, qh (u32: bit j = bit 4 of element j), d
+//   Q5_1  codes q (0..31), min m           planes qs, qh, (d, m)
+// so that d * da * s (+ m * da * sa) is the group's product, s the exact integer dot product.
+__device__ __forceinline__ int2 nibbles8(const u8* qs, int tid) {
+    const int2 v = *reinterpret_cast<const int2*>(qs + 8 * (tid & 1));   // tid 0, 1: low nibbles
+    const int sh = 4 * (tid >> 1);                                        // tid 2, 3: high
+    return make_int2((v.x >> sh) & 0x0F0F0F0F, (v.y >> sh) & 0x0F0F0F0F);
+}
+__device__ __forceinline__ int2 high8(const u8* qh, int tid) {          // bit 4 of the 8 codes
+    const u32 h = *reinterpret_cast<const u32*>(qh);
+    return make_int2(spread4(h >> (8 * tid)), spread4(h >> (8 * tid + 4)));
+}
+__device__ __forceinline__ int2 minus(int2 c, int z) { return make_int2(__vsub4(c.x, z), __vsub4(c.y, z)); }
+__device__ __forceinline__ int2 with_high(int2 c, int2 h) { return make_int2(c.x | h.x, c.y | h.y); }
+
+struct BlkQ8_0 {
+    static constexpr bool MIN = false;
+    __device__ static int2 codes(const Planes& P, size_t blk, int tid) {
+        return *reinterpret_cast<const int2*>(P.p0 + blk * 32 + 8 * tid);
+    }
+    __device__ static float2 dm(const Planes& P, size_t blk) { return make_float2(h2f(ld_u16(P.p1 + blk * 2)), 0.0f); }
+};
+struct BlkQ4_0 {
+    static constexpr bool MIN = false;
+    __device__ static int2 codes(const Planes& P, size_t blk, int tid) {
+        return minus(nibbles8(P.p0 + blk * 16, tid), 0x08080808);
+    }
+    __device__ static float2 dm(const Planes& P, size_t blk) { return make_float2(h2f(ld_u16(P.p1 + blk * 2)), 0.0f); }
+};
+struct BlkQ4_1 {
+    static constexpr bool MIN = true;
+    __device__ static int2 codes(const Planes& P, size_t blk, int tid) {
+        return nibbles8(P.p0 + blk * 16, tid);
+    }
+    __device__ static float2 dm(const Planes& P, size_t blk) {
+        return make_float2(h2f(ld_u16(P.p1 + blk * 4)), h2f(ld_u16(P.p1 + blk * 4 + 2)));
+    }
+};
+struct BlkQ5_0 {
+    static constexpr bool MIN = false;
+    __device__ static int2 codes(const Planes& P, size_t blk, int tid) {
+        return minus(with_high(nibbles8(P.p0 + blk * 16, tid), high8(P.p1 + blk * 4, tid)),
+                     0x10101010);
+    }
+    __device__ static float2 dm(const Planes& P, size_t blk) { return make_float2(h2f(ld_u16(P.p2 + blk * 2)), 0.0f); }
+};
+struct BlkQ5_1 {
+    static constexpr bool MIN = true;
+    __device__ static int2 codes(const Planes& P, size_t blk, int tid) {
+        return with_high(nibbles8(P.p0 + blk * 16, tid), high8(P.p1 + blk * 4, tid));
+    }
+    __device__ static float2 dm(const Planes& P, size_t blk) {
+        return make_float2(h2f(ld_u16(P.p2 + blk * 4)), h2f(ld_u16(P.p2 + blk * 4 + 2)));
+    }
+};
+
+// A warp's step is U consecutive blocks of a row (loads in flight), the last step of a row
+// guarded (K / 32 need not be a multiple of U).
+template <int U, class B>
+struct Mma32 {
+    static constexpr int QK = 32;
+    __device__ static int units(int G) { return (G + U - 1) / U; }
+    struct W {                 // U blocks of rows gid (r = 0) and gid + 8 (r = 1)
+        int2 q[U][2];          // the lane's 8 codes
+        float2 dm[U][2];       // (d, m), m = 0 without a min
+    };
+    __device__ static void load(const Planes& P, const size_t (&row)[2], int b, int G, int tid,
+                                W& w) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int g = b * U + u;
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                if (g < G) {
+                    const size_t blk = row[r] + g;
+                    w.q[u][r] = B::codes(P, blk, tid);
+                    w.dm[u][r] = B::dm(P, blk);
+                } else {
+                    w.q[u][r] = make_int2(0, 0);
+                    w.dm[u][r] = make_float2(0.0f, 0.0f);
+                }
+            }
+        }
+    }
+    template <int M, int NT>
+    __device__ static void mma(const W (&w)[M], int b, int G, int tid, const MmaCols& cols,
+                               float (&acc)[M][NT][4]) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int grp = b * U + u;
+            if (grp >= G) break;                // warp-uniform: the row's last step
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                const int2 v = *reinterpret_cast<const int2*>(cols.codes(t, grp) + 8 * tid);
+                const float2 e[2] = {cols.scale(t, 0, grp), cols.scale(t, 1, grp)};
+#pragma unroll
+                for (int m = 0; m < M; m++) {
+                    int d[4];
+                    mma_k32(d, w[m].q[u][0].x, w[m].q[u][1].x, w[m].q[u][0].y, w[m].q[u][1].y,
+                            v.x, v.y);
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const float2 ws = w[m].dm[u][i >> 1], s = e[i & 1];
+                        if (B::MIN)             // da * (d * s + m * sa)
+                            acc[m][t][i] = __fmaf_rn(s.x, __fmaf_rn(ws.x, exact_f(d[i]),
+                                                                    __fmul_rn(ws.y, s.y)),
+                                                     acc[m][t][i]);
+                        else                    // (d * da) * s
+                            acc[m][t][i] = __fmaf_rn(__fmul_rn(ws.x, s.x), exact_f(d[i]),
+                                                     acc[m][t][i]);
+                    }
+                }
+            }
+        }
+    }
+};
+using MmaQ8_0 = Mma32<4, BlkQ8_0>;
+using MmaQ4_0 = Mma32<4, BlkQ4_0>;
+using MmaQ4_1 = Mma32<4, BlkQ4_1>;
+using MmaQ5_0 = Mma32<4, BlkQ5_0>;
+using MmaQ5_1 = Mma32<4, BlkQ5_1>;
+
+template <class T, int M, int NT>
 __device__ __forceinline__ void gemv_mma(Planes P, int K, int N, const signed char* __restrict__ qa,
                                          const float2* __restrict__ ads, int n_cols,
                                          float* __restrict__ out, int ldo, int accumulate) {
-    __shared__ float red[MMA_WARPS][MMA_M * NT * 4][WARP];
+    constexpr int RNT = NT < 2 ? NT : 2;          // n-tiles per round of the block's reduction
+    __shared__ float red[MMA_WARPS][M * RNT * 4][WARP];
     PDL_ENTRY();
     const int lane = threadIdx.x, warp = threadIdx.y, gid = lane >> 2, tid = lane & 3;
-    const int n0 = blockIdx.x * MMA_ROWS, c0 = blockIdx.y * 8 * NT;
-    const int nb = K / 256, G = K / 32;
-    size_t row[MMA_M][2];                          // clamped row * nb
+    const int n0 = blockIdx.x * 16 * M, c0 = blockIdx.y * 8 * NT;
+    const int G = K / 32, bpr = K / T::QK, units = T::units(G);
+    size_t row[M][2];                          // clamped row * blocks per row
 #pragma unroll
-    for (int m = 0; m < MMA_M; m++)
+    for (int m = 0; m < M; m++)
 #pragma unroll
-        for (int r = 0; r < 2; r++) row[m][r] = (size_t)min(n0 + 16 * m + 8 * r + gid, N - 1) * nb;
-    MmaCols<NT> cols;
+        for (int r = 0; r < 2; r++) row[m][r] = (size_t)min(n0 + 16 * m + 8 * r + gid, N - 1) * bpr;
+    const MmaCols cols{qa, ads, K, G, c0 + gid, c0 + 2 * tid, n_cols - 1};
+    float acc[M][NT][4];
 #pragma unroll
-    for (int t = 0; t < NT; t++) {
-        cols.a[t] = qa + (size_t)min(c0 + 8 * t + gid, n_cols - 1) * K;
-#pragma unroll
-        for (int i = 0; i < 2; i++)
-            cols.s[t][i] = ads + (size_t)min(c0 + 8 * t + 2 * tid + i, n_cols - 1) * G;
-    }
-    float acc[MMA_M][NT][4];
-#pragma unroll
-    for (int m = 0; m < MMA_M; m++)
+    for (int m = 0; m < M; m++)
 #pragma unroll
         for (int t = 0; t < NT; t++)
 #pragma unroll
             for (int i = 0; i < 4; i++) acc[m][t][i] = 0.0f;
-    for (int b = warp; b < nb; b += MMA_WARPS) {
-        typename T::W w[MMA_M];                   // every m-tile's weights before any MMA
+    for (int b = warp; b < units; b += MMA_WARPS) {
+        typename T::W w[M];                   // every m-tile's weights before any MMA
 #pragma unroll
-        for (int m = 0; m < MMA_M; m++) {
-            const size_t blk[2] = {row[m][0] + b, row[m][1] + b};
-            T::load(P, blk, tid, w[m]);
-        }
-        T::template mma<NT>(w, b, tid, cols, acc);
+        for (int m = 0; m < M; m++) T::load(P, row[m], b, G, tid, w[m]);
+        T::template mma<M, NT>(w, b, G, tid, cols, acc);
     }
+    // The warps' partials meet in shared memory, RNT n-tiles a round; thread (lane, warp) adds
+    // those of fragment slots v = warp, warp + MMA_WARPS, ... in warp order.
 #pragma unroll
-    for (int m = 0; m < MMA_M; m++)
+    for (int t0 = 0; t0 < NT; t0 += RNT) {
 #pragma unroll
-        for (int t = 0; t < NT; t++)
+        for (int m = 0; m < M; m++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) red[warp][(m * NT + t) * 4 + i][lane] = acc[m][t][i];
-    __syncthreads();
-    // thread (lane, warp) adds the warps' partials of fragment slots v = warp, warp + MMA_WARPS..
-    for (int v = warp; v < MMA_M * NT * 4; v += MMA_WARPS) {
-        float s = 0.0f;
+            for (int t = 0; t < RNT; t++)
 #pragma unroll
-        for (int w = 0; w < MMA_WARPS; w++) s += red[w][v][lane];
-        const int m = v / (NT * 4), t = (v / 4) % NT, i = v % 4;
-        const int n = n0 + 16 * m + gid + 8 * (i >> 1), c = c0 + 8 * t + 2 * tid + (i & 1);
-        if (n < N && c < n_cols) {
-            float* o = out + (size_t)c * ldo + n;
-            *o = accumulate ? __fadd_rn(*o, s) : s;
+                for (int i = 0; i < 4; i++) red[warp][(m * RNT + t) * 4 + i][lane] = acc[m][t0 + t][i];
+        __syncthreads();
+        for (int v = warp; v < M * RNT * 4; v += MMA_WARPS) {
+            float s = 0.0f;
+#pragma unroll
+            for (int w = 0; w < MMA_WARPS; w++) s = __fadd_rn(s, red[w][v][lane]);
+            const int m = v / (RNT * 4), t = t0 + (v / 4) % RNT, i = v % 4;
+            const int n = n0 + 16 * m + gid + 8 * (i >> 1), c = c0 + 8 * t + 2 * tid + (i & 1);
+            if (n < N && c < n_cols) {
+                float* o = out + (size_t)c * ldo + n;
+                *o = accumulate ? __fadd_rn(*o, s) : s;
+            }
         }
+        __syncthreads();
     }
 }
 
-#define GEMV_MMA_KERNEL(name, T, NC)                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)                            \
+// Launch bounds: 256 threads, the registers left to ptxas (it keeps the narrow tiles at <= 128,
+// two blocks an SM); Q5_K asks for one block an SM, as at 128 its 8-column tile spills.
+#define MMA_BOUNDS __launch_bounds__(32 * MMA_WARPS)
+#define MMA_BOUNDS_1 __launch_bounds__(32 * MMA_WARPS, 1)
+#define GEMV_MMA_KERNEL(name, T, NC, BOUNDS)                                                \
+    extern "C" __global__ void BOUNDS                                                       \
     gemv_mma_##name##_c##NC(const u8* p0, const u8* p1, const u8* p2, const u8* p3, int K,  \
                             int N, const signed char* qa, const float2* ads, int n_cols,    \
                             float* out, int ldo, int accumulate) {                          \
-        gemv_mma<T, NC / 8>(Planes{p0, p1, p2, p3}, K, N, qa, ads, n_cols, out, ldo,        \
-                            accumulate);                                                    \
+        gemv_mma<T, MMA_M_C##NC, NC / 8>(Planes{p0, p1, p2, p3}, K, N, qa, ads, n_cols, out, \
+                                         ldo, accumulate);                                  \
     }
-#define GEMV_MMA_KERNELS(name, T) GEMV_MMA_KERNEL(name, T, 8) GEMV_MMA_KERNEL(name, T, 16)
-GEMV_MMA_KERNELS(q4_k, MmaQ4K)
-GEMV_MMA_KERNELS(q6_k, MmaQ6K)
+#define GEMV_MMA_KERNELS(name, T, BOUNDS)                                                   \
+    GEMV_MMA_KERNEL(name, T, 8, BOUNDS) GEMV_MMA_KERNEL(name, T, 16, BOUNDS)                \
+    GEMV_MMA_KERNEL(name, T, 32, BOUNDS) GEMV_MMA_KERNEL(name, T, 64, BOUNDS)
+GEMV_MMA_KERNELS(q4_k, MmaQ4K, MMA_BOUNDS)
+GEMV_MMA_KERNELS(q5_k, MmaQ5K, MMA_BOUNDS_1)
+GEMV_MMA_KERNELS(q6_k, MmaQ6K, MMA_BOUNDS)
+GEMV_MMA_KERNELS(q8_0, MmaQ8_0, MMA_BOUNDS)
+GEMV_MMA_KERNELS(q4_0, MmaQ4_0, MMA_BOUNDS)
+GEMV_MMA_KERNELS(q4_1, MmaQ4_1, MMA_BOUNDS)
+GEMV_MMA_KERNELS(q5_0, MmaQ5_0, MMA_BOUNDS)
+GEMV_MMA_KERNELS(q5_1, MmaQ5_1, MMA_BOUNDS)

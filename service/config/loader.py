@@ -92,7 +92,8 @@ _HELP = {
     "tree_budget": f"tree verify (DDTree) nodes per step, 2..{MAX_TREE_BUDGET}; 0 = chain verify",
     "backend": "compute backend: " + ", ".join(BACKENDS),
     "n_ctx": "context tokens per sequence (capped at the model's trained length)",
-    "gemv_mma": "CUDA backend: every GEMV over Q4_K / Q6_K weights on int8 tensor cores "
+    "gemv_mma": "CUDA backend: every GEMV over Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K "
+                "weights on int8 tensor cores "
                 "(throughput mode: batched and verify steps cost much less, one stream a little "
                 "more; results differ from the default kernels' in the last bits, and stay "
                 "batch-invariant and exact for speculation within the mode)",

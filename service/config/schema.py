@@ -60,7 +60,7 @@ class EngineConfig:
     step_profile: bool = False       # time each decode step's parts (log + Finished timings)
     overlap: str = "auto"           # auto | on | off: submit each plain decode step before the
                                      # last is read back (auto: on asynchronous backends, CUDA)
-    gemv_mma: bool = False           # CUDA: Q4_K/Q6_K GEMVs on int8 tensor cores at every width
+    gemv_mma: bool = False           # CUDA: quantized GEMVs on int8 tensor cores at every width
 
     def problems(self) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []

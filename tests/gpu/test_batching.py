@@ -103,3 +103,30 @@ def test_mma_mode_keeps_batching_and_speculation_exact(gemma_mma, mode, n):
     for i, (a, b) in enumerate(zip(got, plain, strict=True)):
         if reqs[i].sampling.temperature == 0.0:
             assert a.token_ids == b.token_ids, i
+
+
+@pytest.fixture(scope="module")
+def smol_mma():
+    """SmolLM2 (Q4_1, K = 576: 18 groups a row) with every quantized GEMV on tensor cores:
+    steps of 17..64 rows run the 32- and 64-column tiles."""
+    with cuda_engine("smollm2", n_slots=64, prefix_cache=False, kv_cache_memory="1GiB",
+                     gemv_mma=True) as eng:
+        yield eng
+
+
+@pytest.mark.parametrize("mode", ["greedy-spec", "mixed-spec"])
+def test_mma_mode_keeps_64_streams_exact(smol_mma, mode):
+    """64 requests at once in the tensor-core mode (steps up to 64 rows wide) equal their solo
+    runs, and speculating greedy ones equal plain greedy decoding."""
+    assert smol_mma.model.backend.gemv_mma
+    reqs = requests(mode, 64, smollm2_prompts(), base_tokens=24)
+    ref = [alone(smol_mma, r) for r in reqs]
+    got, stats = together(smol_mma, reqs)
+    bad = [r.request_id for r, a, b in zip(reqs, got, ref, strict=True) if not same_output(a, b)]
+    assert not bad, (bad, [(a.token_ids, b.token_ids) for a, b in zip(got, ref, strict=True)])
+    assert stats.max_sequences > 1
+    plain = [alone(smol_mma, r) for r in requests("greedy", 64, smollm2_prompts(),
+                                                   base_tokens=24)]
+    for i, (a, b) in enumerate(zip(got, plain, strict=True)):
+        if reqs[i].sampling.temperature == 0.0:
+            assert a.token_ids == b.token_ids, i

@@ -1,12 +1,15 @@
 """The int8 tensor-core GEMV (cuda/gemv_mma.cu, CudaBackend(gemv_mma=True)) against the exact
-product of the 8-bit activation blocks, the CPU backend and the dp4a GEMV (cuda/gemv.cu).
+product of the 8-bit activation blocks, the CPU backend and the dp4a GEMV (cuda/gemv.cu), for
+every type of kernels.GEMV_MMA_TYPES at 1..64 columns (every tile: 8, 16, 32, 64, and each side
+of its edges).
 
 Error bounds (S = sum_k |w x^| per output, as in test_kernels.py): both GPU kernels compute every
 32-group's integer dot product exactly and differ only in the float rounding of the scaling and
-of the sums over groups (here <= 72 groups: a few dozen ulps of S, ~3e-6 S); 1e-4 S against
-the exact product, 1e-5 S between the two kernels. A wrong nibble, scale, fragment slot or
+of the sums over groups (here <= 136 groups: a few dozen ulps of S, ~3e-6 S); 1e-4 S against
+the exact product, 2e-5 S between the two kernels. A wrong nibble, scale, fragment slot or
 column is an error of order S. Outputs are NaN-poisoned with a margin of 3 columns on each side:
-a missing or stray write fails.
+a missing or stray write fails. A column's bits are the same at every width and whatever its
+neighbours (the mode's batch invariance): compared bit for bit with the column computed alone.
 """
 
 from __future__ import annotations
@@ -17,21 +20,30 @@ from gguf.quants import dequantize
 
 from service.backends.act_quant import round_activations
 from service.backends.cpu.backend import CpuBackend
+from service.backends.cuda.kernels import GEMV_MMA_TYPES
+from service.backends.cuda.types import gemv_mma_nc
 from tests.gpu.test_kernels import gpu_matmul, poisoned
-from tests.support.blocks import random_tensor_info
+from tests.support.blocks import block_size, random_tensor_info
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-TYPES = ("Q4_K", "Q6_K")
-COLUMNS = (2, 5, 8, 9, 16, 40)        # NC = 8: 2, 5, 8; NC = 16: 9, 16, 40 (16 + 16 + 8)
-SHAPES = ((37, 768), (70, 2304))      # N not a multiple of the 32 rows of a block; 3 and 9
-                                      # super-blocks per row (fewer, and more, than 8 warps)
+TYPES = tuple(t.upper() for t in GEMV_MMA_TYPES)
+# tiles 8 / 16 / 32 / 64 (types.gemv_mma_nc) and each side of their edges
+COLUMNS = (1, 2, 7, 8, 9, 16, 17, 31, 32, 33, 63, 64)
+# N never a multiple of the 16 or 32 rows of a block. K-quants: 3, 9 and 17 super-blocks per row
+# (fewer, and more, than the 8 warps of the split-K; 17: three steps for warp 0). 32-element
+# types: 18, 72 and 65 groups, a warp's step being 4 of them (a short last step of 2 and 1).
+SHAPES = {256: ((37, 768), (70, 2304), (45, 4352)), 32: ((37, 576), (70, 2304), (45, 2080))}
+
+
+def shapes(name: str):
+    return SHAPES[block_size(name)]
 
 
 @pytest.fixture(scope="module")
 def mma():
-    """A backend whose GEMVs over Q4_K / Q6_K run on tensor cores at every width."""
+    """A backend whose GEMVs over the GEMV_MMA_TYPES run on tensor cores at every width."""
     from service.backends.cuda.backend import CudaBackend
 
     return CudaBackend(graphs=False, prefill_gemm_min_tokens=None, gemv_mma=True)
@@ -46,19 +58,31 @@ def exact(t, x: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.
     return xh @ W.T, np.abs(xh) @ np.abs(W).T, np.abs(x - xh) @ np.abs(W).T
 
 
-def on(backend, fn):
-    """fn() on backend's stream, the device idle before and after (the backends' streams
+def on(backend, fn, *args):
+    """fn(*args) on backend's stream, the device idle before and after (the backends' streams
     differ)."""
     cp.cuda.Device().synchronize()
     with backend.stream:
-        out = fn()
+        out = fn(*args)
     cp.cuda.Device().synchronize()
     return out
 
 
+def rel(err: np.ndarray, S: np.ndarray) -> float:
+    return float((err / (S + 1e-9)).max())
+
+
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("n,k", SHAPES)
-def test_mma_gemv_against_exact_cpu_and_dp4a(cuda, mma, name, n, k):
+def test_mma_gemv_against_exact_cpu_and_dp4a(cuda, mma, name):
+    for n, k in shapes(name):
+        launched = against_references(cuda, mma, name, n, k)
+        assert [s for s in launched if s.startswith("gemv_")] == [
+            f"gemv_mma_{name.lower()}_c{gemv_mma_nc(T)}" for T in COLUMNS], (name, n, k)
+
+
+def against_references(cuda, mma, name: str, n: int, k: int) -> list[str]:
+    """Every width of COLUMNS on an (n, k) matrix of `name`: the tensor-core GEMV against the
+    exact product, the dp4a GEMV and the CPU backend -> the kernels mma launched."""
     t = random_tensor_info(name, n, k, seed=n + k)
     wm = mma.load_matrix([t])
     wd = cuda.load_matrix([t])
@@ -67,28 +91,27 @@ def test_mma_gemv_against_exact_cpu_and_dp4a(cuda, mma, name, n, k):
     cpu = CpuBackend()
     wc = cpu.load_matrix([t])
     rng = np.random.default_rng(k)
-    launched = []
+    launched: list[str] = []
     launch = mma._launch
     mma._launch = lambda kname, *a: (launched.append(kname), launch(kname, *a))
     try:
         for T in COLUMNS:
             x = rng.normal(0, 1, (T, k)).astype(np.float32)
-            got = on(mma, lambda x=x: gpu_matmul(mma, wm, x, n, pad=3))
-            dp4a = on(cuda, lambda x=x: gpu_matmul(cuda, wd, x, n))
-            assert np.isfinite(got).all(), (name, T)
+            got = on(mma, gpu_matmul, mma, wm, x, n, 3)
+            dp4a = on(cuda, gpu_matmul, cuda, wd, x, n)
+            what = (name, n, k, T)
+            assert np.isfinite(got).all(), what
             ref, S, rounding = exact(t, x, n, k)
             err = np.abs(got - ref)
-            assert (err <= 1e-4 * S + 1e-7).all(), (name, T, float((err / (S + 1e-9)).max()))
+            assert (err <= 1e-4 * S + 1e-7).all(), (*what, rel(err, S))
             diff = np.abs(got - dp4a)
-            assert (diff <= 1e-5 * S + 1e-7).all(), (name, T, float((diff / (S + 1e-9)).max()))
+            assert (diff <= 2e-5 * S + 1e-7).all(), (*what, rel(diff, S))
             ref_cpu = np.empty((T, n), np.float32)
             cpu.matmul(x, wc, ref_cpu)
-            assert (np.abs(got - ref_cpu) <= rounding + 1e-4 * S + 1e-6).all(), (name, T)
+            assert (np.abs(got - ref_cpu) <= rounding + 1e-4 * S + 1e-6).all(), what
     finally:
         del mma._launch                                   # the class's method again
-    nc = {T: 8 if T <= 8 else 16 for T in COLUMNS}
-    assert [s for s in launched if s.startswith("gemv_")] == [
-        f"gemv_mma_{name.lower()}_c{nc[T]}" for T in COLUMNS]
+    return launched
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -99,7 +122,7 @@ def test_mma_gemv_accumulates(cuda, mma, name):
     wm = mma.load_matrix([t])
     mma.prepare(max_tokens=64, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
     rng = np.random.default_rng(6)
-    for T in (3, 12):
+    for T in (3, 12, 20, 50):
         x = rng.normal(0, 1, (T, k)).astype(np.float32)
         base = rng.normal(0, 1, (T, n)).astype(np.float32)
 
@@ -118,19 +141,27 @@ def test_mma_gemv_accumulates(cuda, mma, name):
 
 @pytest.mark.parametrize("name", TYPES)
 def test_a_column_gets_the_same_bits_at_every_width(mma, name):
-    """The MMA mode's batch invariance: column c of a step of T columns (NC = 8 or 16, any
+    """The MMA mode's batch invariance: column c of a step of T columns (every tile, any
     neighbours) equals the same column computed alone, bit for bit."""
-    n, k = 70, 2304
+    for n, k in shapes(name)[1:]:
+        same_bits_at_every_width(mma, name, n, k)
+
+
+def same_bits_at_every_width(mma, name: str, n: int, k: int) -> None:
     t = random_tensor_info(name, n, k, seed=11)
     wm = mma.load_matrix([t])
     mma.prepare(max_tokens=64, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
     rng = np.random.default_rng(12)
-    x = rng.normal(0, 1, (40, k)).astype(np.float32)
-    alone = np.concatenate([on(mma, lambda i=i: gpu_matmul(mma, wm, x[i:i + 1], n))
-                            for i in range(40)])
-    for T in (2, 8, 9, 16, 40):
-        got = on(mma, lambda T=T: gpu_matmul(mma, wm, x[:T], n))
-        assert np.array_equal(got, alone[:T]), (name, T)
+    x = rng.normal(0, 1, (64, k)).astype(np.float32)
+    alone = np.concatenate([on(mma, gpu_matmul, mma, wm, x[i:i + 1], n) for i in range(64)])
+    for T in COLUMNS:
+        got = on(mma, gpu_matmul, mma, wm, x[:T], n)
+        bad = np.flatnonzero((got != alone[:T]).any(axis=1))
+        assert not bad.size, (name, n, k, T, bad[:8])
     other = x.copy()
-    other[1:] = rng.normal(0, 1, (39, k))                 # other neighbours, same column 0
-    assert np.array_equal(on(mma, lambda: gpu_matmul(mma, wm, other[:16], n))[0], alone[0])
+    other[1:] = rng.normal(0, 1, (63, k))                 # other neighbours, same column 0
+    for T in (9, 33, 64):
+        got = on(mma, gpu_matmul, mma, wm, other[:T], n)[0]
+        assert np.array_equal(got, alone[0]), (name, n, k, T)
+    tail = x[40:].copy()                                  # columns 40.. at positions 0..
+    assert np.array_equal(on(mma, gpu_matmul, mma, wm, tail, n), alone[40:])

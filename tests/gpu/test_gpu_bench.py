@@ -37,13 +37,16 @@ def test_quick_gemv_run_writes_every_row(bench, tmp_path):
     assert bench.main(["--quick", "--only", "gemv", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     T = bench.T
-    mma = ("Q4_K", "Q6_K")                    # types with a tensor-core row "<type> mma"
+    from service.backends.cuda.kernels import GEMV_MMA_TYPES
+
+    mma = {t.upper() for t in GEMV_MMA_TYPES}  # types with a tensor-core row "<type> mma"
     assert [(r["type"], r["n"], r["k"]) for r in res["gemv"]] == [
         (v, n, k) for t in T.QUICK_TYPES for n, k in T.QUICK_SHAPES
         for v in ((t, f"{t} mma") if t in mma else (t,))]
     for r in res["gemv"]:
         assert _positive(r["read_only_s"]) and r["copies"] * r["bytes"] >= 2 * T.L2_BYTES
-        assert sorted(r["cols"]) == sorted(str(c) for c in T.QUICK_COLUMNS)
+        wide = T.MMA_COLUMNS if r.get("variant") == "mma" else ()
+        assert sorted(r["cols"]) == sorted(str(c) for c in (*T.QUICK_COLUMNS, *wide))
         assert all(_positive(v) for v in r["cols"].values())
     assert _positive(res["copy_bw"])
     assert {g["goal"] for g in res["goals"]} == set(T.GOALS)

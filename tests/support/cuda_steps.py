@@ -244,6 +244,17 @@ def widths(d: Driver) -> None:
         d.step(f"width-{n}", range(n), range(n), [0] * n, [GREEDY])
 
 
+# the tensor-core GEMV's tile edges (types.gemv_mma_nc): each side of 8, 16, 32 and 64 rows
+MMA_WIDTHS = (1, 7, 8, 9, 16, 17, 31, 32, 33, 63, 64)
+
+
+def mma(d: Driver) -> None:
+    """One step of each width around the tensor-core GEMV's tile edges (run with gemv_mma and
+    invariant_tokens=64: no step takes the GEMM)."""
+    for n in MMA_WIDTHS:
+        d.step(f"mma-{n}", range(n), range(n), [0] * n, [GREEDY])
+
+
 def decode(d: Driver) -> None:
     d.step("prefill-8", range(8), range(8), [0] * 8, [GREEDY])
     d.repeat(3, "decode", [3], [8], [0], [GREEDY])
@@ -358,8 +369,8 @@ def moe(d: Driver) -> None:
 
 
 SCRIPTS: dict[str, Callable[[Driver], None]] = {
-    "full": full, "widths": widths, "decode": decode, "kv": kv, "ops": ops, "hidden": hidden,
-    "eagle3": eagle3, "moe": moe}
+    "full": full, "widths": widths, "mma": mma, "decode": decode, "kv": kv, "ops": ops,
+    "hidden": hidden, "eagle3": eagle3, "moe": moe}
 
 
 def run(s: Scenario, kernels: CompiledKernels, files: dict[str, Path]) -> Result:

@@ -229,6 +229,23 @@ def test_mma_rows_print_their_ratios_and_stay_out_of_the_goals(gt):
     assert measured["gemv_c16_c1"] == (pytest.approx(2.5), "Q8_0 128256x4096")
 
 
+def test_mma_rows_show_the_wide_tiles_and_the_others_a_dash(gt):
+    """The MMA_COLUMNS (32, 64) are timed on the tensor-core rows only: their c= columns and
+    c32/c1, c64/c1 ratios; "-" on a default row."""
+    base = _gemv_rows()
+    mma = {**base[0], "type": "Q4_K mma", "variant": "mma",
+           "cols": {"1": 20e-6, "8": 22e-6, "16": 26e-6, "32": 30e-6, "64": 50e-6}}
+    table = gt.gemv_table([base[0], mma], gt.COLUMNS, BW, None, gt.MMA_COLUMNS).splitlines()
+    head = _fields(table[2])
+    assert head[7:14] == [f"c={c}" for c in (*gt.COLUMNS, *gt.MMA_COLUMNS)]
+    assert head[20:22] == ["c32/c1", "c64/c1"]
+    dp4a, f = _fields(table[-2]), _fields(table[-1])
+    assert dp4a[10:12] == ["-", "-"] and dp4a[17:19] == ["-", "-"]
+    assert f[11:13] == ["30.0", "50.0"]
+    assert f[18:20] == [f"{30 / 20:.2f}x", f"{50 / 20:.2f}x"]
+    assert gt.parse_args([]).mma_columns == gt.parse_args(["--quick"]).mma_columns == (32, 64)
+
+
 # ---------------------------------------------------------------- step breakdowns
 def _ablation(gt) -> dict:
     """Made-up ablation of a 4 ms step: 2.4 ms go when the Q4_K GEMVs are disabled, 3.0 ms

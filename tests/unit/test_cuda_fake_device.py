@@ -18,8 +18,21 @@ import numpy as np
 import pytest
 
 from service.backends import create_backend
-from service.backends.cuda.kernels import MOEG_GLU_ROWS, MOEG_ROWS
-from service.backends.cuda.types import MOEG_NC, moe_group_nc, moe_group_tiles
+from service.backends.cuda.kernels import (
+    GEMV_MMA_NC,
+    GEMV_MMA_TYPES,
+    MMA_WARPS,
+    MOEG_GLU_ROWS,
+    MOEG_ROWS,
+    mma_rows,
+)
+from service.backends.cuda.types import (
+    MOEG_NC,
+    ceil_div,
+    gemv_mma_nc,
+    moe_group_nc,
+    moe_group_tiles,
+)
 from service.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.types import Finished, GenerationRequest, SamplingParams, StoppingCriteria
@@ -59,6 +72,9 @@ OPTIONS = {                                  # name -> (CudaBackend options, cud
     "split-prefill-attention": ((("prefill_attention_min_tokens", None),), True),
 }
 MIXES = tuple(synth.MIXES)
+# the mixes whose base type has tensor-core GEMVs, run with them up to 64 rows (no GEMM)
+MMA_MIXES = tuple(m for m in MIXES if synth.MIXES[m].base.name.lower() in GEMV_MMA_TYPES)
+MMA = (("gemv_mma", True), ("invariant_tokens", 64))
 KV_PAIRS = tuple((k, v) for k in KV_TYPES for v in KV_TYPES)
 
 # Compiled kernels nothing in the backend launches, each pattern with the reason.
@@ -83,6 +99,7 @@ def all_scenarios() -> list[Scenario]:
         out += [Scenario(f"synth-{mix}", script="widths"),
                 Scenario(f"synth-{mix}", script="decode", options=(("gemv_early", True),)),
                 Scenario(f"synth-{mix}", script="decode", options=(("fuse_norm", True),))]
+    out += [Scenario(f"synth-{mix}", script="mma", options=MMA) for mix in MMA_MIXES]
     out += [Scenario(m, kv=p, script="kv") for p in KV_PAIRS for m in ("qwen3", "gemma3")]
     out += [Scenario(m, script="hidden") for m in ("qwen3", "gemma3")]
     out += [Scenario("qwen3", script="hidden", options=(("fuse_norm", True),)),
@@ -313,6 +330,36 @@ def test_runner_prefill_steps_use_the_query_tiled_attention(results):
 
 
 # ---------------------------------------------------------------- weight types, KV pairs
+@pytest.mark.parametrize("mix", MMA_MIXES)
+def test_tensor_core_gemv_takes_the_smallest_tile_that_holds_the_step(results, mix):
+    """gemv_mma: a GEMV of C columns launches gemv_mma_<type>_c<NC> with NC the smallest of 8,
+    16, 32, 64 >= C, grid (ceil(N / rows of the tile), ceil(C / NC)), and no dp4a GEMV runs
+    over the type; the steps of 1..64 rows (padded by the runner to its captured widths;
+    a replayed graph launches nothing) launch every tile of the base type."""
+    t = synth.MIXES[mix].base.name.lower()
+    r = results(Scenario(f"synth-{mix}", script="mma", options=MMA))
+    assert [m.label for m in r.marks] == [f"mma-{n}" for n in cuda_steps.MMA_WIDTHS]
+    want = {1: 8, 7: 8, 8: 8, 9: 16, 16: 16, 17: 32, 31: 32, 32: 32, 33: 64, 63: 64, 64: 64}
+    assert {n: gemv_mma_nc(n) for n in cuda_steps.MMA_WIDTHS} == want
+    widths = set()
+    for m in r.marks:
+        n = int(m.label.split("-")[1])
+        mine = [x for x in r.dev.launches[slice(*m.launches)] if x.kernel.startswith("gemv")]
+        assert not [x.kernel for x in mine if x.kernel.startswith(f"gemv_{t}_")], m.label
+        for x in (x for x in mine if x.kernel.startswith("gemv_mma_")):
+            N, C = int(x.args[5].value), int(x.args[8].value)      # K, N, qa, ads, n_cols
+            nc = gemv_mma_nc(C)
+            assert x.kernel.endswith(f"_c{nc}"), (m.label, x.kernel, C)
+            assert x.grid[:2] == (ceil_div(N, mma_rows(nc)), ceil_div(C, nc)), (m.label, x)
+            assert x.block[:2] == (32, MMA_WARPS)
+            if x.kernel.startswith(f"gemv_mma_{t}_"):
+                # the step padded, or the one sampled row's logits
+                assert n <= C < 2 * max(n, 4) or C == 1, (m.label, C)
+                widths.add(C)
+    assert {gemv_mma_nc(C) for C in widths} == set(GEMV_MMA_NC), sorted(widths)
+    assert {f"gemv_mma_{t}_c{nc}" for nc in GEMV_MMA_NC} <= r.kernels
+
+
 @pytest.mark.parametrize("mix", MIXES)
 def test_every_weight_type_runs_embed_each_gemv_variant_and_the_gemm(results, mix):
     t = synth.MIXES[mix].base.name.lower()                  # the layout's kernel suffix

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.backends.cuda.types import GEMV_WIDE_ROWS, gemv_choice, norm_block, view_rows
+from service.backends.cuda.kernels import GEMV_MMA_NC, mma_rows, registry
+from service.backends.cuda.types import (
+    GEMV_WIDE_ROWS,
+    gemv_choice,
+    gemv_mma_nc,
+    norm_block,
+    view_rows,
+)
 
 
 def test_gemv_columns_round_up_to_a_variant():
@@ -13,6 +20,19 @@ def test_gemv_columns_round_up_to_a_variant():
     assert gemv_choice(1, 2) == (1, 1)
     assert all(gemv_choice(t, 2)[1] == GEMV_WIDE_ROWS[gemv_choice(t, 2)[0]] for t in (2, 3, 9))
     assert {gemv_choice(t, 1) for t in (1, 3, 16, 40)} == {(1, 1)}
+
+
+def test_tensor_core_gemv_takes_the_smallest_tile_that_holds_the_columns():
+    """gemv_mma_nc: 8 for 1..8 columns, 16 for 9..16, 32 for 17..32, 64 for 33..64 and above
+    (wider steps run 64-column tiles over grid.y); each tile registered for every type."""
+    got = {t: gemv_mma_nc(t) for t in (1, 8, 9, 16, 17, 32, 33, 64, 65, 200)}
+    assert got == {1: 8, 8: 8, 9: 16, 16: 16, 17: 32, 32: 32, 33: 64, 64: 64, 65: 64, 200: 64}
+    assert all(gemv_mma_nc(t) >= t for t in range(1, 65))
+    assert GEMV_MMA_NC == (8, 16, 32, 64)
+    assert {mma_rows(nc) for nc in GEMV_MMA_NC} <= {16, 32}
+    names = {k for k in registry() if k.startswith("gemv_mma_")}
+    types = {n.rsplit("_c", 1)[0] for n in names}
+    assert names == {f"{t}_c{nc}" for t in types for nc in GEMV_MMA_NC}
 
 
 def test_gemv_variants_chosen_are_instantiated():

@@ -13,12 +13,14 @@ next RMSNorm fused), and the tensor-core GEMVs of cuda/gemv_mma.cu.
   c1r1p kernel (the next weight group loaded before each dot; same bits), where one warp per
   row leaves too few loads in flight; 0 never (docs/PERFORMANCE.md section 11: faster at 4096
   rows on the H200, not at 6144 and more, nor on Q8_0 / Q4_0).
-- mma: every GEMV over Q4_K / Q6_K weights (plain mode, any width, one column included) runs
-  on the int8 tensor cores (8 columns per block up to 8, 16 above): a column's result depends
-  on neither the step's width nor its neighbours, so batching and verify stay exact within the
-  mode. Off by default: its sums are rounded in another order than the dp4a kernels' (other
-  last bits), and one column costs ~1.2-1.4x the dp4a kernel's time while 8 / 16 cost
-  ~1.3-1.5x / 1.5-2.6x of it (H200).
+- mma: every GEMV over Q4_K / Q6_K / Q8_0 / Q4_0 weights (plain mode, any width, one column
+  included) runs on the int8 tensor cores, one tile of 8, 16, 32 or 64 columns per block row
+  (types.gemv_mma_nc: the smallest tile that holds the step, so a step of up to 64 rows reads
+  each weight once): a column's result depends on neither the step's width nor its
+  neighbours, so batching and verify stay exact within the mode. Off by default: its sums
+  are rounded in another order than the dp4a kernels' (other last bits), and one column cost
+  ~1.2-1.4x the dp4a kernel's time while 8 / 16 cost ~1.3-1.5x / 1.5-2.6x of it (H200, Q4_K /
+  Q6_K before the 32 / 64 tiles; docs/PERFORMANCE.md section 9).
 - fuse_norm: a one-column residual GEMV followed by an RMSNorm (matmul_add_norm) runs as one
   launch whose last block normalizes the row; False (the default) launches the two kernels.
   Both give the same bits. Off by default: measured slower on the H200 (0.89x / 0.94x of the
@@ -36,9 +38,9 @@ from service.backends.cuda.kernels import (
     GEMV_MMA_TYPES,
     GEMV_PREFETCH_TYPES,
     GEMV_WARPS,
-    MMA_ROWS,
     MMA_WARPS,
     QUANT_WARPS,
+    mma_rows,
 )
 from service.backends.cuda.launcher import ActivationBlocks, Launcher
 from service.backends.cuda.memory import DeviceMemory
@@ -134,10 +136,10 @@ class GemvOps:
     def _mma(self, w: CudaMatrix, qa, ads, C: int, out, ldo: int, accumulate: bool) -> None:
         """out[:C] (+)= the product of W with the 8-bit blocks (qa, ads) of C columns on tensor
         cores (cuda/gemv_mma.cu); shapes were checked by matmul."""
-        if qa.size < C * w.k or ads.shape[0] < C * w.k // 32 or w.k % 256:
+        if qa.size < C * w.k or ads.shape[0] < C * w.k // 32 or w.k % w.layout.block_size:
             raise ValueError(f"gemv_mma: blocks {qa.size} / {ads.shape} for {C} x {w.k}")
         nc = gemv_mma_nc(C)
-        grid = (ceil_div(w.n, MMA_ROWS), ceil_div(C, nc))
+        grid = (ceil_div(w.n, mma_rows(nc)), ceil_div(C, nc))
         self._launcher.launch(f"gemv_mma_{w.layout.kernel}_c{nc}", grid, (32, MMA_WARPS),
                               [*w.args(), I32(w.k), I32(w.n), qa, ads, I32(C), out, I32(ldo),
                                I32(1 if accumulate else 0)])

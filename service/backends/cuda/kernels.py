@@ -127,8 +127,10 @@ def _each(**axes: Sequence[Any]) -> tuple[dict[str, Any], ...]:
 # ---------------------------------------------------------------- numbers the kernels share
 GEMV_WARPS = 4            # gemv.cu: warps per block (32, GEMV_WARPS), a row (or R) per warp
 MMA_WARPS = 8             # gemv_mma.cu: warps per block (32, MMA_WARPS), split-K over them
-MMA_M = 2                 # gemv_mma.cu: m-tiles of 16 rows per block
-MMA_ROWS = 16 * MMA_M     # gemv_mma.cu: output rows per block
+# gemv_mma.cu: m-tiles of 16 rows per block by the tile's columns (NC): the 64-column tile
+# holds 64 x 16 rows of accumulators per warp (32 rows spill registers); the rows of a block
+# change no sum, so every tile gives a column the same bits
+MMA_TILE_M = {8: 2, 16: 2, 32: 2, 64: 1}
 QUANT_WARPS = 4           # quantize.cu quantize_act: block (32, QUANT_WARPS), a group per warp
 ROW_THREADS = 256         # elementwise.cu embed, add_rows, glu[_quant], moe_combine: threads per
                           # block along a row, grid (ceil(N / ROW_THREADS), rows)
@@ -155,11 +157,17 @@ KV_SIDE_WORDS = {"f16": 0, "bf16": 0, "q8_0": 1, "q5_1": 4, "q5_0": 3, "q4_1": 2
 KV_CODE_BITS = {"f16": 16, "bf16": 16, "q8_0": 8, "q5_1": 4, "q5_0": 4, "q4_1": 4, "q4_0": 4}
 
 
+def mma_rows(nc: int) -> int:
+    """Output rows per block of the tensor-core GEMV tile of nc columns."""
+    return 16 * MMA_TILE_M[nc]
+
+
 def cuda_defines() -> dict[str, int | str]:
     """The shared numbers by their names in the kernels (sources.OPTIONS: -DNAME=value); a
     table goes as its comma-separated values (an array initializer's body)."""
-    return {"GEMV_WARPS": GEMV_WARPS, "MMA_WARPS": MMA_WARPS, "MMA_M": MMA_M,
-            "MMA_ROWS": MMA_ROWS, "QUANT_WARPS": QUANT_WARPS, "ROW_THREADS": ROW_THREADS,
+    return {"GEMV_WARPS": GEMV_WARPS, "MMA_WARPS": MMA_WARPS,
+            **{f"MMA_M_C{nc}": m for nc, m in MMA_TILE_M.items()}, "QUANT_WARPS": QUANT_WARPS,
+            "ROW_THREADS": ROW_THREADS,
             "MOE_ROUTE_THREADS": MOE_ROUTE_THREADS, "MOE_GROUP_THREADS": MOE_GROUP_THREADS,
             "MOE_GROUP_CHUNK": MOE_GROUP_CHUNK, "MOE_MAX_EXPERTS": MOE_MAX_EXPERTS,
             "NORM_MAX_THREADS": NORM_MAX_THREADS,
@@ -178,8 +186,9 @@ KV_TYPES = tuple(str(t) for t in BACKEND_KV_TYPES["cuda"])        # kv_quant.cuh
 # gemv.cu GEMV_VARIANTS: (columns, rows per warp)
 GEMV_VARIANTS = ((1, 1), (1, 2), (2, 2), (4, 2), (8, 2), (16, 2), (2, 4), (4, 4), (8, 4),
                  (16, 4))
-GEMV_MMA_TYPES = ("q4_k", "q6_k")        # gemv_mma.cu: gemv_mma_<type>_c8 / _c16
-GEMV_MMA_NC = (8, 16)
+# gemv_mma.cu: gemv_mma_<type>_c<NC>
+GEMV_MMA_TYPES = ("q4_k", "q6_k", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q5_k")
+GEMV_MMA_NC = tuple(MMA_TILE_M)     # the tiles' columns
 GEMV_PREFETCH_TYPES = ("q4_k", "q6_k")   # gemv.cu: gemv_<type>_c1r1pn (c1r1p: every type)
 ATT_SIZES = (128, 256)                   # attention*.cu _d128 / _d256: Dv <= 128 / 256
 # moe.cu MOEG_DOWN / MOEG_GLU: columns per tile -> rows per warp of the expert-grouped down

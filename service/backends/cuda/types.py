@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from service.backends.base import KVCache
-from service.backends.cuda.kernels import NORM_MAX_THREADS
+from service.backends.cuda.kernels import GEMV_MMA_NC, NORM_MAX_THREADS
 from service.backends.cuda.layout import PlaneLayout
 from service.formats import BACKEND_KV_TYPES
 
@@ -127,8 +127,10 @@ def gemv_choice(n_cols: int, mode: int) -> tuple[int, int]:
 
 def gemv_mma_nc(n_cols: int) -> int:
     """Columns per block row of the tensor-core GEMV (cuda/gemv_mma.cu) for a step of n_cols
-    columns: 8 up to 8, else 16 (wider steps: chunks of 16 over grid.y)."""
-    return 8 if n_cols <= 8 else 16
+    columns: the smallest tile that holds them (8 for 1..8, 16 for 9..16, 32 for 17..32, 64
+    for 33..64), so each block row reads its weights once; wider steps run 64-column tiles
+    over grid.y. Every tile gives a column the same bits."""
+    return next((nc for nc in GEMV_MMA_NC if nc >= n_cols), GEMV_MMA_NC[-1])
 
 
 # (pointer, rows, row width, row stride) of a matrix view: what the 8-bit activation blocks in
