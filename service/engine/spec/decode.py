@@ -87,6 +87,27 @@ class Speculator:
         if self.drafter is not None:
             self.drafter.set_block_table(table)
 
+    def taps(self, seqs: Seq[Sequence]) -> bool:
+        """Whether a step computing rows of `seqs` copies the target's hidden states: the
+        drafter reads them (EAGLE-3) and one of the sequences speculates."""
+        d = self.drafter
+        return d is not None and d.tap is not None and any(s.speculative for s in seqs)
+
+    def extend(self, inp: StepInput, seqs: Seq[Sequence], hidden) -> None:
+        """After a tapped step `inp` and its commits: each speculating sequence's rows of the
+        step whose next token is committed (position p with history[p + 1]: a prompt row, the
+        seed and the accepted drafts; not a rejected draft's row) go to the drafter with their
+        hidden rows (`hidden`, the step's (n, P * E) rows, runner.hidden_states)."""
+        if self.drafter is None or self.drafter.tap is None or not inp.hidden:
+            return
+        slots, pos = np.asarray(inp.slots), np.asarray(inp.positions)       # (n,) each
+        for seq in seqs:
+            if seq.finished or not seq.speculative or seq.slot < 0:
+                continue
+            rows = np.nonzero((slots == seq.slot) & (pos + 1 < len(seq.history)))[0]
+            if len(rows):
+                self.drafter.extend(seq, rows, pos[rows], hidden)
+
     def draft(self, plan: Seq[DecodeRow], timer: StepTimer | None = None
               ) -> list[tuple[Sequence, Draft]]:
         """Each row's sequence with what it verifies: [seed, drafts...] or a draft tree."""
