@@ -245,8 +245,8 @@ def test_greedy_speculation_equals_plain_greedy(heads, agreeing, plain_ids, whic
             print(f"\n{which} width {width}: {accepted}/{drafted} drafts accepted "
                   f"({accepted / drafted:.1%}), {tokens / steps:.2f} tokens per step")
             assert drafted > 0
-            if which == "agreeing":
-                assert accepted / drafted > 0.3
+            if which == "agreeing":      # a bigram table along a greedy loop: d1 mostly right
+                assert accepted / drafted > (0.5 if width == 2 else 0.2)
 
 
 @pytest.mark.parametrize("which", ["random", "agreeing"])
