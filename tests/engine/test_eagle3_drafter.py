@@ -77,8 +77,10 @@ def plain_ids() -> list[list[int]]:
 
 
 # ---------------------------------------------------------------- a head that agrees
-def bigram_head(out: Path, successor: dict[int, int], scale: float = 2.0) -> Path:
-    """An EAGLE-3 head for tiny-qwen3 that drafts successor[t] after token t (module doc)."""
+def bigram_head(out: Path, successor: dict[int, int], scale: float = 2.0,
+                quant: str = "F32") -> Path:
+    """An EAGLE-3 head for tiny-qwen3 that drafts successor[t] after token t (module doc);
+    its matrices in `quant` (F32, F16)."""
     tf = GGUFFile(model_path(TARGET))
     base = synthesize_eagle3(out.with_suffix(".base.gguf"), model_path(TARGET), layers=(1, 2, 3),
                              quant="F32", own_embedding=True).spec
@@ -114,20 +116,24 @@ def bigram_head(out: Path, successor: dict[int, int], scale: float = 2.0) -> Pat
                "blk.0.ffn_down.weight": np.zeros((E, F), np.float32),
                "output_norm.weight": ones, "output.weight": output, "token_embd.weight": emb}
     assert set(tensors) == set(spec.tensor_shapes())
-    return write_eagle3(out, tf, spec, tensors).path
+    return write_eagle3(out, tf, spec, tensors, quant).path
+
+
+def successors(prompts, outputs) -> dict[int, int]:
+    """Each token's most frequent successor in the greedy outputs (after each prompt's end)."""
+    pairs: dict[int, Counter] = {}
+    for p, ids in zip(prompts, outputs, strict=True):
+        seq = [p[-1], *ids]
+        for a, b in zip(seq, seq[1:], strict=False):
+            pairs.setdefault(a, Counter())[b] += 1
+    return {a: c.most_common(1)[0][0] for a, c in pairs.items()}
 
 
 @pytest.fixture(scope="module")
 def agreeing(plain_ids, tmp_path_factory) -> Path:
-    """The bigram head fitted to the target's plain greedy output on PROMPTS: each token's
-    most frequent successor there."""
-    pairs: dict[int, Counter] = {}
-    for p, ids in zip(PROMPTS, plain_ids, strict=True):
-        seq = [p[-1], *ids]
-        for a, b in zip(seq, seq[1:], strict=False):
-            pairs.setdefault(a, Counter())[b] += 1
-    successor = {a: c.most_common(1)[0][0] for a, c in pairs.items()}
-    return bigram_head(tmp_path_factory.mktemp("e3b") / "bigram.gguf", successor)
+    """The bigram head fitted to the target's plain greedy output on PROMPTS."""
+    return bigram_head(tmp_path_factory.mktemp("e3b") / "bigram.gguf",
+                       successors(PROMPTS, plain_ids))
 
 
 # ---------------------------------------------------------------- against the reference
