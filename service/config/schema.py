@@ -92,9 +92,6 @@ class EngineConfig:
         if self.drafter == "eagle3" and not self.draft_model.strip():
             out.append(("draft_model", "the eagle3 drafter needs a draft model: an EAGLE-3 "
                                        ".gguf in llama.cpp's format made for the target"))
-        if self.drafter == "eagle3" and self.tree_budget:
-            out.append(("tree_budget", "tree verify is not implemented for the eagle3 drafter "
-                                       "yet; use tree_budget 0 (chain verify)"))
         if self.tree_budget != 0 and not 2 <= self.tree_budget <= MAX_TREE_BUDGET:
             out.append(("tree_budget", f"{self.tree_budget} is out of range; allowed 0 (chain "
                                        f"verify) or 2..{MAX_TREE_BUDGET}"))

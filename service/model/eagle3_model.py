@@ -110,10 +110,16 @@ class Eagle3Model:
             be.matmul(n, w, gu[:, c0:c1])                                # (T, 2F)
         be.glu_for_matmul(gu[:, :F], gu[:, F:], "silu", act)             # (T, F)
         be.matmul_add(act, self.down, y, o)                              # r += down
-        if n_logits == 0:
+        return self.head(y[T - n_logits:])
+
+    def head(self, y):
+        """logits (T, Vd) = output @ (rms_norm(y) * output_norm) of pre-norm rows y (T, E)
+        (decode's last op: the same ops on the same rows give the same bits)."""
+        T = y.shape[0]
+        if T == 0:
             return self.ws_logits[:0]
-        hs = n[:n_logits]
-        be.rms_norm_for_matmul(y[T - n_logits:], self.output_norm, eps, hs)
-        logits = self.ws_logits[:n_logits]
-        be.matmul(hs, self.output, logits)                               # (n, Vd)
+        hs = self.ws_n[:T]
+        self.backend.rms_norm_for_matmul(y, self.output_norm, self.spec.rms_eps, hs)
+        logits = self.ws_logits[:T]
+        self.backend.matmul(hs, self.output, logits)                     # (T, Vd)
         return logits

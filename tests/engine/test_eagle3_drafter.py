@@ -221,6 +221,51 @@ def test_drafts_equal_the_reference_after_a_prompt_and_a_rollback(heads, which):
     assert compared >= 4
 
 
+def test_drafts_equal_the_reference_after_a_branch_of_a_tree(heads):
+    """A tree of 8 nodes over the head's top-3 per depth (candidates) is verified in one
+    tapped step; the target is taken to accept the second candidate at depth 1 (a branch) and
+    choose a bonus: the drafter, extended with the path's rows (committed_rows), drafts what
+    the reference drafts from the prompt's rows and the path's."""
+    from service.engine.spec.decode import committed_rows
+    from service.engine.spec.tree import build_tree
+    from service.engine.spec.tree_verify import rows as tree_rows
+    from service.engine.spec.tree_verify import step_fields
+
+    prompt = [(53 * i + 5) % 1024 for i in range(10)]
+    with eagle3_engine(heads["random"], start=False) as eng:
+        d, runner = eng.drafter, eng.runner
+        P = len(prompt)
+        inp = StepInput(prompt, range(P), [0] * P, [P - 1], [ROW_GREEDY], hidden=True)
+        seed = int(runner.step(inp).token_ids[0])
+        feats = np.array(runner.hidden_states(inp))                      # (P, 3Et)
+        st = _State(0, [*prompt, seed])
+        d.start(st)
+        d.extend(st, range(P), range(P), runner.hidden_states(inp))
+        chain, ids, logp = d.candidates(st, 3, 3)
+        assert chain == ids[:, 0].tolist() and (np.diff(logp, axis=1) <= 0).all()
+        assert chain == d.propose(st, 3)
+        tree = build_tree(seed, ids, logp, 8)
+        seg = tree_rows(tree, P)
+        n = tree.n
+        vin = StepInput(seg.ids, seg.positions, [0] * n, range(n), [ROW_GREEDY] * n,
+                        hidden=True, **step_fields([seg]))
+        runner.step(vin)
+        branch = int(ids[0, 1])
+        assert branch in tree.tokens[tree.parents == 0].tolist()
+        st.history += [branch, 777]
+        rows = committed_rows(vin, 0, st.history)
+        assert [int(tree.tokens[r]) for r in rows] == [seed, branch]
+        d.extend(st, rows, np.asarray(vin.positions)[rows], runner.hidden_states(vin))
+        y_seed = np.array(d._y[0])
+        got = d.propose(st, 5)
+        vfeats = np.array(runner.hidden_states(vin))[rows]                # (2, 3Et)
+        ref = Eagle3Draft(d.spec, GGUFFile(heads["random"]), GGUFFile(model_path(TARGET)), 64)
+        want, gaps, y_want = reference_chain(ref, np.concatenate([feats, vfeats]), st.history,
+                                             5)
+    assert rel(y_seed, y_want) <= 2e-3
+    assert agree_to_first_tie(got, want, gaps) >= 2
+
+
 def test_a_stale_slot_proposes_nothing(heads):
     """Before its rows are extended to the seed's predecessor, a slot drafts nothing."""
     with eagle3_engine(heads["random"], start=False) as eng:
@@ -295,14 +340,60 @@ def test_a_long_prompt_in_chunks_with_a_cached_prefix(heads):
             assert spec.finished.usage.draft_tokens > 0
 
 
+# ---------------------------------------------------------------- tree verify
+@pytest.mark.parametrize("which", ["random", "reduced", "agreeing"])
+def test_trees_equal_plain_greedy(heads, agreeing, plain_ids, which):
+    """Tree verify (DDTree over the head's top-4 per depth) at budgets 4, 8 and 16."""
+    head = agreeing if which == "agreeing" else heads[which]
+    with eagle3_engine(head, tree_budget=4) as eng:
+        for budget in (4, 8, 16):
+            eng.config = replace(eng.config, tree_budget=budget)
+            moves, drafted, accepted = eng.stats.kv_moves, 0, 0
+            for prompt, plain in zip(PROMPTS, plain_ids, strict=True):
+                out = run(eng, prompt, max_new_tokens=N_NEW, ignore_eos=True)
+                assert out.token_ids == plain, (which, budget, prompt)
+                drafted += out.finished.usage.draft_tokens
+                accepted += out.finished.usage.accepted_draft_tokens
+            print(f"\n{which} tree budget {budget}: {accepted}/{drafted} drafts accepted, "
+                  f"{eng.stats.kv_moves - moves} KV moves")
+            assert drafted > 0
+            if which == "agreeing":
+                assert accepted > 0
+
+
+def test_committed_rows_of_a_tree_are_its_accepted_path():
+    """committed_rows picks the accepted path's rows of a branching tree (not the siblings
+    that share its positions), in position order, among a chunk's and a chain's rows."""
+    from service.engine.spec.decode import committed_rows
+    from service.engine.spec.tree import build_tree
+    from service.engine.spec.tree_verify import rows as tree_rows
+    from service.engine.spec.tree_verify import step_fields
+
+    cand = np.array([[10, 11, 12], [20, 21, 22], [30, 31, 32]])
+    logp = np.tile([-0.1, -0.2, -3.0], (3, 1))
+    tree = build_tree(5, cand, logp, 8)
+    seg = tree_rows(tree, 40)
+    chain = tree_rows([7, 8, 9], 12)
+    ids = [*chain.ids, *seg.ids]
+    fields = step_fields([chain, seg])
+    inp = StepInput(ids, [*chain.positions, *seg.positions], [1] * 3 + [0] * tree.n, (),
+                    (), **fields)
+    # the target took 11 (second at depth 1), then 20 under it, then chose a bonus
+    path_tokens = [5, 11, 20]
+    history = [0] * 40 + path_tokens + [99]
+    want = [3 + i for i in range(tree.n) if tree.tokens[i] in (5, 11) or (
+        tree.tokens[i] == 20 and tree.tokens[tree.parents[i]] == 11)]
+    assert len(want) == 3
+    assert committed_rows(inp, 0, history).tolist() == want
+    # the chain in slot 1 accepted 8 (position 13): rows 0 and 1
+    assert committed_rows(inp, 1, [0] * 12 + [7, 8, 50]).tolist() == [0, 1]
+
+
 # ---------------------------------------------------------------- configuration
 def test_config_problems_name_the_fields():
     problems = dict(EngineConfig(drafter="eagle3").problems())
     assert "EAGLE-3" in problems["draft_model"]
-    problems = dict(EngineConfig(drafter="eagle3", draft_model="x.gguf",
-                                 tree_budget=8).problems())
-    assert "eagle3" in problems["tree_budget"]
-    assert EngineConfig(drafter="eagle3", draft_model="x.gguf").problems() == []
+    assert EngineConfig(drafter="eagle3", draft_model="x.gguf", tree_budget=8).problems() == []
 
 
 @pytest.mark.parametrize("case", ["missing", "not eagle3", "another target"])

@@ -100,13 +100,12 @@ class Speculator:
         hidden rows (`hidden`, the step's (n, P * E) rows, runner.hidden_states)."""
         if self.drafter is None or self.drafter.tap is None or not inp.hidden:
             return
-        slots, pos = np.asarray(inp.slots), np.asarray(inp.positions)       # (n,) each
         for seq in seqs:
             if seq.finished or not seq.speculative or seq.slot < 0:
                 continue
-            rows = np.nonzero((slots == seq.slot) & (pos + 1 < len(seq.history)))[0]
+            rows = committed_rows(inp, seq.slot, seq.history)
             if len(rows):
-                self.drafter.extend(seq, rows, pos[rows], hidden)
+                self.drafter.extend(seq, rows, np.asarray(inp.positions)[rows], hidden)
 
     def draft(self, plan: Seq[DecodeRow], timer: StepTimer | None = None
               ) -> list[tuple[Sequence, Draft]]:
@@ -125,6 +124,26 @@ class Speculator:
                     timer.lap(DRAFT)
             batch.append((seq, draft))
         return batch
+
+
+def committed_rows(inp: StepInput, slot: int, history: Seq[int]) -> np.ndarray:
+    """The rows of step `inp` in `slot` whose token and every ancestor's (a tree row's
+    attention mask) is the history's at its position and whose next token is committed,
+    in position order: the rows of the committed positions (prompt rows, the seed and the
+    accepted drafts; on a tree, the accepted path, whose siblings hold other tokens)."""
+    ids, slots = np.asarray(inp.token_ids), np.asarray(inp.slots)           # (n,) each
+    pos = np.asarray(inp.positions)                                        # (n,)
+    h = np.asarray(history)
+    mine = (slots == slot) & (pos + 1 < len(h))
+    ok = np.zeros(len(ids), bool)
+    ok[mine] = ids[mine] == h[pos[mine]]
+    if inp.attn_mask is not None:       # tree rows: node j of the segment is row r0 + j
+        node = np.asarray(inp.kv_positions) - np.asarray(inp.attn_lo)       # (n,)
+        for r in np.nonzero(ok)[0]:
+            bits, r0 = int(inp.attn_mask[r]), r - int(node[r])
+            ok[r] = all(ok[r0 + j] for j in range(bits.bit_length()) if bits >> j & 1)
+    rows = np.nonzero(ok)[0]
+    return rows[np.argsort(pos[rows], kind="stable")]
 
 
 def verify_input(batch: list[tuple[Sequence, Draft]]) -> StepInput:

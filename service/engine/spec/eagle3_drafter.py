@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.engine.spec.drafters import Drafter, DraftState
+from service.engine.spec.tree import candidates_from_logits
 from service.model.eagle3 import Eagle3Spec
 from service.model.eagle3_model import Eagle3Model
 from service.model.hidden import HiddenTap
@@ -133,19 +134,51 @@ class Eagle3Drafter(Drafter):
 
     # ---------------------------------------------------------------- drafting
     def propose(self, seq: DraftState, k: int) -> list[int]:
+        return self._draft(seq, k, 0)[0]
+
+    def candidates(self, seq: DraftState, k: int, n_top: int
+                   ) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """For tree drafting (tree_verify.draft_tree): the top-1 chain of up to k tokens and,
+        per chain position, its n_top most likely target ids (k', n_top) int64 with their
+        log-probabilities (float64, log-softmax over the draft vocabulary), best first; the
+        chain's token is each row's first. Each position's logits row comes to the host."""
+        if not 1 <= n_top <= self.spec.draft_vocab:
+            raise ValueError(f"n_top must be in 1..{self.spec.draft_vocab}, got {n_top}")
+        chain, ids, logp = self._draft(seq, k, n_top)
+        return chain, np.asarray(ids, np.int64).reshape(-1, n_top), np.asarray(
+            logp, np.float64).reshape(-1, n_top)
+
+    def _draft(self, seq: DraftState, k: int, n_top: int):
+        """Up to k greedy drafts after seq.history; with n_top > 0 also each position's top
+        n_top (target ids, log-probabilities), the chain's token first."""
         H = len(seq.history)
         st = self._slots.get(seq.slot)
         # rows up to position H - 2 + k - 1 are written (d_k has none)
         k = min(k, self.n_ctx - H + 1)
         if st is None or st.n_done != H - 1 or st.d1 < 0 or k <= 0:
-            return []
+            return [], [], []
         m, be = self.model, self.model.backend
-        ids, g = [st.d1], self._g[:1]
+        g, tops, logps = self._g[:1], [], []
         be.copy_rows(self._y[seq.slot:seq.slot + 1], g)                  # (1, E) y_1
+        if n_top:
+            ids = [self._top(m.head(g), n_top, tops, logps)]
+        else:
+            ids = [st.d1]
         for i in range(1, k):
             self._upload([ids[-1]], H - 2 + i, seq.slot)
             logits = m.decode(self._ids[:1], self._pos[:1], self._slot_ids[:1], H - 1 + i, g, 1)
             self.steps += 1
-            ids.append(self._argmax(logits))
+            ids.append(self._top(logits, n_top, tops, logps) if n_top else self._argmax(logits))
             be.copy_rows(m.ws_y[:1], g)                                  # (1, E) y_{i+1}
-        return ids
+        return ids, tops, logps
+
+    def _top(self, logits, n_top: int, tops: list, logps: list) -> int:
+        """Append the n_top best target ids of logits (1, Vd) and their log-probabilities;
+        returns the best (the lowest draft row on ties, as the argmax)."""
+        rows, logp = candidates_from_logits(np.asarray(self.model.backend.to_host(logits)),
+                                            n_top)                       # (1, n_top) each
+        d2t = self.model.d2t
+        ids = d2t[rows[0]] if d2t is not None else rows[0]
+        tops.append([int(t) for t in ids])
+        logps.append([float(x) for x in logp[0]])
+        return tops[-1][0]
