@@ -4,9 +4,10 @@ bigram head fitted to the CUDA target's own plain greedy output (F16), drafting 
 
 Greedy output with speculation equals plain greedy output at widths 2, 6 and 16, seeded sampled
 speculation equals plain sampling, and a request alone equals it in a batch of four speculating
-requests. Acceptance is printed; the bigram head's must be above zero. The heads are F16: a
-Q8_0 head's fc input outgrows the target's prepared activation blocks on CUDA
-(tests/gpu/test_eagle3_model.py's expected failure)."""
+requests; trees of 4, 8 and 16 nodes equal plain greedy output. Acceptance is printed; the
+bigram head's must be above zero. The heads are F16: a Q8_0 head's fc input outgrows the
+target's prepared activation blocks on CUDA (tests/gpu/test_eagle3_model.py's expected
+failure)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,19 @@ def test_a_request_alone_equals_it_in_a_speculating_batch_on_cuda(heads, which):
         got = batch_equals_alone(eng, "eagle3")
     print(f"\n{which}: {sum(g.finished.usage.accepted_draft_tokens for g in got)} drafts "
           "accepted in the batch")
+
+
+@pytest.mark.parametrize("which", ["random", "agreeing"])
+def test_trees_equal_plain_greedy_on_cuda(heads, plain_ids, which):
+    """Tree verify over the head's top-4 per depth, budgets 4, 8 and 16, captured steps."""
+    with cuda_engine(heads[which], tree_budget=4) as eng:
+        for budget in (4, 8, 16):
+            eng.config = replace(eng.config, tree_budget=budget)
+            drafted = accepted = 0
+            for prompt, plain in zip(PROMPTS, plain_ids, strict=True):
+                out = run(eng, prompt, max_new_tokens=N_NEW, ignore_eos=True)
+                assert out.token_ids == plain, (which, budget, prompt)
+                drafted += out.finished.usage.draft_tokens
+                accepted += out.finished.usage.accepted_draft_tokens
+            print(f"\n{which} tree budget {budget}: {accepted}/{drafted} drafts accepted")
+            assert drafted > 0

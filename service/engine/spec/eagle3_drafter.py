@@ -15,6 +15,10 @@ x_{p+2}. With history h = [h_0 .. h_{H-1}] (h_{H-1} the seed, whose target row i
              its pre-norm output y, both kept per slot.
     propose: d_{i+1} = argmax(decode(d_i, g = y_i at position H - 2 + i)), y_{i+1} its pre-norm
              output, for i = 1..k-1 (llama.cpp's chain: y feeds back in place of fc's g).
+    candidates (tree verify): the same chain, each depth's logits row brought to the host for
+             its top n (the first depth's from the kept y through the output layer: the ops
+             that chose d1, so the same row); the rows extended after a tree step are its
+             accepted path's (spec/decode.committed_rows).
 
 Draft rows at positions >= H - 1 are stale once the target has verified them: the next extend
 rewrites those positions with the target's real features (rollback = position move, as for the
