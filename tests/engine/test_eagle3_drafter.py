@@ -418,3 +418,13 @@ def test_plain_requests_on_an_eagle3_server_tap_nothing(heads):
                   speculative=False)
         assert out.finished.usage.draft_tokens == 0
         assert eng.drafter.steps == 0
+
+
+def test_serve_refuses_a_file_that_is_not_an_eagle3_drafter_with_exit_2():
+    from tests.support.grpc_harness import run_serve
+
+    r = run_serve([str(model_path(TARGET)), "--backend", "cpu", "--port", "0",
+                   "--metrics-port", "-1", "--drafter", "eagle3", "--draft-model",
+                   str(model_path(TARGET))], timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "draft_model" in r.stderr and "EAGLE-3 drafter ('eagle3') expected" in r.stderr
