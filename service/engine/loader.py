@@ -292,10 +292,17 @@ def load_eagle3(header, config: EngineConfig, target: Transformer) -> Drafter:
 
     f, spec = header
     t = time.perf_counter()
-    model = Eagle3Model(spec, f, target, n_ctx=config.n_ctx, n_slots=config.n_slots,
-                        max_tokens=target.max_tokens, type_k=config.kv_cache_type_k,
-                        type_v=config.kv_cache_type_v)
+    try:
+        model = Eagle3Model(spec, f, target, n_ctx=config.n_ctx, n_slots=config.n_slots,
+                            max_tokens=target.max_tokens, type_k=config.kv_cache_type_k,
+                            type_v=config.kv_cache_type_v)
+        drafter = Eagle3Drafter(model, f"{f.get('general.name', f.path.stem)} "
+                                       f"({f.path.name}, EAGLE-3)")
+        drafter.check()
+    except Exception as e:      # the backend cannot run the head's shapes or types
+        raise ConfigError([("draft_model", f"{f.path.name} cannot run on the "
+                                           f"{config.backend} backend: {type(e).__name__}: "
+                                           f"{e}")]) from e
     phase("draft_model", t, path=str(f.path), kind="eagle3", layers=list(spec.target_layers),
           width=spec.n_embd, draft_vocab=spec.draft_vocab)
-    return Eagle3Drafter(model, f"{f.get('general.name', f.path.stem)} ({f.path.name}, "
-                                "EAGLE-3)")
+    return drafter

@@ -428,3 +428,29 @@ def test_serve_refuses_a_file_that_is_not_an_eagle3_drafter_with_exit_2():
                    str(model_path(TARGET))], timeout=120)
     assert r.returncode == 2, r.stderr
     assert "draft_model" in r.stderr and "EAGLE-3 drafter ('eagle3') expected" in r.stderr
+
+
+def test_a_failing_extend_leaves_requests_exact_and_undrafted(heads, plain_ids, monkeypatch):
+    """The drafter's failure after a step (its tokens committed) is logged, not the request's:
+    the request ends normally with plain output, and the drafter, never caught up, proposes
+    nothing."""
+    def broken(*a, **k):
+        raise RuntimeError("no room")
+
+    with eagle3_engine(heads["random"], verify_width=4) as eng:
+        monkeypatch.setattr(eng.drafter, "extend", broken)
+        out = run(eng, PROMPTS[0], max_new_tokens=N_NEW, ignore_eos=True)
+    assert out.finished.error is None and out.token_ids == plain_ids[0]
+    assert out.finished.usage.draft_tokens == 0
+
+
+def test_a_head_the_backend_cannot_run_is_refused_at_startup(heads, monkeypatch):
+    def broken(self):
+        raise ValueError("activations (1, 768) exceed the prepared buffers")
+
+    monkeypatch.setattr(Eagle3Drafter, "check", broken)
+    with pytest.raises(ConfigError) as ei:
+        Engine.load(model_path(TARGET), engine_config(drafter="eagle3",
+                                                      draft_model=str(heads["random"])))
+    (field_, message), = ei.value.problems
+    assert field_ == "draft_model" and "exceed the prepared buffers" in message

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 import numpy as np
+import structlog
 
 from service.engine.runner.step import RowSampling, StepInput, StepOutput
 from service.engine.scheduler.plan import DecodeRow, SlotChange
@@ -32,6 +33,8 @@ from service.engine.spec.tree import Tree
 from service.engine.spec.tree_verify import commit as commit_tree
 from service.engine.spec.tree_verify import draft_tree, n_rows, rows, step_fields
 from service.engine.stepprofile import DRAFT, OTHER, StepTimer
+
+log = structlog.get_logger("specstream.engine")
 
 Draft = list[int] | Tree
 Move = tuple[int, np.ndarray, np.ndarray]   # (slot, KV rows written, rows they belong in)
@@ -104,8 +107,14 @@ class Speculator:
             if seq.finished or not seq.speculative or seq.slot < 0:
                 continue
             rows = committed_rows(inp, seq.slot, seq.history)
-            if len(rows):
+            if not len(rows):
+                continue
+            try:
                 self.drafter.extend(seq, rows, np.asarray(inp.positions)[rows], hidden)
+            except Exception as exc:   # the tokens are committed: the drafter only falls
+                # behind (it drafts nothing for seq until a later extend catches it up)
+                log.warning("drafter_extend_failed", request_id=seq.request.request_id,
+                            error=f"{type(exc).__name__}: {exc}")
 
     def draft(self, plan: Seq[DecodeRow], timer: StepTimer | None = None
               ) -> list[tuple[Sequence, Draft]]:

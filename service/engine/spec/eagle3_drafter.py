@@ -86,9 +86,9 @@ class Eagle3Drafter(Drafter):
 
     # ---------------------------------------------------------------- the target's rows
     def extend(self, seq: DraftState, rows: Seq[int], positions: Seq[int], hidden) -> None:
-        """Rows `rows` (ascending indices into `hidden`, the tapped step's (n, 3 Et) f32 rows)
-        computed positions `positions` (ascending, consecutive) of seq, each with a committed
-        next token in seq.history: encode and decode them as the drafter's rows there."""
+        """Rows `rows` (indices into `hidden`, the tapped step's (n, 3 Et) f32 rows) computed
+        positions `positions` (ascending, consecutive) of seq, each with a committed next token
+        in seq.history: encode and decode them as the drafter's rows there."""
         h, n = seq.history, len(rows)
         if n == 0:
             return
@@ -110,6 +110,17 @@ class Eagle3Drafter(Drafter):
         be = m.backend
         be.copy_rows(m.ws_y[n - a - 1:n - a], self._y[seq.slot:seq.slot + 1])   # (1, E)
         st.n_done, st.d1 = p0 + n, self._argmax(logits)
+
+    def check(self) -> None:
+        """Run the head once (encode, decode and argmax of one row at position 0 of slot 0,
+        which any sequence's first extend rewrites): a backend that cannot run its shapes
+        fails here, at load, instead of on the first request."""
+        s, be = self.spec, self.model.backend
+        feats = be.zeros((1, 3 * s.n_embd_target))                        # (1, 3Et) f32
+        self._encode([0], feats, self._g[:1])
+        self._upload([0], 0, 0)
+        self._argmax(self.model.decode(self._ids[:1], self._pos[:1], self._slot_ids[:1], 1,
+                                       self._g[:1], 1))
 
     def _encode(self, rows: Seq[int], hidden, g) -> None:
         """g (T, E) = fc(hidden[rows]), one encoder call per run of consecutive rows."""
