@@ -12,7 +12,9 @@ eagle3_forward.py is the numpy reference it is tested against).
         r (the workspace `y`) is the pre-norm output a chain feeds back as g.
 The logits are over the draft vocabulary (Vd rows of the output): with d2t, draft id i is
 target id d2t[i] (`d2t`, a host array); mapping the chosen ids is the drafter's business.
-Every buffer is allocated at construction; a step only slices (the transformer's rule).
+Every buffer is allocated at construction; a step only slices (the transformer's rule). The
+head shares the target's backend: its construction sizes the backend's step scratch again over
+both models' matrices (Transformer.prepare_backend), so it comes before any step.
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ class Eagle3Model:
         self.ws_gu = z((m, 2 * s.n_ff))                                   # (M, 2F) f32
         self.ws_act = z((m, s.n_ff))                                      # (M, F) f32
         self.ws_logits = z((m, s.draft_vocab))                            # (M, Vd) f32
+        # the backend's scratch was sized for the target's matrices: again over the head's
+        # (its fc is 3 Et wide), before any step runs
+        target.prepare_backend()
 
     def encode(self, features, g) -> None:
         """g (T, E) = fc @ features (T, 3 Et); both backend arrays."""
