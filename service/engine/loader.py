@@ -295,7 +295,7 @@ def load_eagle3(header, config: EngineConfig, target: Transformer) -> Drafter:
     try:
         model = Eagle3Model(spec, f, target, n_ctx=config.n_ctx, n_slots=config.n_slots,
                             max_tokens=target.max_tokens, type_k=config.kv_cache_type_k,
-                            type_v=config.kv_cache_type_v)
+                            type_v=config.kv_cache_type_v, max_logits=1)
         drafter = Eagle3Drafter(model, f"{f.get('general.name', f.path.stem)} "
                                        f"({f.path.name}, EAGLE-3)")
         drafter.check()
