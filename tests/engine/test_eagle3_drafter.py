@@ -454,3 +454,20 @@ def test_a_head_the_backend_cannot_run_is_refused_at_startup(heads, monkeypatch)
                                                       draft_model=str(heads["random"])))
     (field_, message), = ei.value.problems
     assert field_ == "draft_model" and "exceed the prepared buffers" in message
+
+
+def test_a_scored_prompt_is_extended_part_by_part(heads):
+    """prompt_logprobs computes the prompt in parts of at most max_logits rows (each tapped
+    and extended before the next overwrites the tap): output and prompt scores equal plain's,
+    and the drafter is caught up after the prompt (it drafts at the first decode step)."""
+    prompt = [(29 * i + 17) % 1000 + 1 for i in range(90)]
+    with eagle3_engine(heads["random"], verify_width=4) as eng:
+        assert eng.runner.model.max_logits < len(prompt)
+        kw = dict(max_new_tokens=8, ignore_eos=True, prompt_logprobs=1)
+        spec = run(eng, prompt, **kw)
+        plain = run(eng, prompt, speculative=False, **kw)
+        steps = eng.drafter.steps
+    assert spec.token_ids == plain.token_ids
+    assert len(spec.started.prompt_logprobs) == len(prompt) - 1
+    assert spec.started.prompt_logprobs == plain.started.prompt_logprobs
+    assert spec.finished.usage.draft_tokens > 0 and steps > 0
