@@ -7,8 +7,11 @@ tiny-qwen3 as the target, EAGLE-3 heads written for it.
 - Speculative output equals plain output: greedy at widths 2, 6 and 16, seeded sampling, and a
   request alone equals it in a batch of four speculating requests, with a random-weight head
   (`synth --eagle3`: it drafts every step and is almost never right) and with a head made to
-  agree with the target (BIGRAM below), whose drafts are accepted.
-- Bad configurations are refused at startup naming draft_model / tree_budget.
+  agree with the target (bigram_head below), whose drafts are accepted.
+- Trees (DDTree over the head's top 4 per depth) at budgets 4, 8 and 16 likewise, and the
+  rows extended after a tree step are its accepted path's.
+
+Setup and failure paths: tests/engine/test_eagle3_setup.py.
 
 The agreeing head: its weights make it a bigram table, whatever the target's features (fc = 0,
 the feature half of its attention input normed to 0 by a zero attn_norm_2 with
@@ -29,18 +32,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.config import EngineConfig
 from service.engine.runner import GREEDY as ROW_GREEDY
 from service.engine.runner import StepInput
 from service.engine.spec.eagle3_drafter import Eagle3Drafter
 from service.engine.types import SamplingParams
-from service.errors import ConfigError
 from service.gguf.reader import GGUFFile
 from service.model.eagle3_forward import Eagle3Draft
 from service.tools.synth_eagle3 import synthesize_eagle3, write_eagle3
 from tests.engine.test_moe_speculation import PROMPTS, batch_equals_alone
-from tests.support.engines import GREEDY, Engine, engine_config, run, running_engine
-from tests.support.models import TINY, model_path
+from tests.support.engines import run, running_engine
+from tests.support.models import model_path
 
 TARGET, N_NEW = "tiny-qwen3", 24
 WIDTHS = (2, 6, 16)
@@ -387,87 +388,3 @@ def test_committed_rows_of_a_tree_are_its_accepted_path():
     assert committed_rows(inp, 0, history).tolist() == want
     # the chain in slot 1 accepted 8 (position 13): rows 0 and 1
     assert committed_rows(inp, 1, [0] * 12 + [7, 8, 50]).tolist() == [0, 1]
-
-
-# ---------------------------------------------------------------- configuration
-def test_config_problems_name_the_fields():
-    problems = dict(EngineConfig(drafter="eagle3").problems())
-    assert "EAGLE-3" in problems["draft_model"]
-    assert EngineConfig(drafter="eagle3", draft_model="x.gguf", tree_budget=8).problems() == []
-
-
-@pytest.mark.parametrize("case", ["missing", "not eagle3", "another target"])
-def test_a_wrong_draft_model_is_refused_at_startup(heads, tmp_path, case):
-    target, draft = TARGET, str(heads["random"])
-    if case == "missing":
-        draft, why = str(tmp_path / "none.gguf"), "is not a file"
-    elif case == "not eagle3":
-        draft, why = str(model_path(TARGET)), "EAGLE-3 drafter ('eagle3') expected"
-    else:
-        target, why = "tiny-qwen3moe-s-q8", "target_hidden_size 256 but the target's"
-    with pytest.raises(ConfigError) as ei:
-        Engine.load(TINY / f"{target}.gguf", engine_config(drafter="eagle3", draft_model=draft))
-    messages = [m for f, m in ei.value.problems if f == "draft_model"]
-    assert messages and why in messages[0], ei.value.problems
-
-
-def test_plain_requests_on_an_eagle3_server_tap_nothing(heads):
-    """A request with speculation off runs untapped steps and leaves the drafter no state."""
-    with eagle3_engine(heads["random"]) as eng:
-        out = run(eng, PROMPTS[0], GREEDY, max_new_tokens=6, ignore_eos=True,
-                  speculative=False)
-        assert out.finished.usage.draft_tokens == 0
-        assert eng.drafter.steps == 0
-
-
-def test_serve_refuses_a_file_that_is_not_an_eagle3_drafter_with_exit_2():
-    from tests.support.grpc_harness import run_serve
-
-    r = run_serve([str(model_path(TARGET)), "--backend", "cpu", "--port", "0",
-                   "--metrics-port", "-1", "--drafter", "eagle3", "--draft-model",
-                   str(model_path(TARGET))], timeout=120)
-    assert r.returncode == 2, r.stderr
-    assert "draft_model" in r.stderr and "EAGLE-3 drafter ('eagle3') expected" in r.stderr
-
-
-def test_a_failing_extend_leaves_requests_exact_and_undrafted(heads, plain_ids, monkeypatch):
-    """The drafter's failure after a step (its tokens committed) is logged, not the request's:
-    the request ends normally with plain output, and the drafter, never caught up, proposes
-    nothing."""
-    def broken(*a, **k):
-        raise RuntimeError("no room")
-
-    with eagle3_engine(heads["random"], verify_width=4) as eng:
-        monkeypatch.setattr(eng.drafter, "extend", broken)
-        out = run(eng, PROMPTS[0], max_new_tokens=N_NEW, ignore_eos=True)
-    assert out.finished.error is None and out.token_ids == plain_ids[0]
-    assert out.finished.usage.draft_tokens == 0
-
-
-def test_a_head_the_backend_cannot_run_is_refused_at_startup(heads, monkeypatch):
-    def broken(self):
-        raise ValueError("activations (1, 768) exceed the prepared buffers")
-
-    monkeypatch.setattr(Eagle3Drafter, "check", broken)
-    with pytest.raises(ConfigError) as ei:
-        Engine.load(model_path(TARGET), engine_config(drafter="eagle3",
-                                                      draft_model=str(heads["random"])))
-    (field_, message), = ei.value.problems
-    assert field_ == "draft_model" and "exceed the prepared buffers" in message
-
-
-def test_a_scored_prompt_is_extended_part_by_part(heads):
-    """prompt_logprobs computes the prompt in parts of at most max_logits rows (each tapped
-    and extended before the next overwrites the tap): output and prompt scores equal plain's,
-    and the drafter is caught up after the prompt (it drafts at the first decode step)."""
-    prompt = [(29 * i + 17) % 1000 + 1 for i in range(90)]
-    with eagle3_engine(heads["random"], verify_width=4) as eng:
-        assert eng.runner.model.max_logits < len(prompt)
-        kw = dict(max_new_tokens=8, ignore_eos=True, prompt_logprobs=1)
-        spec = run(eng, prompt, **kw)
-        plain = run(eng, prompt, speculative=False, **kw)
-        steps = eng.drafter.steps
-    assert spec.token_ids == plain.token_ids
-    assert len(spec.started.prompt_logprobs) == len(prompt) - 1
-    assert spec.started.prompt_logprobs == plain.started.prompt_logprobs
-    assert spec.finished.usage.draft_tokens > 0 and steps > 0
