@@ -7,7 +7,10 @@ and an oracle drafter on synthetic shapes; every ratio against plain decoding in
     (bench/spec_tables.py), greedy, plain decoding against: the n-gram drafter (chain), a
     layer-truncated q8_0 self-drafter made on the fly with service.tools.quantize (`--layers`:
     N keeps blocks 0..N-1, -N drops the last N), the same with tree verify (`--tree-budget`),
-    and `--draft PATH` (e.g. a draft GGUF with a fitted Markov head), chain and tree. Per row:
+    and `--draft PATH` (e.g. a draft GGUF with a fitted Markov head), chain and tree, and
+    `--eagle3 PATH` (an EAGLE-3 head; rows only for the models it fits) or `--eagle3 synth` (a
+    random head written per model by `synth --eagle3`: it measures the drafting path's cost,
+    its drafts are almost never accepted), chain and tree. Per row:
     acceptance (accepted / drafted), mean tokens per target step, decode tok/s, speedup against
     plain, and whether every greedy output equals plain decoding's (else the first differing
     prompt and token index; the run goes on). Each configuration is its own engine, loaded with
@@ -79,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--tree-budget", default="8", help="tree verify node budgets ('' = none)")
     g.add_argument("--draft", action="append", default=[], metavar="PATH",
                    help="a draft GGUF of the target's vocabulary (repeatable)")
+    g.add_argument("--eagle3", action="append", default=[], metavar="PATH|synth",
+                   help="an EAGLE-3 head (rows for the models it fits), or 'synth': a random "
+                        "head per model (repeatable)")
     g.add_argument("--alpha", type=float, help="verify cost per extra row for every engine "
                    "(0: draft in full); default: timed once per model")
     g = ap.add_argument_group("part synth")
@@ -130,6 +136,35 @@ def real_configs(a, n_layer: int, tmp: Path, target: Path) -> list[tuple[str, st
         fields = {"drafter": "model", "draft_model": str(path)}
         out.append((label, f"chain {a.width}", fields))
         out += [(label, f"tree {b}", {**fields, "tree_budget": b}) for b in a.budgets]
+    for label, path in eagle3_heads(a, tmp, target):
+        fields = {"drafter": "eagle3", "draft_model": str(path)}
+        out.append((label, f"chain {a.width}", fields))
+        out += [(label, f"tree {b}", {**fields, "tree_budget": b}) for b in a.budgets]
+    return out
+
+
+def eagle3_heads(a, tmp: Path, target: Path) -> list[tuple[str, Path]]:
+    """(label, path) of the --eagle3 heads that fit `target` ('synth': one written now)."""
+    from service.errors import ModelFormatError
+    from service.gguf.reader import GGUFFile
+    from service.model.eagle3 import Eagle3Spec
+    from service.model.spec import ModelSpec
+    from service.tools.synth_eagle3 import synthesize_eagle3
+
+    spec, out = ModelSpec.from_gguf(GGUFFile(target)), []
+    for p in a.eagle3:
+        if p == "synth":
+            path = tmp / f"{target.stem}-eagle3-synth.gguf"
+            if not path.is_file():
+                synthesize_eagle3(path, target)
+            out.append(("eagle3 synth (random)", path))
+            continue
+        try:
+            Eagle3Spec.from_gguf(GGUFFile(p)).check_target(spec, p)
+        except ModelFormatError as e:
+            print(f"  --eagle3 {p}: not for {target.name} ({e})")
+            continue
+        out.append((f"eagle3 {Path(p).name}", Path(p)))
     return out
 
 

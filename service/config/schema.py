@@ -22,7 +22,7 @@ MIN_VERIFY_WIDTH = 1
 MAX_VERIFY_WIDTH = 16            # one step processes 1..16 tokens (decode, verify, batching)
 MAX_TREE_BUDGET = MAX_VERIFY_WIDTH   # tree verify: nodes per step (0 = chain verify)
 BACKENDS = ("auto", "cpu", "cuda")
-DRAFTERS = ("none", "ngram", "model", "suffix")
+DRAFTERS = ("none", "ngram", "model", "suffix", "eagle3")
 
 
 def supported_pairs_listing() -> str:
@@ -42,7 +42,8 @@ class EngineConfig:
     verify_width: int = 4            # tokens verified per speculative step (1 = no speculation)
     drafter: str = "ngram"           # "none" | "ngram" (prompt lookup) | "model" (draft GGUF)
                                      # | "suffix" (suffix index + cross-request cache)
-    draft_model: str = ""            # drafter "model": the draft GGUF (path or known name)
+                                     # | "eagle3" (EAGLE-3 head on the target's hidden states)
+    draft_model: str = ""            # drafter "model" / "eagle3": the draft GGUF
     ngram_size: int = 3              # n-gram length the lookup drafter matches
     suffix_cache_tokens: int = 65536  # drafter "suffix": tokens of other requests it keeps
     tree_budget: int = 0             # > 0: tree verify (DDTree) with this many nodes; 0: chain
@@ -88,6 +89,9 @@ class EngineConfig:
         if self.drafter == "model" and not self.draft_model.strip():
             out.append(("draft_model", "the model drafter needs a draft model: a .gguf path or "
                                        "a known model name sharing the target's vocabulary"))
+        if self.drafter == "eagle3" and not self.draft_model.strip():
+            out.append(("draft_model", "the eagle3 drafter needs a draft model: an EAGLE-3 "
+                                       ".gguf in llama.cpp's format made for the target"))
         if self.tree_budget != 0 and not 2 <= self.tree_budget <= MAX_TREE_BUDGET:
             out.append(("tree_budget", f"{self.tree_budget} is out of range; allowed 0 (chain "
                                        f"verify) or 2..{MAX_TREE_BUDGET}"))

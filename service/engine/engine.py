@@ -135,7 +135,9 @@ class Engine:
         self.failure: str | None = None   # why the engine thread died, if it did
         self._ready = threading.Event()
         self._stopping = False
-        self.runner = ModelRunner(model, config.n_slots, config.n_ctx)
+        # a drafter reading the target's hidden states (EAGLE-3) gets them from tapped steps
+        self.runner = ModelRunner(model, config.n_slots, config.n_ctx,
+                                  hidden=self.drafter.tap if self.drafter else None)
         self.runner.on_packed = lambda: self._lap(PACK)     # the iteration profile's part
         # rows of one decode step (the backends' step-size-invariant width, within the model's
         # workspace) and the fixed prefill chunk, under config.max_step_tokens
@@ -151,6 +153,7 @@ class Engine:
         # the overlap pays where steps run asynchronously (a GPU); "on" forces it (tests)
         self.overlap = config.overlap == "on" or (config.overlap == "auto"
                                                   and model.backend.asynchronous)
+        self._tapped: StepInput | None = None    # the last step run, for Speculator.extend
         self.overlapped = OverlappedDecode(self.runner, self.scheduler, self.speculator,
                                            self._lock, lambda: self.stats, self._release)
 
@@ -435,6 +438,7 @@ class Engine:
         for chunk, out in zip(chunks, chunk_outs, strict=True):
             if out is not False and not chunk.seq.finished:
                 self._prefilled(chunk, out)
+        self._extend([seq for seq, _ in batch] + [c.seq for c in chunks])
         if timer is not None:
             timer.finish([seq for seq, _ in batch], self.stats.decode_steps,
                          sum(n_rows(d) for _, d in batch))
@@ -468,6 +472,9 @@ class Engine:
         if timer is not None:
             timer.lap(OTHER)            # planning (drafting laps itself)
         inp = mixed_input(batch, chunks)
+        if self.speculator.taps([seq for seq, _ in batch] + [c.seq for c in chunks]):
+            inp = replace(inp, hidden=True)
+        self._tapped = inp
         if timer is not None:
             timer.lap(HEADS)
         self.runner.launch(inp)
@@ -492,6 +499,7 @@ class Engine:
         self.stats.count_step(0, 0, 1, len(chunk.tokens))
         self._lap(STEP)
         self._prefilled(chunk, out if chunk.choose else None)
+        self._extend([seq])
         self._lap(EMIT)
 
     def _prefilled(self, chunk: PrefillChunk, out: StepOutput | None) -> None:
@@ -518,6 +526,8 @@ class Engine:
             out = self._forward(seq, toks, start, [
                 replace(GREEDY, n_top=k, score_id=prompt[p + 1]) if p + 1 < n else choice(seq)
                 for p in where])
+            if s + step < len(chunk.tokens):    # the last part's rows: after the first token
+                self._extend([seq])
             for r, p in enumerate(where):
                 if p + 1 < n:
                     lp = out.logprobs[r]
@@ -528,5 +538,14 @@ class Engine:
                  rows: list[RowSampling]) -> StepOutput:
         """Run `tokens` of `seq` from position `start`; the last len(rows) rows choose a token."""
         T, L = len(tokens), len(rows)
-        return self.runner.step(StepInput(tokens, range(start, start + T), [seq.slot] * T,
-                                          range(T - L, T), rows))
+        inp = self._tapped = StepInput(tokens, range(start, start + T), [seq.slot] * T,
+                                       range(T - L, T), rows,
+                                       hidden=self.speculator.taps([seq]))
+        return self.runner.step(inp)
+
+    def _extend(self, seqs: list[Sequence]) -> None:
+        """After the last step's commits: a drafter reading the target's hidden states takes
+        the committed rows of `seqs` from that step (Speculator.extend)."""
+        inp, self._tapped = self._tapped, None
+        if inp is not None and inp.hidden:
+            self.speculator.extend(inp, seqs, self.runner.hidden_states(inp))

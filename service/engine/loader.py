@@ -1,6 +1,7 @@
 """Loading a model for the engine: header, tokenizer, backend, weights and KV cache, each phase
 logged with its duration; with drafter 'model', the draft model too, after its vocabulary is
-compared with the target's (check_draft_vocabulary) and before any weights are read."""
+compared with the target's (check_draft_vocabulary) and before any weights are read; with
+drafter 'eagle3', the EAGLE-3 head, its file checked against the target first (eagle3_header)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ def load_model(model_path: str | Path, config: EngineConfig,
         draft = _draft_header(config.draft_model)
         check_draft_vocabulary(gguf, spec, tokenizer, *draft,
                                n_ctx=min(config.n_ctx, spec.n_ctx_train))
+    eagle3 = eagle3_header(config, spec) if config.drafter == "eagle3" else None
     backend_name = resolve_backend_name(config.backend)
     backend = new_backend(backend_name, config)
     pair = (config.kv_cache_type_k, config.kv_cache_type_v)
@@ -114,6 +116,8 @@ def load_model(model_path: str | Path, config: EngineConfig,
     pool = (model.cache.n_blocks, model.cache.block_size)
     drafter = (_load_drafter(draft, config, backend_name, spec.vocab_size, pool)
                if draft is not None else None)
+    if eagle3 is not None:
+        drafter = load_eagle3(eagle3, config, model)
     return LoadedModel(path, gguf, spec, tokenizer, model, config, backend_name, template,
                        drafter)
 
@@ -253,3 +257,52 @@ def _load_drafter(draft: tuple[GGUFFile, ModelSpec, Tokenizer], config: EngineCo
           file_type=dspec.file_type, markov_rank=head.rank if head else 0)
     name = f"{dspec.name} ({f.path.name}" + (f", Markov head rank {head.rank})" if head else ")")
     return ModelDrafter(model, name, head)
+
+
+# ---------------------------------------------------------------- the EAGLE-3 head
+def eagle3_header(config: EngineConfig, target: ModelSpec):
+    """(file, Eagle3Spec) of config.draft_model, read and checked against the target before
+    any weights are loaded: ConfigError naming draft_model when it is not an EAGLE-3 drafter
+    made for this target (format, width, vocabulary, layers)."""
+    from service.errors import ModelFormatError
+    from service.model.eagle3 import Eagle3Spec
+
+    path = Path(config.draft_model).expanduser()
+    if not path.is_file():
+        raise ConfigError([("draft_model", f"{config.draft_model!r} is not a file (an EAGLE-3 "
+                                           "drafter in llama.cpp's GGUF format)")])
+    try:
+        f = GGUFFile(path)
+        spec = Eagle3Spec.from_gguf(f)
+        spec.check_target(target, f"EAGLE-3 drafter {path.name}")
+        if spec.has_rope_freqs:
+            raise ModelFormatError("rope_freqs (Llama-3 RoPE scaling) in an EAGLE-3 drafter "
+                                   "is not supported yet")
+    except (ModelFormatError, ValueError, OSError) as e:
+        raise ConfigError([("draft_model", f"{path.name} cannot draft for {target.name}: "
+                                           f"{e}")]) from e
+    return f, spec
+
+
+def load_eagle3(header, config: EngineConfig, target: Transformer) -> Drafter:
+    """The eagle3 drafter (eagle3_header's file and spec) on the target's backend: it reads the
+    target's hidden states and may share its embeddings and output."""
+    from service.engine.spec.eagle3_drafter import Eagle3Drafter
+    from service.model.eagle3_model import Eagle3Model
+
+    f, spec = header
+    t = time.perf_counter()
+    try:
+        model = Eagle3Model(spec, f, target, n_ctx=config.n_ctx, n_slots=config.n_slots,
+                            max_tokens=target.max_tokens, type_k=config.kv_cache_type_k,
+                            type_v=config.kv_cache_type_v, max_logits=1)
+        drafter = Eagle3Drafter(model, f"{f.get('general.name', f.path.stem)} "
+                                       f"({f.path.name}, EAGLE-3)")
+        drafter.check()
+    except Exception as e:      # the backend cannot run the head's shapes or types
+        raise ConfigError([("draft_model", f"{f.path.name} cannot run on the "
+                                           f"{config.backend} backend: {type(e).__name__}: "
+                                           f"{e}")]) from e
+    phase("draft_model", t, path=str(f.path), kind="eagle3", layers=list(spec.target_layers),
+          width=spec.n_embd, draft_vocab=spec.draft_vocab)
+    return drafter

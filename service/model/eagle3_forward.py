@@ -11,8 +11,8 @@
 Weights are dequantized to f32 once; the token embeddings and the output projection are the
 drafter's own or the target's (the target's output, or its tied embeddings). RoPE is the normal
 kind (pairs 2i, 2i + 1; llama.cpp's converter permutes q and k for it), angles pos *
-base^(-2i / rope_dims) divided by rope_freqs[i] where the file has them. Not yet wired into the
-engine: the reference its CPU and CUDA drafters will be held to.
+base^(-2i / rope_dims) divided by rope_freqs[i] where the file has them. The oracle the engine's
+eagle3 drafter is tested against (tests/engine/test_eagle3_drafter.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ eagle3_forward.py is the numpy reference it is tested against).
         r (the workspace `y`) is the pre-norm output a chain feeds back as g.
 The logits are over the draft vocabulary (Vd rows of the output): with d2t, draft id i is
 target id d2t[i] (`d2t`, a host array); mapping the chosen ids is the drafter's business.
-Every buffer is allocated at construction; a step only slices (the transformer's rule).
+Every buffer is allocated at construction; a step only slices (the transformer's rule). The
+head shares the target's backend: its construction sizes the backend's step scratch again over
+both models' matrices (Transformer.prepare_backend), so it comes before any step.
 """
 
 from __future__ import annotations
@@ -28,13 +30,16 @@ from service.model.weights import _fused
 
 class Eagle3Model:
     def __init__(self, spec: Eagle3Spec, f: GGUFFile, target: Transformer, *, n_ctx: int,
-                 n_slots: int, max_tokens: int, type_k: str = "f16", type_v: str = "f16"):
+                 n_slots: int, max_tokens: int, type_k: str = "f16", type_v: str = "f16",
+                 max_logits: int | None = None):
         spec.check_target(target.spec, str(f.path))
         if spec.has_rope_freqs:
             raise NotImplementedError(f"{f.path}: rope_freqs (Llama-3 RoPE scaling) in an "
                                       "EAGLE-3 drafter is not supported yet")
         be: Backend = target.backend
         self.spec, self.backend, self.max_tokens = spec, be, max_tokens
+        # logits rows a call returns at most (a drafter needs 1; default every row)
+        self.max_logits = max_tokens if max_logits is None else max_logits
         t, vec = f.tensor, lambda name: be.load_vector(f.tensor(name))
         self.fc = be.load_matrix([t("fc.weight")])                       # (E, 3Et)
         self.enc_norm = vec("enc.output_norm.weight") if spec.norm_before_fc else None
@@ -66,7 +71,10 @@ class Eagle3Model:
         self.ws_e = z((m, s.n_embd))                                      # (M, E) f32 embeds
         self.ws_gu = z((m, 2 * s.n_ff))                                   # (M, 2F) f32
         self.ws_act = z((m, s.n_ff))                                      # (M, F) f32
-        self.ws_logits = z((m, s.draft_vocab))                            # (M, Vd) f32
+        self.ws_logits = z((self.max_logits, s.draft_vocab))              # (L, Vd) f32
+        # the backend's scratch was sized for the target's matrices: again over the head's
+        # (its fc is 3 Et wide), before any step runs
+        target.prepare_backend()
 
     def encode(self, features, g) -> None:
         """g (T, E) = fc @ features (T, 3 Et); both backend arrays."""
@@ -83,9 +91,9 @@ class Eagle3Model:
         outputs (T, E). ids, positions, slots: (T,) int32 backend arrays."""
         s, be, eps = self.spec, self.backend, self.spec.rms_eps
         T, E, F = len(ids), s.n_embd, s.n_ff
-        if not 1 <= T <= self.max_tokens or not 0 <= n_logits <= T:
+        if not 1 <= T <= self.max_tokens or not 0 <= n_logits <= min(T, self.max_logits):
             raise ValueError(f"EAGLE-3 step of {T} rows / {n_logits} logits (max "
-                             f"{self.max_tokens})")
+                             f"{self.max_tokens} / {self.max_logits})")
         h, y, o, n = self.ws_h[:T], self.ws_y[:T], self.ws_o[:T], self.ws_n[:T]
         e = self.ws_e[:T]
         be.embed(self.embedding, ids, 1.0, e)                            # (T, E)
@@ -110,10 +118,18 @@ class Eagle3Model:
             be.matmul(n, w, gu[:, c0:c1])                                # (T, 2F)
         be.glu_for_matmul(gu[:, :F], gu[:, F:], "silu", act)             # (T, F)
         be.matmul_add(act, self.down, y, o)                              # r += down
-        if n_logits == 0:
+        return self.head(y[T - n_logits:])
+
+    def head(self, y):
+        """logits (T, Vd) = output @ (rms_norm(y) * output_norm) of pre-norm rows y (T, E)
+        (decode's last op: the same ops on the same rows give the same bits)."""
+        T = y.shape[0]
+        if T > self.max_logits:
+            raise ValueError(f"EAGLE-3 head of {T} rows (max {self.max_logits})")
+        if T == 0:
             return self.ws_logits[:0]
-        hs = n[:n_logits]
-        be.rms_norm_for_matmul(y[T - n_logits:], self.output_norm, eps, hs)
-        logits = self.ws_logits[:n_logits]
-        be.matmul(hs, self.output, logits)                               # (n, Vd)
+        hs = self.ws_n[:T]
+        self.backend.rms_norm_for_matmul(y, self.output_norm, self.spec.rms_eps, hs)
+        logits = self.ws_logits[:T]
+        self.backend.matmul(hs, self.output, logits)                     # (T, Vd)
         return logits

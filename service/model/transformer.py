@@ -75,10 +75,17 @@ class Transformer:
         self.ws_gu = z((m * 2 * ff,))                                   # (T, 2F) f32 gate|up
         self.ws_act = z((m * ff,))                                      # (T, F) f32
         self.ws_logits = z((self.max_logits, s.vocab_size))             # (L, V) f32
-        backend.prepare(max_tokens=m, n_head=s.n_head, head_dim_v=s.head_dim_v, n_ctx=n_ctx,
-                        n_embd=s.n_embd, moe_experts=moe.n_expert if moe else 0,
-                        moe_used=moe.n_expert_used if moe else 0,
-                        moe_ff=moe.n_ff_expert if moe else 0)
+        self._prepare_args = dict(
+            max_tokens=m, n_head=s.n_head, head_dim_v=s.head_dim_v, n_ctx=n_ctx,
+            n_embd=s.n_embd, moe_experts=moe.n_expert if moe else 0,
+            moe_used=moe.n_expert_used if moe else 0, moe_ff=moe.n_ff_expert if moe else 0)
+        self.prepare_backend()
+
+    def prepare_backend(self) -> None:
+        """Size the backend's step scratch for this model's steps over every matrix loaded on
+        the backend so far: again after a part sharing the backend (an EAGLE-3 head) loaded
+        wider matrices, before any step runs."""
+        self.backend.prepare(**self._prepare_args)
 
     @staticmethod
     def _rows(flat, T: int, width: int):

@@ -99,10 +99,17 @@ def synthesize_eagle3(out: str | os.PathLike, target: str | os.PathLike, *, seed
         raise ConfigError(problems)
     spec = _draft_spec(t, layers or default_layers(t.n_layer), draft_vocab, own_embedding,
                        norm_before_fc)
-    tensors = _tensors(spec, seed, weight_std)
-    _write(out, tf, spec, tensors, quant)
+    return write_eagle3(out, tf, spec, _tensors(spec, seed, weight_std), quant)
+
+
+def write_eagle3(out: Path, target: GGUFFile, spec: Eagle3Spec,
+                 tensors: dict[str, np.ndarray], quant: str = "F32") -> Eagle3SynthResult:
+    """Write the drafter `spec` with the given weights (spec.tensor_shapes()'s names and
+    shapes, f32; d2t i64) for `target`, re-read and checked against it (tests build drafters of
+    chosen weights with it)."""
+    _write(out, target, spec, tensors, quant)
     got = Eagle3Spec.from_gguf(GGUFFile(out))
-    got.check_target(t, str(out))
+    got.check_target(ModelSpec.from_gguf(target), str(out))
     return Eagle3SynthResult(out, got, len(tensors), out.stat().st_size)
 
 
@@ -147,6 +154,8 @@ def _write(out: Path, target: GGUFFile, spec: Eagle3Spec, tensors: dict[str, np.
         w.add_float32(f"{ARCH}.rope.freq_base", spec.rope_base)
         if spec.norm_before_fc:
             w.add_bool(f"{ARCH}.norm_before_fc", True)
+        if spec.norm_before_residual:
+            w.add_bool(f"{ARCH}.norm_before_residual", True)
         data = []
         for name, a in tensors.items():
             if name == D2T:

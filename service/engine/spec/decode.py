@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 import numpy as np
+import structlog
 
 from service.engine.runner.step import RowSampling, StepInput, StepOutput
 from service.engine.scheduler.plan import DecodeRow, SlotChange
@@ -32,6 +33,8 @@ from service.engine.spec.tree import Tree
 from service.engine.spec.tree_verify import commit as commit_tree
 from service.engine.spec.tree_verify import draft_tree, n_rows, rows, step_fields
 from service.engine.stepprofile import DRAFT, OTHER, StepTimer
+
+log = structlog.get_logger("specstream.engine")
 
 Draft = list[int] | Tree
 Move = tuple[int, np.ndarray, np.ndarray]   # (slot, KV rows written, rows they belong in)
@@ -87,6 +90,32 @@ class Speculator:
         if self.drafter is not None:
             self.drafter.set_block_table(table)
 
+    def taps(self, seqs: Seq[Sequence]) -> bool:
+        """Whether a step computing rows of `seqs` copies the target's hidden states: the
+        drafter reads them (EAGLE-3) and one of the sequences speculates."""
+        d = self.drafter
+        return d is not None and d.tap is not None and any(s.speculative for s in seqs)
+
+    def extend(self, inp: StepInput, seqs: Seq[Sequence], hidden) -> None:
+        """After a tapped step `inp` and its commits: each speculating sequence's rows of the
+        step whose next token is committed (position p with history[p + 1]: a prompt row, the
+        seed and the accepted drafts; not a rejected draft's row) go to the drafter with their
+        hidden rows (`hidden`, the step's (n, P * E) rows, runner.hidden_states)."""
+        if self.drafter is None or self.drafter.tap is None or not inp.hidden:
+            return
+        for seq in seqs:
+            if seq.finished or not seq.speculative or seq.slot < 0:
+                continue
+            rows = committed_rows(inp, seq.slot, seq.history)
+            if not len(rows):
+                continue
+            try:
+                self.drafter.extend(seq, rows, np.asarray(inp.positions)[rows], hidden)
+            except Exception as exc:   # the tokens are committed: the drafter only falls
+                # behind (it drafts nothing for seq until a later extend catches it up)
+                log.warning("drafter_extend_failed", request_id=seq.request.request_id,
+                            error=f"{type(exc).__name__}: {exc}")
+
     def draft(self, plan: Seq[DecodeRow], timer: StepTimer | None = None
               ) -> list[tuple[Sequence, Draft]]:
         """Each row's sequence with what it verifies: [seed, drafts...] or a draft tree."""
@@ -104,6 +133,26 @@ class Speculator:
                     timer.lap(DRAFT)
             batch.append((seq, draft))
         return batch
+
+
+def committed_rows(inp: StepInput, slot: int, history: Seq[int]) -> np.ndarray:
+    """The rows of step `inp` in `slot` whose token and every ancestor's (a tree row's
+    attention mask) is the history's at its position and whose next token is committed,
+    in position order: the rows of the committed positions (prompt rows, the seed and the
+    accepted drafts; on a tree, the accepted path, whose siblings hold other tokens)."""
+    ids, slots = np.asarray(inp.token_ids), np.asarray(inp.slots)           # (n,) each
+    pos = np.asarray(inp.positions)                                        # (n,)
+    h = np.asarray(history)
+    mine = (slots == slot) & (pos + 1 < len(h))
+    ok = np.zeros(len(ids), bool)
+    ok[mine] = ids[mine] == h[pos[mine]]
+    if inp.attn_mask is not None:       # tree rows: node j of the segment is row r0 + j
+        node = np.asarray(inp.kv_positions) - np.asarray(inp.attn_lo)       # (n,)
+        for r in np.nonzero(ok)[0]:
+            bits, r0 = int(inp.attn_mask[r]), r - int(node[r])
+            ok[r] = all(ok[r0 + j] for j in range(bits.bit_length()) if bits >> j & 1)
+    rows = np.nonzero(ok)[0]
+    return rows[np.argsort(pos[rows], kind="stable")]
 
 
 def verify_input(batch: list[tuple[Sequence, Draft]]) -> StepInput:

@@ -6,6 +6,9 @@ One interface (`Drafter`) for every drafter the engine can run:
                      whose target KV row is not written yet)
     release(seq)     the sequence finished, was cancelled or preempted: whatever it held is free
     set_block_table(table)   the target's KV block table, for a drafter whose model shares it
+    tap              the target's hidden states the drafter reads (None: none); such a drafter
+                     also has extend(seq, rows, positions, hidden), called after every tapped
+                     step with the rows of seq whose next token is committed (eagle3_drafter.py)
 `seq` is the engine's Sequence, or a SlotView of one; a drafter reads only `slot` and `history`
 (DraftState). What the target accepted is not reported separately: it is the history itself,
 which a drafter with a cache compares with what it drafted (service/engine/spec/draft_model.py).
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+from service.model.hidden import HiddenTap
 
 
 class DraftState(Protocol):
@@ -50,6 +55,7 @@ class Drafter(abc.ABC):
     # propose is a cheap pure function of the history on the host: the overlapped loop may ask
     # it whether it would draft (engine/overlap.py) and decode plain steps while it would not
     pure: bool = False
+    tap: HiddenTap | None = None     # target hidden states read (service/model/hidden.py)
 
     def start(self, seq: DraftState) -> None:  # noqa: B027 - stateless drafters keep nothing
         """`seq` now holds slot seq.slot."""
