@@ -76,8 +76,9 @@ def rel(err: np.ndarray, S: np.ndarray) -> float:
 def test_mma_gemv_against_exact_cpu_and_dp4a(cuda, mma, name):
     for n, k in shapes(name):
         launched = against_references(cuda, mma, name, n, k)
+        t = name.lower()
         assert [s for s in launched if s.startswith("gemv_")] == [
-            f"gemv_mma_{name.lower()}_c{gemv_mma_nc(T)}" for T in COLUMNS], (name, n, k)
+            f"gemv_mma_{t}_c{gemv_mma_nc(T, t)}" for T in COLUMNS], (name, n, k)
 
 
 def against_references(cuda, mma, name: str, n: int, k: int) -> list[str]:

@@ -19,7 +19,7 @@ import pytest
 
 from service.backends import create_backend
 from service.backends.cuda.kernels import (
-    GEMV_MMA_NC,
+    GEMV_MMA_C64_TYPES,
     GEMV_MMA_TYPES,
     MMA_WARPS,
     MOEG_GLU_ROWS,
@@ -340,7 +340,9 @@ def test_tensor_core_gemv_takes_the_smallest_tile_that_holds_the_step(results, m
     r = results(Scenario(f"synth-{mix}", script="mma", options=MMA))
     assert [m.label for m in r.marks] == [f"mma-{n}" for n in cuda_steps.MMA_WIDTHS]
     want = {1: 8, 7: 8, 8: 8, 9: 16, 16: 16, 17: 32, 31: 32, 32: 32, 33: 64, 63: 64, 64: 64}
-    assert {n: gemv_mma_nc(n) for n in cuda_steps.MMA_WIDTHS} == want
+    if t not in GEMV_MMA_C64_TYPES:                 # K-quants: 32-column tiles over grid.y
+        want.update({33: 32, 63: 32, 64: 32})
+    assert {n: gemv_mma_nc(n, t) for n in cuda_steps.MMA_WIDTHS} == want
     widths = set()
     for m in r.marks:
         n = int(m.label.split("-")[1])
@@ -348,7 +350,7 @@ def test_tensor_core_gemv_takes_the_smallest_tile_that_holds_the_step(results, m
         assert not [x.kernel for x in mine if x.kernel.startswith(f"gemv_{t}_")], m.label
         for x in (x for x in mine if x.kernel.startswith("gemv_mma_")):
             N, C = int(x.args[5].value), int(x.args[8].value)      # K, N, qa, ads, n_cols
-            nc = gemv_mma_nc(C)
+            nc = gemv_mma_nc(C, x.kernel[len("gemv_mma_"):].rsplit("_c", 1)[0])
             assert x.kernel.endswith(f"_c{nc}"), (m.label, x.kernel, C)
             assert x.grid[:2] == (ceil_div(N, mma_rows(nc)), ceil_div(C, nc)), (m.label, x)
             assert x.block[:2] == (32, MMA_WARPS)
@@ -356,8 +358,9 @@ def test_tensor_core_gemv_takes_the_smallest_tile_that_holds_the_step(results, m
                 # the step padded, or the one sampled row's logits
                 assert n <= C < 2 * max(n, 4) or C == 1, (m.label, C)
                 widths.add(C)
-    assert {gemv_mma_nc(C) for C in widths} == set(GEMV_MMA_NC), sorted(widths)
-    assert {f"gemv_mma_{t}_c{nc}" for nc in GEMV_MMA_NC} <= r.kernels
+    tiles = set(want.values())
+    assert {gemv_mma_nc(C, t) for C in widths} == tiles, sorted(widths)
+    assert {f"gemv_mma_{t}_c{nc}" for nc in tiles} <= r.kernels
 
 
 @pytest.mark.parametrize("mix", MIXES)

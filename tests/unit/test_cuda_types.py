@@ -24,10 +24,16 @@ def test_gemv_columns_round_up_to_a_variant():
 
 def test_tensor_core_gemv_takes_the_smallest_tile_that_holds_the_columns():
     """gemv_mma_nc: 8 for 1..8 columns, 16 for 9..16, 32 for 17..32, 64 for 33..64 and above
-    (wider steps run 64-column tiles over grid.y); each tile registered for every type."""
-    got = {t: gemv_mma_nc(t) for t in (1, 8, 9, 16, 17, 32, 33, 64, 65, 200)}
+    (wider steps run 64-column tiles over grid.y) for the 32-element types; the K-quants stop
+    at 32 (33..64 columns: two 32-column tiles); each tile registered for every type."""
+    widths = (1, 8, 9, 16, 17, 32, 33, 64, 65, 200)
+    got = {t: gemv_mma_nc(t, "q8_0") for t in widths}
     assert got == {1: 8, 8: 8, 9: 16, 16: 16, 17: 32, 32: 32, 33: 64, 64: 64, 65: 64, 200: 64}
-    assert all(gemv_mma_nc(t) >= t for t in range(1, 65))
+    assert all(gemv_mma_nc(t, "q4_0") >= t for t in range(1, 65))
+    for kq in ("q4_k", "q5_k", "q6_k"):
+        assert {t: gemv_mma_nc(t, kq) for t in widths} == {**got, 33: 32, 64: 32, 65: 32,
+                                                            200: 32}
+        assert all(gemv_mma_nc(t, kq) >= min(t, 32) for t in range(1, 65))
     assert GEMV_MMA_NC == (8, 16, 32, 64)
     assert {mma_rows(nc) for nc in GEMV_MMA_NC} <= {16, 32}
     names = {k for k in registry() if k.startswith("gemv_mma_")}

@@ -16,7 +16,7 @@ next RMSNorm fused), and the tensor-core GEMVs of cuda/gemv_mma.cu.
 - mma: every GEMV over Q4_K / Q6_K / Q8_0 / Q4_0 weights (plain mode, any width, one column
   included) runs on the int8 tensor cores, one tile of 8, 16, 32 or 64 columns per block row
   (types.gemv_mma_nc: the smallest tile that holds the step, so a step of up to 64 rows reads
-  each weight once): a column's result depends on neither the step's width nor its
+  each weight once; the K-quants stop at 32 columns, two 32-column tiles being faster there): a column's result depends on neither the step's width nor its
   neighbours, so batching and verify stay exact within the mode. Off by default: its sums
   are rounded in another order than the dp4a kernels' (other last bits), and one column cost
   ~1.2-1.4x the dp4a kernel's time while 8 / 16 cost ~1.3-1.5x / 1.5-2.6x of it (H200, Q4_K /
@@ -138,7 +138,7 @@ class GemvOps:
         cores (cuda/gemv_mma.cu); shapes were checked by matmul."""
         if qa.size < C * w.k or ads.shape[0] < C * w.k // 32 or w.k % w.layout.block_size:
             raise ValueError(f"gemv_mma: blocks {qa.size} / {ads.shape} for {C} x {w.k}")
-        nc = gemv_mma_nc(C)
+        nc = gemv_mma_nc(C, w.layout.kernel)
         grid = (ceil_div(w.n, mma_rows(nc)), ceil_div(C, nc))
         self._launcher.launch(f"gemv_mma_{w.layout.kernel}_c{nc}", grid, (32, MMA_WARPS),
                               [*w.args(), I32(w.k), I32(w.n), qa, ads, I32(C), out, I32(ldo),

@@ -189,6 +189,11 @@ GEMV_VARIANTS = ((1, 1), (1, 2), (2, 2), (4, 2), (8, 2), (16, 2), (2, 4), (4, 4)
 # gemv_mma.cu: gemv_mma_<type>_c<NC>
 GEMV_MMA_TYPES = ("q4_k", "q6_k", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q5_k")
 GEMV_MMA_NC = tuple(MMA_TILE_M)     # the tiles' columns
+# Types whose steps of 33..64 rows take the 64-column tile; the others (the K-quants, whose
+# 64-column tile holds 16 rows) run 32-column tiles over grid.y: on the H200, 4096 x 14336,
+# Q4_K c64 123 us against 2 x 44.5 for two c32 tiles, Q8_0 c64 105 us against 2 x 63.3
+# (bench/gpu_bench.py --only gemv --quick, 2026-12-04).
+GEMV_MMA_C64_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 GEMV_PREFETCH_TYPES = ("q4_k", "q6_k")   # gemv.cu: gemv_<type>_c1r1pn (c1r1p: every type)
 ATT_SIZES = (128, 256)                   # attention*.cu _d128 / _d256: Dv <= 128 / 256
 # moe.cu MOEG_DOWN / MOEG_GLU: columns per tile -> rows per warp of the expert-grouped down

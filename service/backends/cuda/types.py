@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from service.backends.base import KVCache
-from service.backends.cuda.kernels import GEMV_MMA_NC, NORM_MAX_THREADS
+from service.backends.cuda.kernels import GEMV_MMA_C64_TYPES, GEMV_MMA_NC, NORM_MAX_THREADS
 from service.backends.cuda.layout import PlaneLayout
 from service.formats import BACKEND_KV_TYPES
 
@@ -125,12 +125,15 @@ def gemv_choice(n_cols: int, mode: int) -> tuple[int, int]:
     return nc, GEMV_WIDE_ROWS[nc]
 
 
-def gemv_mma_nc(n_cols: int) -> int:
+def gemv_mma_nc(n_cols: int, kernel: str) -> int:
     """Columns per block row of the tensor-core GEMV (cuda/gemv_mma.cu) for a step of n_cols
-    columns: the smallest tile that holds them (8 for 1..8, 16 for 9..16, 32 for 17..32, 64
-    for 33..64), so each block row reads its weights once; wider steps run 64-column tiles
-    over grid.y. Every tile gives a column the same bits."""
-    return next((nc for nc in GEMV_MMA_NC if nc >= n_cols), GEMV_MMA_NC[-1])
+    columns over weights of layout kernel `kernel`: the smallest tile that holds them (8 for
+    1..8, 16 for 9..16, 32 for 17..32, 64 for 33..64), so each block row reads its weights
+    once; the 64-column tile only for kernels.GEMV_MMA_C64_TYPES (measured slower than two
+    32-column tiles for the K-quants). Wider steps run the largest tile over grid.y. Every
+    tile gives a column the same bits."""
+    tiles = GEMV_MMA_NC if kernel in GEMV_MMA_C64_TYPES else GEMV_MMA_NC[:-1]
+    return next((nc for nc in tiles if nc >= n_cols), tiles[-1])
 
 
 # (pointer, rows, row width, row stride) of a matrix view: what the 8-bit activation blocks in
