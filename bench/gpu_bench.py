@@ -7,7 +7,7 @@ measured in the same run, and issue 10's goals met or missed.
   columns, back to back inside one CUDA graph rotating over weight copies larger than the L2,
   against a read-only kernel over the same bytes timed the same way, the device-to-device copy
   bandwidth, and torch's bf16 GEMV (when torch is importable).
-- Decode tok/s of synthetic llama3-8b and llama3.2-1b Q4_K_M (generated seeded into
+- Decode tok/s of synthetic llama3-8b, llama3.2-1b and qwen3-30b-a3b (MoE) Q4_K_M (seeded into
   --synth-dir, reused when present) and of the real models in $SPECSTREAM_MODELS_DIR, eager and
   with graphs, against the roofline (weight bytes / copy bandwidth); graph nodes per step; a
   per-kernel breakdown of one eager step (CUDA events around each `CudaBackend._launch`); where

@@ -35,7 +35,7 @@ COLUMNS = (1, 2, 4, 8, 16)
 # at these widths (prefill_gemm_min_tokens)
 MMA_COLUMNS = (32, 64)
 QUICK_TYPES, QUICK_SHAPES, QUICK_COLUMNS = ("Q4_K", "Q8_0"), ((4096, 14336),), (1, 8, 16)
-SYNTH = (("llama3-8b", "Q4_K_M"), ("llama3.2-1b", "Q4_K_M"))
+SYNTH = (("llama3-8b", "Q4_K_M"), ("llama3.2-1b", "Q4_K_M"), ("qwen3-30b-a3b", "Q4_K_M"))
 REAL = ("smollm2-135m", "gemma3-270m")
 PREFILL_MODEL, PREFILL_TOKENS = "llama3-8b", 512
 RECORDED = "llama.cpp (recorded in docs/design.md, not measured here)"
@@ -149,6 +149,8 @@ GOALS = {
                                 "tok/s"),
     "decode_gemma3-270m": Goal("decode, real Gemma-3-270M Q4_K_M", "994 tok/s", 2000, True,
                                "tok/s"),
+    "decode_qwen3-30b-a3b": Goal("decode, 30B-A3B MoE shape Q4_K_M (128 experts, 8 used)",
+                                 "295 tok/s", 590, True, "tok/s"),
     "prefill_llama3-8b": Goal("prefill, 8B shape, 512 tokens", "9,050 tok/s", 9050, True,
                               "tok/s"),
     "nodes_per_layer": Goal("graph nodes per decode layer (llama shape)", "~15-17 kernels", 6,
