@@ -226,7 +226,9 @@ def _decode_model(cp, G, a, model, source, path, synth_s, results: dict) -> None
     graphs = G._decode_rate(be, tr, a.tokens)
     step_graphs = [g for key, (g, _) in be._graphs.items() if key[0] == 1]
     nodes = G._graph_nodes(step_graphs[0]) if step_graphs else None
-    results["graph_breakdown"].append(B.graph_breakdown(G, be, tr, model, results["copy_bw"]))
+    step_bytes = _step_bytes(f, spec, be.weight_bytes)
+    results["graph_breakdown"].append({**B.graph_breakdown(G, be, tr, model, results["copy_bw"]),
+                                       "step_bytes": step_bytes})
     # the versions that mattered, each with its graphs captured again, same weights
     variants = {name: _variant_rate(G, be, tr, a.tokens, **attrs)
                 for name, attrs in DECODE_VARIANTS.items()
@@ -234,6 +236,7 @@ def _decode_model(cp, G, a, model, source, path, synth_s, results: dict) -> None
     serial, early = variants.get("no PDL"), variants["early weight read"]
     results["decode"].append({
         "model": model, "source": source, "weight_bytes": be.weight_bytes,
+        "step_bytes": step_bytes,
         "n_layer": spec.n_layer, "eager_tok_s": eager, "graph_tok_s": graphs,
         "graph_serial_tok_s": serial, "graph_early_tok_s": early, "variants": variants,
         "graph_nodes": nodes if isinstance(nodes, int) else None, "launches": launches,
@@ -275,6 +278,15 @@ DECODE_VARIANTS = {
     "fused norm": {"fuse_norm": True},                # residual GEMV + RMSNorm in one launch
     "no c1r1p": {"gemv_prefetch_rows": 0},            # the plain one-column loop everywhere
 }
+
+
+def _step_bytes(f, spec, weight_bytes: int) -> int:
+    """Weight bytes a one-token step reads: all of them, but of a mixture of experts' stacked
+    expert tensors (names with `_exps`) only the n_used of n_expert a token selects."""
+    if spec.moe is None:
+        return weight_bytes
+    exps = sum(t.raw.nbytes for t in f.tensors.values() if "_exps" in t.name)
+    return int(weight_bytes - exps + exps * spec.moe.n_expert_used / spec.moe.n_expert)
 
 
 def _variant_rate(G, be, tr, tokens: int, **attrs) -> float:

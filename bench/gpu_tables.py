@@ -279,7 +279,8 @@ def torch_table(rows: list[dict], columns) -> str:
 
 def decode_table(rows: list[dict], copy_bw: float, tokens: int) -> str:
     lines = [f"Decode, greedy, batch 1, {tokens} tokens after a 32-token prompt; roofline = "
-             f"weight bytes / copy bandwidth ({copy_bw / 1e12:.2f} TB/s, this run)",
+             f"bytes a step reads (MoE: the selected experts' share) / copy bandwidth "
+             f"({copy_bw / 1e12:.2f} TB/s, this run)",
              f"{'model':14} {'source':6} {'weights MB':>10} {'roofline':>10} {'eager':>9} "
              f"{'graphs':>9} {'no PDL':>9} {'graphs/roof':>11} {'nodes':>6} {'nodes/layer':>11} "
              f"{'kern/layer':>10} {'llama.cpp*':>10}"]
@@ -287,7 +288,7 @@ def decode_table(rows: list[dict], copy_bw: float, tokens: int) -> str:
         if r.get("error"):
             lines.append(f"{r['model']:14} {r.get('source', ''):6} {r['error']}")
             continue
-        roof = roofline_tok_s(r["weight_bytes"], copy_bw)
+        roof = roofline_tok_s(r.get("step_bytes") or r["weight_bytes"], copy_bw)
         nodes, per = r.get("graph_nodes"), nodes_per_layer(r)
         per = "-" if per is None else f"{per:.1f}"
         kern = r["launches"]["layers"] / r["n_layer"] if r.get("launches") else None
@@ -386,7 +387,7 @@ def graph_breakdown_table(entry: dict) -> str:
     if GROUP_ALL in groups:
         tail.append(f"every kernel disabled: {(t_all - groups[GROUP_ALL][2]) * 1e6:.1f} us per "
                     "replay (the empty graph's floor)")
-    floor = entry["weight_bytes"] / entry["copy_bw"]
+    floor = (entry.get("step_bytes") or entry["weight_bytes"]) / entry["copy_bw"]
     if GROUP_GEMV in groups:
         gemv = groups[GROUP_GEMV][2]
         tail.append(f"GEMVs alone (T_all - T without GEMVs) {gemv * 1e6:.1f} us vs the weight "
