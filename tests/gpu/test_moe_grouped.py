@@ -246,14 +246,14 @@ def test_captured_grouped_steps_equal_gathered_and_eager(name):
 
 # ---------------------------------------------------------------- the benchmark's plumbing
 def test_the_moe_bench_writes_its_rows(tmp_path):
-    """bench/moe_grouped.py at 1 and 8 tokens, 2 calls per graph: every time positive, the
+    """bench/gpu_moe_grouped.py at 1 and 8 tokens, 2 calls per graph: every time positive, the
     distinct experts between n_used and the pairs, their bytes at most the pairs' bytes."""
     import importlib.util
     import json
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "bench" / "moe_grouped.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "gpu_moe_grouped.py"
     spec = importlib.util.spec_from_file_location("moe_grouped_bench", path)
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench

@@ -86,6 +86,10 @@ NEVER_LAUNCHED = {
     r"gemv_(q4_0|q4_1|q5_0|q5_1|q5_k|q8_0|q2_k|q3_k|iq4_nl|iq4_xs)_c1r1p":
         "the prefetching one-column GEMV runs for GEMV_PREFETCH_TYPES (q4_k, q6_k) only; not "
         "faster on the other types (docs/PERFORMANCE.md section 11)",
+    r"gemv_mma_(q4_k|q5_k|q6_k)_c64":
+        "types.gemv_mma_nc runs 33..64 columns over K-quant weights as two 32-column tiles "
+        "(measured faster, kernels.GEMV_MMA_C64_TYPES); compiled for bench/gpu_bench.py's "
+        "c64 column, which times them side by side",
     r"dequant_f16":
         "the prefill GEMM hands F16 weights to cuBLAS as stored; tests/gpu/"
         "test_prefill_gemm.py launches it through dequant_rows",

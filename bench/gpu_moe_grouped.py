@@ -3,7 +3,7 @@ experts, 8 used, hidden 2048, expert FFN 768, gate / up / down in one weight typ
 router) through `CudaBackend.moe`, at 1, 6, 8, 16 and 64 tokens (decode, verify widths, many
 streams).
 
-    python bench/moe_grouped.py [--tokens 1 6 8 16 64] [--type Q4_K] [--reps 20] [--json PATH]
+    python bench/gpu_moe_grouped.py [--tokens 1 6 8 16 64] [--type Q4_K] [--reps 20] [--json PATH]
 
 Each row: the MoE op (router GEMV, routing, expert GEMVs, combine) timed inside one CUDA graph
 of `reps` calls, each call on another random input (other experts, so the selected experts'
