@@ -13,11 +13,12 @@ next RMSNorm fused), and the tensor-core GEMVs of cuda/gemv_mma.cu.
   c1r1p kernel (the next weight group loaded before each dot; same bits), where one warp per
   row leaves too few loads in flight; 0 never (docs/PERFORMANCE.md section 11: faster at 4096
   rows on the H200, not at 6144 and more, nor on Q8_0 / Q4_0).
-- mma: every GEMV over Q4_K / Q6_K / Q8_0 / Q4_0 weights (plain mode, any width, one column
+- mma: every GEMV over kernels.GEMV_MMA_TYPES weights (plain mode, any width, one column
   included) runs on the int8 tensor cores, one tile of 8, 16, 32 or 64 columns per block row
   (types.gemv_mma_nc: the smallest tile that holds the step, so a step of up to 64 rows reads
-  each weight once; the K-quants stop at 32 columns, two 32-column tiles being faster there): a column's result depends on neither the step's width nor its
-  neighbours, so batching and verify stay exact within the mode. Off by default: its sums
+  each weight once; the K-quants stop at 32 columns, two 32-column tiles being faster there):
+  a column's result depends on neither the step's width nor its neighbours, so batching and
+  verify stay exact within the mode. Off by default: its sums
   are rounded in another order than the dp4a kernels' (other last bits), and one column cost
   ~1.2-1.4x the dp4a kernel's time while 8 / 16 cost ~1.3-1.5x / 1.5-2.6x of it (H200, Q4_K /
   Q6_K before the 32 / 64 tiles; docs/PERFORMANCE.md section 9).
