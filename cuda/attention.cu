@@ -9,19 +9,19 @@
 //   tiles as plain decoding of its path and gives the same bits; the window is judged on j,
 //   the RoPE position of the key. An ordinary row computes what it computed without arrays.
 //   K, V rows of kv head h / (H / Hkv), stored as any KV type (kv_quant.cuh's planes, read
-//   through kv_read.cuh).
+//   through kv_read.cuh's readers; kk, vk: the K and V readers' kinds).
 //   The cache is paged: cache row r of slot s is pool row table[s, r >> lb] * 2^lb + (r & (2^lb
 //   - 1)) (common.cuh kv_page_row; table (n_slots, max_blocks) int32, 2^lb = block size), for
 //   keys and values alike (a pool of fewer than 2^31 rows); the order of additions does not
 //   depend on the table.
 //
-// attn_<K>_<V>_d<128|256> (Dv <= 128 | 256: 4 | 8 accumulators per lane): one kernel, grid
-//   (S, H, T), block (32, ATT_WARPS). Split s covers the ABSOLUTE positions
-//   [s * chunk, (s + 1) * chunk): its boundaries never depend on the step or on how long the
-//   context is, and positions past pos[t] are skipped, so the same query gives the same bits in
-//   any step. Warp w takes tiles of 32 keys (one per lane) with an online softmax (running max
-//   m, sum l, accumulator over Dv, lane d holding dims d, d + 32, ...); the 4 warps merge in
-//   order.
+// attn_<K>_<V>_d<128|256> (K, V: readers f16, bf16, q8_0, nib; Dv <= 128 | 256: 4 | 8
+//   accumulators per lane): one kernel, grid (S, H, T), block (32, ATT_WARPS). Split s covers
+//   the ABSOLUTE positions [s * chunk, (s + 1) * chunk): its boundaries never depend on the
+//   step or on how long the context is, and positions past pos[t] are skipped, so the same
+//   query gives the same bits in any step. Warp w takes tiles of 32 keys (one per lane) with
+//   an online softmax (running max m, sum l, accumulator over Dv, lane d holding dims d,
+//   d + 32, ...); the 4 warps merge in order.
 //   Writes part_ml[t, h, s] = (m, l) (l = 0: no key in the split) and part_acc[t, h, s, :].
 //   q (T, H, D) view with strides (q0, q1, 1); D <= 512 and D % 8 == 0 (keys are read 8
 //   elements per vector load), Dv <= 256, S = gridDim.x = ceil(n_ctx / chunk).
@@ -60,7 +60,8 @@ __device__ __forceinline__ void attn_split(
         const u8* __restrict__ vd, const int* __restrict__ slots, const int* __restrict__ positions,
         const int* __restrict__ attn_lo, const int* __restrict__ attn_mask,
         const int* __restrict__ table, int max_blocks, int lb, int window, float scale,
-        int chunk, float2* __restrict__ my_ml, float* __restrict__ my_acc) {
+        int chunk, float2* __restrict__ my_ml, float* __restrict__ my_acc, const KT kt,
+        const VT vt) {
     __shared__ float qsh[ATT_MAX_D];
     __shared__ float wm[ATT_WARPS], wl[ATT_WARPS];
     __shared__ float wacc[ATT_WARPS][ATT_MAX_DV];
@@ -105,7 +106,7 @@ __device__ __forceinline__ void attn_split(
 #pragma unroll 16
             for (int i0 = 0; i0 < D; i0 += 8) {
                 float kv[8];
-                KT::load8(kq, kd, row, D, i0, kv);
+                kt.load8(kq, kd, row, D, i0, kv);
 #pragma unroll
                 for (int u = 0; u < 8; u++) dot += qsh[i0 + u] * kv[u];
             }
@@ -128,7 +129,7 @@ __device__ __forceinline__ void attn_split(
             for (int du = 0; du < PASS; du++) {
                 const size_t row = (size_t)__shfl_sync(FULL_MASK, my_row, min(u0 + du, n - 1))
                                    * Hkv + hk;
-                VT::vrow(vq, vd, row, Dv, lane, vv[du]);
+                vt.vrow(vq, vd, row, Dv, lane, vv[du]);
             }
 #pragma unroll
             for (int du = 0; du < PASS; du++) {
@@ -234,7 +235,8 @@ __device__ __forceinline__ void attn_fused(
         const int* __restrict__ table, int max_blocks, int lb, int window, float scale,
         int chunk, float2* __restrict__ part_ml,
         float* __restrict__ part_acc, int* __restrict__ counters, float* __restrict__ out,
-        int o0, int o1, signed char* __restrict__ qa, float2* __restrict__ ads) {
+        int o0, int o1, signed char* __restrict__ qa, float2* __restrict__ ads, int kk,
+        int vk) {
     const int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z;
     // The row's splits: those that can hold one of its keys [0, hi) (one for a padding row,
     // whose merge writes zeros). The others return at once and take no part in the count, so
@@ -247,7 +249,7 @@ __device__ __forceinline__ void attn_fused(
     const size_t part = ((size_t)t * H + h) * gridDim.x + s;
     attn_split<KT, VT, NV>(q, q0, q1, H, Hkv, D, Dv, kq, kd, vq, vd, slots, positions,
                            attn_lo, attn_mask, table, max_blocks, lb, window, scale, chunk,
-                           part_ml + part, part_acc + part * Dv);
+                           part_ml + part, part_acc + part * Dv, KT(kk), VT(vk));
     // Last block of (t, h) in: merge. The fences order the partials before the count.
     __shared__ int last;
     __threadfence();
@@ -273,12 +275,14 @@ __device__ __forceinline__ void attn_fused(
             const u8* kd, const u8* vq, const u8* vd, const int* slots, const int* positions, \
             const int* attn_lo, const int* attn_mask, const int* table, int max_blocks,      \
             int lb, int window, float scale, int chunk, float2* part_ml, float* part_acc,    \
-            int* counters, float* out, int o0, int o1, signed char* qa, float2* ads) {       \
+            int* counters, float* out, int o0, int o1, signed char* qa, float2* ads, int kk, \
+            int vk) {                                                                        \
         PDL_ENTRY();                                                                         \
         attn_fused<KT, VT, nv>(q, q0, q1, H, Hkv, D, Dv, kq, kd, vq, vd, slots, positions,    \
                                attn_lo, attn_mask, table, max_blocks, lb, window, scale,     \
-                               chunk, part_ml, part_acc, counters, out, o0, o1, qa, ads);    \
+                               chunk, part_ml, part_acc, counters, out, o0, o1, qa, ads,     \
+                               kk, vk);                                                      \
     }
 #define ATTN_SIZES(kn, KT, vn, VT) ATTN_KERNEL(kn, KT, vn, VT, 4, 128) \
     ATTN_KERNEL(kn, KT, vn, VT, 8, 256)
-FOR_KV_TYPE_PAIRS(ATTN_SIZES)
+FOR_KV_READER_PAIRS(ATTN_SIZES)

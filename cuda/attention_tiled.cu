@@ -10,9 +10,10 @@
 // the G heads of kv head hk) and reads each tile of AT_KEYS = 32 keys once into shared memory
 // for all of them: keys are read T / QT times per step instead of T times.
 //
-// attnt_<K>_<V>_d<128|256> (Dv <= 128 | 256): grid (ceil(T / QT), Hkv), block (32, AT_WARPS),
-//   dynamic shared memory (32 D + 32 D + 32 (Dv + 1)) floats: q rows [32][D], the key tile
-//   transposed [D][32] and the value tile [32][Dv + 1] (padded: conflict-free stores and loads).
+// attnt_<K>_<V>_d<128|256> (K, V: kv_read.cuh readers, kinds kk, vk; Dv <= 128 | 256):
+//   grid (ceil(T / QT), Hkv), block (32, AT_WARPS), dynamic shared memory (32 D + 32 D +
+//   32 (Dv + 1)) floats: q rows [32][D], the key tile transposed [D][32] and the value tile
+//   [32][Dv + 1] (padded: conflict-free stores and loads).
 //   Row r of the block is token tq0 + r / G, head hk G + r % G; warp w owns rows 8w .. 8w + 7
 //   (AT_ROWS_PER_WARP = 8).
 //   Rows of one slot are processed together (a step of several slots takes one pass per slot
@@ -46,7 +47,10 @@ __device__ __forceinline__ void attn_tiled(
         int QT, const u8* __restrict__ kq, const u8* __restrict__ kd,
         const u8* __restrict__ vq, const u8* __restrict__ vd, const int* __restrict__ slots,
         const int* __restrict__ positions, const int* __restrict__ table, int max_blocks,
-        int lb, int window, float scale, float* __restrict__ out, int o0, int o1) {
+        int lb, int window, float scale, float* __restrict__ out, int o0, int o1, int kk,
+        int vk) {
+    const KT kr(kk);
+    const VT vr(vk);
     extern __shared__ float sm[];
     float* qs = sm;                            // [AT_ROWS][D]
     float* kt = qs + AT_ROWS * D;              // [D][AT_KEYS]
@@ -115,14 +119,14 @@ __device__ __forceinline__ void attn_tiled(
             __syncthreads();                   // the previous tile is consumed
             for (int d8 = warp; d8 < D / 8; d8 += AT_WARPS) {
                 float v8[8];
-                if (lane < n) KT::load8(kq, kd, krow, D, 8 * d8, v8);
+                if (lane < n) kr.load8(kq, kd, krow, D, 8 * d8, v8);
 #pragma unroll
                 for (int u = 0; u < 8; u++)
                     kt[(8 * d8 + u) * AT_KEYS + lane] = lane < n ? v8[u] : 0.0f;
             }
             for (int d8 = warp; d8 < Dv / 8; d8 += AT_WARPS) {
                 float v8[8];
-                if (lane < n) VT::load8(vq, vd, krow, Dv, 8 * d8, v8);
+                if (lane < n) vr.load8(vq, vd, krow, Dv, 8 * d8, v8);
 #pragma unroll
                 for (int u = 0; u < 8; u++)
                     vs[lane * vstride + 8 * d8 + u] = lane < n ? v8[u] : 0.0f;
@@ -205,12 +209,12 @@ __device__ __forceinline__ void attn_tiled(
             const float* q, int q0, int q1, int T, int H, int Hkv, int D, int Dv, int QT,    \
             const u8* kq, const u8* kd, const u8* vq, const u8* vd, const int* slots,        \
             const int* positions, const int* table, int max_blocks, int lb, int window,      \
-            float scale, float* out, int o0, int o1) {                                       \
+            float scale, float* out, int o0, int o1, int kk, int vk) {                       \
         PDL_ENTRY();                                                                         \
         attn_tiled<KT, VT, ndv>(q, q0, q1, T, H, Hkv, D, Dv, QT, kq, kd, vq, vd, slots,      \
                                 positions, table, max_blocks, lb, window, scale, out, o0,    \
-                                o1);                                                         \
+                                o1, kk, vk);                                                 \
     }
 #define ATTNT_SIZES(kn, KT, vn, VT) ATTNT_KERNEL(kn, KT, vn, VT, 4, 128) \
     ATTNT_KERNEL(kn, KT, vn, VT, 8, 256)
-FOR_KV_TYPE_PAIRS(ATTNT_SIZES)
+FOR_KV_READER_PAIRS(ATTNT_SIZES)

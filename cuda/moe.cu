@@ -301,13 +301,13 @@ __device__ __forceinline__ void moeg_float(const u8* __restrict__ A, const u8* _
                                   int ldx, MOEG_TAIL_PARAMS, int act, float* out, int ldo) { \
         moeg_float<F, NC, R, true>(Wg, Wu, K, N, x, ldx, MOEG_TAIL_ARGS, act, out, ldo);    \
     }
-// The column variants (kernels.py MOEG_VARIANTS / MOEG_GLU_VARIANTS: NC -> R): the down GEMV
-// with R = 1, 2, 4, 4, 4 rows per warp, the gate | up GEMV with R = 1, 1, 2, 2, 2 (2R weight
-// rows per warp).
+// The column variants (kernels.py MOEG_ROWS / MOEG_GLU_ROWS: NC -> R): the down GEMV with
+// R = 1, 2, 4, 4 rows per warp, the gate | up GEMV with R = 1, 1, 2, 2 (2R weight rows per
+// warp). An expert with more than 8 rows in a step spans several tiles.
 #define MOEG_DOWN(ONE, name, T) \
-    ONE(name, T, 1, 1) ONE(name, T, 2, 2) ONE(name, T, 4, 4) ONE(name, T, 8, 4) ONE(name, T, 16, 4)
+    ONE(name, T, 1, 1) ONE(name, T, 2, 2) ONE(name, T, 4, 4) ONE(name, T, 8, 4)
 #define MOEG_GLU(ONE, name, T) \
-    ONE(name, T, 1, 1) ONE(name, T, 2, 1) ONE(name, T, 4, 2) ONE(name, T, 8, 2) ONE(name, T, 16, 2)
+    ONE(name, T, 1, 1) ONE(name, T, 2, 1) ONE(name, T, 4, 2) ONE(name, T, 8, 2)
 #define MOEG_QUANT_KERNELS(name, Q) MOEG_DOWN(MOEG_QUANT_ONE, name, Q) \
     MOEG_GLU(MOEG_QUANT_GLU_ONE, name, Q)
 #define MOEG_FLOAT_KERNELS(name, F) MOEG_DOWN(MOEG_FLOAT_ONE, name, F) \

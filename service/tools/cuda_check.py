@@ -230,10 +230,12 @@ def check(nvrtc: Any, names: Sequence[str], cuda_dir: Path, out: TextIO,
             except (OSError, ValueError) as e:   # a missing header, an include cycle
                 report.failed.append(f"{_shown(cuda_dir / name)}: cannot expand its "
                                      f"includes: {e}")
-    # NVRTC releases the GIL: the sources compile side by side (gemv.cu alone is about half of
-    # the time), and are reported in the order named
+    # NVRTC releases the GIL: the sources compile side by side, the longest texts first (the
+    # time goes roughly with the length; a long one started last would finish alone), and are
+    # reported in the order named
     with ThreadPoolExecutor(max_workers=max(1, min(len(texts), os.cpu_count() or 1))) as pool:
-        done = {n: pool.submit(compile_cubin, nvrtc, n, t, options) for n, t in texts.items()}
+        done = {n: pool.submit(compile_cubin, nvrtc, n, texts[n], options)
+                for n in sorted(texts, key=lambda n: -len(texts[n]))}
         for name, text in texts.items():
             shown = _shown(cuda_dir / name)
             res = done[name].result()

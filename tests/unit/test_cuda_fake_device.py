@@ -21,6 +21,7 @@ from service.backends import create_backend
 from service.backends.cuda.kernels import (
     GEMV_MMA_C64_TYPES,
     GEMV_MMA_TYPES,
+    KV_READ,
     MMA_WARPS,
     MOEG_GLU_ROWS,
     MOEG_ROWS,
@@ -389,10 +390,14 @@ def test_every_weight_type_runs_embed_each_gemv_variant_and_the_gemm(results, mi
 @pytest.mark.parametrize("pair", KV_PAIRS, ids="/".join)
 def test_every_kv_pair_runs_rope_kv_and_both_attentions_at_both_head_sizes(results, pair):
     k, v = pair
-    d128 = results(Scenario("qwen3", kv=pair, script="kv")).kernels
-    d256 = results(Scenario("gemma3", kv=pair, script="kv")).kernels
-    assert {f"rope_kv_{k}_{v}", f"attn_{k}_{v}_d128", f"attnt_{k}_{v}_d128"} <= d128
-    assert {f"rope_kv_{k}_{v}", f"attn_{k}_{v}_d256", f"attnt_{k}_{v}_d256"} <= d256
+    (rk, kk), (rv, vk) = KV_READ[k], KV_READ[v]     # the 4/5-bit types share a reader
+    for model, d in (("qwen3", 128), ("gemma3", 256)):
+        r = results(Scenario(model, kv=pair, script="kv"))
+        assert {f"rope_kv_{k}_{v}", f"attn_{rk}_{rv}_d{d}", f"attnt_{rk}_{rv}_d{d}"} <= r.kernels
+        # each attention launch passes the readers' kinds of this pair (its last two arguments)
+        kinds = {tuple(a.value for a in x.args[-2:]) for x in r.dev.launches
+                 if x.kernel.startswith(("attn_", "attnt_"))}
+        assert kinds == {(kk, vk)}, (model, kinds)
 
 
 # ---------------------------------------------------------------- backend options

@@ -42,9 +42,11 @@ def test_the_names_the_launchers_build_are_registered():
             assert f"moeg_{t}_c{nc}r{kernels.MOEG_ROWS[nc]}" in reg
             assert f"moeg_glu_{t}_c{nc}r{kernels.MOEG_GLU_ROWS[nc]}" in reg
     assert "moe_group" in reg
-    kv = ("f16", "q8_0", "q4_0")
+    kv = kernels.KV_TYPES
     assert {f"rope_kv_{k}_{v}" for k in kv for v in kv} <= set(reg)
-    assert {f"attn_{k}_{v}_d{d}" for k in kv for v in kv for d in (128, 256)} <= set(reg)
+    readers = {kernels.KV_READ[t][0] for t in kv}      # attention.py's names
+    assert {f"attn{s}_{k}_{v}_d{d}" for s in ("", "t") for k in readers for v in readers
+            for d in (128, 256)} <= set(reg)
     # GEMVs (the expert-grouped moeg_ too) read the blocks; copy_rows (a hidden-state tap)
     # writes a buffer no GEMV reads
     assert all(k.keeps_blocks == (k.name.startswith(("gemv_", "moeg_")) or k.name == "copy_rows")

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from service.backends.cuda.kernels import AT_KEYS, AT_ROWS, AT_WARPS, ATT_WARPS
+from service.backends.cuda.kernels import AT_KEYS, AT_ROWS, AT_WARPS, ATT_WARPS, KV_READ
 from service.backends.cuda.launcher import ActivationBlocks, Launcher
 from service.backends.cuda.memory import DeviceMemory
 from service.backends.cuda.types import (
@@ -84,12 +84,14 @@ class AttentionOps:
         (kq, kd), (vq, vd) = cache.k[layer], cache.v[layer]
         ml, acc = self.part_ml[: T * H * n_split], self.part_acc[: T * H * n_split * Dv]
         size = 128 if Dv <= 128 else 256             # the kernel's accumulators per lane
+        (kr, kk), (vr, vk) = KV_READ[str(cache.type_k)], KV_READ[str(cache.type_v)]
         self._launcher.launch(
-            f"attn_{cache.type_k}_{cache.type_v}_d{size}", (n_split, H, T), (32, ATT_WARPS),
+            f"attn_{kr}_{vr}_d{size}", (n_split, H, T), (32, ATT_WARPS),
             [q, I32(q0), I32(q1), I32(H), I32(Hkv), I32(D), I32(Dv), kq,
              kd if kd is not None else kq, vq, vd if vd is not None else vq, slots, positions,
              opt_ptr(attn_lo), opt_ptr(attn_mask), *cache.table_args(), I32(window), F32(scale),
-             I32(ATT_CHUNK), ml, acc, self.counters, out, I32(o0), I32(o1), *blocks])
+             I32(ATT_CHUNK), ml, acc, self.counters, out, I32(o0), I32(o1), *blocks, I32(kk),
+             I32(vk)])
         if quant:
             self._blocks.made((out.data.ptr, T, H * Dv, o0))
 
@@ -111,10 +113,11 @@ class AttentionOps:
         size = 128 if Dv <= 128 else 256
         smem = 4 * (AT_ROWS * D + D * AT_KEYS + AT_KEYS * (Dv + 1))     # f32 q, K^T, V tiles
         (kq, kd), (vq, vd) = cache.k[layer], cache.v[layer]
+        (kr, kk), (vr, vk) = KV_READ[str(cache.type_k)], KV_READ[str(cache.type_v)]
         self._launcher.launch(
-            f"attnt_{cache.type_k}_{cache.type_v}_d{size}", (ceil_div(T, qt), Hkv),
+            f"attnt_{kr}_{vr}_d{size}", (ceil_div(T, qt), Hkv),
             (32, AT_WARPS),
             [q, I32(q0), I32(q1), I32(T), I32(H), I32(Hkv), I32(D), I32(Dv), I32(qt), kq,
              kd if kd is not None else kq, vq, vd if vd is not None else vq, slots, positions,
-             *cache.table_args(), I32(window), F32(scale), out, I32(o0), I32(o1)],
-            shared_mem=smem)
+             *cache.table_args(), I32(window), F32(scale), out, I32(o0), I32(o1), I32(kk),
+             I32(vk)], shared_mem=smem)

@@ -155,6 +155,15 @@ SAMPLE_THREADS = 512      # sampling.cu sample_rows: threads per row
 KV_SIDE_WORDS = {"f16": 0, "bf16": 0, "q8_0": 1, "q5_1": 4, "q5_0": 3, "q4_1": 2, "q4_0": 1}
 # bits of one element's code in the codes plane
 KV_CODE_BITS = {"f16": 16, "bf16": 16, "q8_0": 8, "q5_1": 4, "q5_0": 4, "q4_1": 4, "q4_0": 4}
+# kv_read.cuh: the reader of each KV type in the attention kernels, and the kind bits the launch
+# passes it (kk, vk). The four 4/5-bit types share the reader `nib`, its rule chosen by the bits
+# (KV_KIND_HIGH: a fifth bit, KV_KIND_MIN: an offset), so the attention kernels exist per reader
+# pair (16) rather than per type pair (49): a third of the compile time.
+KV_KIND_HIGH, KV_KIND_MIN = 1, 2
+KV_READ = {"f16": ("f16", 0), "bf16": ("bf16", 0), "q8_0": ("q8_0", 0),
+           "q5_1": ("nib", KV_KIND_HIGH | KV_KIND_MIN), "q5_0": ("nib", KV_KIND_HIGH),
+           "q4_1": ("nib", KV_KIND_MIN), "q4_0": ("nib", 0)}
+KV_READERS = tuple(dict.fromkeys(r for r, _ in KV_READ.values()))   # kv_read.cuh's order
 
 
 def mma_rows(nc: int) -> int:
@@ -176,7 +185,8 @@ def cuda_defines() -> dict[str, int | str]:
             "AT_WARPS": AT_WARPS, "ARGMAX_THREADS": ARGMAX_THREADS,
             "SAMPLE_THREADS": SAMPLE_THREADS,
             "IQ4_NL_VALUES": ",".join(str(v) for v in IQ4_NL_VALUES),
-            **{f"KV_SIDE_{t.upper()}": n for t, n in KV_SIDE_WORDS.items() if n}}
+            **{f"KV_SIDE_{t.upper()}": n for t, n in KV_SIDE_WORDS.items() if n},
+            "KV_KIND_HIGH": KV_KIND_HIGH, "KV_KIND_MIN": KV_KIND_MIN}
 
 
 # ---------------------------------------------------------------- what the .cu files instantiate
@@ -198,8 +208,8 @@ GEMV_PREFETCH_TYPES = ("q4_k", "q6_k")   # gemv.cu: gemv_<type>_c1r1pn (c1r1p: e
 ATT_SIZES = (128, 256)                   # attention*.cu _d128 / _d256: Dv <= 128 / 256
 # moe.cu MOEG_DOWN / MOEG_GLU: columns per tile -> rows per warp of the expert-grouped down
 # GEMV and of the gate | up GEMV with the GLU (2R weight rows per warp)
-MOEG_ROWS = {1: 1, 2: 2, 4: 4, 8: 4, 16: 4}
-MOEG_GLU_ROWS = {1: 1, 2: 1, 4: 2, 8: 2, 16: 2}
+MOEG_ROWS = {1: 1, 2: 2, 4: 4, 8: 4}
+MOEG_GLU_ROWS = {1: 1, 2: 1, 4: 2, 8: 2}
 
 _PLANES = "p0,p1,p2,p3:ptr"
 _GEMV_TAIL = "n_cols:i32 ids:ptr rows_per_expert,act_div:i32 out:ptr ldo,accumulate:i32"
@@ -261,11 +271,11 @@ FAMILIES = (
     Family("attn_{k}_{v}_d{d}", "attention.cu",
            "q:ptr q0,q1,H,Hkv,D,Dv:i32 kq,kd,vq,vd,slots,positions,attn_lo,attn_mask:ptr "
            f"{_PAGING} window:i32 scale:f32 chunk:i32 part_ml,part_acc,counters,out:ptr "
-           "o0,o1:i32 qa,ads:ptr", _each(k=KV_TYPES, v=KV_TYPES, d=ATT_SIZES)),
+           "o0,o1:i32 qa,ads:ptr kk,vk:i32", _each(k=KV_READERS, v=KV_READERS, d=ATT_SIZES)),
     Family("attnt_{k}_{v}_d{d}", "attention_tiled.cu",
            "q:ptr q0,q1,T,H,Hkv,D,Dv,QT:i32 kq,kd,vq,vd,slots,positions:ptr "
-           f"{_PAGING} window:i32 scale:f32 out:ptr o0,o1:i32",
-           _each(k=KV_TYPES, v=KV_TYPES, d=ATT_SIZES)),
+           f"{_PAGING} window:i32 scale:f32 out:ptr o0,o1,kk,vk:i32",
+           _each(k=KV_READERS, v=KV_READERS, d=ATT_SIZES)),
     # sampling.cu
     Family("argmax_rows", "sampling.cu", "logits:ptr ld,V:i32 out:ptr"),
     Family("record_tokens", "sampling.cu", "ids,slots,positions:ptr T,n_slots,n_ctx:i32 hist:ptr"),

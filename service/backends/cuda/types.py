@@ -154,7 +154,7 @@ def overlaps(a, key: ViewKey) -> bool:
 
 
 # Column variants of cuda/moe.cu's expert-grouped GEMVs (kernels.MOEG_ROWS's keys).
-MOEG_NC = (1, 2, 4, 8, 16)
+MOEG_NC = (1, 2, 4, 8)   # wider: an expert with more rows takes several tiles
 
 
 def moe_group_nc(n_tokens: int, n_used: int, n_expert: int) -> int:
