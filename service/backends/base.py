@@ -110,6 +110,10 @@ class Backend(abc.ABC):
     # steps run asynchronously to the host (queued on a device): the engine's overlapped loop
     # hides its host work behind them (config overlap "auto")
     asynchronous: bool = False
+    # The share of memory_free() the default KV pool may take (kv_cache_memory ''): host memory
+    # is shared with everything else on the machine, and the prefix cache fills whatever pool
+    # it is given over time, so a quarter of it.
+    kv_pool_share: float = 0.25
 
     # ---------------------------------------------------------------- memory
     @abc.abstractmethod

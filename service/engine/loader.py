@@ -171,24 +171,19 @@ def kv_bytes(backend, specs: list[ModelSpec], config: EngineConfig) -> int:
                for s in specs)
 
 
-# The default pool's ceiling: this share of the memory free once the target's weights are
-# loaded (the rest for the step's scratch, captured graphs and a draft model's weights).
-DEFAULT_POOL_SHARE = 0.8
-
-
 def pool_blocks(config: EngineConfig, backend, specs: list[ModelSpec]) -> int:
     """Blocks of the KV pool per config.kv_cache_memory: bytes, or a fraction of the memory free
     once the target's weights are loaded; ConfigError when they cannot hold one full context.
     '' (the default): a full context for every slot, so n_slots streams of any length run at
-    once without preemption, within DEFAULT_POOL_SHARE of the free memory (at least one full
-    context)."""
+    once without preemption, within backend.kv_pool_share of the free memory (0.8 of a GPU's,
+    0.25 of the host's), at least one full context."""
     bs = config.kv_block_size
     n_ctx = min(config.n_ctx, specs[0].n_ctx_train)
     per_block = bs * kv_bytes(backend, specs, config)
     full = -(-n_ctx // bs)
     kind, value = parse_memory(config.kv_cache_memory)
     if kind == "default":
-        room = int(DEFAULT_POOL_SHARE * backend.memory_free() // per_block)
+        room = int(backend.kv_pool_share * backend.memory_free() // per_block)
         return max(full, min(config.n_slots * full, room, ((1 << 31) - 1) // bs))
     budget = value if kind == "bytes" else value * backend.memory_free()
     n = min(int(budget // per_block), ((1 << 31) - 1) // bs)     # int32 row indices

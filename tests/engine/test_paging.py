@@ -159,9 +159,10 @@ def test_a_pool_smaller_than_one_context_is_refused_at_startup():
 
 def test_the_default_pool_holds_a_full_context_for_every_slot_within_the_free_memory():
     """kv_cache_memory '' gives every slot a full context (n_slots streams at once, none
-    preempted), capped at DEFAULT_POOL_SHARE of the free memory, never below one context."""
+    preempted), capped at the backend's kv_pool_share of the free memory, never below one
+    context."""
     from service.backends.cpu.backend import CpuBackend
-    from service.engine.loader import DEFAULT_POOL_SHARE, pool_blocks
+    from service.engine.loader import pool_blocks
 
     eng = Engine.load(model_path(MODEL), engine_config(n_slots=16, kv_block_size=BS))
     full = -(-eng.config.n_ctx // BS)
@@ -171,6 +172,7 @@ def test_the_default_pool_holds_a_full_context_for_every_slot_within_the_free_me
     per_block = cpu_block_bytes()
     config = engine_config(n_slots=16, kv_block_size=BS)
     backend = CpuBackend(threads=1)
-    for free_blocks, want in ((1000, 16 * full), (100, int(DEFAULT_POOL_SHARE * 100)), (3, full)):
+    share = backend.kv_pool_share
+    for free_blocks, want in ((4000, 16 * full), (400, int(share * 400)), (3, full)):
         backend.memory_free = lambda n=free_blocks: n * per_block
         assert pool_blocks(config, backend, [spec]) == want, free_blocks

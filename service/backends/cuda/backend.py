@@ -55,6 +55,7 @@ class CudaBackend(Backend):
     name = "cuda"
     kv_types = KV_TYPES
     asynchronous = True
+    kv_pool_share = 0.8     # device memory serves this process (the rest: scratch, graphs, drafts)
 
     def __init__(self, threads: int = 0, graphs: bool = True, device: int = 0,
                  invariant_tokens: int = 16, gemv_rows: int = 2, upload: str = "pinned",
