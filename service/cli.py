@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 
 from service.errors import ConfigError, SpecstreamError
@@ -54,6 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = msub.add_parser("fetch", help="download a known model into the models directory")
     fetch.add_argument("name", nargs="?", default=None, help="model name (default: the default)")
     msub.add_parser("list", help="list the known models and whether they are fetched")
+
+    kern = sub.add_parser("kernels", help="the CUDA backend's kernels")
+    ksub = kern.add_subparsers(dest="kernels_command", required=True)
+    warm = ksub.add_parser("warm", help="compile every CUDA kernel source into CuPy's kernel "
+                                        "cache, side by side (a new GPU host's first start "
+                                        "then compiles nothing; needs CuPy and a GPU)")
+    warm.add_argument("--processes", type=int, default=0, metavar="N",
+                      help="compiling processes (0: one per source, at most the CPU count; "
+                           "1: in this process)")
 
     insp = sub.add_parser("inspect", help="print a GGUF file's metadata and tensor summary")
     insp.add_argument("model", help="a .gguf path or a known model name")
@@ -209,6 +219,23 @@ def cmd_models(args) -> int:
         default = " (default)" if name == fetch.DEFAULT_MODEL else ""
         size = f", {fetch.format_size(src.size)}" if src.size else ""
         print(f"{name}{default}: {src.description}{size} [{mark}: {here}]")
+    return 0
+
+
+def cmd_kernels(args) -> int:
+    """specstream kernels warm: one line per source (seconds), then the wall time."""
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        print("specstream: kernels warm needs CuPy (the cuda or cuda13 extra: pip install -e "
+              "\".[cuda13]\")", file=sys.stderr)
+        return 2
+    from service.backends.cuda.warm import compile_sources
+
+    t0 = time.perf_counter()
+    for name, seconds in compile_sources(processes=args.processes):
+        print(f"{name:<20} {seconds:7.1f} s")
+    print(f"{'all':<20} {time.perf_counter() - t0:7.1f} s wall")
     return 0
 
 
@@ -386,7 +413,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # per-step lines, which are debug lines.
     level = "warning" if getattr(args, "json", False) else "info"
     configure_logging("debug" if getattr(args, "step_profile", False) else level, fmt="console")
-    handlers = {"models": cmd_models, "inspect": cmd_inspect, "generate": cmd_generate,
+    handlers = {"models": cmd_models, "kernels": cmd_kernels, "inspect": cmd_inspect,
+                "generate": cmd_generate,
                 "synth": cmd_synth, "quantize": cmd_quantize,
                 "fit-markov": cmd_fit_markov}
     try:

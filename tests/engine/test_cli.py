@@ -56,6 +56,18 @@ def test_bad_kv_type_exits_2_with_the_known_types(capsys):
     assert "allowed range is 1..16" in err
 
 
+def test_kernels_warm_without_cupy_exits_2_with_the_install_line(capsys):
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("CuPy is installed here: the command would compile")
+    code, out, err = run_cli(capsys, "kernels", "warm")
+    assert code == 2 and out == ""
+    assert "kernels warm needs CuPy" in err and "pip install" in err
+
+
 def test_models_list_prints_sizes_in_mib(capsys):
     from service.config import models_dir_from_env
 

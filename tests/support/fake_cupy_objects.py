@@ -325,6 +325,10 @@ class RawModule:
         self._cp = _cp
         _cp.dev.modules.append(self.source)
 
+    def compile(self, log_stream=None) -> None:
+        """Compile and load now rather than at the first get_function (recorded)."""
+        self._cp.dev.compiled.append(self.source)
+
     def get_function(self, name: str) -> RawKernel:
         sig = self._cp.dev.kernels.by_source[self.source].get(name)
         if sig is None:

@@ -168,6 +168,7 @@ class FakeDevice:
         self.graphs: list[Graph] = []
         self.syncs: list[str] = []                   # host waits: "stream", "event", ...
         self.modules: list[str] = []                 # sources loaded by RawModule, in order
+        self.compiled: list[str] = []                # sources RawModule.compile() built
         self.capturing: dict[int, Graph] = {}        # stream ptr -> the graph it records
         self._starts: list[int] = []
         self._regions: dict[int, _Region] = {}

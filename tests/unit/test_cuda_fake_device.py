@@ -799,3 +799,19 @@ def test_the_sample_op_takes_a_token_mask_list(gpu):
     assert launches[1].args[7].shape == (L, mask_words(V))
     with pytest.raises(ValueError, match="sample masks"):
         be.sample(logits, params, hist, adj, out, be.zeros((L, 3), "int32"))
+
+
+def test_kernels_warm_compiles_every_source_as_the_launcher_does(gpu, capsys):
+    """`specstream kernels warm` compiles each CUDA source once, with the code and options the
+    launcher loads it with (the fake RawModule refuses any other code or options, so CuPy's
+    cache key is the launcher's); an unknown source is refused by name."""
+    from service.backends.cuda import sources
+    from service.backends.cuda.warm import compile_sources
+    from service.cli import main
+
+    assert main(["kernels", "warm", "--processes", "1"]) == 0
+    assert gpu.compiled == list(sources.SOURCES)
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in lines] == [*sources.SOURCES, "all"]
+    with pytest.raises(ValueError, match="not CUDA sources of the backend: \\['nope.cu'\\]"):
+        compile_sources(["nope.cu"], processes=1)
