@@ -224,12 +224,6 @@ def cmd_models(args) -> int:
 
 def cmd_kernels(args) -> int:
     """specstream kernels warm: one line per source (seconds), then the wall time."""
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        print("specstream: kernels warm needs CuPy (the cuda or cuda13 extra: pip install -e "
-              "\".[cuda13]\")", file=sys.stderr)
-        return 2
     from service.backends.cuda.warm import compile_sources
 
     t0 = time.perf_counter()

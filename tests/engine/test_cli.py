@@ -65,7 +65,7 @@ def test_kernels_warm_without_cupy_exits_2_with_the_install_line(capsys):
         pytest.skip("CuPy is installed here: the command would compile")
     code, out, err = run_cli(capsys, "kernels", "warm")
     assert code == 2 and out == ""
-    assert "kernels warm needs CuPy" in err and "pip install" in err
+    assert "kernels warm: needs CuPy" in err and "pip install" in err
 
 
 def test_models_list_prints_sizes_in_mib(capsys):

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 
 from service.backends.cuda import sources
+from service.errors import ConfigError
 
 
 def compile_source(name: str) -> float:
@@ -37,9 +38,14 @@ def compile_sources(names: Sequence[str] = sources.SOURCES,
     """(name, seconds) for each of `names`, compiled by compile_source: in this process when
     processes is 1, else in up to `processes` spawned processes (0: one per file, at most the
     CPU count), the longest sources first. A compile error raises (CuPy's CompileException,
-    with NVRTC's log)."""
+    with NVRTC's log); ConfigError without CuPy."""
     if processes < 0:
         raise ValueError(f"processes must be >= 0, got {processes}")
+    try:
+        import cupy  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError([("kernels warm", f"needs CuPy ({exc}); install the cuda or cuda13 "
+                            "extra: pip install -e \".[cuda13]\"")]) from None
     unknown = sorted(set(names) - set(sources.SOURCES))
     if unknown:
         raise ValueError(f"not CUDA sources of the backend: {unknown} (sources.SOURCES: "
