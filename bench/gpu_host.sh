@@ -2,6 +2,8 @@
 # One command on an offline GPU host: install the carried wheels, put the real models in place
 # (from pieces carried in .gpu/, joined and checked), run the GPU tests, then the benchmarks.
 #   bash bench/gpu_host.sh [tests|bench|all|load|prefill|spec|concurrency] [pytest / script args]
+# Every stage but load first compiles the kernels side by side (`specstream kernels warm`);
+# GPU_TEST_WORKERS=N runs the tests on N pytest-xdist workers where xdist is installed.
 # The bench stage runs bench/gpu_bench.py (BENCH_ARGS='--quick', BENCH_JSON=path).
 # Wheels: `make wheelhouse` (or any folder of wheels) in .whl/; model pieces: .gpu*/NAME.part.*
 # with .gpu*/NAME.sha256 (one folder per call when a call carries one piece). Models land in
@@ -40,8 +42,18 @@ done
 python3 -m service.proto_build >/dev/null || exit 1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 status=0
+# Every kernel source compiled side by side into CuPy's cache first (a fresh host would
+# otherwise compile them one after another inside the first tests or benchmarks).
+if [ "$what" != load ]; then
+  python3 -m service.cli kernels warm || status=1
+fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -m gpu -q tests/gpu -p no:cacheprovider "$@"; status=$?
+  # GPU_TEST_WORKERS=N: pytest-xdist workers (one file per worker) when the host has it
+  workers=()
+  if [ -n "${GPU_TEST_WORKERS:-}" ] && python3 -c "import xdist" 2>/dev/null; then
+    workers=(-n "$GPU_TEST_WORKERS" --dist loadfile)
+  fi
+  python3 -m pytest -m gpu -q tests/gpu -p no:cacheprovider "${workers[@]}" "$@" || status=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/gpu_bench.py --json "${BENCH_JSON:-/tmp/bench-gpu.json}" ${BENCH_ARGS:-} || status=1
