@@ -105,7 +105,7 @@ _HELP = {
                        "rows) (0 = prefill_chunk + 64)",
     "kv_cache_memory": "KV cache pool size: bytes (8GiB, 512MiB, 2000000000) or a fraction "
                        "(0.5) of the memory free after loading the model; '' = a full context "
-                       "(n_ctx) for every slot, within 80% of that free memory on a GPU, 25% "
+                       "(n_ctx) for every slot, within 0.8 of that free memory on a GPU, 0.25 "
                        "on the CPU",
     "kv_block_size": "positions per KV cache block (a power of two, 8..256)",
     "prefix_cache": "reuse the KV blocks of identical prompt prefixes (false: compute every "
