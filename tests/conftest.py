@@ -1,4 +1,5 @@
-"""Session fixtures over tests/support: re-quantized copies of models, made once."""
+"""Session fixtures over tests/support: re-quantized copies of models, and the compiled CUDA
+kernels' signatures the fake device checks launches against, made once."""
 
 from __future__ import annotations
 
@@ -7,7 +8,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.kernel_signatures import CompiledKernels, NvrtcUnavailable, compile_kernels
 from tests.support.models import model_path
+
+
+@pytest.fixture(scope="session")
+def compiled(request) -> CompiledKernels:
+    """The signatures of every CUDA kernel, compiled by NVRTC (or taken from pytest's cache); the
+    calling test is skipped where NVRTC is not available."""
+    try:
+        return compile_kernels(getattr(request.config, "cache", None))
+    except NvrtcUnavailable as e:
+        pytest.skip(f"NVRTC is not available, so the kernels' signatures are unknown: {e}")
 
 
 @pytest.fixture(scope="session")

@@ -42,6 +42,7 @@ from service.tools.synth_eagle3 import synthesize_eagle3, write_eagle3
 from tests.engine.test_moe_speculation import PROMPTS, batch_equals_alone
 from tests.support.engines import run, running_engine
 from tests.support.models import model_path
+from tests.support.speculation import greedy_equals_plain_at_widths
 
 TARGET, N_NEW = "tiny-qwen3", 24
 WIDTHS = (2, 6, 16)
@@ -178,6 +179,27 @@ def agree_to_first_tie(got: list[int], want: list[int], gaps: list[float]) -> in
     return n
 
 
+def reference(d: Eagle3Drafter, head: Path) -> Eagle3Draft:
+    """The numpy reference of `head` (the spec the drafter `d` read from it) over the target's
+    file, for 64 positions."""
+    return Eagle3Draft(d.spec, GGUFFile(head), GGUFFile(model_path(TARGET)), 64)
+
+
+def prefill_and_extend(d: Eagle3Drafter, runner, prompt: list[int]
+                       ) -> tuple[_State, int, np.ndarray]:
+    """`prompt` prefilled through the target in slot 0 with its rows tapped, and the drafter's
+    slot 0 started on it and extended with those rows: the sequence (the prompt, then the seed
+    token the prefill chose), the seed, and the prompt's tapped rows (P, 3 Et)."""
+    P = len(prompt)
+    inp = StepInput(prompt, range(P), [0] * P, [P - 1], [ROW_GREEDY], hidden=True)
+    seed = int(runner.step(inp).token_ids[0])
+    feats = np.array(runner.hidden_states(inp))                      # (P, 3Et)
+    st = _State(0, [*prompt, seed])
+    d.start(st)
+    d.extend(st, range(P), range(P), runner.hidden_states(inp))
+    return st, seed, feats
+
+
 @pytest.mark.parametrize("which", ["random", "reduced"])
 def test_drafts_equal_the_reference_after_a_prompt_and_a_rollback(heads, which):
     """A 9-token prompt prefilled (tapped), then a verify step of [seed, d1..d5] of which the
@@ -187,14 +209,9 @@ def test_drafts_equal_the_reference_after_a_prompt_and_a_rollback(heads, which):
     with eagle3_engine(heads[which], start=False) as eng:
         d, runner = eng.drafter, eng.runner
         assert isinstance(d, Eagle3Drafter) and runner.hidden_tap == d.tap
-        ref = Eagle3Draft(d.spec, GGUFFile(heads[which]), GGUFFile(model_path(TARGET)), 64)
+        ref = reference(d, heads[which])
         P = len(prompt)
-        inp = StepInput(prompt, range(P), [0] * P, [P - 1], [ROW_GREEDY], hidden=True)
-        seed = int(runner.step(inp).token_ids[0])
-        feats = np.array(runner.hidden_states(inp))                      # (P, 3Et)
-        st = _State(0, [*prompt, seed])
-        d.start(st)
-        d.extend(st, range(P), range(P), runner.hidden_states(inp))
+        st, seed, feats = prefill_and_extend(d, runner, prompt)
         # the seed row's pre-norm output, kept per slot for the chain (f16 KV: 0.2%)
         y_seed = np.array(d._y[0])
         got = d.propose(st, 6)
@@ -211,7 +228,7 @@ def test_drafts_equal_the_reference_after_a_prompt_and_a_rollback(heads, which):
         d.extend(st, range(3), range(P, P + 3), runner.hidden_states(vin))
         y_seed = np.array(d._y[0])
         again = d.propose(st, 6)
-        ref2 = Eagle3Draft(d.spec, GGUFFile(heads[which]), GGUFFile(model_path(TARGET)), 64)
+        ref2 = reference(d, heads[which])
         want2, gaps2, y_want = reference_chain(ref2, np.concatenate([feats, vfeats[:3]]),
                                                st.history, 6)
         assert rel(y_seed, y_want) <= 2e-3
@@ -236,12 +253,7 @@ def test_drafts_equal_the_reference_after_a_branch_of_a_tree(heads):
     with eagle3_engine(heads["random"], start=False) as eng:
         d, runner = eng.drafter, eng.runner
         P = len(prompt)
-        inp = StepInput(prompt, range(P), [0] * P, [P - 1], [ROW_GREEDY], hidden=True)
-        seed = int(runner.step(inp).token_ids[0])
-        feats = np.array(runner.hidden_states(inp))                      # (P, 3Et)
-        st = _State(0, [*prompt, seed])
-        d.start(st)
-        d.extend(st, range(P), range(P), runner.hidden_states(inp))
+        st, seed, feats = prefill_and_extend(d, runner, prompt)
         chain, ids, logp = d.candidates(st, 3, 3)
         assert chain == ids[:, 0].tolist() and (np.diff(logp, axis=1) <= 0).all()
         assert chain == d.propose(st, 3)
@@ -260,7 +272,7 @@ def test_drafts_equal_the_reference_after_a_branch_of_a_tree(heads):
         y_seed = np.array(d._y[0])
         got = d.propose(st, 5)
         vfeats = np.array(runner.hidden_states(vin))[rows]                # (2, 3Et)
-        ref = Eagle3Draft(d.spec, GGUFFile(heads["random"]), GGUFFile(model_path(TARGET)), 64)
+        ref = reference(d, heads["random"])
         want, gaps, y_want = reference_chain(ref, np.concatenate([feats, vfeats]), st.history,
                                              5)
     assert rel(y_seed, y_want) <= 2e-3
@@ -284,21 +296,10 @@ def test_greedy_speculation_equals_plain_greedy(heads, agreeing, plain_ids, whic
     with eagle3_engine(head) as eng:
         assert isinstance(eng.drafter, Eagle3Drafter)
         assert eng.info.drafter == "eagle3" and "EAGLE-3" in eng.info.draft_model
-        for width in WIDTHS:
-            eng.config = replace(eng.config, verify_width=width)
-            drafted = accepted = tokens = 0
-            for prompt, plain in zip(PROMPTS, plain_ids, strict=True):
-                out = run(eng, prompt, max_new_tokens=N_NEW, ignore_eos=True)
-                assert out.token_ids == plain, (which, width, prompt)
-                u = out.finished.usage
-                drafted, accepted = drafted + u.draft_tokens, accepted + u.accepted_draft_tokens
-                tokens += u.completion_tokens - 1
-            steps = tokens - accepted
-            print(f"\n{which} width {width}: {accepted}/{drafted} drafts accepted "
-                  f"({accepted / drafted:.1%}), {tokens / steps:.2f} tokens per step")
-            assert drafted > 0
+        for got in greedy_equals_plain_at_widths(eng, PROMPTS, plain_ids, widths=WIDTHS,
+                                                 max_new_tokens=N_NEW, label=which):
             if which == "agreeing":      # a bigram table along a greedy loop: d1 mostly right
-                assert accepted / drafted > (0.5 if width == 2 else 0.2)
+                assert got.rate > (0.5 if got.width == 2 else 0.2)
 
 
 @pytest.mark.parametrize("which", ["random", "agreeing"])

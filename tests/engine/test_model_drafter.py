@@ -6,7 +6,7 @@ drafter of another vocabulary is refused at load, and a cancelled request frees 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -18,6 +18,7 @@ from tests.support.batching import Streams
 from tests.support.cli import run_cli
 from tests.support.engines import GREEDY, Engine, engine_config, run, running_engine, wait_idle
 from tests.support.models import load_json, model_path, open_gguf
+from tests.support.speculation import greedy_equals_plain_at_widths
 
 N_NEW = 24                       # tokens per fixture prompt: a few steps even at width 16
 WIDTHS = (2, 6, 16)
@@ -54,26 +55,11 @@ def test_model_drafter_output_equals_plain_greedy(drafts, plain_ids, which):
     with model_engine(drafts[which]) as eng:
         assert isinstance(eng.drafter, ModelDrafter)
         assert eng.info.drafter == "model" and "smollm2-135m-q8_0" in eng.info.draft_model
-        for width in WIDTHS:
-            # One engine serves every width: the width only bounds the drafts per step (the
-            # workspace is sized for the largest, MAX_VERIFY_WIDTH logits rows).
-            eng.config = replace(eng.config, verify_width=width)
-            drafted = accepted = tokens = 0
-            for case, plain in zip(cases, plain_ids, strict=True):
-                # past an end token too: Usage counts the drafts accepted in the step that
-                # stops, so tokens per step is only exact when every request runs to N_NEW
-                out = run(eng, case["prompt_ids"], max_new_tokens=N_NEW, ignore_eos=True)
-                assert out.token_ids == plain, (which, width, case["name"])
-                u = out.finished.usage
-                drafted, accepted = drafted + u.draft_tokens, accepted + u.accepted_draft_tokens
-                tokens += u.completion_tokens - 1      # the first one comes from the prefill
-            rate = accepted / drafted
-            steps = tokens - accepted          # each decode step commits one target token
-            print(f"\n{which} width {width}: {accepted}/{drafted} drafts accepted "
-                  f"({rate:.1%}), {tokens / steps:.2f} tokens per step")
-            assert drafted > 0
+        for got in greedy_equals_plain_at_widths(
+                eng, [c["prompt_ids"] for c in cases], plain_ids, widths=WIDTHS,
+                max_new_tokens=N_NEW, label=which, names=[c["name"] for c in cases]):
             if which == "full q8_0":
-                assert rate > 0.5
+                assert got.rate > 0.5
 
 
 @dataclass

@@ -27,7 +27,7 @@ import pytest
 
 from service.backends.cpu.backend import CpuBackend
 from service.model.spec import ModelSpec
-from tests.support.logits import relative_errors
+from tests.support.logits import ErrorBounds, against_llamacpp
 from tests.support.models import (
     TINY_FIXTURE,
     TINY_MODELS,
@@ -39,17 +39,12 @@ from tests.support.models import (
 )
 from tests.support.near_ties import assert_teacher_forced_agrees, top2_gap
 
-MAX_MEDIAN_REL, MAX_P75_REL, CLEAR_GAP, OUR_GAP_ALONE = 0.05, 0.10, 4.0, 8.0
-
-
-def run_tiny(name: str, spec=None) -> tuple[np.ndarray, np.ndarray]:
-    return tiny_logits(name, CpuBackend(act_quant=True), spec)
+BOUNDS, CLEAR_GAP, OUR_GAP_ALONE = ErrorBounds(median=0.05, p75=0.10), 4.0, 8.0
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_tiny_full_logits(name):
-    ours, ref = run_tiny(name)
-    rel = relative_errors(ours, ref)
+    ours, ref, rel = against_llamacpp(tiny_logits, name)
     d = ours - ref
     d -= d.mean(axis=1, keepdims=True)
     flipped = ours.argmax(1) != ref.argmax(1)
@@ -59,8 +54,7 @@ def test_tiny_full_logits(name):
           f"{np.percentile(rel, 75):.1%}; llama.cpp logit std (median over rows) "
           f"{np.median(ref.std(axis=1)):.1f}; worst centered logit diff {np.abs(d).max():.1f}; "
           f"largest gap at a position where the argmaxes differ: {largest}")
-    assert np.median(rel) <= MAX_MEDIAN_REL, rel
-    assert np.percentile(rel, 75) <= MAX_P75_REL, rel
+    BOUNDS.assert_within(rel)
     ref_gaps = [top2_gap(r) for r in ref]
     assert assert_teacher_forced_agrees(name, ours, ref.argmax(1), ref_gaps, CLEAR_GAP) >= 8
     # Where only our gap is known (test_tiny_greedy_continuation), OUR_GAP_ALONE must suffice:
@@ -77,11 +71,10 @@ def _wrong_eps(spec: ModelSpec) -> ModelSpec:
     ("tiny-llama-mixq", swapped_rope), ("tiny-qwen3", swapped_rope), ("tiny-qwen3", _wrong_eps),
 ])
 def test_tolerance_catches_architecture_mistakes(name, mutate):
-    ours, ref = run_tiny(name, mutate)
-    rel = relative_errors(ours, ref)
+    _, _, rel = against_llamacpp(tiny_logits, name, mutate)
     print(f"\n{name} {mutate.__name__}: relative error median {np.median(rel):.1%}, "
           f"75th percentile {np.percentile(rel, 75):.1%}")
-    assert np.median(rel) > MAX_MEDIAN_REL or np.percentile(rel, 75) > MAX_P75_REL
+    BOUNDS.assert_exceeded(rel)
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)

@@ -13,7 +13,8 @@ qwen2 (q/k/v biases) and gemma3 (head size 256, sliding window, post-norms, GELU
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,14 @@ import numpy as np
 from service import formats
 from service.backends import create_backend
 from service.backends.step_format import N_PARAMS, OUT_WORDS, param_record
+from service.engine.engine import Engine
 from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput
 from service.gguf.reader import GGUFFile
 from service.model.hidden import HiddenRows, HiddenTap
 from service.model.spec import ModelSpec
 from service.model.transformer import Transformer, positions_for
 from service.tools import synth
+from tests.support.engines import running_engine
 from tests.support.fake_cupy import install
 from tests.support.fake_gpu import FakeDevice
 from tests.support.kernel_signatures import CompiledKernels
@@ -385,3 +388,14 @@ def run(s: Scenario, kernels: CompiledKernels, files: dict[str, Path]) -> Result
         d = Driver(tr, ModelRunner(tr, N_SLOTS, N_CTX), dev)
         SCRIPTS[s.script](d)
         return Result(s, dev, d.marks)
+
+
+# ---------------------------------------------------------------- the engine on the fake device
+@contextmanager
+def fake_device_engine(kernels: CompiledKernels, **options) -> Iterator[tuple[FakeDevice, Engine]]:
+    """tiny-qwen3 in an Engine on the CUDA backend over a fresh fake device, two slots, started;
+    options: running_engine's keywords and config overrides. On exit the engine is stopped,
+    then the device taken away."""
+    with install(kernels) as dev, running_engine(
+            TINY / "tiny-qwen3.gguf", **{"backend": "cuda", "n_slots": 2, **options}) as eng:
+        yield dev, eng

@@ -34,8 +34,6 @@ from service.backends.cuda.types import (
     moe_group_nc,
     moe_group_tiles,
 )
-from service.config import EngineConfig
-from service.engine.engine import Engine
 from service.engine.types import Finished, GenerationRequest, SamplingParams, StoppingCriteria
 from service.tools import synth
 from tests.support import cuda_steps
@@ -50,7 +48,6 @@ from tests.support.fake_gpu import (
     Launch,
     MemoryCheckError,
 )
-from tests.support.kernel_signatures import CompiledKernels, NvrtcUnavailable, compile_kernels
 from tests.support.models import TINY
 
 # model -> the KV (K, V) pair its full scenario runs with (captured steps on quantized caches
@@ -113,14 +110,7 @@ def all_scenarios() -> list[Scenario]:
 
 
 # ---------------------------------------------------------------- fixtures
-@pytest.fixture(scope="session")
-def compiled(request) -> CompiledKernels:
-    try:
-        return compile_kernels(getattr(request.config, "cache", None))
-    except NvrtcUnavailable as e:
-        pytest.skip(f"NVRTC is not available, so the kernels' signatures are unknown: {e}")
-
-
+# (`compiled`, the kernels' signatures, is tests/conftest.py's)
 @pytest.fixture(scope="module")
 def results(compiled, tmp_path_factory):
     """scenario -> Result, each scenario run on first use."""
@@ -307,16 +297,10 @@ def test_sampling_launches_one_block_per_logits_row(results):
 
 
 def test_engine_generates_on_the_fake_device(compiled):
-    with install(compiled) as dev:
-        eng = Engine.load(TINY / "tiny-qwen3.gguf",
-                          EngineConfig(backend="cuda", n_ctx=256, n_slots=2, prefill_chunk=64))
-        eng.start()
-        try:
-            req = GenerationRequest("t", tuple(range(1, 50)), SamplingParams(temperature=0.0),
-                                    StoppingCriteria(max_new_tokens=6, ignore_eos=True))
-            events = list(eng.generate(req, timeout=120))
-        finally:
-            eng.stop(10)
+    with cuda_steps.fake_device_engine(compiled, n_ctx=256, prefill_chunk=64) as (dev, eng):
+        req = GenerationRequest("t", tuple(range(1, 50)), SamplingParams(temperature=0.0),
+                                StoppingCriteria(max_new_tokens=6, ignore_eos=True))
+        events = list(eng.generate(req, timeout=120))
     assert isinstance(events[-1], Finished)
     assert sum(len(getattr(e, "token_ids", ())) for e in events[1:-1]) == 6
     assert dev.graphs and all(g.replays for g in dev.graphs)
@@ -690,29 +674,23 @@ def test_sampling_controls_run_on_the_fake_device(compiled):
     """Penalties, logit_bias and min_tokens (the adjustment list: one more pinned upload of
     8 bytes per pair, only on steps that carry pairs) and prompt log-probabilities (every
     prefill row a logits row) through the engine, graphs captured and replayed."""
-    with install(compiled) as dev:
-        eng = Engine.load(TINY / "tiny-qwen3.gguf",
-                          EngineConfig(backend="cuda", n_ctx=256, n_slots=2, prefill_chunk=64))
-        eng.start()
-        try:
-            def copies(sampling, **kw):
-                before = len(dev.copies)
-                req = GenerationRequest("t", tuple(range(1, 50)), sampling,
-                                        StoppingCriteria(max_new_tokens=6, ignore_eos=True,
-                                                         min_tokens=kw.pop("min_tokens", 0)),
-                                        **kw)
-                events = list(eng.generate(req, timeout=120))
-                assert isinstance(events[-1], Finished) and events[-1].error is None
-                return events, dev.copies[before:]
+    with cuda_steps.fake_device_engine(compiled, n_ctx=256, prefill_chunk=64) as (dev, eng):
+        def copies(sampling, **kw):
+            before = len(dev.copies)
+            req = GenerationRequest("t", tuple(range(1, 50)), sampling,
+                                    StoppingCriteria(max_new_tokens=6, ignore_eos=True,
+                                                     min_tokens=kw.pop("min_tokens", 0)),
+                                    **kw)
+            events = list(eng.generate(req, timeout=120))
+            assert isinstance(events[-1], Finished) and events[-1].error is None
+            return events, dev.copies[before:]
 
-            _, plain = copies(SamplingParams(temperature=0.0))
-            _, penalised = copies(SamplingParams(temperature=0.0, frequency_penalty=0.5,
-                                                 presence_penalty=0.5))
-            _, biased = copies(SamplingParams(temperature=0.7, seed=1,
-                                              logit_bias=((3, -100.0), (5, 2.0))), min_tokens=3)
-            events, _ = copies(SamplingParams(temperature=0.0), prompt_logprobs=2)
-        finally:
-            eng.stop(10)
+        _, plain = copies(SamplingParams(temperature=0.0))
+        _, penalised = copies(SamplingParams(temperature=0.0, frequency_penalty=0.5,
+                                             presence_penalty=0.5))
+        _, biased = copies(SamplingParams(temperature=0.7, seed=1,
+                                          logit_bias=((3, -100.0), (5, 2.0))), min_tokens=3)
+        events, _ = copies(SamplingParams(temperature=0.0), prompt_logprobs=2)
     # the adjustment list of 2 pairs (no end-of-generation ids in this vocabulary): 16 bytes
     adj = [[c for c in cs if c.direction == "h2d" and c.nbytes == 16]
            for cs in (plain, penalised, biased)]

@@ -12,22 +12,11 @@ from __future__ import annotations
 import pytest
 from structlog.testing import capture_logs
 
-from service.config import EngineConfig
-from service.engine.engine import Engine
 from service.engine.spec.eagle3_drafter import Eagle3Drafter
 from service.engine.types import Finished, GenerationRequest, SamplingParams, StoppingCriteria
 from service.tools.synth_eagle3 import synthesize_eagle3
-from tests.support.fake_cupy import install
-from tests.support.kernel_signatures import CompiledKernels, NvrtcUnavailable, compile_kernels
+from tests.support.cuda_steps import fake_device_engine
 from tests.support.models import TINY
-
-
-@pytest.fixture(scope="module")
-def compiled(request) -> CompiledKernels:
-    try:
-        return compile_kernels(getattr(request.config, "cache", None))
-    except NvrtcUnavailable as e:
-        pytest.skip(f"NVRTC is not available, so the kernels' signatures are unknown: {e}")
 
 
 @pytest.mark.parametrize("quant", ["F16", "Q8_0"])
@@ -35,21 +24,16 @@ def compiled(request) -> CompiledKernels:
 def test_the_eagle3_drafter_drafts_on_the_fake_device(compiled, tmp_path, tree_budget, quant):
     head = synthesize_eagle3(tmp_path / "e3.gguf", TINY / "tiny-qwen3.gguf", layers=(1, 2, 3),
                              quant=quant).path
-    with install(compiled) as dev:
-        eng = Engine.load(TINY / "tiny-qwen3.gguf", EngineConfig(
-            backend="cuda", n_ctx=512, n_slots=2, prefill_chunk=128, verify_width=4,
-            drafter="eagle3", draft_model=str(head), tree_budget=tree_budget))
+    with fake_device_engine(
+            compiled, n_ctx=512, prefill_chunk=128, verify_width=4, drafter="eagle3",
+            draft_model=str(head), tree_budget=tree_budget,
+            draft_in_full=True) as (dev, eng):          # verify_alpha 0: draft every step
         assert isinstance(eng.drafter, Eagle3Drafter)
-        eng.start()
-        eng.verify_alpha = 0.0                # draft every step
-        try:
-            req = GenerationRequest("t", tuple(range(1, 300)), SamplingParams(temperature=0.0),
-                                    StoppingCriteria(max_new_tokens=6, ignore_eos=True),
-                                    speculative=True)
-            with capture_logs() as logs:
-                events = list(eng.generate(req, timeout=120))
-        finally:
-            eng.stop(10)
+        req = GenerationRequest("t", tuple(range(1, 300)), SamplingParams(temperature=0.0),
+                                StoppingCriteria(max_new_tokens=6, ignore_eos=True),
+                                speculative=True)
+        with capture_logs() as logs:
+            events = list(eng.generate(req, timeout=120))
     # every extend ran: the 128-row prefill chunks' fc (128 x 768) fits the backend's
     # scratch, sized again once the head's weights were loaded
     assert not [e for e in logs if e["event"] == "drafter_extend_failed"], logs

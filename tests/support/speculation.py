@@ -1,0 +1,60 @@
+"""Greedy speculation held to plain greedy output: a set of prompts run on one engine at one
+verify width after another, each output compared with the plain run's, and what was drafted and
+accepted at each width counted."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+
+from service.engine.engine import Engine
+from tests.support.engines import run
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """The drafts of a set of greedy requests at one verify width: how many were proposed and
+    accepted, and how many tokens the requests made after their first (the prefill's)."""
+
+    width: int
+    drafted: int
+    accepted: int
+    tokens: int
+
+    @property
+    def rate(self) -> float:
+        """Accepted drafts over proposed ones."""
+        return self.accepted / self.drafted
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens per decode step: each step commits one target token besides its accepted
+        drafts."""
+        return self.tokens / (self.tokens - self.accepted)
+
+
+def greedy_equals_plain_at_widths(eng: Engine, prompts: Sequence[Sequence[int]],
+                                  plain_ids: Sequence[list[int]], *, widths: Sequence[int],
+                                  max_new_tokens: int, label: str,
+                                  names: Sequence[str] | None = None) -> Iterator[Acceptance]:
+    """For each of `widths` in turn: every prompt run greedily with speculation on `eng`, to
+    max_new_tokens past any end token, must give plain_ids[i]; at least one token is drafted;
+    the width's Acceptance is printed and yielded. One engine serves every width: the width
+    only bounds the drafts per step (the workspace is sized for the largest, MAX_VERIFY_WIDTH
+    logits rows). Running past an end token keeps tokens per step exact (Usage counts the drafts
+    accepted in the step that stops). label and names (default: the prompts) say which run and
+    prompt failed."""
+    for width in widths:
+        eng.config = replace(eng.config, verify_width=width)
+        drafted = accepted = tokens = 0
+        for prompt, plain, name in zip(prompts, plain_ids, names or prompts, strict=True):
+            out = run(eng, prompt, max_new_tokens=max_new_tokens, ignore_eos=True)
+            assert out.token_ids == plain, (label, width, name)
+            u = out.finished.usage
+            drafted, accepted = drafted + u.draft_tokens, accepted + u.accepted_draft_tokens
+            tokens += u.completion_tokens - 1
+        assert drafted > 0, (label, width)
+        got = Acceptance(width, drafted, accepted, tokens)
+        print(f"\n{label} width {width}: {accepted}/{drafted} drafts accepted "
+              f"({got.rate:.1%}), {got.tokens_per_step:.2f} tokens per step")
+        yield got
