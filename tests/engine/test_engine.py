@@ -199,15 +199,14 @@ def f16_cache_rows():
 
 
 # Centered top-8 logit difference (the f16 row's 8 best tokens, each row minus its mean
-# difference, as in tests/golden) against the f16 cache, teacher-forced on KV_CASES: measured
-# worst / mean q8_0+q8_0 0.23 / 0.035, q4_0+q4_0 5.1 / 0.53, f16+q8_0 0.07 / 0.010, printed by
-# `pytest -s -k quantized_kv tests/engine/test_engine.py`. q4_0 moves logits by units: its step
-# is the block maximum / 8 against / 127 for q8_0. Bounds: the measured worst and mean with
-# about 30% margin. The CPU kernels' last bits differ between a fresh numba compile and the
-# same function loaded from numba's cache (fastmath: deterministic per process; matmul_q8 of
-# one random case differed by 3e-5), which moves the q8_0 worst case: 0.218 with a fresh
-# cache, 0.316 with a warm one (2026-12-04, this machine), hence 0.4 there.
-KV_BOUNDS = {("q8_0", "q8_0"): (0.4, 0.05), ("q4_0", "q4_0"): (6.5, 0.7),
+# difference, as in tests/golden) against the f16 cache, teacher-forced on KV_CASES, printed by
+# `pytest -s -k quantized_kv tests/engine/test_engine.py`; measured worst / mean (2026-12-04,
+# CPU kernels without FMA contraction, the same bits compiled or loaded from numba's cache):
+# q8_0+q8_0 0.204 / 0.036, q4_0+q4_0 7.26 / 0.546, f16+q8_0 0.067 / 0.010. q4_0 moves logits by
+# units: its step is the block maximum / 8 against / 127 for q8_0, and its worst row moves with
+# the last bits of the arithmetic before it (4.87 and 5.89 with the earlier kernels' two cache
+# states), while the mean stays within 0.53-0.55. Bounds: about 30% over the worst seen.
+KV_BOUNDS = {("q8_0", "q8_0"): (0.3, 0.05), ("q4_0", "q4_0"): (9.5, 0.7),
              ("f16", "q8_0"): (0.1, 0.015)}
 
 

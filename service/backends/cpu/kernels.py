@@ -31,9 +31,19 @@ import numpy as np  # noqa: E402
 from numba import njit, prange  # noqa: E402
 
 ROW_CHUNKS = 64     # matmul_q8's units of parallel work: rows split into this many chunks
+# numba's fast-math flags minus `contract` (fusing a multiply and an add into one FMA): with it,
+# the same kernel gave other last bits freshly compiled than loaded from numba's on-disk cache
+# (the JIT and the cached object code fused different operations: 3e-5 on a random matmul, up to
+# 0.86 in SmolLM2's teacher-forced logits), so a result depended on whether the process had
+# compiled or loaded the kernel. Without it, compiled and cached give the same bits; reassociation
+# (the vectorized sums) stays, and is the same in both.
+FAST = {"reassoc", "nnan", "ninf", "nsz", "arcp", "afn"}
+# attention_rows gave other bits cached than compiled even so (its dot products and sums were
+# vectorized differently by the two): it adds in source order.
+ORDERED = FAST - {"reassoc"}
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=FAST)
 def group_sums(x: np.ndarray, group: int, out: np.ndarray) -> None:
     """out[t, g] = sum(x[t, g*group:(g+1)*group]).  x (T, K) f32, out (T, K//group) f32."""
     T, K = x.shape
@@ -45,7 +55,7 @@ def group_sums(x: np.ndarray, group: int, out: np.ndarray) -> None:
             out[t, g] = s
 
 
-@njit(parallel=True, cache=True, fastmath=True)
+@njit(parallel=True, cache=True, fastmath=FAST)
 def matmul_q8(x, xsum, codes, scale, offset, group, out):
     """out (T, N) = x (T, K) @ W^T on int8 codes; offset (N, G) or (0, 0) when symmetric.
 
@@ -73,7 +83,7 @@ def matmul_q8(x, xsum, codes, scale, offset, group, out):
             out[t, n] = acc
 
 
-@njit(parallel=True, cache=True, fastmath=True)
+@njit(parallel=True, cache=True, fastmath=ORDERED)
 def attention_rows(q, kc, vc, rows, starts, scale, out):
     """Softmax attention of each query over its own key rows of the pool.
 
@@ -123,7 +133,7 @@ def attention_rows(q, kc, vc, rows, starts, scale, out):
             out[t, h, e] = o[e] * inv
 
 
-@njit(parallel=True, cache=True, fastmath=True)
+@njit(parallel=True, cache=True, fastmath=FAST)
 def dequantize_rows(codes, scale, offset, group, r0, out):
     """out[i, k] = scale[r0+i, g] * codes[r0+i, k] + offset[r0+i, g] for the rows of out."""
     K = codes.shape[1]
@@ -137,7 +147,7 @@ def dequantize_rows(codes, scale, offset, group, r0, out):
                 out[i, g * group + j] = d * np.float32(codes[n, g * group + j]) + m
 
 
-@njit(parallel=True, cache=True, fastmath=True)
+@njit(parallel=True, cache=True, fastmath=FAST)
 def argmax_rows(logits, out):
     """out[t] = first index of the maximum of logits[t] (np.argmax semantics)."""
     T, V = logits.shape
