@@ -43,12 +43,26 @@ def test_constraints_are_served_with_their_finish_reason(client):
     (dict(grammar="root ::= ("), "constraint.grammar"),
     (dict(choice=pb.Choice()), "constraint.choice.options"),
     (dict(json_object=False), "constraint.json_object"),
+    # no text matches: every token (end tokens too) is masked from the first draw on
+    (dict(regex=r"[^\x00-\U0010ffff]"), "constraint.regex"),
+    (dict(grammar=r'root ::= [^\x00-\U0010ffff]'), "constraint.grammar"),
 ])
 def test_a_bad_constraint_is_refused_by_field(client, kw, field):
     with pytest.raises(grpc.RpcError) as ei:
         client.complete(request=request(**kw))
     e = error_details(ei.value)
     assert (e.code, [f for f, _ in e.field_violations]) == ("INVALID_ARGUMENT", [field])
+
+
+def test_a_constraint_no_text_satisfies_is_refused_for_a_sampled_request_too(client):
+    # the draw over an empty set of tokens failed the request with INTERNAL
+    req = request(regex=r"[^\x00-\U0010ffff]")
+    req.sampling.temperature = 0.8
+    with pytest.raises(grpc.RpcError) as ei:
+        client.complete(request=req)
+    e = error_details(ei.value)
+    assert (e.code, [f for f, _ in e.field_violations]) == ("INVALID_ARGUMENT",
+                                                            ["constraint.regex"])
 
 
 def test_tree_speculation_with_a_constraint_is_refused(client):
