@@ -57,7 +57,7 @@ from service.engine.types import (
 )
 from service.errors import InvalidRequestError
 from service.server_requests import encode_text
-from service.server_samples import sample_requests
+from service.server_samples import check_samples_fit, sample_requests
 
 if TYPE_CHECKING:
     from service.server import ServingState
@@ -214,6 +214,7 @@ async def requests_from_proto(state: ServingState, engine: Any, msg: Any
     except InvalidRequestError as exc:
         raise InvalidRequestError(protocol_field(exc.field), str(exc).split(": ", 1)[-1],
                                   exc.reason) from exc
+    check_samples_fit(max(1, sp.n), engine.config, f"{SP}.n")
     return sample_requests(base, max(1, sp.n))
 
 
