@@ -212,7 +212,10 @@ async def requests_from_proto(state: ServingState, engine: Any, msg: Any
     try:
         base.validate(engine.spec.vocab_size, n_ctx)
     except InvalidRequestError as exc:
-        raise InvalidRequestError(protocol_field(exc.field), str(exc).split(": ", 1)[-1],
+        field = exc.field
+        if msg.WhichOneof("input") == "text" and field.startswith("input"):
+            field = "input.text"        # the prompt the client gave: text, not input_ids
+        raise InvalidRequestError(protocol_field(field), str(exc).split(": ", 1)[-1],
                                   exc.reason) from exc
     check_samples_fit(max(1, sp.n), engine.config, f"{SP}.n")
     return sample_requests(base, max(1, sp.n))
