@@ -203,8 +203,8 @@ async def requests_from_proto(state: ServingState, engine: Any, msg: Any
             raise _refuse(f"{SP}.{sp.WhichOneof('constraint')}", "a constraint with the "
                           "server's tree speculation")
         try:
-            await state.off_loop(compile_constraint, engine.tokenizer, constraint,
-                                 engine.spec.vocab_size)
+            await state.compile_off_loop(compile_constraint, engine.tokenizer, constraint,
+                                         engine.spec.vocab_size)
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{SP}.{constraint.kind}", str(exc).split(": ", 1)[-1],
                                       exc.reason) from exc

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import grpc
 import pytest
@@ -70,3 +71,21 @@ def test_tree_speculation_with_a_constraint_is_refused(client):
         client.complete(request=request(regex="a+", speculative=pb.SpeculativeOptions(
             mode=pb.SPECULATIVE_MODE_TREE)))
     assert [f for f, _ in error_details(ei.value).field_violations] == ["speculative.mode"]
+
+
+def test_prompts_are_served_while_constraints_compile(server, client):
+    """xgrammar compiles cannot be interrupted, and a grammar of a few hundred optional items
+    takes seconds to minutes: two of them held both prompt workers, so every text prompt and
+    Tokenize call waited for them (their callers gone or not). They compile on a pool of
+    their own."""
+    slow = [request(grammar="root ::= " + " ".join(['"a"?'] * k)) for k in (300, 301)]
+    with grpc.insecure_channel(server.target) as channel:
+        stub = stubs().generation_pb2_grpc.GenerationServiceStub(channel)
+        calls = [stub.Generate(r, timeout=120) for r in slow]
+        try:
+            time.sleep(1.0)                               # both compiles are under way
+            assert client.tokenize("Hello there", timeout=10).ids
+            assert client.complete("Hello", max_new_tokens=2, timeout=10).token_ids
+        finally:
+            for call in calls:
+                call.cancel()
