@@ -163,6 +163,7 @@ class Service:
             await asyncio.sleep(cfg.drain_delay_s)
         await self._stop_server(cfg.grace_period_s)
         st.prompt_pool.shutdown(wait=False, cancel_futures=True)
+        st.constraint_pool.shutdown(wait=False, cancel_futures=True)
         if stop_engine and st.engine is not None:
             await asyncio.to_thread(st.engine.stop, ENGINE_STOP_TIMEOUT_S)
         st.metrics.stop()

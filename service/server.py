@@ -38,6 +38,7 @@ from service.server_generate import GenerationServicer
 from service.server_orca import LoadReporter
 
 PROMPT_WORKERS = 2               # prompts rendered/tokenized at once; more wait their turn
+CONSTRAINT_WORKERS = 1           # constraints compiled at once, apart from the prompts
 
 
 def service_names() -> tuple[str, str]:
@@ -63,6 +64,11 @@ class ServingState:
     open_requests: set[Any] = field(default_factory=set)  # engine handles of open streams
     prompt_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         PROMPT_WORKERS, thread_name_prefix="prompt"))
+    # xgrammar compiles cannot be interrupted and some small grammars take minutes (1,250
+    # characters of `"a"?` items: seconds; 5,000: minutes): on a pool of their own they hold up
+    # other constrained requests only, never the prompts and Tokenize calls of the rest
+    constraint_pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        CONSTRAINT_WORKERS, thread_name_prefix="constraint"))
 
     def require_engine(self, *, admitting: bool = False) -> Any:
         if admitting and self.draining:
@@ -83,6 +89,10 @@ class ServingState:
     async def off_loop(self, fn: Any, *args: Any) -> Any:
         """fn(*args) on the prompt pool: tokenizing and rendering never block the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.prompt_pool, fn, *args)
+
+    async def compile_off_loop(self, fn: Any, *args: Any) -> Any:
+        """fn(*args) (a constraint compile) on the constraint pool."""
+        return await asyncio.get_running_loop().run_in_executor(self.constraint_pool, fn, *args)
 
 
 # ------------------------------------------------------------------------- the server

@@ -27,7 +27,7 @@ from service.engine.types import Delta, Event, Finished, FinishReason, Started
 from service.errors import InvalidRequestError
 from service.proto_build import stubs
 from service.server_requests import n_from_proto, optional, prompt_ids, request_from_proto
-from service.server_samples import SampleGroup, sample_requests
+from service.server_samples import SampleGroup, check_samples_fit, sample_requests
 
 if TYPE_CHECKING:                # generated on first use (service.proto_build.stubs)
     from service.proto import generation_pb2
@@ -185,6 +185,7 @@ class GenerationServicer:
         engine = state.require_engine(admitting=True)
         rid = request.request_id     # the interceptor filled it in when empty
         n = n_from_proto(request)
+        check_samples_fit(n, engine.config, "n")
         domain = await request_from_proto(state, engine, request)
         reqs = sample_requests(domain, n)
         # shutdown cancels each sample: Finished(CANCELLED) ends its part of the stream

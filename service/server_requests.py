@@ -190,8 +190,8 @@ async def request_from_proto(state: ServingState, engine: Any,
         if speculation is not None and speculation.on and speculation.tree_budget > 0:
             raise InvalidRequestError("speculative.mode", "tree speculation cannot be used "
                                       "with a constraint; use chain or off")
-        await state.off_loop(compile_constraint, engine.tokenizer, constraint,
-                             engine.spec.vocab_size)
+        await state.compile_off_loop(compile_constraint, engine.tokenizer, constraint,
+                                     engine.spec.vocab_size)
     return GenerationRequest(
         constraint=constraint,
         request_id=msg.request_id, prompt_ids=await prompt_ids(state, engine, msg),

@@ -29,6 +29,7 @@ from service.engine.types import (
     Timings,
     Usage,
 )
+from service.errors import InvalidRequestError
 
 
 def sample_requests(base: GenerationRequest, n: int) -> list[GenerationRequest]:
@@ -38,6 +39,18 @@ def sample_requests(base: GenerationRequest, n: int) -> list[GenerationRequest]:
     seed = resolve_seed(base.sampling.seed, base.sampling.greedy)
     return [replace(base, request_id=f"{base.request_id}-{i}",
                     sampling=replace(base.sampling, seed=(seed + i) % 2**64)) for i in range(n)]
+
+
+def check_samples_fit(n: int, config: Any, field: str) -> None:
+    """INVALID_ARGUMENT on `field` when n samples (n engine requests) are more than the engine
+    runs and queues at once, n_slots + max_queue: the samples past that were refused with
+    RESOURCE_EXHAUSTED after sample 0 had started, on an idle server too, so a client that
+    honoured the retry delay retried forever."""
+    most = config.n_slots + config.max_queue
+    if n > most:
+        raise InvalidRequestError(field, f"{n} samples; this server runs and queues at most "
+                                  f"{most} requests (n_slots {config.n_slots} + max_queue "
+                                  f"{config.max_queue})")
 
 
 class SampleGroup:

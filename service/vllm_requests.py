@@ -57,7 +57,7 @@ from service.engine.types import (
 )
 from service.errors import InvalidRequestError
 from service.server_requests import encode_text
-from service.server_samples import sample_requests
+from service.server_samples import check_samples_fit, sample_requests
 
 if TYPE_CHECKING:
     from service.server import ServingState
@@ -203,8 +203,8 @@ async def requests_from_proto(state: ServingState, engine: Any, msg: Any
             raise _refuse(f"{SP}.{sp.WhichOneof('constraint')}", "a constraint with the "
                           "server's tree speculation")
         try:
-            await state.off_loop(compile_constraint, engine.tokenizer, constraint,
-                                 engine.spec.vocab_size)
+            await state.compile_off_loop(compile_constraint, engine.tokenizer, constraint,
+                                         engine.spec.vocab_size)
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{SP}.{constraint.kind}", str(exc).split(": ", 1)[-1],
                                       exc.reason) from exc
@@ -212,8 +212,12 @@ async def requests_from_proto(state: ServingState, engine: Any, msg: Any
     try:
         base.validate(engine.spec.vocab_size, n_ctx)
     except InvalidRequestError as exc:
-        raise InvalidRequestError(protocol_field(exc.field), str(exc).split(": ", 1)[-1],
+        field = exc.field
+        if msg.WhichOneof("input") == "text" and field.startswith("input"):
+            field = "input.text"        # the prompt the client gave: text, not input_ids
+        raise InvalidRequestError(protocol_field(field), str(exc).split(": ", 1)[-1],
                                   exc.reason) from exc
+    check_samples_fit(max(1, sp.n), engine.config, f"{SP}.n")
     return sample_requests(base, max(1, sp.n))
 
 

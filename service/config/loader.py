@@ -198,6 +198,7 @@ def build_serve_parser() -> argparse.ArgumentParser:
     for s in settings():
         help_text = (_HELP.get(s.name, s.name.replace("_", " "))
                      + f" (default: {toml_value(s.default)})")
+        help_text = help_text.replace("%", "%%")     # argparse %-formats every help string
         if s.name == "model":
             p.add_argument("model", nargs="?", metavar="MODEL", help=help_text)
         elif s.kind is bool:     # `--step-profile` alone means true

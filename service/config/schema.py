@@ -8,6 +8,7 @@ values come from (defaults, file, env, flags) is loader.py's business.
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,7 +148,7 @@ def parse_memory(text: str) -> tuple[str, float]:
         value = float(num)
     except ValueError:
         value = -1.0
-    if unit not in _UNITS or value <= 0 or value != value:
+    if unit not in _UNITS or not 0 < value * _UNITS[unit] < math.inf:    # NaN fails too
         raise ValueError(f"{text!r} is neither a size (e.g. 8GiB, 512MiB, 2000000000) nor a "
                          "fraction in (0, 1] of the memory free after loading the model")
     if not unit and value <= 1:

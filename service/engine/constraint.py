@@ -105,7 +105,16 @@ def compile_constraint(tokenizer: Any, c: Constraint, vocab_size: int | None = N
     check(c)
     if not tokenizer.can_encode:
         raise InvalidRequestError("constraint", "the model has no text vocabulary to constrain")
-    comp = compiler(tokenizer, vocab_size)
+    compiled = _compile(compiler(tokenizer, vocab_size), c)
+    first = np.empty(mask_words(compiled.tokenizer_info.vocab_size), np.int32)      # (W,) i32
+    xgr().GrammarMatcher(compiled).fill_next_token_bitmask(first.reshape(1, -1), 0)
+    if not first.any():     # not even an end token: every draw would be from an empty set
+        raise InvalidRequestError(_field(c), "no text satisfies it: no token of the model's "
+                                             "vocabulary can begin it")
+    return compiled
+
+
+def _compile(comp: Any, c: Constraint) -> Any:
     try:
         if c.kind == "json_schema":
             return comp.compile_json_schema(c.text, any_whitespace=False, strict_mode=True)

@@ -20,6 +20,7 @@ MAX_STOP_SEQUENCES = 16
 MAX_STOP_SEQUENCE_CHARS = 256
 MAX_TOP_K = 1_000_000
 MAX_REPEAT_LAST_N = 1_000_000
+MIN_REPETITION_PENALTY = 0.01    # a smaller one turns positive logits into float32 inf
 MAX_LOGIT_BIAS = 300             # entries of SamplingParams.logit_bias
 MAX_STOP_TOKEN_IDS = 1024
 MAX_N = 16                       # parallel samples of one prompt (GenerationRequest.n)
@@ -63,8 +64,10 @@ class SamplingParams:
              f"must be in [0, {MAX_TOP_K}] (0 disables top-k)"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
-            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0,
-             "must be in (0, 10]"),
+            # the bound as a float32, as the proto carries it (0.01 arrives as 0.0099999998)
+            ("repetition_penalty",
+             float(np.float32(MIN_REPETITION_PENALTY)) <= self.repetition_penalty <= 10.0,
+             f"must be in [{MIN_REPETITION_PENALTY}, 10]"),
             ("repeat_last_n", 0 <= self.repeat_last_n <= MAX_REPEAT_LAST_N,
              f"must be in [0, {MAX_REPEAT_LAST_N}] (0 turns the repetition penalty off)"),
             ("seed", self.seed is None or 0 <= self.seed < 2**64, "must be in [0, 2^64)"),

@@ -304,6 +304,17 @@ def test_sampling_controls_are_validated_by_field(fake_client, kw, field):
     assert (e.code, [f for f, _ in e.field_violations]) == ("INVALID_ARGUMENT", [field])
 
 
+@pytest.mark.parametrize("penalty", [1e-45, 1e-38, 0.0099])
+def test_a_repetition_penalty_too_small_for_float32_is_refused(client, penalty):
+    # l / r overflowed a positive logit l to inf: the draw saw NaN weights and the request
+    # failed with INTERNAL once it had tokens to penalise
+    e = _error(lambda: client.complete("Hello", repetition_penalty=penalty, max_new_tokens=4))
+    assert (e.code, [f for f, _ in e.field_violations]) == ("INVALID_ARGUMENT",
+                                                            ["sampling.repetition_penalty"])
+    out = client.complete("Hello", repetition_penalty=0.01, max_new_tokens=4, seed=1)
+    assert out.finish_reason in ("LENGTH", "EOS")
+
+
 def test_sampling_controls_at_their_bounds_are_served(fake_client):
     assert fake_client.complete(tokens=[1], frequency_penalty=-2.0, presence_penalty=2.0,
                                 logit_bias={i: -100.0 for i in range(300)}, min_tokens=8,

@@ -5,10 +5,16 @@ cache); n out of range is refused by name."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import grpc
 import pytest
+from smg_grpc_proto import vllm_engine_pb2 as vpb
+from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from clients import error_details
+from tests.support.engines import running_engine
+from tests.support.grpc_harness import TEST_ENGINE, serving
 
 PROMPT = ("The history of the printing press begins in the fifteenth century, when a goldsmith "
           "in Mainz combined movable metal type, oil-based ink and a wooden press into a system "
@@ -75,3 +81,26 @@ def test_prompt_logprob_options_are_refused_by_name(fake_client, kw, field):
         fake_client.complete(tokens=[1], **kw)
     e = error_details(ei.value)
     assert (e.code, [f for f, _ in e.field_violations]) == ("INVALID_ARGUMENT", [field])
+
+
+def test_more_samples_than_the_server_runs_and_queues_are_refused_by_name(model_path):
+    """n samples are n engine requests: on a server of 2 slots and a queue of 4, n = 7 got
+    Started and Deltas of sample 0, then RESOURCE_EXHAUSTED with a retry delay, idle as the
+    server was, so a retrying client never got an answer. Both protocols refuse it first."""
+    config = replace(TEST_ENGINE, n_slots=2, max_queue=4)
+    with running_engine(model_path, config=config) as engine, \
+            serving(engine) as (srv, client):
+        with pytest.raises(grpc.RpcError) as ei:
+            list(client.generate(PROMPT, n=7, **SAMPLED))
+        e = error_details(ei.value)
+        assert (e.code, [f for f, _ in e.field_violations]) == ("INVALID_ARGUMENT", ["n"])
+        assert len(client.complete_samples(PROMPT, n=6, **SAMPLED)) == 6
+        with grpc.insecure_channel(srv.target) as channel:
+            req = vpb.GenerateRequest(
+                tokenized=vpb.TokenizedInput(input_ids=[1, 2, 3]),
+                sampling_params=vpb.SamplingParams(n=7, max_tokens=2), stream=True)
+            with pytest.raises(grpc.RpcError) as ei:
+                list(vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(req, timeout=120))
+        e = error_details(ei.value)
+        assert (e.code, [f for f, _ in e.field_violations]) == ("INVALID_ARGUMENT",
+                                                                ["sampling_params.n"])

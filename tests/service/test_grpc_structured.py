@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import grpc
 import pytest
@@ -43,6 +44,9 @@ def test_constraints_are_served_with_their_finish_reason(client):
     (dict(grammar="root ::= ("), "constraint.grammar"),
     (dict(choice=pb.Choice()), "constraint.choice.options"),
     (dict(json_object=False), "constraint.json_object"),
+    # no text matches: every token (end tokens too) is masked from the first draw on
+    (dict(regex=r"[^\x00-\U0010ffff]"), "constraint.regex"),
+    (dict(grammar=r'root ::= [^\x00-\U0010ffff]'), "constraint.grammar"),
 ])
 def test_a_bad_constraint_is_refused_by_field(client, kw, field):
     with pytest.raises(grpc.RpcError) as ei:
@@ -51,8 +55,37 @@ def test_a_bad_constraint_is_refused_by_field(client, kw, field):
     assert (e.code, [f for f, _ in e.field_violations]) == ("INVALID_ARGUMENT", [field])
 
 
+def test_a_constraint_no_text_satisfies_is_refused_for_a_sampled_request_too(client):
+    # the draw over an empty set of tokens failed the request with INTERNAL
+    req = request(regex=r"[^\x00-\U0010ffff]")
+    req.sampling.temperature = 0.8
+    with pytest.raises(grpc.RpcError) as ei:
+        client.complete(request=req)
+    e = error_details(ei.value)
+    assert (e.code, [f for f, _ in e.field_violations]) == ("INVALID_ARGUMENT",
+                                                            ["constraint.regex"])
+
+
 def test_tree_speculation_with_a_constraint_is_refused(client):
     with pytest.raises(grpc.RpcError) as ei:
         client.complete(request=request(regex="a+", speculative=pb.SpeculativeOptions(
             mode=pb.SPECULATIVE_MODE_TREE)))
     assert [f for f, _ in error_details(ei.value).field_violations] == ["speculative.mode"]
+
+
+def test_prompts_are_served_while_constraints_compile(server, client):
+    """xgrammar compiles cannot be interrupted, and a grammar of a few hundred optional items
+    takes seconds to minutes: two of them held both prompt workers, so every text prompt and
+    Tokenize call waited for them (their callers gone or not). They compile on a pool of
+    their own."""
+    slow = [request(grammar="root ::= " + " ".join(['"a"?'] * k)) for k in (300, 301)]
+    with grpc.insecure_channel(server.target) as channel:
+        stub = stubs().generation_pb2_grpc.GenerationServiceStub(channel)
+        calls = [stub.Generate(r, timeout=120) for r in slow]
+        try:
+            time.sleep(1.0)                               # both compiles are under way
+            assert client.tokenize("Hello there", timeout=10).ids
+            assert client.complete("Hello", max_new_tokens=2, timeout=10).token_ids
+        finally:
+            for call in calls:
+                call.cancel()

@@ -200,6 +200,15 @@ def test_validate_config_reports_what_startup_reports(fake_client, argv):
     assert fake_client.get_config() == before              # a dry run: nothing changed
 
 
+@pytest.mark.parametrize("size", ["1e400", "1e308GiB"])
+def test_a_kv_cache_memory_past_the_float_range_is_a_problem(fake_client, size):
+    # float("1e400") is inf: it passed as a size, then int(inf // block bytes) crashed startup
+    # after the model was loaded
+    r = fake_client.validate_config(kv_cache_memory=size)
+    assert not r.valid and [p.field for p in r.problems] == ["kv_cache_memory"]
+    assert [f for f, _ in _problems(["--kv-cache-memory", size])] == ["kv_cache_memory"]
+
+
 # ------------------------------------------------------------------ generated stubs
 def test_stale_stubs_are_regenerated():
     from service import proto_build

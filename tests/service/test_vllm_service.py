@@ -180,6 +180,16 @@ def test_a_request_field_not_served_is_refused_by_name(vllm, engine, field, extr
     assert err.value.details().startswith(field + ":"), err.value.details()
 
 
+@pytest.mark.parametrize("text", ["", "hello " * 600], ids=["empty", "past-the-context"])
+def test_a_text_prompt_the_engine_refuses_is_refused_on_text(vllm, text):
+    # the engine's "input" problems were named tokenized.input_ids, a field the client never set
+    req = pb.GenerateRequest(text=text, sampling_params=pb.SamplingParams(max_tokens=2))
+    with pytest.raises(grpc.RpcError) as err:
+        list(vllm.Generate(req, timeout=60))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("text:"), err.value.details()
+
+
 def test_abort_ends_a_running_request_and_loads_see_it(vllm, engine):
     stream = vllm.Generate(pb.GenerateRequest(
         request_id="to-abort", tokenized=pb.TokenizedInput(input_ids=prompt_ids(engine)),
