@@ -238,12 +238,13 @@ def goals(rows: list[dict], backend: str) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
+    base = int(rows[0]["streams"]) if rows else 1      # "ratio": against the first level run
     cols = [("streams", "streams", "{:>8.0f}"), ("tokens", "tokens", "{:>8.0f}"),
             ("wall_s", "wall s", "{:>8.2f}"), ("agg_tok_s", "agg tok/s", "{:>10.1f}"),
             ("stream_tok_s", "tok/s/str", "{:>10.1f}"), ("ttft_p50_ms", "TTFT p50", "{:>10.0f}"),
             ("ttft_p99_ms", "TTFT p99", "{:>10.0f}"), ("itl_p50_ms", "ITL p50", "{:>9.1f}"),
             ("itl_p99_ms", "ITL p99", "{:>9.1f}"), ("cached", "cached", "{:>8.0f}"),
-            ("ratio", "x 1 str", "{:>8.2f}")]
+            ("ratio", f"x {base} str", "{:>8.2f}")]
     print("".join(f"{h:>{len(f.format(0))}}" for _, h, f in cols) + "   (ms for TTFT/ITL)")
     for r in rows:
         print("".join(f.format(r[k]) for k, _, f in cols))
