@@ -22,7 +22,7 @@
 #if !defined(KV_SIDE_Q4_1) || !defined(KV_SIDE_Q4_0)
 #error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
 #endif
-// KV_KIND_HIGH, KV_KIND_MIN: the kind bits of the 4/5-bit reader (kernels.py KV_READ_KIND)
+// KV_KIND_HIGH, KV_KIND_MIN: the kind bits of the 4/5-bit reader (kernels.py KV_READ)
 #if !defined(KV_KIND_HIGH) || !defined(KV_KIND_MIN)
 #error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
 #endif
@@ -103,7 +103,7 @@ struct KvBF16 {
 };
 
 // The 4/5-bit types (kv_quant.cuh KvPutNibble's layout) in one reader, their rule chosen by the
-// launch's kind bits (KV_KIND_HIGH: q5_0, q5_1; KV_KIND_MIN: q4_1, q5_1; kernels.py KV_READ_KIND),
+// launch's kind bits (KV_KIND_HIGH: q5_0, q5_1; KV_KIND_MIN: q4_1, q5_1; kernels.py KV_READ),
 // so the attention kernels exist per reader pair (16) instead of per type pair (49). Code c of
 // element l of a group is its nibble, plus bit l of qh as bit 4 (HIGH); the value is
 // (c - 8) * d, (c - 16) * d (q5_0) or d * c + lo (MIN), each operation rounded once, as

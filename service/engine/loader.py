@@ -181,12 +181,13 @@ def pool_blocks(config: EngineConfig, backend, specs: list[ModelSpec]) -> int:
     n_ctx = min(config.n_ctx, specs[0].n_ctx_train)
     per_block = bs * kv_bytes(backend, specs, config)
     full = -(-n_ctx // bs)
+    most = ((1 << 31) - 1) // bs                                 # int32 row indices
     kind, value = parse_memory(config.kv_cache_memory)
     if kind == "default":
         room = int(backend.kv_pool_share * backend.memory_free() // per_block)
-        return max(full, min(config.n_slots * full, room, ((1 << 31) - 1) // bs))
+        return max(full, min(config.n_slots * full, room, most))
     budget = value if kind == "bytes" else value * backend.memory_free()
-    n = min(int(budget // per_block), ((1 << 31) - 1) // bs)     # int32 row indices
+    n = min(int(budget // per_block), most)
     if n < full:
         raise ConfigError([("kv_cache_memory", f"{config.kv_cache_memory!r} gives "
                             f"{budget / 2**20:.1f} MiB, room for {n * bs} positions at "

@@ -84,7 +84,7 @@ class AttentionOps:
         (kq, kd), (vq, vd) = cache.k[layer], cache.v[layer]
         ml, acc = self.part_ml[: T * H * n_split], self.part_acc[: T * H * n_split * Dv]
         size = 128 if Dv <= 128 else 256             # the kernel's accumulators per lane
-        (kr, kk), (vr, vk) = KV_READ[str(cache.type_k)], KV_READ[str(cache.type_v)]
+        (kr, kk), (vr, vk) = _readers(cache)
         self._launcher.launch(
             f"attn_{kr}_{vr}_d{size}", (n_split, H, T), (32, ATT_WARPS),
             [q, I32(q0), I32(q1), I32(H), I32(Hkv), I32(D), I32(Dv), kq,
@@ -113,7 +113,7 @@ class AttentionOps:
         size = 128 if Dv <= 128 else 256
         smem = 4 * (AT_ROWS * D + D * AT_KEYS + AT_KEYS * (Dv + 1))     # f32 q, K^T, V tiles
         (kq, kd), (vq, vd) = cache.k[layer], cache.v[layer]
-        (kr, kk), (vr, vk) = KV_READ[str(cache.type_k)], KV_READ[str(cache.type_v)]
+        (kr, kk), (vr, vk) = _readers(cache)
         self._launcher.launch(
             f"attnt_{kr}_{vr}_d{size}", (ceil_div(T, qt), Hkv),
             (32, AT_WARPS),
@@ -121,3 +121,9 @@ class AttentionOps:
              kd if kd is not None else kq, vq, vd if vd is not None else vq, slots, positions,
              *cache.table_args(), I32(window), F32(scale), out, I32(o0), I32(o1), I32(kk),
              I32(vk)], shared_mem=smem)
+
+
+def _readers(cache: CudaKVCache) -> tuple[tuple[str, int], tuple[str, int]]:
+    """(reader name, kind bits) of the cache's K and V types (kernels.KV_READ): the attention
+    kernel's name part and its kk, vk arguments."""
+    return KV_READ[str(cache.type_k)], KV_READ[str(cache.type_v)]
