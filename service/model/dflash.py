@@ -1,0 +1,305 @@
+"""DFlash drafter files in llama.cpp's GGUF format (architecture `dflash`): what they hold, and
+the checks that refuse a bad file, an unsupported variant, or a file made for another target.
+
+Facts from llama.cpp (src/models/dflash.cpp, src/llama-arch.cpp, common/speculative.cpp,
+conversion/qwen.py). A DFlash drafter is a small Qwen3-style decoder that denoises a block of
+B tokens `[last committed token, mask, ..., mask]` in one non-causal forward, attending to the
+target's context through K/V rows made from the target's hidden states ("KV injection"):
+
+    f_p = [x_{k0}[p] | x_{k1}[p] | ...]         (P Et,) the target's residuals entering layers
+                                                `dflash.target_layers` (service/model/hidden.py
+                                                convention; the converter writes HF ids + 1)
+    g_p = rms_norm(fc @ f_p) * enc.output_norm   (E,)  one row per committed position p
+    K_l[p] = rope(rms_norm(Wk_l g_p) * k_norm_l, p), V_l[p] = Wv_l g_p     for every layer l
+    block: x = embed(ids) at positions n .. n + B - 1 (n = the anchor's position); per layer
+        q, k, v from rms_norm(x) * attn_norm (q/k norms, NeoX RoPE), attention over the
+        context rows [0, n) and the block's own rows, all visible (causal within the block
+        only with `dflash.attention.causal` true), then the SiLU FFN; logits = output @
+        rms_norm(x) * output_norm; d2t: draft row i is target id d2t[i], others -inf
+Row 0 (the anchor) is not read; rows 1 .. B - 1 are the draft. The block's K/V are dropped
+after the draft (llama.cpp removes the draft cache's positions >= n); the context rows stay.
+
+Tensors (row-major shapes, the reverse of ggml's ne), L = block_count decoder layers:
+    fc.weight (E, P E)               enc.output_norm.weight (E,)     output_norm.weight (E,)
+    blk.i.attn_norm.weight (E,)      blk.i.attn_q.weight (H hd, E)   blk.i.attn_output (E, H hd)
+    blk.i.attn_k.weight, blk.i.attn_v.weight (Hkv hd, E)            blk.i.attn_{q,k}_norm (hd,)
+    blk.i.ffn_norm.weight (E,)       blk.i.ffn_gate/ffn_up.weight (F, E)  ffn_down (E, F)
+    token_embd.weight (V, E)  [optional: the target's]   output.weight (Vd, E) [optional: own
+    token_embd when present (then Vd = V), else the target's]    d2t (Vd,) I64 [optional]
+Metadata: dflash.{target_layers (P ints), embedding_length, block_count, feed_forward_length,
+context_length, attention.head_count, attention.layer_norm_rms_epsilon}, optional
+dflash.{block_size (16), attention.head_count_kv, attention.key_length, rope.freq_base,
+rope.dimension_count, attention.causal, hidden_activation (silu), vocab_size}; the target's
+tokenizer with `tokenizer.ggml.mask_token_id`. llama.cpp's encoder input is P x the drafter's
+width, so the target's width must equal E.
+
+Only the plain block decoder (the public z-lab checkpoints' kind) is read; DFlash2, DeepSeek-V4
+DSpark stages, DSpark's Markov/confidence heads and the optional extras in `UNSUPPORTED` are
+refused by name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.errors import ModelFormatError
+from service.gguf.reader import INDEX_TYPES, GGUFFile
+from service.model.hidden import HiddenRows, HiddenTap
+from service.model.spec import ModelSpec
+
+ARCH = "dflash"
+D2T = "d2t"
+MASK_KEY = "tokenizer.ggml.mask_token_id"
+DEFAULT_BLOCK = 16            # common/speculative.cpp, when dflash.block_size is absent
+MAX_POINTS = 64
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A variant this reader refuses: metadata keys (`dflash.` + key) or tensor-name patterns
+    that mark it."""
+
+    what: str
+    keys: tuple[str, ...] = ()
+    tensors: str = ""         # a regular expression matched against whole tensor names
+
+
+UNSUPPORTED: tuple[Unsupported, ...] = (
+    Unsupported("DFlash2 (block convolutions and a candidate selector)",
+                ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
+                r"selector_.*|blk\.\d+\.(attn|ffn)_conv_.*"),
+    Unsupported("DeepSeek-V4 DSpark stages (hyper-connections, MLA, MoE)",
+                ("hyper_connection.count",),
+                r".*hc_.*|blk\.\d+\.(attn_q_[ab]|attn_kv|attn_out_[ab]|ffn_gate_inp|ffn_\w+_exps)"
+                r"[._].*"),
+    Unsupported("the DSpark Markov and confidence heads", ("has_confidence_head",),
+                r"markov_w[12]\..*|conf_proj\..*"),
+    Unsupported("sliding-window attention",
+                ("attention.sliding_window", "attention.sliding_window_pattern")),
+    Unsupported("M-RoPE sections", ("rope.dimension_sections",)),
+    Unsupported("a token-embedding scale", ("embedding_scale",)),
+    Unsupported("a custom attention scale", ("attention.scale",)),
+    Unsupported("an attention-output scale", ("attention.value_scale",)),
+    Unsupported("logit scaling or soft-capping", ("logit_scale", "final_logit_softcapping")),
+    Unsupported("attention sinks", (), r"blk\.\d+\.attn_sinks\..*"),
+    Unsupported("post-attention / post-FFN norms and layer output scales", (),
+                r"blk\.\d+\.(post_attention_norm|post_ffw_norm|layer_output_scale).*"),
+    Unsupported("RoPE frequency factors", (), r"rope_freqs\..*"),
+    Unsupported("per-tensor weight scales", (), r".*\.scale"),
+)
+
+
+def refuse_variants(f: GGUFFile) -> None:
+    """ModelFormatError naming the first key or tensor of a variant in UNSUPPORTED."""
+    for u in UNSUPPORTED:
+        for key in u.keys:
+            if f"{ARCH}.{key}" in f.metadata:
+                raise ModelFormatError(f"{f.path}: metadata '{ARCH}.{key}' marks {u.what}, "
+                                       "which is not supported (only the plain DFlash block "
+                                       "decoder is)")
+        if u.tensors:
+            pat = re.compile(u.tensors)
+            hit = sorted(n for n in f.tensors if pat.fullmatch(n))
+            if hit:
+                raise ModelFormatError(f"{f.path}: tensor {hit[0]!r} marks {u.what}, which is "
+                                       "not supported (only the plain DFlash block decoder is)")
+    scaling = f.get(f"{ARCH}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ModelFormatError(f"{f.path}: metadata '{ARCH}.rope.scaling.type' = {scaling!r}: "
+                               "RoPE scaling is not supported")
+    act = f.get(f"{ARCH}.hidden_activation", "silu")
+    if act != "silu":
+        raise ModelFormatError(f"{f.path}: metadata '{ARCH}.hidden_activation' = {act!r}: "
+                               "only silu is supported")
+
+
+@dataclass(frozen=True)
+class DflashSpec:
+    n_embd: int               # E, the drafter's width (= the target's)
+    target_layers: tuple[int, ...]
+    n_layer: int              # L, decoder layers
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    vocab_size: int           # V, the target's vocabulary
+    draft_vocab: int          # Vd: d2t's length, else V
+    n_ctx_train: int
+    rms_eps: float
+    rope_base: float
+    rope_dims: int            # NeoX RoPE over the first rope_dims dims of each head
+    block_size: int           # B, the trained block: anchor + B - 1 masks
+    mask_token: int
+    causal: bool              # causal attention within the block (dflash.attention.causal)
+    own_embedding: bool       # token_embd.weight present (else the target's)
+    own_output: bool          # output.weight present
+    has_d2t: bool
+
+    @property
+    def n_points(self) -> int:
+        return len(self.target_layers)
+
+    @property
+    def tap(self) -> HiddenTap:
+        """The target steps' hidden-state tap this drafter reads: every row (each committed
+        position's K/V rows are injected)."""
+        return HiddenTap(self.target_layers, HiddenRows.ALL)
+
+    @property
+    def output_name(self) -> str | None:
+        """The drafter's own output projection (llama.cpp: output.weight, else its token_embd),
+        None: the target's."""
+        if self.own_output:
+            return "output.weight"
+        return "token_embd.weight" if self.own_embedding else None
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the file holds (optional ones as this spec says) -> row-major shape."""
+        E, hd, F = self.n_embd, self.head_dim, self.n_ff
+        q, kv = self.n_head * hd, self.n_head_kv * hd
+        shapes = {"fc.weight": (E, self.n_points * E), "enc.output_norm.weight": (E,),
+                  "output_norm.weight": (E,)}
+        for i in range(self.n_layer):
+            b = f"blk.{i}."
+            shapes |= {
+                b + "attn_norm.weight": (E,), b + "attn_q.weight": (q, E),
+                b + "attn_k.weight": (kv, E), b + "attn_v.weight": (kv, E),
+                b + "attn_output.weight": (E, q), b + "attn_q_norm.weight": (hd,),
+                b + "attn_k_norm.weight": (hd,), b + "ffn_norm.weight": (E,),
+                b + "ffn_gate.weight": (F, E), b + "ffn_up.weight": (F, E),
+                b + "ffn_down.weight": (E, F)}
+        if self.own_embedding:
+            shapes["token_embd.weight"] = (self.vocab_size, E)
+        if self.own_output:
+            shapes["output.weight"] = (self.draft_vocab, E)
+        if self.has_d2t:
+            shapes[D2T] = (self.draft_vocab,)
+        return shapes
+
+    # ---------------------------------------------------------------- reading
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> DflashSpec:
+        """The spec of a `dflash` file; ModelFormatError naming the key or tensor at fault."""
+        arch = f.get("general.architecture")
+        if arch != ARCH:
+            raise ModelFormatError(f"{f.path}: architecture {arch!r}, a DFlash drafter "
+                                   f"({ARCH!r}) expected")
+        refuse_variants(f)
+
+        def num(key: str, default=None, lo: float = 1, hi: float = 1 << 24):
+            full = f"{ARCH}.{key}"
+            if full not in f.metadata and default is not None:
+                return default
+            v = f.require(full)
+            if not lo <= v <= hi:
+                raise ModelFormatError(f"{f.path}: metadata {full!r} = {v!r} is out of range "
+                                       f"[{lo}, {hi}]")
+            return v
+
+        layers = _target_layers(f)
+        E = int(num("embedding_length"))
+        H = int(num("attention.head_count", hi=4096))
+        Hkv = int(num("attention.head_count_kv", H, hi=4096))
+        if H % Hkv:
+            raise ModelFormatError(f"{f.path}: head_count {H} is not a multiple of "
+                                   f"head_count_kv {Hkv}")
+        hd = int(num("attention.key_length", E // H, hi=4096))
+        if int(num("attention.value_length", hd, hi=4096)) != hd:
+            raise ModelFormatError(f"{f.path}: DFlash wants equal key and value head sizes")
+        rope_dims = int(num("rope.dimension_count", hd, hi=4096))
+        if rope_dims > hd or rope_dims % 2:
+            raise ModelFormatError(f"{f.path}: rope.dimension_count {rope_dims} must be even "
+                                   f"and <= head size {hd}")
+        tokens = f.get("tokenizer.ggml.tokens")
+        if f"{ARCH}.vocab_size" not in f.metadata and not (isinstance(tokens, list) and tokens):
+            raise ModelFormatError(f"{f.path}: no vocabulary (tokenizer.ggml.tokens or "
+                                   f"'{ARCH}.vocab_size'): a DFlash file carries its target's")
+        V = int(num("vocab_size", len(tokens) if isinstance(tokens, list) else None))
+        if MASK_KEY not in f.metadata:
+            raise ModelFormatError(f"{f.path}: metadata {MASK_KEY!r} is missing (the token "
+                                   "that fills the block's masked positions)")
+        mask = int(f.require(MASK_KEY, int))
+        if not 0 <= mask < V:
+            raise ModelFormatError(f"{f.path}: {MASK_KEY} = {mask} is outside the vocabulary "
+                                   f"of {V} tokens")
+        causal_key = f"{ARCH}.attention.causal"
+        has_d2t = f.has_tensor(D2T)
+        spec = cls(
+            n_embd=E, target_layers=layers, n_layer=int(num("block_count", hi=1024)),
+            n_head=H, n_head_kv=Hkv, head_dim=hd, n_ff=int(num("feed_forward_length")),
+            vocab_size=V, draft_vocab=f.tensor(D2T).shape[0] if has_d2t else V,
+            n_ctx_train=int(num("context_length")),
+            rms_eps=float(num("attention.layer_norm_rms_epsilon", lo=0.0, hi=1.0)),
+            rope_base=float(num("rope.freq_base", 10_000.0, lo=1.0, hi=1e12)),
+            rope_dims=rope_dims, block_size=int(num("block_size", DEFAULT_BLOCK, lo=2, hi=1024)),
+            mask_token=mask,
+            causal=bool(f.require(causal_key, bool)) if causal_key in f.metadata else False,
+            own_embedding=f.has_tensor("token_embd.weight"),
+            own_output=f.has_tensor("output.weight"), has_d2t=has_d2t)
+        spec._check_tensors(f)
+        return spec
+
+    def _check_tensors(self, f: GGUFFile) -> None:
+        shapes = self.tensor_shapes()
+        for i in range(self.n_layer):
+            if not f.has_tensor(f"blk.{i}.attn_v.weight"):
+                raise ModelFormatError(f"{f.path}: tensor 'blk.{i}.attn_v.weight' is missing; "
+                                       "shared K/V (a layer without attn_v) is not supported")
+        for name, shape in shapes.items():
+            info = f.tensor(name, shape)
+            if (int(info.qtype) in INDEX_TYPES) != (name == D2T):
+                raise ModelFormatError(f"{f.path}: tensor {name!r} has type {info.qtype.name}"
+                                       + ("; d2t must be I64" if name == D2T else ""))
+        extra = sorted(set(f.tensors) - set(shapes))
+        if extra:
+            raise ModelFormatError(f"{f.path}: tensors a DFlash drafter does not have: "
+                                   + ", ".join(extra[:8]))
+        if not self.has_d2t:
+            return
+        if f.tensor(D2T).qtype.name != "I64":
+            raise ModelFormatError(f"{f.path}: d2t must be I64 (llama.cpp's), not "
+                                   f"{f.tensor(D2T).qtype.name}")
+        if not self.own_output:
+            raise ModelFormatError(f"{f.path}: a d2t of {self.draft_vocab} rows needs the "
+                                   "drafter's own output.weight of as many rows")
+        d2t = f.index_tensor(D2T)                                           # (Vd,) i64
+        if d2t.min() < 0 or d2t.max() >= self.vocab_size:
+            raise ModelFormatError(f"{f.path}: d2t holds ids {int(d2t.min())}.."
+                                   f"{int(d2t.max())}; target token ids in [0, "
+                                   f"{self.vocab_size}) expected (absolute ids)")
+        if np.unique(d2t).size != d2t.size:
+            raise ModelFormatError(f"{f.path}: d2t maps two draft rows to one target id")
+
+    # ---------------------------------------------------------------- the target
+    def check_target(self, target: ModelSpec, where: str = "draft model") -> None:
+        """Refuse a target this drafter was not made for (ModelFormatError with the reason)."""
+        if target.n_embd != self.n_embd:
+            raise ModelFormatError(f"{where}: the drafter's width is {self.n_embd} but the "
+                                   f"target's embedding length is {target.n_embd} (llama.cpp's "
+                                   "DFlash encoder reads target rows of the drafter's width)")
+        bad = [k for k in self.target_layers if k > target.n_layer]
+        if bad:
+            raise ModelFormatError(f"{where}: target_layers {list(self.target_layers)} name "
+                                   f"layers past the target's {target.n_layer}")
+        if self.vocab_size != target.vocab_size:
+            raise ModelFormatError(f"{where}: vocabulary of {self.vocab_size} tokens but the "
+                                   f"target's has {target.vocab_size}")
+
+
+def _target_layers(f: GGUFFile) -> tuple[int, ...]:
+    key = f"{ARCH}.target_layers"
+    layers = f.get(key)
+    if layers is None:
+        raise ModelFormatError(f"{f.path}: metadata {key!r} is missing (the target layers "
+                               "whose hidden states the drafter reads)")
+    if (not isinstance(layers, list) or not 1 <= len(layers) <= MAX_POINTS
+            or not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= 4096
+                       for k in layers)):
+        raise ModelFormatError(f"{f.path}: metadata {key!r} = {layers!r}: 1 to {MAX_POINTS} "
+                               "layer indices in [0, 4096] expected")
+    if len(set(layers)) != len(layers):
+        raise ModelFormatError(f"{f.path}: metadata {key!r} = {layers!r} repeats a layer")
+    return tuple(int(k) for k in layers)
