@@ -112,21 +112,37 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument("--eagle3", metavar="TARGET",
                      help="instead of --preset: an EAGLE-3 drafter (llama.cpp's eagle3 format) "
                           "for TARGET (a .gguf path or known model name), docs/speculative.md")
+    syn.add_argument("--dflash", metavar="TARGET",
+                     help="instead of --preset: a DFlash drafter (llama.cpp's dflash format, "
+                          "the plain block decoder) for TARGET")
     syn.add_argument("--quant", default=None,
                      help="Q4_K_M | Q5_K_M | Q6_K | Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q2_K "
                           "| Q3_K_M | IQ4_NL | IQ4_XS | F16 | BF16 | F32 (llama.cpp's per-tensor "
-                          "mix for that file type; default Q4_K_M, with --eagle3 F16, F32 or "
-                          "Q8_0, default F16)")
+                          "mix for that file type; default Q4_K_M, with --eagle3 / --dflash "
+                          "F16, F32 or Q8_0, default F16)")
     syn.add_argument("--target-layers", default=None,
                      help="--eagle3: the three target layers read, e.g. 2,15,27 (default: "
-                          "2, n/2, n-3)")
+                          "2, n/2, n-3); --dflash: the target layers read (default: DFlash's "
+                          "spread of five)")
     syn.add_argument("--draft-vocab", type=int, default=0,
-                     help="--eagle3: a reduced draft vocabulary of N target ids (d2t); 0: the "
-                          "target's")
+                     help="--eagle3 / --dflash: a reduced draft vocabulary of N target ids "
+                          "(d2t); 0: the target's")
     syn.add_argument("--own-embedding", action="store_true",
-                     help="--eagle3: write the drafter's own token embeddings")
+                     help="--eagle3 / --dflash: write the drafter's own token embeddings")
     syn.add_argument("--norm-before-fc", action="store_true",
                      help="--eagle3: an RMS norm on the three target rows before fc")
+    syn.add_argument("--draft-layers", type=int, default=1,
+                     help="--dflash: decoder layers of the drafter")
+    syn.add_argument("--ff", type=int, default=0,
+                     help="--dflash: the drafter's FFN width (0: the target's)")
+    syn.add_argument("--block-size", type=int, default=16,
+                     help="--dflash: the trained block (anchor + block-size - 1 masks)")
+    syn.add_argument("--mask-token", type=int, default=-1,
+                     help="--dflash: the mask token id (default: the last id)")
+    syn.add_argument("--causal", action="store_true",
+                     help="--dflash: causal attention within the block")
+    syn.add_argument("--rope-dims", type=int, default=0,
+                     help="--dflash: rotated dims per head (0: the target's)")
     syn.add_argument("--seed", type=int, default=0, help="same seed -> identical file")
     syn.add_argument("--layers", type=int, default=None,
                      help="number of layers (default: the preset's)")
@@ -325,10 +341,12 @@ def cmd_generate(args) -> int:
 def cmd_synth(args) -> int:
     from service.tools.synth import synthesize
 
-    if (args.preset is None) == (args.eagle3 is None):
-        raise ConfigError([("preset", "give exactly one of --preset and --eagle3")])
+    if sum(a is not None for a in (args.preset, args.eagle3, args.dflash)) != 1:
+        raise ConfigError([("preset", "give exactly one of --preset, --eagle3 and --dflash")])
     if args.eagle3 is not None:
         return _synth_eagle3(args)
+    if args.dflash is not None:
+        return _synth_dflash(args)
     r = synthesize(args.out, args.preset, args.quant or "Q4_K_M", seed=args.seed,
                    n_layer=args.layers,
                    threads=args.threads, weight_std=args.weight_std)
@@ -337,16 +355,20 @@ def cmd_synth(args) -> int:
     return 0
 
 
+def _target_layers(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(k) for k in text.split(","))
+    except ValueError:
+        raise ConfigError([("target-layers", f"{text!r}: integers separated by commas")]
+                          ) from None
+
+
 def _synth_eagle3(args) -> int:
     from service.tools.synth_eagle3 import synthesize_eagle3
 
-    layers = None
-    if args.target_layers is not None:
-        try:
-            layers = tuple(int(k) for k in args.target_layers.split(","))
-        except ValueError:
-            raise ConfigError([("target-layers", f"{args.target_layers!r}: three integers "
-                                "separated by commas")]) from None
+    layers = _target_layers(args.target_layers)
     r = synthesize_eagle3(args.out, _resolve(args.eagle3), seed=args.seed, layers=layers,
                           draft_vocab=args.draft_vocab, own_embedding=args.own_embedding,
                           norm_before_fc=args.norm_before_fc, quant=args.quant or "F16",
@@ -354,6 +376,23 @@ def _synth_eagle3(args) -> int:
     s = r.spec
     print(f"{r.path}: EAGLE-3 drafter, target layers {list(s.target_layers)}, width {s.n_embd}, "
           f"draft vocabulary {s.draft_vocab}, {r.n_tensors} tensors, {r.n_bytes / 1e6:.1f} MB")
+    return 0
+
+
+def _synth_dflash(args) -> int:
+    from service.tools.synth_dflash import DflashOptions, synthesize_dflash
+
+    o = DflashOptions(seed=args.seed, layers=_target_layers(args.target_layers),
+                      n_layer=args.draft_layers, n_ff=args.ff, block_size=args.block_size,
+                      mask_token=args.mask_token, draft_vocab=args.draft_vocab,
+                      own_embedding=args.own_embedding, causal=args.causal,
+                      rope_dims=args.rope_dims, quant=args.quant or "F16",
+                      weight_std=args.weight_std)
+    r = synthesize_dflash(args.out, _resolve(args.dflash), o)
+    s = r.spec
+    print(f"{r.path}: DFlash drafter, target layers {list(s.target_layers)}, {s.n_layer} "
+          f"layers of width {s.n_embd}, block {s.block_size}, mask token {s.mask_token}, draft "
+          f"vocabulary {s.draft_vocab}, {r.n_tensors} tensors, {r.n_bytes / 1e6:.1f} MB")
     return 0
 
 

@@ -97,16 +97,28 @@ def _tensor_lines(g: GGUFFile) -> tuple[list[str], int]:
     return lines, params
 
 
+def _drafter_formats() -> dict:
+    """architecture -> (reader, name) of the drafter formats: files that draft for a target and
+    never serve."""
+    from service.model.dflash import ARCH as DFLASH
+    from service.model.dflash import DflashSpec
+    from service.model.eagle3 import ARCH as EAGLE3
+    from service.model.eagle3 import Eagle3Spec
+
+    return {EAGLE3: (Eagle3Spec.from_gguf, "an EAGLE-3"),
+            DFLASH: (DflashSpec.from_gguf, "a DFlash")}
+
+
 def serving_problem(g: GGUFFile) -> str | None:
     """Why `generate` and `serve` would refuse this file's hyperparameters (the same check,
-    ModelSpec.from_gguf, first problem), or None. An EAGLE-3 drafter file gets its own format
-    check (Eagle3Spec.from_gguf) and is named as one: it drafts for a target, never serves."""
-    from service.model.eagle3 import ARCH, Eagle3Spec
-
+    ModelSpec.from_gguf, first problem), or None. A drafter file (EAGLE-3, DFlash) gets its own
+    format check and is named as one: it drafts for a target, never serves."""
     try:
-        if g.get("general.architecture") == ARCH:
-            Eagle3Spec.from_gguf(g)
-            return "an EAGLE-3 drafter file (its format checks pass), not a target model"
+        drafter = _drafter_formats().get(g.get("general.architecture"))
+        if drafter is not None:
+            read, name = drafter
+            read(g)
+            return f"{name} drafter file (its format checks pass), not a target model"
         ModelSpec.from_gguf(g)
     except ModelFormatError as exc:
         return str(exc).removeprefix(f"{g.path}: ")

@@ -13,7 +13,6 @@ this returns.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,11 +21,9 @@ import numpy as np
 
 from service.errors import ConfigError
 from service.gguf.reader import GGUFFile
-from service.model.eagle3 import ARCH, D2T, Eagle3Spec
+from service.model.eagle3 import ARCH, Eagle3Spec
 from service.model.spec import ModelSpec
-
-QUANTS = ("F32", "F16", "Q8_0")
-NORM_JITTER = 0.05
+from service.tools.drafter_weights import QUANTS, add_tensors, random_weights
 
 
 @dataclass(frozen=True)
@@ -47,11 +44,6 @@ def default_layers(n_layer: int) -> tuple[int, int, int]:
         raise ConfigError([("eagle3", f"a target of {n_layer} layers has no three distinct "
                                       "capture points")])
     return tuple(pts)
-
-
-def _rng(seed: int, name: str) -> np.random.Generator:
-    h = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return np.random.default_rng(int.from_bytes(h[:8], "little"))
 
 
 def _draft_spec(t: ModelSpec, layers: tuple[int, ...], draft_vocab: int, own_embedding: bool,
@@ -114,17 +106,7 @@ def write_eagle3(out: Path, target: GGUFFile, spec: Eagle3Spec,
 
 
 def _tensors(spec: Eagle3Spec, seed: int, std: float) -> dict[str, np.ndarray]:
-    out = {}
-    for name, shape in spec.tensor_shapes().items():
-        g = _rng(seed, name)
-        if name == D2T:
-            ids = g.choice(spec.vocab_size, spec.draft_vocab, replace=False)
-            out[name] = np.sort(ids).astype(np.int64)                       # (Vd,) i64
-        elif len(shape) == 1:                                               # norm weights
-            out[name] = (1 + g.uniform(-NORM_JITTER, NORM_JITTER, shape)).astype(np.float32)
-        else:
-            out[name] = (g.standard_normal(shape) * std).astype(np.float32)
-    return out
+    return random_weights(spec.tensor_shapes(), seed, std, spec.vocab_size)
 
 
 def _write(out: Path, target: GGUFFile, spec: Eagle3Spec, tensors: dict[str, np.ndarray],
@@ -135,7 +117,6 @@ def _write(out: Path, target: GGUFFile, spec: Eagle3Spec, tensors: dict[str, np.
 
     part = out.with_name(out.name + ".part")
     w = gguf.GGUFWriter(str(part), ARCH)
-    qt = gguf.GGMLQuantizationType
     try:
         copy_metadata(target, w, None, None, drop=lambda k: not k.startswith("tokenizer."))
         w.add_name(f"eagle3 synth for {target.get('general.name', target.path.stem)}")
@@ -156,18 +137,7 @@ def _write(out: Path, target: GGUFFile, spec: Eagle3Spec, tensors: dict[str, np.
             w.add_bool(f"{ARCH}.norm_before_fc", True)
         if spec.norm_before_residual:
             w.add_bool(f"{ARCH}.norm_before_residual", True)
-        data = []
-        for name, a in tensors.items():
-            if name == D2T:
-                raw, dtype = a, qt.I64
-            elif a.ndim == 1 or quant == "F32":
-                raw, dtype = a, qt.F32
-            elif quant == "F16":
-                raw, dtype = a.astype(np.float16), qt.F16
-            else:
-                raw, dtype = gguf.quants.quantize(a, qt.Q8_0), qt.Q8_0
-            w.add_tensor_info(name, a.shape, np.dtype(np.float32), raw.nbytes, raw_dtype=dtype)
-            data.append([raw])
+        data = add_tensors(w, tensors, quant)
     except BaseException:
         w.close()
         part.unlink(missing_ok=True)

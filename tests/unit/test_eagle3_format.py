@@ -107,7 +107,7 @@ def test_the_cli_writes_a_drafter(tmp_path, target, capsys):
     assert "target layers [0, 2, 3]" in capsys.readouterr().out
     assert Eagle3Spec.from_gguf(GGUFFile(out)).draft_vocab == 64
     assert main(["synth", str(out)]) == 2            # neither --preset nor --eagle3
-    assert "exactly one of --preset and --eagle3" in capsys.readouterr().err
+    assert "exactly one of --preset, --eagle3 and --dflash" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- malformed files
