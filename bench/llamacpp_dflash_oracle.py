@@ -1,0 +1,197 @@
+"""Regenerate the DFlash oracle fixture: llama.cpp's draft-block logits for seeded synthetic
+DFlash drafters of the tiny-qwen3 target (tests/data/tiny/llamacpp_dflash_logits.json).
+
+For the target (tests/data/tiny/tiny-qwen3.gguf) and each drafter of `DRAFTERS` (written by
+`synthesize_dflash` into a temporary directory; the fixture keeps the file's sha256, the test
+rewrites the same bytes), llama.cpp runs what common/speculative.cpp's `draft-dflash` and the
+server around it do for one sequence, two draft rounds:
+
+    target    PROMPT_IDS (T) as one batch, the inputs of the drafter's target layers extracted:
+              features (T, P E); its greedy token t0 (id_last) from the last row
+    inject    the T feature rows as one embedding batch at positions 0..T-1 (the drafter's
+              encoder fuses them and writes every layer's K/V), no outputs
+    block 1   [t0, mask x (B - 1)] at positions T..T+B-1, every row an output: logits (B, V);
+              the drafts d_i = argmax of rows 1..B-1 (llama.cpp's drafting sampler is top-k 10
+              and takes the most probable candidate); then the drafter's positions >= T are
+              removed (the server's seq_rm after drafting)
+    verify    the target decodes [t0, d_1 .. d_{B-1}] at T.. with the rows' inputs extracted
+              (features2); greedy acceptance: n_acc drafts equal the target's argmax, the next
+              token t1 is the argmax of row n_acc; every verify row is injected at T.., then
+              positions >= T + n_acc + 1 are removed from both contexts
+    block 2   [t1, mask x (B - 1)] at T + n_acc + 1: logits (B, V)
+
+The mask token is the drafter vocabulary's (llama_vocab_mask); the tiny target's vocabulary is
+a "none" one, which llama.cpp reads no special ids of, so its `tokenizer.ggml.mask_token_id` is
+read from the metadata instead. Causal attention within the block is set from
+`dflash.attention.causal` as speculative.cpp does. The fixture holds, as float32 base64: each
+target layer's input rows of the prompt (shared by the drafters), per drafter the verify rows'
+features, t0, the drafts, n_acc, t1 and both blocks' logits (with a reduced draft vocabulary only
+its d2t columns, the rest being -inf). llama.cpp runs in its own interpreter (llama-cpp-python
+0.3.36 built from source for the CPU, 2 threads; bench/llamacpp_moe_oracle.py has the build
+command; bench/llamacpp_ext.py binds the C functions llama_cpp's module lacks):
+
+    .venv/bin/python bench/llamacpp_dflash_oracle.py --llama-python /tmp/llenv/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import ctypes
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests" / "data" / "tiny"
+OUT = TINY / "llamacpp_dflash_logits.json"
+TARGET = "tiny-qwen3"
+PROMPT_IDS = [504, 72, 101, 108, 108, 111, 300, 17, 256, 411, 33, 90, 257, 258, 480, 5,
+              77, 140, 141, 142, 399, 12, 260, 261]
+WEIGHT_STD = 0.15
+# name -> synthesize_dflash options (a qwen3 graph exposes the inputs of layers 0..n_layer-1)
+DRAFTERS: dict[str, dict] = {
+    "plain-2layer-q8": dict(seed=21, layers=(1, 2), n_layer=2, n_ff=256, block_size=8,
+                            quant="Q8_0"),
+    "reduced-causal-q8": dict(seed=22, layers=(0, 2), n_ff=256, block_size=8, draft_vocab=300,
+                              own_embedding=True, causal=True, mask_token=7, quant="Q8_0"),
+    "partial-rope-f16": dict(seed=23, layers=(0, 1, 2), n_ff=256, block_size=16, rope_dims=32,
+                             quant="F16"),
+    "own-embedding-f32": dict(seed=24, layers=(2,), n_ff=128, block_size=8,
+                              own_embedding=True, quant="F32"),
+}
+
+
+def pack(a: np.ndarray) -> dict:
+    a = np.ascontiguousarray(a, np.float32)
+    return {"shape": list(a.shape), "f32": base64.b64encode(a.tobytes()).decode()}
+
+
+# ---------------------------------------------------------------- llama.cpp side (its own python)
+def _meta(model, key: str) -> str | None:
+    from llama_cpp import llama_cpp as ll
+
+    buf = ctypes.create_string_buffer(64)
+    n = ll.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode() if n >= 0 else None
+
+
+def probe(target: str, drafter: str, ids: list[int]) -> dict:
+    """Runs under the interpreter that has `llama_cpp`; imports nothing from this project."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from llama_cpp import __version__
+    from llama_cpp import llama_cpp as ll
+    from llamacpp_ext import (
+        DECODE,
+        Entry,
+        Runtime,
+        get_embeddings_layer_inp,
+        rows,
+        set_embeddings_layer_inp,
+        set_embeddings_nextn,
+        target_layer_ids,
+    )
+
+    tgt = Runtime(target)
+    dft = Runtime(drafter, other=tgt)
+    layers = target_layer_ids(dft.model)
+    for k in layers:
+        set_embeddings_layer_inp(tgt.ctx, k, True)
+    B = int(_meta(dft.model, "dflash.block_size") or 16)
+    mask = ll.llama_vocab_mask(ll.llama_model_get_vocab(dft.model))
+    if mask < 0:                                   # a "none" vocabulary: no special ids read
+        mask = int(_meta(dft.model, "tokenizer.ggml.mask_token_id"))
+    set_embeddings_nextn(dft.ctx, True, True)
+    ll.llama_set_causal_attn(dft.ctx, _meta(dft.model, "dflash.attention.causal") == "true")
+    T, E = len(ids), tgt.n_embd
+
+    def features(n: int) -> np.ndarray:                                     # (n, P E)
+        return np.concatenate([rows(get_embeddings_layer_inp(tgt.ctx, k), n, E)
+                               for k in layers], axis=1)
+
+    def block(anchor: int, n: int) -> np.ndarray:                           # (B, V)
+        dft.process(DECODE, [Entry(anchor if i == 0 else mask, n + i, True) for i in range(B)])
+        return np.array([dft.logits(i) for i in range(B)])
+
+    tgt.process(DECODE, [Entry(t, p, p == T - 1) for p, t in enumerate(ids)])
+    per_layer = {k: rows(get_embeddings_layer_inp(tgt.ctx, k), T, E) for k in layers}
+    feats = features(T)
+    t0 = int(np.argmax(tgt.logits(T - 1)))
+    dft.process(DECODE, [Entry(None, p, False, feats[p]) for p in range(T)])
+    logits1 = block(t0, T)
+    drafts = [int(np.argmax(r)) for r in logits1[1:]]
+    dft.drop_from(T)
+    verify = [t0, *drafts]
+    tgt.process(DECODE, [Entry(t, T + i, True) for i, t in enumerate(verify)])
+    feats2 = features(B)
+    picks = [int(np.argmax(tgt.logits(i))) for i in range(B)]
+    n_acc = 0
+    while n_acc < B - 1 and picks[n_acc] == drafts[n_acc]:
+        n_acc += 1
+    t1 = picks[n_acc]
+    dft.process(DECODE, [Entry(None, T + i, False, feats2[i]) for i in range(B)])
+    tgt.drop_from(T + n_acc + 1)
+    dft.drop_from(T + n_acc + 1)
+    logits2 = block(t1, T + n_acc + 1)
+    return {"version": __version__, "layers": layers, "block_size": B, "mask": mask,
+            "per_layer": {str(k): pack(v) for k, v in per_layer.items()},
+            "t0": t0, "drafts": drafts, "features2": pack(feats2), "n_acc": n_acc, "t1": t1,
+            "logits1": logits1.tolist(), "logits2": logits2.tolist()}
+
+
+# ---------------------------------------------------------------- project side
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llama-python", help="an interpreter that can import llama_cpp")
+    ap.add_argument("--probe", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.probe:
+        print(json.dumps(probe(*args.probe, PROMPT_IDS)))
+        return 0
+    if not args.llama_python:
+        ap.error("--llama-python is required")
+    sys.path.insert(0, str(ROOT))
+    from service.gguf.reader import GGUFFile
+    from service.tools.synth_dflash import DflashOptions, synthesize_dflash
+
+    target = TINY / f"{TARGET}.gguf"
+    out = {"target": target.name, "prompt_ids": PROMPT_IDS, "weight_std": WEIGHT_STD,
+           "layer_inputs": {}, "drafters": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, opts in DRAFTERS.items():
+            o = DflashOptions(weight_std=WEIGHT_STD, **opts)
+            r = synthesize_dflash(Path(tmp) / f"{name}.gguf", target, o)
+            p = subprocess.run([args.llama_python, __file__, "--probe", str(target), str(r.path)],
+                               capture_output=True, text=True)
+            if p.returncode:
+                print(p.stderr[-3000:], file=sys.stderr)
+                return 1
+            res = json.loads(p.stdout.strip().splitlines()[-1])
+            out["llama_cpp"] = res.pop("version")
+            if res.pop("layers") != list(o.layers):
+                raise SystemExit(f"{name}: llama.cpp read other target layers")
+            for k, rows in res.pop("per_layer").items():      # one target run: equal rows
+                if out["layer_inputs"].setdefault(k, rows) != rows:
+                    raise SystemExit(f"{name}: layer {k}'s rows differ between runs")
+            cols = GGUFFile(r.path).index_tensor("d2t") if r.spec.has_d2t else slice(None)
+            logits = {k: np.array(res.pop(k), np.float32)[:, cols]             # (B, Vd)
+                      for k in ("logits1", "logits2")}
+            sha = hashlib.sha256(r.path.read_bytes()).hexdigest()
+            out["drafters"][name] = {"options": {**opts, "layers": list(o.layers)},
+                                     "sha256": sha, **res,
+                                     **{k: pack(v) for k, v in logits.items()}}
+            print(f"{name}: {r.n_bytes / 1e6:.2f} MB, t0 {res['t0']}, drafts {res['drafts']}, "
+                  f"accepted {res['n_acc']}, t1 {res['t1']}, logit std "
+                  f"{np.median(logits['logits1'].std(axis=1)):.2f}")
+    OUT.write_text(json.dumps(out, separators=(",", ":")) + "\n")
+    print(f"wrote {OUT} ({OUT.stat().st_size / 1e3:.0f} kB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
