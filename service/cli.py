@@ -189,11 +189,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-budget", type=int, default=d.tree_budget, metavar="N",
                    help="tree verify (DDTree) with N nodes per step, 2..16; 0 = chain verify")
     p.add_argument("--drafter", default=d.drafter,
-                   help="none | ngram | model | suffix | eagle3")
+                   help="none | ngram | model | suffix | eagle3 | dflash")
     p.add_argument("--draft-model", default=d.draft_model, metavar="PATH|NAME",
                    help="--drafter model: the draft GGUF, sharing the target's vocabulary "
                         "(e.g. one made by `specstream quantize ... --layers N`); --drafter "
-                        "eagle3: an EAGLE-3 GGUF made for the target")
+                        "eagle3 / dflash: an EAGLE-3 / DFlash GGUF made for the target")
     p.add_argument("--n-ctx", type=int, default=d.n_ctx)
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--step-profile", action="store_true",

@@ -85,8 +85,8 @@ _HELP = {
                     " (1 = no speculation)",
     "drafter": "speculative drafter: " + ", ".join(DRAFTERS),
     "draft_model": "drafter 'model': the draft GGUF (path or known model name); it must share "
-                   "the target's vocabulary. drafter 'eagle3': an EAGLE-3 GGUF (llama.cpp's "
-                   "format) made for the target",
+                   "the target's vocabulary. drafter 'eagle3' / 'dflash': an EAGLE-3 / DFlash "
+                   "GGUF (llama.cpp's format) made for the target",
     "ngram_size": "n-gram length the lookup drafter matches, 1..8",
     "suffix_cache_tokens": "drafter 'suffix': tokens of recently finished requests' prompts and "
                            "outputs it drafts from, 0..16777216 (LRU by tokens; 0: none)",

@@ -23,7 +23,7 @@ MIN_VERIFY_WIDTH = 1
 MAX_VERIFY_WIDTH = 16            # one step processes 1..16 tokens (decode, verify, batching)
 MAX_TREE_BUDGET = MAX_VERIFY_WIDTH   # tree verify: nodes per step (0 = chain verify)
 BACKENDS = ("auto", "cpu", "cuda")
-DRAFTERS = ("none", "ngram", "model", "suffix", "eagle3")
+DRAFTERS = ("none", "ngram", "model", "suffix", "eagle3", "dflash")
 
 
 def supported_pairs_listing() -> str:
@@ -44,7 +44,8 @@ class EngineConfig:
     drafter: str = "ngram"           # "none" | "ngram" (prompt lookup) | "model" (draft GGUF)
                                      # | "suffix" (suffix index + cross-request cache)
                                      # | "eagle3" (EAGLE-3 head on the target's hidden states)
-    draft_model: str = ""            # drafter "model" / "eagle3": the draft GGUF
+                                     # | "dflash" (DFlash block drafter, the same states)
+    draft_model: str = ""            # drafter "model" / "eagle3" / "dflash": the draft GGUF
     ngram_size: int = 3              # n-gram length the lookup drafter matches
     suffix_cache_tokens: int = 65536  # drafter "suffix": tokens of other requests it keeps
     tree_budget: int = 0             # > 0: tree verify (DDTree) with this many nodes; 0: chain
@@ -90,6 +91,9 @@ class EngineConfig:
         if self.drafter == "model" and not self.draft_model.strip():
             out.append(("draft_model", "the model drafter needs a draft model: a .gguf path or "
                                        "a known model name sharing the target's vocabulary"))
+        if self.drafter == "dflash" and not self.draft_model.strip():
+            out.append(("draft_model", "the dflash drafter needs a draft model: a DFlash "
+                                       ".gguf in llama.cpp's format made for the target"))
         if self.drafter == "eagle3" and not self.draft_model.strip():
             out.append(("draft_model", "the eagle3 drafter needs a draft model: an EAGLE-3 "
                                        ".gguf in llama.cpp's format made for the target"))

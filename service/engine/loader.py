@@ -1,7 +1,8 @@
 """Loading a model for the engine: header, tokenizer, backend, weights and KV cache, each phase
 logged with its duration; with drafter 'model', the draft model too, after its vocabulary is
 compared with the target's (check_draft_vocabulary) and before any weights are read; with
-drafter 'eagle3', the EAGLE-3 head, its file checked against the target first (eagle3_header)."""
+drafter 'eagle3' or 'dflash', the drafter reading the target's hidden states, its file checked
+against the target first (HIDDEN_DRAFTERS: eagle3_header, dflash_header)."""
 
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ def load_model(model_path: str | Path, config: EngineConfig,
         draft = _draft_header(config.draft_model)
         check_draft_vocabulary(gguf, spec, tokenizer, *draft,
                                n_ctx=min(config.n_ctx, spec.n_ctx_train))
-    eagle3 = eagle3_header(config, spec) if config.drafter == "eagle3" else None
+    hidden_drafter = HIDDEN_DRAFTERS.get(config.drafter)
+    head = hidden_drafter[0](config, spec) if hidden_drafter is not None else None
     backend_name = resolve_backend_name(config.backend)
     backend = new_backend(backend_name, config)
     pair = (config.kv_cache_type_k, config.kv_cache_type_v)
@@ -116,8 +118,8 @@ def load_model(model_path: str | Path, config: EngineConfig,
     pool = (model.cache.n_blocks, model.cache.block_size)
     drafter = (_load_drafter(draft, config, backend_name, spec.vocab_size, pool)
                if draft is not None else None)
-    if eagle3 is not None:
-        drafter = load_eagle3(eagle3, config, model)
+    if head is not None:
+        drafter = hidden_drafter[1](head, config, model)
     return LoadedModel(path, gguf, spec, tokenizer, model, config, backend_name, template,
                        drafter)
 
@@ -310,3 +312,55 @@ def load_eagle3(header, config: EngineConfig, target: Transformer) -> Drafter:
     phase("draft_model", t, path=str(f.path), kind="eagle3", layers=list(spec.target_layers),
           width=spec.n_embd, draft_vocab=spec.draft_vocab)
     return drafter
+
+
+# ---------------------------------------------------------------- the DFlash drafter
+def dflash_header(config: EngineConfig, target: ModelSpec):
+    """(file, DflashSpec) of config.draft_model, read and checked against the target before
+    any weights are loaded: ConfigError naming draft_model when it is not a DFlash drafter
+    (of the supported kind) made for this target (format, width, vocabulary, layers)."""
+    from service.errors import ModelFormatError
+    from service.model.dflash import DflashSpec
+
+    path = Path(config.draft_model).expanduser()
+    if not path.is_file():
+        raise ConfigError([("draft_model", f"{config.draft_model!r} is not a file (a DFlash "
+                                           "drafter in llama.cpp's GGUF format)")])
+    try:
+        f = GGUFFile(path)
+        spec = DflashSpec.from_gguf(f)
+        spec.check_target(target, f"DFlash drafter {path.name}")
+    except (ModelFormatError, ValueError, OSError) as e:
+        raise ConfigError([("draft_model", f"{path.name} cannot draft for {target.name}: "
+                                           f"{e}")]) from e
+    return f, spec
+
+
+def load_dflash(header, config: EngineConfig, target: Transformer) -> Drafter:
+    """The dflash drafter (dflash_header's file and spec) on the target's backend: it reads the
+    target's hidden states and may share its embeddings and output."""
+    from service.engine.spec.dflash_drafter import DflashDrafter
+    from service.model.dflash_model import DflashModel
+
+    f, spec = header
+    t = time.perf_counter()
+    try:
+        model = DflashModel(spec, f, target, n_ctx=config.n_ctx, n_slots=config.n_slots,
+                            max_tokens=target.max_tokens, type_k=config.kv_cache_type_k,
+                            type_v=config.kv_cache_type_v)
+        drafter = DflashDrafter(model, f"{f.get('general.name', f.path.stem)} "
+                                       f"({f.path.name}, DFlash)")
+        drafter.check()
+    except Exception as e:      # the backend cannot run the drafter's shapes or types
+        raise ConfigError([("draft_model", f"{f.path.name} cannot run on the "
+                                           f"{config.backend} backend: {type(e).__name__}: "
+                                           f"{e}")]) from e
+    phase("draft_model", t, path=str(f.path), kind="dflash", layers=list(spec.target_layers),
+          n_layer=spec.n_layer, block_size=spec.block_size, draft_vocab=spec.draft_vocab)
+    return drafter
+
+
+# drafter name -> (header: read and check the file before any weights load, loader: build it
+# on the target's backend) for the drafters that read the target's hidden states
+HIDDEN_DRAFTERS = {"eagle3": (eagle3_header, load_eagle3),
+                   "dflash": (dflash_header, load_dflash)}

@@ -1,0 +1,168 @@
+"""The `dflash` drafter: a DFlash block decoder (service/model/dflash.py) drafts from the target's
+own hidden states, on the target's backend (service/model/dflash_model.py).
+
+With history h = [h_0 .. h_{H-1}] (h_{H-1} the seed, whose target row is not written):
+
+    extend:  after every target step that computed rows of a drafting sequence (prefill chunks,
+             verify and plain decode steps), its rows at positions p whose token h_p is
+             committed (the engine passes the rows with a committed next token: p <= H - 2,
+             the prompt's rows, the seed's and the accepted drafts'; not a rejected draft's)
+             are fused and injected as the drafter's context K/V rows at p, in the drafter's
+             own cache (slot = the sequence's slot). llama.cpp injects every verify row and
+             then removes the rejected positions; injecting only the committed ones leaves the
+             same rows.
+    propose: the block [h_{H-1}, mask x k] at positions H-1 .. H-1+k attends to the context
+             rows [0, H - 1) and to itself (non-causally unless the file says causal); the
+             drafts are the argmax of block rows 1..k, all from one forward (llama.cpp's
+             `draft-dflash` with n_max = k; its drafting sampler takes the most probable
+             candidate). k is at most the trained block size - 1 and MAX_BLOCK - 1.
+    candidates (tree verify): the same block, each row's logits brought to the host for its
+             top n; the chain is the rows' argmax.
+
+The block writes its K/V at positions >= H - 1, where the next extend writes the target's real
+rows (llama.cpp removes them instead; the block reads only its own rows there, so the two agree).
+A slot whose context is not extended up to H - 2 (a step that was not tapped: a prompt's cached
+prefix, or a failed step retried apart) proposes nothing until a tapped step catches it up;
+positions never extended hold stale rows, which only make drafts worse, never outputs different:
+every draft is verified by the target. With a reduced draft vocabulary (d2t) the argmax is over
+the Vd draft rows and row i is target id d2t[i]; the argmax runs on the backend (the lowest id
+on ties) and k int32 come back per draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
+from service.engine.spec.drafters import Drafter, DraftState
+from service.engine.spec.tree import candidates_from_logits
+from service.model.dflash import DflashSpec
+from service.model.dflash_model import DflashModel
+from service.model.hidden import HiddenTap
+
+
+class DflashDrafter(Drafter):
+    name = "dflash"
+
+    def __init__(self, model: DflashModel, model_name: str):
+        self.model, self.model_name = model, model_name
+        s, be, M = model.spec, model.backend, model.max_tokens
+        self.spec: DflashSpec = s
+        self.n_ctx, self.n_slots = model.cache.n_ctx, model.cache.n_slots
+        self._done: dict[int, int] = {}           # slot -> context rows written, [0, n)
+        self._ids = be.zeros((M,), "int32")                           # (M,) i32
+        self._pos = be.zeros((M,), "int32")                           # (M,) i32
+        self._slot_ids = be.zeros((M,), "int32")                      # (M,) i32
+        self._best = be.zeros((model.max_block,), "int32")            # (B,) i32 argmax
+        self.steps = 0                                                # block forwards
+
+    @property
+    def tap(self) -> HiddenTap:
+        return self.spec.tap
+
+    @property
+    def max_drafts(self) -> int:
+        return self.model.max_block - 1
+
+    # ---------------------------------------------------------------- sequence lifecycle
+    @property
+    def slots_in_use(self) -> frozenset[int]:
+        return frozenset(self._done)
+
+    def start(self, seq: DraftState) -> None:
+        self._done[seq.slot] = 0
+
+    def release(self, seq: DraftState) -> None:
+        self._done.pop(seq.slot, None)
+
+    # ---------------------------------------------------------------- the target's rows
+    def extend(self, seq: DraftState, rows: Seq[int], positions: Seq[int], hidden) -> None:
+        """Rows `rows` (indices into `hidden`, the tapped step's (n, P E) f32 rows) computed
+        positions `positions` (ascending, consecutive) of seq, each of a committed token with a
+        committed next token in seq.history: inject them as the drafter's context rows."""
+        n = len(rows)
+        if n == 0:
+            return
+        p0 = int(positions[0])
+        if list(positions) != list(range(p0, p0 + n)) or p0 + n >= len(seq.history):
+            raise ValueError(f"DFlash extend: positions {list(positions)} of a history of "
+                             f"{len(seq.history)} (consecutive positions with a next token "
+                             "expected)")
+        o, M = 0, self.model.max_tokens
+        while o < n:                      # runs of consecutive rows, at most M per call
+            e = o + 1
+            while e < n and e - o < M and rows[e] == rows[e - 1] + 1:
+                e += 1
+            r0 = int(rows[o])
+            self._upload(None, p0 + o, e - o, seq.slot)
+            self.model.inject(hidden[r0:r0 + e - o], self._pos[:e - o],
+                              self._slot_ids[:e - o])
+            o = e
+        self._done[seq.slot] = p0 + n
+
+    def check(self) -> None:
+        """Run the drafter once (a context row at position 0 of slot 0, which any sequence's
+        first extend rewrites, and a block of two after it): a backend that cannot run its
+        shapes fails here, at load, instead of on the first request."""
+        s, be = self.spec, self.model.backend
+        self._upload(None, 0, 1, 0)
+        self.model.inject(be.zeros((1, s.n_points * s.n_embd)), self._pos[:1],
+                          self._slot_ids[:1])
+        self._argmax(self._block([0], 1, 0, 1), 1)
+
+    def _upload(self, ids: Seq[int] | None, start: int, T: int, slot: int) -> None:
+        be = self.model.backend
+        if ids is not None:
+            be.upload_ints(np.asarray(ids, np.int32), self._ids[:T])
+        be.upload_ints(np.arange(start, start + T, dtype=np.int32), self._pos[:T])
+        be.upload_ints(np.full(T, slot, np.int32), self._slot_ids[:T])
+
+    def _block(self, seed: Seq[int], n: int, slot: int, k: int):
+        """Logits (k + 1, Vd) of the block [seed, mask x k] at positions n.. of `slot`."""
+        T = k + 1
+        self._upload([*seed, *[self.spec.mask_token] * k], n, T, slot)
+        self.steps += 1
+        return self.model.block(self._ids[:T], self._pos[:T], self._slot_ids[:T], n)
+
+    def _argmax(self, logits, k: int) -> list[int]:
+        """The target ids of the best draft rows of logits rows 1..k."""
+        be = self.model.backend
+        be.argmax(logits[1:k + 1], self._best[:k])
+        best = np.asarray(be.to_host(self._best[:k])).astype(np.int64)
+        d2t = self.model.d2t
+        return [int(i) for i in (d2t[best] if d2t is not None else best)]
+
+    # ---------------------------------------------------------------- drafting
+    def _ready(self, seq: DraftState, k: int) -> int:
+        """How many drafts seq can have now (0: none)."""
+        H = len(seq.history)
+        if self._done.get(seq.slot) != H - 1:
+            return 0
+        return max(0, min(k, self.max_drafts, self.n_ctx - H))
+
+    def propose(self, seq: DraftState, k: int) -> list[int]:
+        k = self._ready(seq, k)
+        if k == 0:
+            return []
+        H = len(seq.history)
+        return self._argmax(self._block([seq.history[-1]], H - 1, seq.slot, k), k)
+
+    def candidates(self, seq: DraftState, k: int, n_top: int
+                   ) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """For tree drafting (tree_verify.draft_tree): the top-1 chain of up to k tokens and,
+        per chain position, its n_top most likely target ids (k', n_top) int64 with their
+        log-probabilities (float64, log-softmax over the draft vocabulary), best first; the
+        chain's token is each row's first. The block's logits rows come to the host."""
+        if not 1 <= n_top <= self.spec.draft_vocab:
+            raise ValueError(f"n_top must be in 1..{self.spec.draft_vocab}, got {n_top}")
+        k = self._ready(seq, k)
+        if k == 0:
+            return [], np.zeros((0, n_top), np.int64), np.zeros((0, n_top), np.float64)
+        H = len(seq.history)
+        logits = self._block([seq.history[-1]], H - 1, seq.slot, k)
+        rows, logp = candidates_from_logits(
+            np.asarray(self.model.backend.to_host(logits))[1:k + 1], n_top)  # (k, n_top) x2
+        d2t = self.model.d2t
+        ids = (d2t[rows] if d2t is not None else rows).astype(np.int64)
+        return [int(t) for t in ids[:, 0]], ids, np.asarray(logp, np.float64)
