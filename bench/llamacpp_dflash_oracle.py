@@ -23,7 +23,10 @@ server around it do for one sequence, two draft rounds:
 The mask token is the drafter vocabulary's (llama_vocab_mask); the tiny target's vocabulary is
 a "none" one, which llama.cpp reads no special ids of, so its `tokenizer.ggml.mask_token_id` is
 read from the metadata instead. Causal attention within the block is set from
-`dflash.attention.causal` as speculative.cpp does. The fixture holds, as float32 base64: each
+`dflash.attention.causal` as speculative.cpp does. The drafter's context runs without flash
+attention (its CPU kernel sums the attention's V rows in f16, a rounding the f32 reference does
+not model and which would hide smaller mistakes; the target keeps llama.cpp's default, as in
+bench/llamacpp_eagle3_oracle.py). The fixture holds, as float32 base64: each
 target layer's input rows of the prompt (shared by the drafters), per drafter the verify rows'
 features, t0, the drafts, n_acc, t1 and both blocks' logits (with a reduced draft vocabulary only
 its d2t columns, the rest being -inf). llama.cpp runs in its own interpreter (llama-cpp-python
@@ -98,7 +101,10 @@ def probe(target: str, drafter: str, ids: list[int]) -> dict:
     )
 
     tgt = Runtime(target)
-    dft = Runtime(drafter, other=tgt)
+    # the drafter without flash attention: llama.cpp's CPU kernel accumulates the V rows in
+    # f16, which moves the block's attention output by ~7e-4 (relative RMS; 1.7e-4 without it)
+    # and the random drafters' logits by up to 2e-2
+    dft = Runtime(drafter, other=tgt, flash_attn=ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
     layers = target_layer_ids(dft.model)
     for k in layers:
         set_embeddings_layer_inp(tgt.ctx, k, True)
@@ -161,7 +167,7 @@ def main() -> int:
 
     target = TINY / f"{TARGET}.gguf"
     out = {"target": target.name, "prompt_ids": PROMPT_IDS, "weight_std": WEIGHT_STD,
-           "layer_inputs": {}, "drafters": {}}
+           "drafter_flash_attention": False, "layer_inputs": {}, "drafters": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name, opts in DRAFTERS.items():
             o = DflashOptions(weight_std=WEIGHT_STD, **opts)

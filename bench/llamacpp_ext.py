@@ -85,6 +85,8 @@ class Runtime:
     n_ctx: int = 128
     n_threads: int = 2
     other: Runtime | None = None     # the target, for a drafter that borrows its tensors
+    flash_attn: int | None = None    # llama_context_params.flash_attn_type (None: the default,
+                                     # auto; the CPU kernel accumulates V rows in f16)
     model: object = field(init=False)
     ctx: object = field(init=False)
 
@@ -99,6 +101,8 @@ class Runtime:
         cp.n_threads = cp.n_threads_batch = self.n_threads
         if self.other is not None:
             cp.ctx_other = self.other.ctx
+        if self.flash_attn is not None:
+            cp.flash_attn_type = self.flash_attn
         self.ctx = ll.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not make a context for {self.path}")
