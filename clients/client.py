@@ -150,7 +150,7 @@ class Completion:
     deltas: int = 0
     prompt_tokens: int = 0
     seed: int = 0
-    finish_reason: str = ""          # LENGTH, EOS, STOP_SEQUENCE, STOP_TOKEN, ...
+    finish_reason: str = ""          # LENGTH, EOS, STOP_SEQUENCE, CONSTRAINT_DEAD_END, ...
     stop_sequence: str | None = None
     stop_token_id: int | None = None
     usage: generation_pb2.Usage | None = None

@@ -185,15 +185,15 @@ async def request_from_proto(state: ServingState, engine: Any,
     speculation = resolve_speculation(speculative, options, engine.config,
                                       engine.config.drafter != "none",
                                       sampling.repetition_penalty, sampling.reads_history)
-    constraint = constraint_from_proto(msg)
+    constraint, compiled = constraint_from_proto(msg), None
     if constraint is not None:
         if speculation is not None and speculation.on and speculation.tree_budget > 0:
             raise InvalidRequestError("speculative.mode", "tree speculation cannot be used "
                                       "with a constraint; use chain or off")
-        await state.compile_off_loop(compile_constraint, engine.tokenizer, constraint,
-                                     engine.spec.vocab_size)
+        compiled = await state.compile_off_loop(compile_constraint, engine.tokenizer,
+                                                constraint, engine.spec.vocab_size)
     return GenerationRequest(
-        constraint=constraint,
+        constraint=constraint, compiled_constraint=compiled,
         request_id=msg.request_id, prompt_ids=await prompt_ids(state, engine, msg),
         sampling=sampling, stopping=stopping_from_proto(msg.stopping),
         top_logprobs=optional(msg.output, "top_logprobs", 0, int), speculative=speculative,

@@ -203,12 +203,12 @@ async def requests_from_proto(state: ServingState, engine: Any, msg: Any
             raise _refuse(f"{SP}.{sp.WhichOneof('constraint')}", "a constraint with the "
                           "server's tree speculation")
         try:
-            await state.compile_off_loop(compile_constraint, engine.tokenizer, constraint,
-                                         engine.spec.vocab_size)
+            compiled = await state.compile_off_loop(compile_constraint, engine.tokenizer,
+                                                    constraint, engine.spec.vocab_size)
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"{SP}.{constraint.kind}", str(exc).split(": ", 1)[-1],
                                       exc.reason) from exc
-        base = replace(base, constraint=constraint)
+        base = replace(base, constraint=constraint, compiled_constraint=compiled)
     try:
         base.validate(engine.spec.vocab_size, n_ctx)
     except InvalidRequestError as exc:
@@ -223,10 +223,12 @@ async def requests_from_proto(state: ServingState, engine: Any, msg: Any
 
 # ------------------------------------------------------------------------- events -> proto
 def finish_reason(reason: FinishReason) -> str:
-    """vLLM's finish reasons: stop (an end token, stop id or stop string), length, abort."""
+    """vLLM's finish reasons: stop (an end token, stop id or stop string, a completed
+    constraint), length, abort (cancelled, or a constraint that allows nothing after the text:
+    the text is a valid prefix, not a complete sentence, and not a request error)."""
     if reason in (FinishReason.LENGTH, FinishReason.CONTEXT_LIMIT):
         return "length"
-    if reason is FinishReason.CANCELLED:
+    if reason in (FinishReason.CANCELLED, FinishReason.CONSTRAINT_DEAD_END):
         return "abort"
     return "stop"
 

@@ -10,6 +10,10 @@ are the stop tokens (allowed exactly where the text is complete).
 
 Masks are int32 words, bit (t % 32) of word (t // 32) set when token t is allowed, one row of
 ceil(vocab / 32) words per constrained row.
+
+A request's constraint is compiled once (`compile_constraint`, by the front end that checks the
+request; `compilations` counts the calls): its `Compiled` holds the grammar and the first
+token's mask, which every sequence of the request (n samples) starts from.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,6 +33,7 @@ COMPILER_CACHE_BYTES = 256 << 20       # xgrammar's compiled-grammar cache (LRU 
 MAX_CONSTRAINT_CHARS = 1 << 20         # a longer schema / regex / grammar is refused unread
 
 _lock = threading.Lock()
+_compilations = 0                       # compile_constraint calls (compilations())
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")      # "[13:18:00] path.cc:820: "
 
 
@@ -99,9 +105,29 @@ def _ebnf_string(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)      # "..." with \" and \\ escaped, as EBNF reads
 
 
-def compile_constraint(tokenizer: Any, c: Constraint, vocab_size: int | None = None) -> Any:
-    """The CompiledGrammar of `c` (cached by text in the compiler); a constraint that does not
-    compile is INVALID_ARGUMENT naming its field."""
+@dataclass(frozen=True, eq=False)
+class Compiled:
+    """A request's constraint compiled against the model's vocabulary."""
+
+    constraint: Constraint
+    grammar: Any                # xgrammar's CompiledGrammar (shared through its compiler cache)
+    first_mask: np.ndarray      # (W,) i32 read-only: the mask of the first generated token
+
+
+def compilations() -> int:
+    """How many times compile_constraint ran in this process (each one compiler cache lookup,
+    or a compile, and one first-mask fill)."""
+    return _compilations
+
+
+def compile_constraint(tokenizer: Any, c: Constraint, vocab_size: int | None = None
+                       ) -> Compiled:
+    """`c` compiled (the grammar cached by text in the compiler) with its first token's mask;
+    a constraint that does not compile, or that no text satisfies (the first mask allows not
+    even an end token), is INVALID_ARGUMENT naming its field."""
+    global _compilations
+    with _lock:
+        _compilations += 1
     check(c)
     if not tokenizer.can_encode:
         raise InvalidRequestError("constraint", "the model has no text vocabulary to constrain")
@@ -111,7 +137,8 @@ def compile_constraint(tokenizer: Any, c: Constraint, vocab_size: int | None = N
     if not first.any():     # not even an end token: every draw would be from an empty set
         raise InvalidRequestError(_field(c), "no text satisfies it: no token of the model's "
                                              "vocabulary can begin it")
-    return compiled
+    first.setflags(write=False)         # shared by the request's sequences
+    return Compiled(c, compiled, first)
 
 
 def _compile(comp: Any, c: Constraint) -> Any:
@@ -138,9 +165,10 @@ class Matcher:
     """One constrained sequence: the mask of its next token, advanced by committed tokens.
     Masks are filled by xgrammar straight into numpy rows (DLPack): no torch buffer between."""
 
-    def __init__(self, compiled: Any, vocab_size: int):
+    def __init__(self, compiled: Compiled, vocab_size: int):
         x = xgr()
-        self._m = x.GrammarMatcher(compiled)          # rollback is unlimited
+        self._m = x.GrammarMatcher(compiled.grammar)      # rollback is unlimited
+        self._first = compiled.first_mask
         self.vocab_size = vocab_size
         self._stops = np.asarray(self._m.stop_token_ids, np.int64)
         # (W,) i32: every token but the stop tokens; done() ANDs the next mask with it
@@ -157,6 +185,10 @@ class Matcher:
         out = np.empty(mask_words(self.vocab_size), np.int32)      # (W,) i32
         self.fill(out)
         return out
+
+    def first_mask(self) -> np.ndarray:
+        """The mask before any token (the compiled one, read-only: no fill)."""
+        return self._first
 
     def accept(self, token: int) -> bool:
         """Advance by one token; False when the token is not allowed (nothing changes)."""
@@ -217,6 +249,13 @@ def advance_rows(matchers: list[Matcher], tokens: list[int]) -> np.ndarray:
 
 def allowed(mask: np.ndarray, token: int) -> bool:
     return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
+
+
+def dead_end(mask: np.ndarray) -> bool:
+    """`mask` allows no token, not even an end token: the constraint has no continuation of
+    the text so far (the regex a[^\\x00-\\U0010ffff] after "a"), and the generation ends
+    there (FINISH_REASON_CONSTRAINT_DEAD_END) rather than draw from an empty set."""
+    return not mask.any()
 
 
 def mask_logits(logits: np.ndarray, mask: np.ndarray) -> None:

@@ -298,8 +298,11 @@ class Engine:
                 raise InvalidRequestError("speculative.mode", "tree speculation cannot be "
                                           "used with a constraint; use chain or off")
             from service.engine.constraint import Matcher, compile_constraint
-            matcher = Matcher(compile_constraint(self.tokenizer, request.constraint,
-                                                 self.spec.vocab_size), self.spec.vocab_size)
+            compiled = request.compiled_constraint       # the front end's, made once
+            if compiled is None or compiled.constraint != request.constraint:
+                compiled = compile_constraint(self.tokenizer, request.constraint,
+                                              self.spec.vocab_size)
+            matcher = Matcher(compiled, self.spec.vocab_size)
         return Sequence(request=request, sink=sink, matcher=matcher,
                         seed_value=resolve_seed(request.sampling.seed,
                                                 request.sampling.greedy),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -178,6 +179,8 @@ class FinishReason(enum.Enum):
     CONTEXT_LIMIT = "context_limit"  # the sequence filled the context window
     CANCELLED = "cancelled"          # the caller cancelled (or its deadline passed)
     CONSTRAINT = "constraint"        # the request's constraint was complete
+    # the constraint allows no token after the text so far, not even an end token
+    CONSTRAINT_DEAD_END = "constraint_dead_end"
     ERROR = "error"                  # the engine failed on this request
 
 
@@ -199,6 +202,9 @@ class GenerationRequest:
     priority: int = 0                # admission order: lower first, FIFO within a level
     # structured output (service/engine/constraint.py); None: unconstrained
     constraint: Constraint | None = None
+    # `constraint` compiled (constraint.Compiled) by the front end that checked it, for this
+    # model; None: the engine compiles it when the request is submitted
+    compiled_constraint: Any = field(default=None, compare=False, repr=False)
 
     def validate(self, vocab_size: int, n_ctx: int) -> None:
         if not self.prompt_ids:

@@ -61,6 +61,19 @@ def test_a_token_outside_the_mask_is_refused_and_changes_nothing(tok):
     assert m.accept(digit)
 
 
+def test_the_first_mask_is_filled_once_and_a_dead_end_is_an_empty_mask(tok):
+    """A Matcher starts from its Compiled's first mask (read-only, shared by the request's
+    sequences: no second fill); after "a", `a[^\\x00-\\U0010ffff]` allows no token at all,
+    not even an end token: a dead end, not a completed constraint."""
+    compiled = C.compile_constraint(tok, Constraint("regex", r"a[^\x00-\U0010ffff]"))
+    m = C.Matcher(compiled, tok.vocab_size)
+    assert m.first_mask() is compiled.first_mask and not m.first_mask().flags.writeable
+    assert np.array_equal(m.first_mask(), m.mask()) and not C.dead_end(m.first_mask())
+    assert m.accept(tok.encode("a", add_bos=False)[0])
+    mask = m.mask()
+    assert C.dead_end(mask) and not m.done(mask) and not m.terminated
+
+
 def test_the_vocabulary_is_exact_bytes(tok):
     # every token the walk takes decodes to the text the matcher accepted: a multi-byte / space
     # / byte-fallback piece would break re.fullmatch if the bytes given to xgrammar were wrong

@@ -281,6 +281,8 @@ def test_which_constrained_rows_overlap_and_the_refusal_backoff():
         def mask(self):
             return np.full(2, -1, np.int32)
 
+        first_mask = mask
+
         def accept(self, t):
             return True
 

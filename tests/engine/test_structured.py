@@ -1,7 +1,8 @@
 """Structured output through the engine (CPU backend, SmolLM2): every generation satisfies
 its constraint (JSON schemas validated with jsonschema, regexes and GBNF with re.fullmatch),
 ends with FINISH_REASON_CONSTRAINT (or EOS where the text is complete), and the output does
-not depend on speculation (n-gram drafter) or on the batch."""
+not depend on speculation (n-gram drafter) or on the batch. A constraint that allows nothing
+after some text ends its stream there (CONSTRAINT_DEAD_END), never with a token outside it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from service.engine.types import (
     StoppingCriteria,
 )
 from tests.support.batching import alone, same_output, together
+from tests.support.engines import wait_idle
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = ["Give me a JSON object describing a person:", "Answer in JSON:",
@@ -143,3 +145,49 @@ def test_exact_under_speculation_and_batching(smol, monkeypatch):
     batched, _ = together(smol, mixed(smol, None))
     for a, b in zip(batched, off, strict=True):
         assert same_output(a, b), (a.text, b.text)
+
+
+# nothing may follow "a", not even an end token (the first mask is not empty: it compiles)
+DEAD_AFTER_A = Constraint("regex", r"a[^\x00-\U0010ffff]")
+
+
+def test_a_constraint_that_dead_ends_ends_the_stream_with_its_own_reason(smol):
+    """The draw after "a" has no allowed token: a sampled row failed the request (a draw from
+    an empty set; INTERNAL over gRPC) and a greedy one committed token 0 (the argmax of all
+    -inf, EOS here) against the constraint. Now "a" is delivered and the stream ends with
+    CONSTRAINT_DEAD_END, the batch's other rows as they are alone, the KV blocks freed."""
+    a = smol.text_prompt_ids("a")[-1]
+    dead = [request(smol, f"dead{i}", "Say a:", DEAD_AFTER_A, p, spec=spec)
+            for i, (p, spec) in enumerate([(GREEDY, False), (sampled(1), False),
+                                           (GREEDY, None), (sampled(2), None)])]
+    others = [request(smol, "re", "Phone:", Constraint("regex", r"[0-9]{3}-[0-9]{4}")),
+              request(smol, "js", PROMPTS[0], Constraint("json_schema", json.dumps(SCHEMAS[0])),
+                      sampled(3)),
+              GenerationRequest("plain", ids(smol, PROMPTS[1]), sampled(4),
+                                StoppingCriteria(max_new_tokens=12))]
+    for r in [alone(smol, q) for q in dead] + together(smol, dead)[0]:
+        assert (r.token_ids, r.text) == ([a], "a"), (r.token_ids, r.finished)
+        assert r.finished.reason is FinishReason.CONSTRAINT_DEAD_END and r.finished.error is None
+    ref = [alone(smol, q) for q in others]
+    batched, _ = together(smol, [*dead[:2], *others, *dead[2:]])
+    for r in batched[:2] + batched[-2:]:
+        assert r.finished.reason is FinishReason.CONSTRAINT_DEAD_END and r.token_ids == [a]
+    for got, want in zip(batched[2:-2], ref, strict=True):
+        assert same_output(got, want), (got.text, want.text)
+    wait_idle(smol)
+    assert smol.pool.used_blocks == 0
+
+
+def test_a_dead_end_after_a_draft_ends_the_stream_under_speculation(smol, monkeypatch):
+    """A draft after which the constraint allows nothing is cut before verification: kept, its
+    verify row drew from an empty mask (a sampled row failed the request). The output equals
+    plain decoding's, drafts verified on the way."""
+    monkeypatch.setattr(smol, "verify_alpha", 0.0)      # draft whenever the drafter can
+    pat = r"( ?la){10}[^\x00-\U0010ffff]"
+    for p in (GREEDY, sampled(3)):
+        off, on = (alone(smol, request(smol, "la", "Sing: " + " ".join(["la"] * 12),
+                                       Constraint("regex", pat), p, spec=spec))
+                   for spec in (False, None))
+        assert on.finished.reason is FinishReason.CONSTRAINT_DEAD_END, on.finished
+        assert same_output(on, off) and re.fullmatch(r"( ?la){10}", on.text), (on.text, off.text)
+        assert on.finished.usage.draft_tokens > 0

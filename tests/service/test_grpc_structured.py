@@ -1,7 +1,9 @@
 """Structured output over gRPC: GenerateRequest.constraint's fields are served (the text
 satisfies them, Finished says FINISH_REASON_CONSTRAINT), a constraint that does not compile is
-INVALID_ARGUMENT naming its field before any token, and the vLLM protocol maps its own
-structured-output fields to the same constraint."""
+INVALID_ARGUMENT naming its field before any token, one that allows nothing after some text
+ends the stream there with FINISH_REASON_CONSTRAINT_DEAD_END, a request's constraint is
+compiled once, and the vLLM protocol maps its own structured-output fields to the same
+constraint."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import time
 import grpc
 import pytest
 
-from clients import error_details
+from clients import Completion, error_details
+from service.engine import constraint
 from service.proto_build import stubs
 
 pb = stubs().generation_pb2
@@ -89,3 +92,33 @@ def test_prompts_are_served_while_constraints_compile(server, client):
         finally:
             for call in calls:
                 call.cancel()
+
+
+def samples(client, req) -> list[Completion]:
+    out = [Completion() for _ in range(max(1, req.n))]
+    for r in client.generate(request=req):
+        out[r.index].add(r)
+    return out
+
+
+@pytest.mark.parametrize("temperature, n", [(0.8, 1), (0.0, 1), (0.8, 2)])
+def test_a_constraint_that_dead_ends_ends_the_stream_ok(client, temperature, n):
+    """Nothing may follow "a" (the first draw is fine, so it compiles): a sampled request ended
+    with INTERNAL, a greedy one with a token against the constraint (EOS). Every sample gets
+    "a" and FINISH_REASON_CONSTRAINT_DEAD_END, status OK."""
+    req = request(regex=r"a[^\x00-\U0010ffff]", n=n)
+    req.sampling.temperature = temperature
+    for out in samples(client, req):
+        assert (out.text, out.finish_reason) == ("a", "CONSTRAINT_DEAD_END")
+        assert len(out.token_ids) == out.usage.completion_tokens == 1
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_constraint_is_compiled_once_per_request(client, n):
+    """The server's check compiled it (a grammar lookup and a first-mask fill, ~0.5 ms for a
+    loose regex), then the engine's submit again, once per sample."""
+    before = constraint.compilations()
+    req = request(regex=r"[A-Za-z ,.]{1,40}\.", n=n)
+    req.stopping.max_new_tokens = 4
+    assert all(out.finish_reason for out in samples(client, req))
+    assert constraint.compilations() - before == 1

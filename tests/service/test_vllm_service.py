@@ -23,6 +23,7 @@ from smg_grpc_proto.generated import common_pb2
 from tokenizers import Tokenizer as HFTokenizer
 
 from service.config import ServerConfig
+from service.engine import constraint
 from tests.support.grpc_harness import serving
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
@@ -317,3 +318,16 @@ def test_structured_output_fields_are_served(vllm, engine):
     out = gen(vllm, prompt_ids(engine), temperature=0.0, max_tokens=32,
               choice=pb.ChoiceConstraint(choices=["north", "south"]))
     assert engine.tokenizer.decode(out[-1].complete.output_ids) in ("north", "south")
+
+
+def test_a_constraint_that_dead_ends_is_abort_with_its_tokens(vllm, engine):
+    """Nothing may follow "a": each sample's "a" comes back, finish reason abort (not stop,
+    which says a completed constraint), and the constraint is compiled once for the request."""
+    before = constraint.compilations()
+    out = gen(vllm, prompt_ids(engine), temperature=0.8, max_tokens=8, n=2,
+              regex=r"a[^\x00-\U0010ffff]")
+    assert constraint.compilations() - before == 1
+    done = [r.complete for r in out]
+    assert sorted(c.index for c in done) == [0, 1]
+    for c in done:
+        assert engine.tokenizer.decode(c.output_ids) == "a" and c.finish_reason == "abort"

@@ -12,6 +12,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.engine.constraint import advance_rows, allowed, dead_end
 from service.engine.runner.step import Adjustment
 from service.engine.spec.width import DepthAcceptance
 from service.engine.textstream import TextStream
@@ -79,7 +80,7 @@ class Sequence:
         self.prompt_scores: dict[int, TokenLogprob] | None = None
         # constrained: row_masks[i] is the token mask after the committed tokens and the first
         # i tokens of the draft being verified (row_masks[0]: the next token's)
-        self.row_masks: list = [self.matcher.mask()] if self.matcher is not None else []
+        self.row_masks: list = [self.matcher.first_mask()] if self.matcher is not None else []
 
     def row_mask(self, ahead: int):
         """The token mask of the draw `ahead` tokens after the next one; None: unconstrained."""
@@ -112,16 +113,20 @@ class Sequence:
     def constrain_draft(self, drafts: list[int]) -> list[int]:
         """The longest prefix of `drafts` the constraint allows, with row_masks extended along
         it (the matcher advances over the drafts, then rolls back: it stays at the committed
-        tokens)."""
-        from service.engine.constraint import allowed
+        tokens). A draft after which the constraint allows nothing (a dead end) is cut too:
+        its verify row would draw from an empty mask; plain decoding's row before it may still
+        choose it, and the commit then ends the sequence (CONSTRAINT_DEAD_END)."""
         m, kept = self.matcher, []
         del self.row_masks[1:]
         for d in drafts:
             mask = self.row_masks[-1]
             if d in self.eog_ids or not allowed(mask, d) or not m.accept(d):
                 break
-            kept.append(d)
             nxt = m.mask()
+            if dead_end(nxt):
+                m.rollback(1)
+                break
+            kept.append(d)
             self.row_masks.append(nxt)
             if m.done(nxt):
                 break
@@ -233,14 +238,14 @@ class Sequence:
             if tok in stop.stop_token_ids:
                 reason, matched = FinishReason.STOP_TOKEN, tok
                 break
-            constraint_done = self.matcher is not None and self._advance(tok)
+            constraint_end = self._advance(tok) if self.matcher is not None else None
             piece, hit = self.text.push([tok])
             text_parts.append(piece)
             if hit is not None:
                 reason, matched = FinishReason.STOP_SEQUENCE, hit
                 break
-            if constraint_done:
-                reason = FinishReason.CONSTRAINT
+            if constraint_end is not None:
+                reason = constraint_end
                 break
             if len(self.generated) >= stop.max_new_tokens:
                 reason = FinishReason.LENGTH
@@ -258,9 +263,10 @@ class Sequence:
         else:
             self.seed = tokens[-1]
 
-    def _advance(self, tok: int) -> bool:
-        """The matcher takes a committed token; True when the constraint is complete and
-        nothing but an end token may follow."""
+    def _advance(self, tok: int) -> FinishReason | None:
+        """The matcher takes a committed token; CONSTRAINT when the constraint is complete and
+        nothing but an end token may follow, CONSTRAINT_DEAD_END when nothing may follow (not
+        even an end token), None while it goes on."""
         m = self.matcher
         self.mask_wait = max(0, self.mask_wait - 1)
         if m.ahead == tok:              # accepted and its next mask filled with the step's rows
@@ -271,7 +277,9 @@ class Sequence:
                 raise RuntimeError(f"token {tok} outside the constraint's mask was committed")
             mask = m.mask()
             self.row_masks = [mask]
-        return m.terminated or m.done(mask)
+        if m.terminated or m.done(mask):
+            return FinishReason.CONSTRAINT
+        return FinishReason.CONSTRAINT_DEAD_END if dead_end(mask) else None
 
     def advances(self, tok: int) -> bool:
         """Whether committing `tok` as its next token advances its matcher (emit's order: an
@@ -314,7 +322,6 @@ def advance_constrained(commits: list[tuple[Sequence, int]]) -> None:
     commits = [(s, t) for s, t in commits if s.advances(t)]
     if not commits:
         return
-    from service.engine.constraint import advance_rows
     masks = advance_rows([s.matcher for s, _ in commits], [t for _, t in commits])   # (n, W)
     for (seq, _), mask in zip(commits, masks, strict=True):
         if seq.matcher.ahead is not None:
