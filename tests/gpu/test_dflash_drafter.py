@@ -1,7 +1,8 @@
 """The dflash drafter on the CUDA backend (tests/engine/test_dflash_drafter.py's identities):
 tiny-qwen3 as the target with captured steps, random synthetic DFlash drafters (`synth
 --dflash`: two layers, F16, block 16; one layer, Q8_0, a 300-id draft vocabulary with its own
-embeddings and causal block attention, block 8), drafting in full.
+embeddings and causal block attention, block 8; a DSpark one, Q8_0, anchor-first with the
+confidence head and the draft_p_min cut at 0.5, block 16), drafting in full.
 
 Greedy output with speculation equals plain greedy output at widths 2, 6 and 16, seeded sampled
 speculation equals plain sampling (tokens and log-probabilities), a request alone equals it in a
@@ -31,13 +32,18 @@ DRAFTERS = {"f16": DflashOptions(seed=6, layers=(1, 2), n_layer=2, n_ff=256, qua
                                  weight_std=0.1),
             "q8_0-reduced-causal": DflashOptions(seed=7, layers=(0, 2), n_ff=256, quant="Q8_0",
                                                  draft_vocab=300, own_embedding=True,
-                                                 causal=True, block_size=8, weight_std=0.1)}
+                                                 causal=True, block_size=8, weight_std=0.1),
+            "dspark-q8_0-cut": DflashOptions(seed=8, layers=(1, 2), n_ff=256, quant="Q8_0",
+                                             markov_rank=32, markov_std=0.8,
+                                             confidence_head=True, weight_std=0.1)}
+P_MIN = {"dspark-q8_0-cut": 0.5}
 
 
 def cuda_engine(drafter: Path | None = None, **options):
     """tiny-qwen3 on CUDA with captured steps, verify width 16, drafting in full; with
     `drafter` the dflash drafter."""
-    extra = {"drafter": "dflash", "draft_model": str(drafter)} if drafter else {}
+    extra = ({"drafter": "dflash", "draft_model": str(drafter),
+              "draft_p_min": P_MIN.get(drafter.stem, 0.0)} if drafter else {})
     return running_engine(TARGET, **{"backend": "cuda", "n_ctx": 256, "n_slots": 1,
                                      "verify_width": 16, "cuda_graphs": True, **extra,
                                      **options}, draft_in_full=True)

@@ -1,7 +1,10 @@
 """The DFlash drafter (service/model/dflash_model.py) on the CUDA backend against the same
 drafter on the CPU backend rounding activations the GPU's way (act_quant="gpu"), from the same
 tapped target rows: synthetic drafters for tiny-qwen3 (two layers, F16 weights; Q8_0 with a
-reduced draft vocabulary, its own embeddings and causal block attention).
+reduced draft vocabulary, its own embeddings and causal block attention; a Q8_0 DSpark drafter
+with the confidence head, whose blocks run through the Markov chain: its picks must agree up
+to a CPU near-tie, after which that block's rows condition on other tokens and are not
+compared; its confidences within CONF_BOUND).
 
 Each drafter injects 12 tapped rows in two runs (7 + 5, slot 1), drafts a block of 6 at
 position 12, takes 3 more rows at 12.. (overwriting the block's K/V there) and drafts a block
@@ -33,8 +36,12 @@ TARGET, N_CTX, M = "tiny-qwen3", 64, 16
 VARIANTS = {"f16": DflashOptions(layers=(1, 2), n_layer=2, n_ff=256, quant="F16"),
             "q8_0-reduced-causal": DflashOptions(layers=(0, 2), draft_vocab=300,
                                                  own_embedding=True, causal=True, block_size=8,
-                                                 quant="Q8_0")}
+                                                 quant="Q8_0"),
+            "dspark-q8_0-confidence": DflashOptions(layers=(1, 2), n_ff=256, block_size=8,
+                                                    markov_rank=32, markov_std=0.8,
+                                                    confidence_head=True, quant="Q8_0")}
 BOUND, CLEAR_GAP = 0.02, 0.5
+CONF_BOUND = 0.02             # DSpark's confidences (sigmoid outputs), max absolute difference
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +62,10 @@ def features(spec: DflashSpec) -> tuple[np.ndarray, list[int]]:
     return np.array(runner.hidden_states(inp)), ids
 
 
-def drafter_logits(path: Path, be, feats: np.ndarray, ids: list[int]) -> np.ndarray:
-    """Logits (10, Vd) of both blocks on backend `be`."""
+def drafter_logits(path: Path, be, feats: np.ndarray, ids: list[int]
+                   ) -> list[tuple[np.ndarray, list[int], np.ndarray | None]]:
+    """Per block on backend `be`: logits (T, Vd), and with DSpark's heads the chain's picks
+    (draft rows) and the confidences."""
     tr = build_model(TARGET, be, n_ctx=N_CTX, max_tokens=M)
     f = GGUFFile(path)
     spec = DflashSpec.from_gguf(f)
@@ -81,8 +90,14 @@ def drafter_logits(path: Path, be, feats: np.ndarray, ids: list[int]) -> np.ndar
             inject(12, 15)
         T = len(block)
         logits = model.block(up(0, block), up(1, range(n, n + T)), up(2, [slot] * T), n)
-        out.append(np.asarray(be.to_host(logits)))                       # (T, Vd)
-    return np.concatenate(out)
+        picks, conf = [], None
+        if model.heads is not None:
+            best = be.zeros((T,), "int32")
+            model.heads.chain(ints[0][:T], logits, best)
+            picks = np.asarray(be.to_host(best))[spec.first_draft_row:].tolist()
+            conf = model.heads.confidence(model.hidden(T), T)
+        out.append((np.asarray(be.to_host(logits)), picks, conf))         # (T, Vd)
+    return out
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -90,8 +105,24 @@ def test_the_cuda_drafter_matches_the_cpu_drafter(files, variant):
     from service.backends.cuda.backend import CudaBackend
 
     feats, ids = features(DflashSpec.from_gguf(GGUFFile(files[variant])))
-    gpu = drafter_logits(files[variant], CudaBackend(graphs=False), feats, ids)
-    cpu = drafter_logits(files[variant], CpuBackend(act_quant="gpu"), feats, ids)
+    gpu_blocks = drafter_logits(files[variant], CudaBackend(graphs=False), feats, ids)
+    cpu_blocks = drafter_logits(files[variant], CpuBackend(act_quant="gpu"), feats, ids)
+    gpu, cpu = [], []
+    for (g, gp, gc), (c, cp_, cc) in zip(gpu_blocks, cpu_blocks, strict=True):
+        rows = len(c)
+        for j, (a, b) in enumerate(zip(gp, cp_, strict=True)):
+            if a != b:                      # the chains part: only at a near-tie of the CPU's
+                top = np.sort(c[j])[-2:]
+                assert top[1] - top[0] < CLEAR_GAP, (variant, gp, cp_)
+                rows = j + 1
+                break
+        gpu.append(g[:rows])
+        cpu.append(c[:rows])
+        if cc is not None:
+            d = float(np.abs(gc - cc)[:rows].max())
+            print(f"{variant}: confidence max abs difference {d:.1e}")
+            assert d <= CONF_BOUND
+    gpu, cpu = np.concatenate(gpu), np.concatenate(cpu)
     assert gpu.shape == cpu.shape
     errs = [float(np.sqrt(((g - c) ** 2).mean() / (c ** 2).mean()))
             for g, c in zip(gpu, cpu, strict=True)]
