@@ -20,6 +20,12 @@ server around it do for one sequence, two draft rounds:
               positions >= T + n_acc + 1 are removed from both contexts
     block 2   [t1, mask x (B - 1)] at T + n_acc + 1: logits (B, V)
 
+A DSpark drafter (`draft-dspark`: markov_rank in its options) runs the same calls: its
+blocks' logits are the Markov head's (chained inside llama.cpp's graph), its drafts are the
+argmax of rows 0..B-1 (anchor-first, B drafts) or 1..B-1 (bonus anchor), so the verify step is
+[t0, drafts] of B + 1 or B rows; with the confidence head each block row's confidence is read
+too (llama_get_embeddings_nextn: common/speculative.cpp's p_min cut reads it there).
+
 The mask token is the drafter vocabulary's (llama_vocab_mask); the tiny target's vocabulary is
 a "none" one, which llama.cpp reads no special ids of, so its `tokenizer.ggml.mask_token_id` is
 read from the metadata instead. Causal attention within the block is set from
@@ -67,6 +73,13 @@ DRAFTERS: dict[str, dict] = {
                              quant="F16"),
     "own-embedding-f32": dict(seed=24, layers=(2,), n_ff=128, block_size=8,
                               own_embedding=True, quant="F32"),
+    # DSpark; the Markov weights larger than the rest so the head moves the logits as much as
+    # the block does (a random rank-R head's correction has std markov_std^2 sqrt(R))
+    "dspark-conf-q8": dict(seed=25, layers=(1, 2), n_ff=256, block_size=8, markov_rank=32,
+                           markov_std=1.0, confidence_head=True, quant="Q8_0"),
+    "dspark-bonus-reduced-f16": dict(seed=26, layers=(0, 2), n_ff=256, block_size=8,
+                                     draft_vocab=300, markov_rank=16, markov_std=0.8,
+                                     markov_scale=0.5, bonus_anchor=True, quant="F16"),
 }
 
 
@@ -84,8 +97,10 @@ def _meta(model, key: str) -> str | None:
     return buf.value.decode() if n >= 0 else None
 
 
-def probe(target: str, drafter: str, ids: list[int]) -> dict:
-    """Runs under the interpreter that has `llama_cpp`; imports nothing from this project."""
+def probe(target: str, drafter: str, ids: list[int], first: int, conf: bool) -> dict:
+    """Runs under the interpreter that has `llama_cpp`; imports nothing from this project.
+    first: the block row of the first draft (0: anchor-first DSpark); conf: read the DSpark
+    confidence head's outputs."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from llama_cpp import __version__
     from llama_cpp import llama_cpp as ll
@@ -94,6 +109,7 @@ def probe(target: str, drafter: str, ids: list[int]) -> dict:
         Entry,
         Runtime,
         get_embeddings_layer_inp,
+        get_embeddings_nextn,
         rows,
         set_embeddings_layer_inp,
         set_embeddings_nextn,
@@ -120,44 +136,48 @@ def probe(target: str, drafter: str, ids: list[int]) -> dict:
         return np.concatenate([rows(get_embeddings_layer_inp(tgt.ctx, k), n, E)
                                for k in layers], axis=1)
 
-    def block(anchor: int, n: int) -> np.ndarray:                           # (B, V)
+    def block(anchor: int, n: int) -> tuple[np.ndarray, list[float]]:       # (B, V), (B,)
         dft.process(DECODE, [Entry(anchor if i == 0 else mask, n + i, True) for i in range(B)])
-        return np.array([dft.logits(i) for i in range(B)])
+        c = rows(get_embeddings_nextn(dft.ctx), B, dft.n_embd)[:, 0] if conf else []
+        return np.array([dft.logits(i) for i in range(B)]), [float(x) for x in c]
 
     tgt.process(DECODE, [Entry(t, p, p == T - 1) for p, t in enumerate(ids)])
     per_layer = {k: rows(get_embeddings_layer_inp(tgt.ctx, k), T, E) for k in layers}
     feats = features(T)
     t0 = int(np.argmax(tgt.logits(T - 1)))
     dft.process(DECODE, [Entry(None, p, False, feats[p]) for p in range(T)])
-    logits1 = block(t0, T)
-    drafts = [int(np.argmax(r)) for r in logits1[1:]]
+    logits1, conf1 = block(t0, T)
+    drafts = [int(np.argmax(r)) for r in logits1[first:]]
     dft.drop_from(T)
     verify = [t0, *drafts]
+    V = len(verify)
     tgt.process(DECODE, [Entry(t, T + i, True) for i, t in enumerate(verify)])
-    feats2 = features(B)
-    picks = [int(np.argmax(tgt.logits(i))) for i in range(B)]
+    feats2 = features(V)
+    picks = [int(np.argmax(tgt.logits(i))) for i in range(V)]
     n_acc = 0
-    while n_acc < B - 1 and picks[n_acc] == drafts[n_acc]:
+    while n_acc < len(drafts) and picks[n_acc] == drafts[n_acc]:
         n_acc += 1
     t1 = picks[n_acc]
-    dft.process(DECODE, [Entry(None, T + i, False, feats2[i]) for i in range(B)])
+    dft.process(DECODE, [Entry(None, T + i, False, feats2[i]) for i in range(V)])
     tgt.drop_from(T + n_acc + 1)
     dft.drop_from(T + n_acc + 1)
-    logits2 = block(t1, T + n_acc + 1)
+    logits2, conf2 = block(t1, T + n_acc + 1)
     return {"version": __version__, "layers": layers, "block_size": B, "mask": mask,
             "per_layer": {str(k): pack(v) for k, v in per_layer.items()},
             "t0": t0, "drafts": drafts, "features2": pack(feats2), "n_acc": n_acc, "t1": t1,
-            "logits1": logits1.tolist(), "logits2": logits2.tolist()}
+            "logits1": logits1.tolist(), "logits2": logits2.tolist(),
+            **({"conf1": conf1, "conf2": conf2} if conf else {})}
 
 
 # ---------------------------------------------------------------- project side
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama-python", help="an interpreter that can import llama_cpp")
-    ap.add_argument("--probe", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--probe", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.probe:
-        print(json.dumps(probe(*args.probe, PROMPT_IDS)))
+        target, drafter, first, conf = args.probe
+        print(json.dumps(probe(target, drafter, PROMPT_IDS, int(first), conf == "1")))
         return 0
     if not args.llama_python:
         ap.error("--llama-python is required")
@@ -172,7 +192,9 @@ def main() -> int:
         for name, opts in DRAFTERS.items():
             o = DflashOptions(weight_std=WEIGHT_STD, **opts)
             r = synthesize_dflash(Path(tmp) / f"{name}.gguf", target, o)
-            p = subprocess.run([args.llama_python, __file__, "--probe", str(target), str(r.path)],
+            s = r.spec
+            p = subprocess.run([args.llama_python, __file__, "--probe", str(target), str(r.path),
+                                str(s.first_draft_row), str(int(s.confidence))],
                                capture_output=True, text=True)
             if p.returncode:
                 print(p.stderr[-3000:], file=sys.stderr)
@@ -193,7 +215,9 @@ def main() -> int:
                                      **{k: pack(v) for k, v in logits.items()}}
             print(f"{name}: {r.n_bytes / 1e6:.2f} MB, t0 {res['t0']}, drafts {res['drafts']}, "
                   f"accepted {res['n_acc']}, t1 {res['t1']}, logit std "
-                  f"{np.median(logits['logits1'].std(axis=1)):.2f}")
+                  f"{np.median(logits['logits1'].std(axis=1)):.2f}"
+                  + (f", confidences {np.round(res['conf1'], 3).tolist()}" if "conf1" in res
+                     else ""))
     OUT.write_text(json.dumps(out, separators=(",", ":")) + "\n")
     print(f"wrote {OUT} ({OUT.stat().st_size / 1e3:.0f} kB)")
     return 0

@@ -143,6 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--dflash: causal attention within the block")
     syn.add_argument("--rope-dims", type=int, default=0,
                      help="--dflash: rotated dims per head (0: the target's)")
+    syn.add_argument("--markov-rank", type=int, default=0,
+                     help="--dflash: a DSpark drafter (llama.cpp's draft-dspark) with a Markov "
+                          "head of this rank (0: plain DFlash)")
+    syn.add_argument("--confidence-head", action="store_true",
+                     help="--dflash --markov-rank R: DSpark's confidence head too")
+    syn.add_argument("--bonus-anchor", action="store_true",
+                     help="--dflash --markov-rank R: DFlash's block layout (drafts from row 1) "
+                          "instead of DSpark's anchor-first one")
     syn.add_argument("--seed", type=int, default=0, help="same seed -> identical file")
     syn.add_argument("--layers", type=int, default=None,
                      help="number of layers (default: the preset's)")
@@ -387,10 +395,16 @@ def _synth_dflash(args) -> int:
                       mask_token=args.mask_token, draft_vocab=args.draft_vocab,
                       own_embedding=args.own_embedding, causal=args.causal,
                       rope_dims=args.rope_dims, quant=args.quant or "F16",
-                      weight_std=args.weight_std)
+                      weight_std=args.weight_std, markov_rank=args.markov_rank,
+                      confidence_head=args.confidence_head, bonus_anchor=args.bonus_anchor)
     r = synthesize_dflash(args.out, _resolve(args.dflash), o)
     s = r.spec
-    print(f"{r.path}: DFlash drafter, target layers {list(s.target_layers)}, {s.n_layer} "
+    kind = "DFlash drafter"
+    if s.dspark:
+        kind = (f"DSpark drafter (Markov rank {s.markov_rank}"
+                + (", confidence head" if s.confidence else "")
+                + ("" if s.sample_from_anchor else ", bonus anchor") + ")")
+    print(f"{r.path}: {kind}, target layers {list(s.target_layers)}, {s.n_layer} "
           f"layers of width {s.n_embd}, block {s.block_size}, mask token {s.mask_token}, draft "
           f"vocabulary {s.draft_vocab}, {r.n_tensors} tensors, {r.n_bytes / 1e6:.1f} MB")
     return 0

@@ -90,6 +90,9 @@ _HELP = {
     "ngram_size": "n-gram length the lookup drafter matches, 1..8",
     "suffix_cache_tokens": "drafter 'suffix': tokens of recently finished requests' prompts and "
                            "outputs it drafts from, 0..16777216 (LRU by tokens; 0: none)",
+    "draft_p_min": "drafter 'dflash' with a DSpark file's confidence head: drafts stop at the "
+                   "first whose predicted acceptance is below this, 0..1 (llama.cpp's "
+                   "--spec-draft-p-min; 0 = off)",
     "tree_budget": f"tree verify (DDTree) nodes per step, 2..{MAX_TREE_BUDGET}; 0 = chain verify",
     "backend": "compute backend: " + ", ".join(BACKENDS),
     "n_ctx": "context tokens per sequence (capped at the model's trained length)",

@@ -49,6 +49,8 @@ class EngineConfig:
     ngram_size: int = 3              # n-gram length the lookup drafter matches
     suffix_cache_tokens: int = 65536  # drafter "suffix": tokens of other requests it keeps
     tree_budget: int = 0             # > 0: tree verify (DDTree) with this many nodes; 0: chain
+    draft_p_min: float = 0.0         # drafter "dflash", a DSpark file: drafts stop at the first
+                                     # whose confidence head says < this (0: off)
     backend: str = "auto"
     n_ctx: int = 4096                # context per sequence; capped at the model's trained length
     n_slots: int = 64                # sequences running at once (each holds KV blocks)
@@ -100,6 +102,13 @@ class EngineConfig:
         if self.tree_budget != 0 and not 2 <= self.tree_budget <= MAX_TREE_BUDGET:
             out.append(("tree_budget", f"{self.tree_budget} is out of range; allowed 0 (chain "
                                        f"verify) or 2..{MAX_TREE_BUDGET}"))
+        if not 0.0 <= self.draft_p_min <= 1.0:
+            out.append(("draft_p_min", f"{self.draft_p_min} is out of range; allowed 0 (off) "
+                                       "..1"))
+        elif self.draft_p_min > 0 and self.drafter != "dflash":
+            out.append(("draft_p_min", "the confidence cut is the dflash drafter's (a DSpark "
+                                       f"file's confidence head); drafter {self.drafter!r} has "
+                                       "none: leave it 0"))
         if not 0 <= self.suffix_cache_tokens <= 1 << 24:
             out.append(("suffix_cache_tokens", f"{self.suffix_cache_tokens} is out of range; "
                         "allowed 0..16777216"))

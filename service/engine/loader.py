@@ -333,6 +333,9 @@ def dflash_header(config: EngineConfig, target: ModelSpec):
     except (ModelFormatError, ValueError, OSError) as e:
         raise ConfigError([("draft_model", f"{path.name} cannot draft for {target.name}: "
                                            f"{e}")]) from e
+    if config.draft_p_min > 0 and not spec.confidence:
+        raise ConfigError([("draft_p_min", f"{config.draft_p_min}: {path.name} has no DSpark "
+                                           "confidence head to cut drafts with; leave it 0")])
     return f, spec
 
 
@@ -348,15 +351,17 @@ def load_dflash(header, config: EngineConfig, target: Transformer) -> Drafter:
         model = DflashModel(spec, f, target, n_ctx=config.n_ctx, n_slots=config.n_slots,
                             max_tokens=target.max_tokens, type_k=config.kv_cache_type_k,
                             type_v=config.kv_cache_type_v)
+        kind = "DSpark" if spec.dspark else "DFlash"
         drafter = DflashDrafter(model, f"{f.get('general.name', f.path.stem)} "
-                                       f"({f.path.name}, DFlash)")
+                                       f"({f.path.name}, {kind})", p_min=config.draft_p_min)
         drafter.check()
     except Exception as e:      # the backend cannot run the drafter's shapes or types
         raise ConfigError([("draft_model", f"{f.path.name} cannot run on the "
                                            f"{config.backend} backend: {type(e).__name__}: "
                                            f"{e}")]) from e
     phase("draft_model", t, path=str(f.path), kind="dflash", layers=list(spec.target_layers),
-          n_layer=spec.n_layer, block_size=spec.block_size, draft_vocab=spec.draft_vocab)
+          n_layer=spec.n_layer, block_size=spec.block_size, draft_vocab=spec.draft_vocab,
+          markov_rank=spec.markov_rank, confidence_head=spec.confidence)
     return drafter
 
 

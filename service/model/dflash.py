@@ -33,9 +33,23 @@ rope.dimension_count, attention.causal, hidden_activation (silu), vocab_size}; t
 tokenizer with `tokenizer.ggml.mask_token_id`. llama.cpp's encoder input is P x the drafter's
 width, so the target's width must equal E.
 
-Only the plain block decoder (the public z-lab checkpoints' kind) is read; DFlash2, DeepSeek-V4
-DSpark stages, DSpark's Markov/confidence heads and the optional extras in `UNSUPPORTED` are
-refused by name.
+DSpark (llama.cpp's `draft-dspark`: the same architecture with a Markov head, optional
+confidence head) adds, with R the head's rank and h_i = rms_norm(x_i) * output_norm the block
+row's final hidden state (the output's input):
+
+    markov_w1.weight (V, R)   markov_w2.weight (Vd, R)   [markov_w2.scale (1,) F32, s; else 1]
+    conf_proj.weight (1, E + R)   [conf_proj.bias (1,) F32]
+    l_i = base_i + s * W2 @ W1[prev_i]    prev = the anchor for the first draft row, then the
+                                          argmax target id of the previous row's l (the chain
+                                          is sequential along the block)
+    c_i = sigmoid(conf_proj . [h_i ; W1[prev_i]] + bias)   the draft's predicted acceptance
+Metadata dflash.sample_from_anchor (bool, default true: the block [anchor, mask x (k - 1)] gives
+k drafts from rows 0..k-1, up to block_size; false: DFlash's layout, rows 1..k, row 0
+unbiased) and dflash.has_confidence_head (bool; when present it must agree with conf_proj).
+common/speculative.cpp stops the drafts at the first row with c_i < p_min (--spec-draft-p-min).
+
+Only the plain block decoder (the public z-lab checkpoints' kind) and DSpark's heads are read;
+DFlash2, DeepSeek-V4 DSpark stages and the optional extras in `UNSUPPORTED` are refused by name.
 """
 
 from __future__ import annotations
@@ -53,6 +67,9 @@ from service.model.spec import ModelSpec
 ARCH = "dflash"
 D2T = "d2t"
 MASK_KEY = "tokenizer.ggml.mask_token_id"
+MARKOV_W1, MARKOV_W2, MARKOV_SCALE = "markov_w1.weight", "markov_w2.weight", "markov_w2.scale"
+CONF_W, CONF_B = "conf_proj.weight", "conf_proj.bias"
+F32_ONLY = (MARKOV_SCALE, CONF_B)   # scalars llama.cpp multiplies / adds as F32
 DEFAULT_BLOCK = 16            # common/speculative.cpp, when dflash.block_size is absent
 MAX_POINTS = 64
 
@@ -75,8 +92,6 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
                 ("hyper_connection.count",),
                 r".*hc_.*|blk\.\d+\.(attn_q_[ab]|attn_kv|attn_out_[ab]|ffn_gate_inp|ffn_\w+_exps)"
                 r"[._].*"),
-    Unsupported("the DSpark Markov and confidence heads", ("has_confidence_head",),
-                r"markov_w[12]\..*|conf_proj\..*"),
     Unsupported("sliding-window attention",
                 ("attention.sliding_window", "attention.sliding_window_pattern")),
     Unsupported("M-RoPE sections", ("rope.dimension_sections",)),
@@ -88,7 +103,7 @@ UNSUPPORTED: tuple[Unsupported, ...] = (
     Unsupported("post-attention / post-FFN norms and layer output scales", (),
                 r"blk\.\d+\.(post_attention_norm|post_ffw_norm|layer_output_scale).*"),
     Unsupported("RoPE frequency factors", (), r"rope_freqs\..*"),
-    Unsupported("per-tensor weight scales", (), r".*\.scale"),
+    Unsupported("per-tensor weight scales", (), r"(?!markov_w2\.scale$).*\.scale"),
 )
 
 
@@ -99,13 +114,14 @@ def refuse_variants(f: GGUFFile) -> None:
             if f"{ARCH}.{key}" in f.metadata:
                 raise ModelFormatError(f"{f.path}: metadata '{ARCH}.{key}' marks {u.what}, "
                                        "which is not supported (only the plain DFlash block "
-                                       "decoder is)")
+                                       "decoder and DSpark's heads are)")
         if u.tensors:
             pat = re.compile(u.tensors)
             hit = sorted(n for n in f.tensors if pat.fullmatch(n))
             if hit:
                 raise ModelFormatError(f"{f.path}: tensor {hit[0]!r} marks {u.what}, which is "
-                                       "not supported (only the plain DFlash block decoder is)")
+                                       "not supported (only the plain DFlash block decoder "
+                                       "and DSpark's heads are)")
     scaling = f.get(f"{ARCH}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise ModelFormatError(f"{f.path}: metadata '{ARCH}.rope.scaling.type' = {scaling!r}: "
@@ -137,10 +153,31 @@ class DflashSpec:
     own_embedding: bool       # token_embd.weight present (else the target's)
     own_output: bool          # output.weight present
     has_d2t: bool
+    markov_rank: int = 0          # R of DSpark's Markov head (markov_w1/w2); 0: plain DFlash
+    markov_scale: bool = False    # markov_w2.scale present
+    confidence: bool = False      # DSpark's confidence head (conf_proj.weight) present
+    confidence_bias: bool = False  # conf_proj.bias present
+    sample_from_anchor: bool = True  # DSpark: drafts from block row 0 (else rows 1..)
 
     @property
     def n_points(self) -> int:
         return len(self.target_layers)
+
+    @property
+    def dspark(self) -> bool:
+        """A DSpark drafter (llama.cpp's draft-dspark): the Markov head is there."""
+        return self.markov_rank > 0
+
+    @property
+    def first_draft_row(self) -> int:
+        """The block row of the first draft: 0 for anchor-first DSpark, else 1 (row 0 is the
+        anchor's, not read)."""
+        return 0 if self.dspark and self.sample_from_anchor else 1
+
+    @property
+    def max_drafts(self) -> int:
+        """Drafts of one full trained block (llama.cpp's clamp of n_max)."""
+        return self.block_size - self.first_draft_row
 
     @property
     def tap(self) -> HiddenTap:
@@ -177,6 +214,15 @@ class DflashSpec:
             shapes["output.weight"] = (self.draft_vocab, E)
         if self.has_d2t:
             shapes[D2T] = (self.draft_vocab,)
+        R = self.markov_rank
+        if R:
+            shapes |= {MARKOV_W1: (self.vocab_size, R), MARKOV_W2: (self.draft_vocab, R)}
+            if self.markov_scale:
+                shapes[MARKOV_SCALE] = (1,)
+            if self.confidence:
+                shapes[CONF_W] = (1, E + R)
+            if self.confidence_bias:
+                shapes[CONF_B] = (1,)
         return shapes
 
     # ---------------------------------------------------------------- reading
@@ -238,7 +284,7 @@ class DflashSpec:
             mask_token=mask,
             causal=bool(f.require(causal_key, bool)) if causal_key in f.metadata else False,
             own_embedding=f.has_tensor("token_embd.weight"),
-            own_output=f.has_tensor("output.weight"), has_d2t=has_d2t)
+            own_output=f.has_tensor("output.weight"), has_d2t=has_d2t, **_dspark_fields(f))
         spec._check_tensors(f)
         return spec
 
@@ -253,6 +299,9 @@ class DflashSpec:
             if (int(info.qtype) in INDEX_TYPES) != (name == D2T):
                 raise ModelFormatError(f"{f.path}: tensor {name!r} has type {info.qtype.name}"
                                        + ("; d2t must be I64" if name == D2T else ""))
+            if name in F32_ONLY and info.qtype.name != "F32":
+                raise ModelFormatError(f"{f.path}: tensor {name!r} has type "
+                                       f"{info.qtype.name}; F32 expected")
         extra = sorted(set(f.tensors) - set(shapes))
         if extra:
             raise ModelFormatError(f"{f.path}: tensors a DFlash drafter does not have: "
@@ -287,6 +336,35 @@ class DflashSpec:
         if self.vocab_size != target.vocab_size:
             raise ModelFormatError(f"{where}: vocabulary of {self.vocab_size} tokens but the "
                                    f"target's has {target.vocab_size}")
+
+
+def _dspark_fields(f: GGUFFile) -> dict:
+    """DflashSpec's DSpark fields of file f (none without markov_w1: a plain DFlash file, whose
+    extra tensors _check_tensors refuses)."""
+    if not f.has_tensor(MARKOV_W1):
+        return {}
+    w1 = f.tensor(MARKOV_W1)
+    if len(w1.shape) != 2 or not 1 <= w1.shape[1] <= 4096:
+        raise ModelFormatError(f"{f.path}: tensor {MARKOV_W1!r} has shape {w1.shape}; (vocab, "
+                               "rank) with rank 1..4096 expected")
+    if not f.has_tensor(MARKOV_W2):
+        raise ModelFormatError(f"{f.path}: DSpark's {MARKOV_W1!r} is present but "
+                               f"{MARKOV_W2!r} is missing")
+    conf = f.has_tensor(CONF_W)
+    key = f"{ARCH}.has_confidence_head"
+    if key in f.metadata and bool(f.require(key, bool)) != conf:
+        raise ModelFormatError(f"{f.path}: metadata {key!r} = {f.metadata[key]} but tensor "
+                               f"{CONF_W!r} is {'present' if conf else 'missing'}")
+    if f.has_tensor(CONF_B) and not conf:
+        raise ModelFormatError(f"{f.path}: {CONF_B!r} without {CONF_W!r}")
+    if f"{ARCH}.block_size" not in f.metadata:     # llama.cpp's DSpark graph asserts it
+        raise ModelFormatError(f"{f.path}: a DSpark drafter needs metadata "
+                               f"'{ARCH}.block_size'")
+    anchor = f"{ARCH}.sample_from_anchor"
+    return dict(markov_rank=int(w1.shape[1]), markov_scale=f.has_tensor(MARKOV_SCALE),
+                confidence=conf, confidence_bias=f.has_tensor(CONF_B),
+                sample_from_anchor=bool(f.require(anchor, bool)) if anchor in f.metadata
+                else True)
 
 
 def _target_layers(f: GGUFFile) -> tuple[int, ...]:

@@ -15,9 +15,14 @@
                               x += W_down (silu(W_gate m) * (W_up m)),  m = rms_norm(x) * ffn_norm
                           logits = output @ (rms_norm(x) * output_norm)   (B, Vd), scattered to
                           (B, V) through d2t with -inf elsewhere; the block's K/V are not kept
+    markov(logits, anchor)   DSpark's heads over a block's logits, row by row from
+                          spec.first_draft_row: l_i += s W2 W1[prev_i] (through d2t), prev the
+                          anchor, then each row's argmax target id; the confidence
+                          c_i = sigmoid(conf_proj . [h_i ; W1[prev_i]] + b), h_i the block row's
+                          rms_norm(x) * output_norm; the drafts are the rows' argmax
     draft(features, anchor, B)   encode + inject every feature row at 0.., then block([anchor,
                           mask x (B - 1)], n = rows): what common/speculative.cpp does for one
-                          draft after a prefill
+                          draft after a prefill (and markov for a DSpark drafter)
 
 RoPE is NeoX's: pairs (i, i + d/2) of the first d = rope_dims dims, angle pos * base^(-2i/d).
 Weights are dequantized to f32 once; the token embeddings and the output projection are the
@@ -31,7 +36,15 @@ import numpy as np
 
 from service.gguf.quants import dequantize
 from service.gguf.reader import GGUFFile
-from service.model.dflash import D2T, DflashSpec
+from service.model.dflash import (
+    CONF_B,
+    CONF_W,
+    D2T,
+    MARKOV_SCALE,
+    MARKOV_W1,
+    MARKOV_W2,
+    DflashSpec,
+)
 from service.model.spec import ModelSpec
 
 
@@ -66,6 +79,7 @@ class DflashDraft:
         self.k = np.zeros(kv, np.float32)                                   # (L, C, Hkv, hd)
         self.v = np.zeros(kv, np.float32)                                   # (L, C, Hkv, hd)
         self.n_rows = 0                # context rows injected: positions [0, n_rows)
+        self.hidden = np.zeros((0, s.n_embd), np.float32)  # (B, E) the last block's h rows
         inv = s.rope_base ** (-np.arange(0, s.rope_dims, 2, dtype=np.float64) / s.rope_dims)
         ang = np.arange(n_ctx, dtype=np.float64)[:, None] * inv[None, :]     # (C, d/2)
         self.cos, self.sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
@@ -142,19 +156,46 @@ class DflashDraft:
             gate, up = m @ w[b + "ffn_gate.weight"].T, m @ w[b + "ffn_up.weight"].T  # (B, F)
             act = gate / (np.float32(1.0) + np.exp(-gate)) * up             # (B, F)
             x = (x + act @ w[b + "ffn_down.weight"].T).astype(np.float32)   # (B, E)
-        out = (_rms(x, w["output_norm.weight"], eps) @ self.output.T).astype(np.float32)
+        self.hidden = _rms(x, w["output_norm.weight"], eps)                 # (B, E)
+        out = (self.hidden @ self.output.T).astype(np.float32)              # (B, Vd)
         if self.d2t is None:
             return out                                                      # (B, V)
         logits = np.full((B, s.vocab_size), -np.inf, np.float32)            # (B, V)
         logits[:, self.d2t] = out
         return logits
 
+    def markov(self, logits: np.ndarray, anchor: int
+               ) -> tuple[np.ndarray, list[int], np.ndarray | None]:
+        """DSpark's heads over the last block's logits (B, V) (from block(), whose anchor is
+        `anchor`): the biased logits (B, V) (rows before spec.first_draft_row unchanged), the
+        drafts (the argmax chain, target ids, one per row from first_draft_row) and the
+        confidences (one per draft row; None without the confidence head)."""
+        s, w = self.spec, self.w
+        if not s.dspark:
+            raise ValueError("markov: not a DSpark drafter")
+        w1, w2 = w[MARKOV_W1], w[MARKOV_W2]                                 # (V, R), (Vd, R)
+        scale = np.float32(w[MARKOV_SCALE][0]) if s.markov_scale else np.float32(1.0)
+        out, prev, drafts, conf = logits.astype(np.float32), int(anchor), [], []
+        for i in range(s.first_draft_row, logits.shape[0]):
+            r = w1[prev]                                                    # (R,)
+            bias = (w2 @ r) * scale                                         # (Vd,)
+            out[i, self.d2t if self.d2t is not None else slice(None)] += bias
+            if s.confidence:
+                z = np.float32(w[CONF_W][0] @ np.concatenate([self.hidden[i], r]))
+                z += w[CONF_B][0] if s.confidence_bias else 0
+                conf.append(np.float32(1) / (np.float32(1) + np.exp(-z)))
+            prev = int(out[i].argmax())
+            drafts.append(prev)
+        return out, drafts, np.array(conf, np.float32) if s.confidence else None
+
     def draft(self, features: np.ndarray, anchor: int, B: int | None = None) -> np.ndarray:
         """One draft after a prefill: inject the T feature rows at positions 0 .. T - 1, then
         the block [anchor, mask x (B - 1)] at position T (B: the trained block size).
-        Logits (B, V); row 0 (the anchor's) is not a draft."""
+        Logits (B, V); row 0 (the anchor's) is not a draft, unless the drafter is anchor-first
+        DSpark (whose rows are the Markov head's)."""
         B = B or self.spec.block_size
         g = self.encode(features)                                           # (T, E)
         self.inject(g, 0)
         ids = [anchor] + [self.spec.mask_token] * (B - 1)
-        return self.block(ids, g.shape[0])
+        logits = self.block(ids, g.shape[0])
+        return self.markov(logits, anchor)[0] if self.spec.dspark else logits

@@ -14,7 +14,9 @@ in dflash.py; dflash_forward.py is the numpy reference it is tested against).
         logits = rms_norm(x) * output_norm @ Wout    (T, Vd)
 The block is at most MAX_BLOCK rows (the attention mask's 32 bits). The logits are over the
 draft vocabulary (Vd rows of the output): with d2t, draft id i is target id d2t[i] (`d2t`, a
-host array); mapping the chosen ids is the drafter's business. Every buffer is allocated at
+host array); mapping the chosen ids is the drafter's business. A DSpark drafter's heads
+(service/model/dspark_heads.py, `heads`) run on the block's logits and its final hidden rows
+(`hidden`, valid until the next block). Every buffer is allocated at
 construction; a call only slices. The model shares the target's backend: its construction sizes
 the backend's step scratch again over both models' matrices, so it comes before any step.
 """
@@ -26,6 +28,7 @@ import numpy as np
 from service.backends.base import Backend
 from service.gguf.reader import GGUFFile
 from service.model.dflash import D2T, DflashSpec
+from service.model.dspark_heads import DsparkHeads
 from service.model.transformer import Transformer
 from service.model.weights import _fused
 
@@ -76,9 +79,15 @@ class DflashModel:
         self.ws_logits = z((self.max_block, s.draft_vocab))               # (B, Vd) f32
         self.ws_lo = z((self.max_block,), "int32")                        # (B,) i32 attn_lo
         self.ws_mask = z((self.max_block,), "int32")                      # (B,) i32 attn_mask
+        self.heads = DsparkHeads(spec, f, be, self.max_block) if spec.dspark else None
         # the backend's scratch was sized for the target's matrices: again over the drafter's
         # (its fc is P E wide), before any step runs
         target.prepare_backend()
+
+    def hidden(self, T: int):
+        """The last block's final hidden rows rms_norm(x) * output_norm (T, E) f32 (the output
+        projection's input), until the next inject or block."""
+        return self.ws_n[:T]
 
     def _kv(self, layer: dict, h, T: int) -> None:
         """ws_kv[:T] = h (T, E) @ Wkv_l^T: the layer's k|v (T, 2K)."""

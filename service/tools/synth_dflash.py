@@ -5,7 +5,12 @@ of FFN width `n_ff` (default: the target's); target layers by default DFlash's s
 round(1 + i (n - 4) / (P - 1)), i < P, written + 1 as the converter does), or [1, n - 1] for a
 shallow target; block size 16 and the mask token V - 1 unless given. Options: a reduced draft
 vocabulary (d2t, own output of as many rows), the drafter's own token embeddings, causal
-attention within the block, partial RoPE (rope_dims < head size).
+attention within the block, partial RoPE (rope_dims < head size); a DSpark drafter (llama.cpp's
+draft-dspark): a Markov head of rank `markov_rank` (markov_w1 / markov_w2, optionally the
+markov_w2.scale `markov_scale`; its weights' std `markov_std`, default weight_std: a random
+head's correction is std^2 sqrt(rank), weak next to the block logits unless made larger), a
+confidence head (conf_proj with its bias), the anchor-first
+block layout unless `bonus_anchor`.
 
 Weights as service/tools/drafter_weights.py makes them (seeded by (seed, name); F32, F16 or
 Q8_0). The written file is re-read by DflashSpec.from_gguf and checked against the target
@@ -22,7 +27,15 @@ import numpy as np
 
 from service.errors import ConfigError
 from service.gguf.reader import GGUFFile
-from service.model.dflash import ARCH, DEFAULT_BLOCK, MASK_KEY, DflashSpec
+from service.model.dflash import (
+    ARCH,
+    DEFAULT_BLOCK,
+    MARKOV_SCALE,
+    MARKOV_W1,
+    MARKOV_W2,
+    MASK_KEY,
+    DflashSpec,
+)
 from service.model.spec import ModelSpec
 from service.tools.drafter_weights import QUANTS, add_tensors, random_weights
 
@@ -60,6 +73,11 @@ class DflashOptions:
     rope_dims: int = 0                      # 0: the target's
     quant: str = "F16"
     weight_std: float = 0.02
+    markov_rank: int = 0                    # > 0: a DSpark drafter with a Markov head
+    markov_scale: float = 0.0               # > 0: markov_w2.scale holding it
+    markov_std: float = 0.0                 # the Markov weights' std; 0: weight_std
+    confidence_head: bool = False           # DSpark: conf_proj.weight and .bias
+    bonus_anchor: bool = False              # DSpark: dflash.sample_from_anchor false
 
 
 def _problems(t: ModelSpec, o: DflashOptions, out: Path) -> list[tuple[str, str]]:
@@ -77,6 +95,18 @@ def _problems(t: ModelSpec, o: DflashOptions, out: Path) -> list[tuple[str, str]
                              ("rope-dims", o.rope_dims, 0, t.head_dim)):
         if not lo <= v <= hi:
             p.append((field, f"{v} is out of range [{lo}, {hi}]"))
+    if not 0 <= o.markov_rank <= 4096:
+        p.append(("markov-rank", f"{o.markov_rank} is out of range [0, 4096]"))
+    elif o.quant == "Q8_0" and o.markov_rank % 32:
+        p.append(("markov-rank", f"{o.markov_rank}: Q8_0 rows of markov_w2 need a multiple of "
+                                 "32"))
+    if not o.markov_rank and (o.confidence_head or o.bonus_anchor or o.markov_scale):
+        p.append(("markov-rank", "the confidence head, the bonus anchor and the scale are "
+                                 "DSpark's: they need a Markov head (markov-rank > 0)"))
+    if o.markov_std < 0:
+        p.append(("markov-std", f"{o.markov_std} must be positive (0: weight-std)"))
+    if o.markov_scale < 0:
+        p.append(("markov-scale", f"{o.markov_scale} must be positive (0: none)"))
     if o.rope_dims % 2:
         p.append(("rope-dims", f"{o.rope_dims} must be even"))
     if not o.weight_std > 0:
@@ -105,8 +135,14 @@ def synthesize_dflash(out: str | os.PathLike, target: str | os.PathLike,
         block_size=o.block_size,
         mask_token=o.mask_token if o.mask_token >= 0 else t.vocab_size - 1, causal=o.causal,
         own_embedding=o.own_embedding, own_output=bool(o.draft_vocab),
-        has_d2t=bool(o.draft_vocab))
+        has_d2t=bool(o.draft_vocab), markov_rank=o.markov_rank,
+        markov_scale=o.markov_scale > 0, confidence=o.confidence_head,
+        confidence_bias=o.confidence_head, sample_from_anchor=not o.bonus_anchor)
     tensors = random_weights(spec.tensor_shapes(), o.seed, o.weight_std, spec.vocab_size)
+    for name in (MARKOV_W1, MARKOV_W2) if spec.dspark and o.markov_std else ():
+        tensors[name] *= np.float32(o.markov_std / o.weight_std)
+    if spec.markov_scale:
+        tensors[MARKOV_SCALE] = np.array([o.markov_scale], np.float32)
     return write_dflash(out, tf, spec, tensors, o.quant)
 
 
@@ -138,6 +174,9 @@ def write_dflash(out: Path, target: GGUFFile, spec: DflashSpec,
         w.add_float32(f"{ARCH}.rope.freq_base", spec.rope_base)
         w.add_bool(f"{ARCH}.attention.causal", spec.causal)
         w.add_uint32(MASK_KEY, spec.mask_token)
+        if spec.dspark:
+            w.add_bool(f"{ARCH}.sample_from_anchor", spec.sample_from_anchor)
+            w.add_bool(f"{ARCH}.has_confidence_head", spec.confidence)
         data = add_tensors(w, tensors, quant)
     except BaseException:
         w.close()

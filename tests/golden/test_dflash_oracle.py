@@ -5,9 +5,10 @@ sequence over two draft rounds).
 
 The drafters are seeded `synthesize_dflash` files of the tiny-qwen3 target (two Q8_0 ones: two
 layers; a reduced draft vocabulary with its own embeddings and causal block attention; an F16
-one with partial RoPE and a 16-token block; an F32 one with its own tied embeddings); the test
-rewrites them and checks their sha256 against the fixture's, so a synthesizer change cannot
-pass silently. Checks:
+one with partial RoPE and a 16-token block; an F32 one with its own tied embeddings; two DSpark
+ones (`draft-dspark`): Q8_0 anchor-first with the confidence head, F16 with DFlash's bonus-anchor
+layout, a reduced vocabulary and a markov_w2.scale); the test rewrites them and checks their
+sha256 against the fixture's, so a synthesizer change cannot pass silently. Checks:
 
 - capture points: our CPU backend's tapped target rows (the inputs of target layers 0, 1, 2) of
   the prompt, and of a drafter's verify step after it, against the rows llama.cpp extracted;
@@ -18,7 +19,11 @@ pass silently. Checks:
   the softmax) over the spread of llama.cpp's row, and the same argmax wherever llama.cpp's
   top-two gap is at least CLEAR_GAP of that spread; the drafter the engine runs
   (service/model/dflash_model.py on the CPU backend, rounding activations as llama.cpp does)
-  likewise.
+  likewise;
+- DSpark: the logits above are the Markov head's (chained along the block inside llama.cpp's
+  graph); the chain's drafts equal llama.cpp's (up to a near-tie, where chains may part) and
+  the confidences are within CONF_BOUND; without the head, or with every row's correction
+  conditioned on the anchor instead of the previous pick, the logits miss their bound by 2x.
 
 Where the figures come from (traced op by op with llama.cpp's eval callback): every tensor of
 the F32 drafter equals ours to ~3e-7 up to the attention, whose output differs by 1.7e-4
@@ -36,7 +41,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +68,9 @@ BACKEND_BOUNDS = {"Q8_0": 4e-2, "F16": 1e-2, "F32": 5e-4}
 # rows); below it are near-ties at the Q8_0 drafters' error (one row of the reduced drafter's
 # second block differs there)
 CLEAR_GAP = 0.1
+# DSpark's confidences (sigmoid outputs), max absolute difference; measured 1.5e-2 for the
+# Q8_0 drafter, reference and backend alike (its logits' error through the conf_proj dot)
+CONF_BOUND = 3e-2
 # tapped target rows (relative RMS), as tests/golden/test_eagle3_oracle.py measures them
 FEATURE_MEDIAN, FEATURE_MAX = 0.02, 0.15
 
@@ -133,10 +141,18 @@ def test_the_target_layers_are_the_ones_llama_cpp_extracts():
 
 
 # ---------------------------------------------------------------- the drafter
-def reference_blocks(path: Path, entry: dict, spec_of=lambda s: s,
-                     context_short: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Both blocks' logits (B, Vd) of the numpy reference fed llama.cpp's features.
-    context_short: inject that many fewer prompt rows (a negative control)."""
+@dataclass
+class Block:
+    logits: np.ndarray            # (B, Vd) f32
+    drafts: list[int]             # DSpark: the Markov chain's picks (target ids)
+    conf: np.ndarray | None       # DSpark's confidences of the draft rows
+
+
+def reference_blocks(path: Path, entry: dict, spec_of=lambda s: s, context_short: int = 0,
+                     markov: str = "chain") -> tuple[Block, Block]:
+    """Both blocks of the numpy reference fed llama.cpp's features. context_short: inject that
+    many fewer prompt rows; markov "off" (no head) or "anchor" (every row's correction
+    conditioned on the anchor, not chained): negative controls."""
     f = GGUFFile(path)
     spec = spec_of(DflashSpec.from_gguf(f))
     ref = DflashDraft(spec, f, GGUFFile(model_path("tiny-qwen3")), N_CTX)
@@ -145,12 +161,44 @@ def reference_blocks(path: Path, entry: dict, spec_of=lambda s: s,
     g = ref.encode(layer_rows(spec.target_layers))                         # (T, E)
     ref.inject(g[:T - context_short], 0)
     masks = [spec.mask_token] * (B - 1)
-    first = ref.block([entry["t0"], *masks], T - context_short)            # (B, V)
+
+    def block(anchor: int, n: int) -> Block:
+        logits, drafts, conf = ref.block([anchor, *masks], n), [], None   # (B, V)
+        if spec.dspark and markov == "chain":
+            logits, drafts, conf = ref.markov(logits, anchor)
+        elif spec.dspark and markov == "anchor":
+            w1, w2 = ref.w["markov_w1.weight"], ref.w["markov_w2.weight"]
+            scale = ref.w["markov_w2.scale"][0] if spec.markov_scale else 1.0
+            logits[spec.first_draft_row:, ref.d2t if spec.has_d2t else slice(None)] += (
+                w2 @ w1[anchor]) * scale
+        return Block(logits[:, ref.d2t] if spec.has_d2t else logits, drafts, conf)
+
+    first = block(entry["t0"], T - context_short)
     ref.inject(ref.encode(unpack(entry["features2"])), T)                  # the verify rows
-    second = ref.block([entry["t1"], *masks], T + entry["n_acc"] + 1)      # (B, V)
-    if spec.has_d2t:
-        first, second = first[:, ref.d2t], second[:, ref.d2t]
-    return first, second
+    return first, block(entry["t1"], T + entry["n_acc"] + 1)
+
+
+def dspark_checks(name: str, blocks: tuple[Block, Block], entry: dict) -> None:
+    """A DSpark drafter's first block: its chain's drafts are llama.cpp's, up to a row where
+    they part at a near-tie of llama.cpp's (after which the chains condition on other tokens);
+    the confidences of both blocks' draft rows within CONF_BOUND of llama.cpp's."""
+    if not entry["options"].get("markov_rank"):
+        return
+    first = 0 if not entry["options"].get("bonus_anchor") else 1
+    want = unpack(entry["logits1"])[first:]                                # (k, Vd)
+    top = np.sort(want, axis=1)[:, -2:]
+    clear = top[:, 1] - top[:, 0] >= CLEAR_GAP * want.std(axis=1)
+    same = 0
+    for ours, theirs, c in zip(blocks[0].drafts, entry["drafts"], clear, strict=True):
+        if ours != theirs:
+            assert not c, (blocks[0].drafts, entry["drafts"])
+            break
+        same += 1
+    errs = [np.abs(b.conf - np.array(entry[k][first:])).max()
+            for b, k in zip(blocks, ("conf1", "conf2"), strict=True) if b.conf is not None]
+    print(f"\n{name}: chain equal over {same}/{len(want)} rows" + (
+        f", confidence max abs error {max(errs):.1e}" if errs else ""))
+    assert same >= len(want) // 2 and all(e <= CONF_BOUND for e in errs), errs
 
 
 @pytest.mark.parametrize("name", list(FIXTURE["drafters"]))
@@ -158,9 +206,10 @@ def test_the_reference_gives_llama_cpps_block_logits(drafters, name):
     entry = FIXTURE["drafters"][name]
     bound = BOUNDS[entry["options"]["quant"]]
     checked = 0
-    for ours, key in zip(reference_blocks(drafters[name], entry), ("logits1", "logits2"),
-                         strict=True):
-        want = unpack(entry[key])                                          # (B, Vd)
+    blocks = reference_blocks(drafters[name], entry)
+    dspark_checks(name, blocks, entry)
+    for block, key in zip(blocks, ("logits1", "logits2"), strict=True):
+        ours, want = block.logits, unpack(entry[key])                      # (B, Vd) x2
         assert ours.shape == want.shape
         err = centered_rel_rms(ours, want)
         top = np.sort(want, axis=1)[:, -2:]
@@ -187,13 +236,26 @@ def test_the_bounds_catch_a_wrong_drafter(drafters, control):
     dims, the context one row short: every drafter's first block misses its bound by 2x."""
     for name, entry in FIXTURE["drafters"].items():
         first, _ = reference_blocks(drafters[name], entry, **CONTROLS[control])
-        err = centered_rel_rms(first, unpack(entry["logits1"]))
+        err = centered_rel_rms(first.logits, unpack(entry["logits1"]))
         assert err.max() > 2 * BOUNDS[entry["options"]["quant"]], (name, err.max())
 
 
-def backend_blocks(path: Path, entry: dict) -> tuple[np.ndarray, np.ndarray]:
+@pytest.mark.parametrize("markov", ["off", "anchor"])
+def test_the_bounds_catch_a_wrong_markov_head(drafters, markov):
+    """DSpark's blocks without the Markov head, or with every row's correction conditioned on
+    the anchor instead of the previous row's pick: the first block misses its bound by 2x."""
+    names = [n for n, e in FIXTURE["drafters"].items() if e["options"].get("markov_rank")]
+    assert names
+    for name in names:
+        entry = FIXTURE["drafters"][name]
+        first, _ = reference_blocks(drafters[name], entry, markov=markov)
+        err = centered_rel_rms(first.logits, unpack(entry["logits1"]))
+        assert err.max() > 2 * BOUNDS[entry["options"]["quant"]], (name, err.max())
+
+
+def backend_blocks(path: Path, entry: dict) -> tuple[Block, Block]:
     """The same two blocks on the engine's drafter (DflashModel on the CPU backend, rounding
-    activations as llama.cpp does), fed llama.cpp's features."""
+    activations as llama.cpp does, and DSpark's heads), fed llama.cpp's features."""
     f = GGUFFile(path)
     spec = DflashSpec.from_gguf(f)
     tr = build_model("tiny-qwen3", CpuBackend(threads=1, act_quant=True), n_ctx=N_CTX,
@@ -204,22 +266,32 @@ def backend_blocks(path: Path, entry: dict) -> tuple[np.ndarray, np.ndarray]:
     def ints(a) -> np.ndarray:
         return np.asarray(a, np.int32)
 
-    def block(anchor: int, n: int) -> np.ndarray:
+    def block(anchor: int, n: int) -> Block:
         ids = ints([anchor] + [spec.mask_token] * (B - 1))
-        out = np.array(model.block(ids, ints(range(n, n + B)), ints([0] * B), n))  # (B, Vd)
-        return out
+        logits = model.block(ids, ints(range(n, n + B)), ints([0] * B), n)  # (B, Vd)
+        drafts, conf = [], None
+        if model.heads is not None:
+            best = ints([0] * B)
+            model.heads.chain(ids, logits, best)
+            rows = best[spec.first_draft_row:]
+            drafts = (model.d2t[rows] if spec.has_d2t else rows).tolist()
+            if spec.confidence:
+                conf = model.heads.confidence(model.hidden(B), B)
+        return Block(np.array(logits), drafts, conf)
 
     model.inject(layer_rows(spec.target_layers), ints(range(T)), ints([0] * T))
     first = block(entry["t0"], T)
-    model.inject(unpack(entry["features2"]), ints(range(T, T + B)), ints([0] * B))
+    V = len(entry["drafts"]) + 1                                           # the verify rows
+    model.inject(unpack(entry["features2"]), ints(range(T, T + V)), ints([0] * V))
     return first, block(entry["t1"], T + entry["n_acc"] + 1)
 
 
 @pytest.mark.parametrize("name", list(FIXTURE["drafters"]))
 def test_the_engines_drafter_gives_llama_cpps_block_logits(drafters, name):
     entry = FIXTURE["drafters"][name]
-    for ours, key in zip(backend_blocks(drafters[name], entry), ("logits1", "logits2"),
-                         strict=True):
-        err = centered_rel_rms(ours, unpack(entry[key]))
+    blocks = backend_blocks(drafters[name], entry)
+    dspark_checks(name, blocks, entry)
+    for block, key in zip(blocks, ("logits1", "logits2"), strict=True):
+        err = centered_rel_rms(block.logits, unpack(entry[key]))
         print(f"\n{name} {key}: relative RMS median {np.median(err):.1e}, max {err.max():.1e}")
         assert err.max() <= BACKEND_BOUNDS[entry["options"]["quant"]], err

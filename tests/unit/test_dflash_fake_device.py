@@ -5,8 +5,10 @@ a 299-token prompt (prefill chunks of 128 rows, whose tapped rows are injected i
 drafter's cache) drafting at width 4 and with trees of 6 nodes. The fake device checks every
 launch against the compiled kernels' signatures and raises on what breaks a captured step
 (allocation, host reads, another stream), so the drafter's ops between steps (injection, the
-block forward, its attention with attn_lo / attn_mask, the row copies and uploads) are checked
-on the CUDA backend's code path; the kernels do not compute, so no token is compared here."""
+block forward, its attention with attn_lo / attn_mask, the row copies and uploads; DSpark's
+Markov chain and confidence head, on two more files, one with DFlash's bonus-anchor layout, a
+reduced vocabulary and a markov_w2.scale) are checked on the CUDA backend's code path; the
+kernels do not compute, so no token is compared here."""
 
 from __future__ import annotations
 
@@ -21,7 +23,12 @@ from tests.support.models import TINY
 
 FILES = {"F16": DflashOptions(n_layer=2, block_size=8, quant="F16"),
          "Q8_0-reduced-causal": DflashOptions(n_layer=2, block_size=8, quant="Q8_0",
-                                              draft_vocab=300, causal=True)}
+                                              draft_vocab=300, causal=True),
+         "DSpark-Q8_0-confidence": DflashOptions(block_size=8, quant="Q8_0", markov_rank=32,
+                                                 confidence_head=True),
+         "DSpark-F16-bonus-reduced": DflashOptions(block_size=8, quant="F16", markov_rank=16,
+                                                   markov_scale=0.5, draft_vocab=300,
+                                                   bonus_anchor=True)}
 
 
 @pytest.mark.parametrize("kind", list(FILES))
@@ -31,6 +38,7 @@ def test_the_dflash_drafter_drafts_on_the_fake_device(compiled, tmp_path, tree_b
     with fake_device_engine(
             compiled, n_ctx=512, prefill_chunk=128, verify_width=4, drafter="dflash",
             draft_model=str(path), tree_budget=tree_budget,
+            draft_p_min=0.5 if FILES[kind].confidence_head else 0.0,
             draft_in_full=True) as (dev, eng):          # verify_alpha 0: draft every step
         assert isinstance(eng.drafter, DflashDrafter)
         req = GenerationRequest("t", tuple(range(1, 300)), SamplingParams(temperature=0.0),

@@ -1,6 +1,7 @@
 """DFlash drafter files (service/model/dflash.py, llama.cpp's `dflash` format) and
 `specstream synth --dflash` (service/tools/synth_dflash.py): round trips, the checks against a
-target, every malformed file and every unsupported variant refused with its reason."""
+target, every malformed file and every unsupported variant refused with its reason (DSpark's
+heads: test_dspark_format.py)."""
 
 from __future__ import annotations
 
@@ -164,10 +165,6 @@ VARIANTS = {
                  "marks DeepSeek-V4 DSpark"),
     "dsv4 tensor": (dict(tensors={"output_hc_fn.weight": f32(4, 1024)}),
                     r"'output_hc_fn.weight' marks DeepSeek-V4"),
-    "dspark markov": (dict(tensors={"markov_w1.weight": f32(1024, 16)}),
-                      r"'markov_w1.weight' marks the DSpark Markov"),
-    "dspark conf key": (dict(meta={"dflash.has_confidence_head": (True, V.BOOL)}),
-                        "marks the DSpark Markov and confidence"),
     "swa": (dict(meta={"dflash.attention.sliding_window": (64, V.UINT32)}), "sliding-window"),
     "mrope": (dict(meta={"dflash.rope.dimension_sections": ([16, 0, 0, 0], V.ARRAY, V.INT32)}),
               "M-RoPE"),

@@ -19,6 +19,15 @@ With history h = [h_0 .. h_{H-1}] (h_{H-1} the seed, whose target row is not wri
     candidates (tree verify): the same block, each row's logits brought to the host for its
              top n; the chain is the rows' argmax.
 
+A DSpark drafter (llama.cpp's `draft-dspark`) reads the block through its Markov head
+(service/model/dspark_heads.py): each draft row's logits get W2 W1[previous draft] (the anchor
+for the first), chained on the backend, and the drafts are the chain's picks. Anchor-first
+(dflash.sample_from_anchor, llama.cpp's default) the block is [h_{H-1}, mask x (k - 1)] and the
+drafts are rows 0..k-1, up to the trained block size; otherwise DFlash's layout. With
+`p_min` > 0 (EngineConfig.draft_p_min; the file must have the confidence head) the drafts stop
+at the first whose confidence is below it, as common/speculative.cpp does; the tree's
+candidates are the chain rows' biased logits, cut the same way.
+
 The block writes its K/V at positions >= H - 1, where the next extend writes the target's real
 rows (llama.cpp removes them instead; the block reads only its own rows there, so the two agree).
 A slot whose context is not extended up to H - 2 (a step that was not tapped: a prompt's cached
@@ -45,16 +54,20 @@ from service.model.hidden import HiddenTap
 class DflashDrafter(Drafter):
     name = "dflash"
 
-    def __init__(self, model: DflashModel, model_name: str):
+    def __init__(self, model: DflashModel, model_name: str, p_min: float = 0.0):
         self.model, self.model_name = model, model_name
         s, be, M = model.spec, model.backend, model.max_tokens
+        if p_min and not (s.confidence and 0 < p_min <= 1):
+            raise ValueError(f"p_min {p_min}: needs a DSpark drafter with a confidence head "
+                             "and a value in (0, 1]")
         self.spec: DflashSpec = s
+        self.p_min, self.first = p_min, s.first_draft_row
         self.n_ctx, self.n_slots = model.cache.n_ctx, model.cache.n_slots
         self._done: dict[int, int] = {}           # slot -> context rows written, [0, n)
         self._ids = be.zeros((M,), "int32")                           # (M,) i32
         self._pos = be.zeros((M,), "int32")                           # (M,) i32
         self._slot_ids = be.zeros((M,), "int32")                      # (M,) i32
-        self._best = be.zeros((model.max_block,), "int32")            # (B,) i32 argmax
+        self._best = be.zeros((model.max_block,), "int32")            # (B,) i32 row picks
         self.steps = 0                                                # block forwards
 
     @property
@@ -63,7 +76,7 @@ class DflashDrafter(Drafter):
 
     @property
     def max_drafts(self) -> int:
-        return self.model.max_block - 1
+        return self.model.max_block - self.first
 
     # ---------------------------------------------------------------- sequence lifecycle
     @property
@@ -109,7 +122,9 @@ class DflashDrafter(Drafter):
         self._upload(None, 0, 1, 0)
         self.model.inject(be.zeros((1, s.n_points * s.n_embd)), self._pos[:1],
                           self._slot_ids[:1])
-        self._argmax(self._block([0], 1, 0, 1), 1)
+        self._drafts(self._block([0], 1, 0, 1), 1)
+        if s.confidence:
+            self.model.heads.confidence(self.model.hidden(1 + self.first), 1 + self.first)
 
     def _upload(self, ids: Seq[int] | None, start: int, T: int, slot: int) -> None:
         be = self.model.backend
@@ -119,17 +134,33 @@ class DflashDrafter(Drafter):
         be.upload_ints(np.full(T, slot, np.int32), self._slot_ids[:T])
 
     def _block(self, seed: Seq[int], n: int, slot: int, k: int):
-        """Logits (k + 1, Vd) of the block [seed, mask x k] at positions n.. of `slot`."""
-        T = k + 1
-        self._upload([*seed, *[self.spec.mask_token] * k], n, T, slot)
+        """Logits (first + k, Vd) of the block [seed, mask x (first + k - 1)] at positions n..
+        of `slot` (draft rows first .. first + k - 1), through the Markov chain when DSpark's
+        (which leaves each draft row's pick in _best)."""
+        T = k + self.first
+        self._upload([*seed, *[self.spec.mask_token] * (T - 1)], n, T, slot)
         self.steps += 1
-        return self.model.block(self._ids[:T], self._pos[:T], self._slot_ids[:T], n)
+        logits = self.model.block(self._ids[:T], self._pos[:T], self._slot_ids[:T], n)
+        if self.model.heads is not None:
+            self.model.heads.chain(self._ids[:T], logits, self._best)
+        return logits
 
-    def _argmax(self, logits, k: int) -> list[int]:
-        """The target ids of the best draft rows of logits rows 1..k."""
-        be = self.model.backend
-        be.argmax(logits[1:k + 1], self._best[:k])
-        best = np.asarray(be.to_host(self._best[:k])).astype(np.int64)
+    def _cut(self, k: int) -> int:
+        """How many of the block's k drafts pass the confidence cut (all without one)."""
+        if not self.p_min:
+            return k
+        T = k + self.first
+        conf = self.model.heads.confidence(self.model.hidden(T), T)     # (k,) f32
+        low = np.flatnonzero(conf < self.p_min)
+        return int(low[0]) if low.size else k
+
+    def _drafts(self, logits, k: int) -> list[int]:
+        """The target ids of the block's k draft rows' picks (argmax; the chain's with the
+        Markov head), cut by the confidence."""
+        be, rows = self.model.backend, self._best[self.first:self.first + k]
+        if self.model.heads is None:
+            be.argmax(logits[self.first:self.first + k], rows)
+        best = np.asarray(be.to_host(rows)).astype(np.int64)[:self._cut(k)]
         d2t = self.model.d2t
         return [int(i) for i in (d2t[best] if d2t is not None else best)]
 
@@ -146,7 +177,7 @@ class DflashDrafter(Drafter):
         if k == 0:
             return []
         H = len(seq.history)
-        return self._argmax(self._block([seq.history[-1]], H - 1, seq.slot, k), k)
+        return self._drafts(self._block([seq.history[-1]], H - 1, seq.slot, k), k)
 
     def candidates(self, seq: DraftState, k: int, n_top: int
                    ) -> tuple[list[int], np.ndarray, np.ndarray]:
@@ -161,8 +192,12 @@ class DflashDrafter(Drafter):
             return [], np.zeros((0, n_top), np.int64), np.zeros((0, n_top), np.float64)
         H = len(seq.history)
         logits = self._block([seq.history[-1]], H - 1, seq.slot, k)
+        k = self._cut(k)
+        if k == 0:
+            return [], np.zeros((0, n_top), np.int64), np.zeros((0, n_top), np.float64)
         rows, logp = candidates_from_logits(
-            np.asarray(self.model.backend.to_host(logits))[1:k + 1], n_top)  # (k, n_top) x2
+            np.asarray(self.model.backend.to_host(logits))[self.first:self.first + k],
+            n_top)                                                       # (k, n_top) x2
         d2t = self.model.d2t
         ids = (d2t[rows] if d2t is not None else rows).astype(np.int64)
         return [int(t) for t in ids[:, 0]], ids, np.asarray(logp, np.float64)
