@@ -23,6 +23,7 @@ import numpy as np
 
 from service.backends.base import Backend
 from service.gguf.reader import GGUFFile
+from service.model.dspark_heads import gathered_rows
 from service.model.eagle3 import D2T, Eagle3Spec
 from service.model.transformer import Transformer
 from service.model.weights import _fused
@@ -56,6 +57,14 @@ class Eagle3Model:
         self.output = (be.load_matrix([t("output.weight")]) if spec.own_output
                        else target.weights.output)                      # (Vd, E)
         self.d2t = f.index_tensor(D2T) if spec.has_d2t else None        # (Vd,) i64 host
+        # the embeddings by draft row (a chain on the device feeds its argmax, a draft row,
+        # straight back): with d2t the rows d2t[i] gathered at load, of the same type, so
+        # embedding row i here is embedding d2t[i] there bit for bit
+        self.embedding_draft = self.embedding
+        if self.d2t is not None:
+            src = f if spec.own_embedding else target.file
+            self.embedding_draft = be.load_embedding(
+                gathered_rows(src.tensor("token_embd.weight"), self.d2t))   # (Vd, E)
         s, m, z = spec, max_tokens, be.zeros
         self.cache = be.new_kv_cache(1, n_slots, n_ctx, s.n_head_kv, s.head_dim, s.head_dim,
                                      type_k, type_v)
@@ -85,10 +94,12 @@ class Eagle3Model:
             self.backend.rms_norm_for_matmul(features, self.enc_norm, self.spec.rms_eps, x)
         self.backend.matmul(x, self.fc, g)                               # (T, E)
 
-    def decode(self, ids, positions, slots, kv_len: int, g, n_logits: int = 1):
+    def decode(self, ids, positions, slots, kv_len: int, g, n_logits: int = 1, *,
+               by_row: bool = False):
         """One decoder step of T = len(ids) rows conditioned on g (T, E); returns the logits
         (n_logits, Vd) of the last n_logits rows. `self.ws_y[:T]` then holds the pre-norm
-        outputs (T, E). ids, positions, slots: (T,) int32 backend arrays."""
+        outputs (T, E). ids, positions, slots: (T,) int32 backend arrays; ids are target ids,
+        or draft rows with by_row (an argmax's output, read through embedding_draft)."""
         s, be, eps = self.spec, self.backend, self.spec.rms_eps
         T, E, F = len(ids), s.n_embd, s.n_ff
         if not 1 <= T <= self.max_tokens or not 0 <= n_logits <= min(T, self.max_logits):
@@ -96,7 +107,8 @@ class Eagle3Model:
                              f"{self.max_tokens} / {self.max_logits})")
         h, y, o, n = self.ws_h[:T], self.ws_y[:T], self.ws_o[:T], self.ws_n[:T]
         e = self.ws_e[:T]
-        be.embed(self.embedding, ids, 1.0, e)                            # (T, E)
+        table = self.embedding_draft if by_row else self.embedding
+        be.embed(table, ids, 1.0, e)                                     # (T, E)
         be.rms_norm(e, self.attn_norm, eps, h[:, :E])                    # (T, E) of (T, 2E)
         be.rms_norm(g, self.attn_norm_2, eps, h[:, E:])                  # (T, E) of (T, 2E)
         qkv = self.ws_qkv[:T]

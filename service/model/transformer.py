@@ -41,6 +41,7 @@ class Transformer:
                  max_logits: int | None = None, kv_blocks: int | Callable[[], int] = 0,
                  block_size: int = 16):
         self.spec, self.backend = spec, backend
+        self.file = f         # its weights' file (a drafter sharing its embeddings gathers rows)
         self.n_ctx, self.n_slots, self.max_tokens = n_ctx, n_slots, max_tokens
         self.max_logits = max_tokens if max_logits is None else min(max_logits, max_tokens)
         self.weights = load_weights(spec, f, backend)

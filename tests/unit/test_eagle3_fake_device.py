@@ -44,3 +44,37 @@ def test_the_eagle3_drafter_drafts_on_the_fake_device(compiled, tmp_path, tree_b
     launched = {x.kernel for x in dev.launches}
     # the drafter's own: its argmax (chains) and the copies of its kept output rows
     assert {"argmax_rows", "copy_rows"} <= launched, sorted(launched)
+
+
+@pytest.mark.parametrize("quant,vocab", [("F16", 0), ("Q8_0", 300)])
+def test_the_draft_chain_is_one_captured_graph_on_the_fake_device(compiled, tmp_path, quant,
+                                                                  vocab):
+    """With captured steps the drafter chains on the device (eagle3_chain.py): after the
+    prompt's eager first chain, each draft of 3 (verify width 4: a held boundary of the
+    accepted rows and 2 chained steps) is one backend step keyed (rows, 1, "eagle3-chain", 3),
+    captured once and replayed (the fake kernels choose id 0 everywhere, so every draft is
+    accepted and the boundary is 4 rows), with no capture-rule violation; the heads: F16 full
+    vocabulary, and Q8_0 with d2t on the target's embeddings (the gathered draft-row table)."""
+    head = synthesize_eagle3(tmp_path / "e3.gguf", TINY / "tiny-qwen3.gguf", layers=(1, 2, 3),
+                             quant=quant, draft_vocab=vocab).path
+    with fake_device_engine(compiled, n_ctx=512, prefill_chunk=128, verify_width=4,
+                            drafter="eagle3", draft_model=str(head), cuda_graphs=True,
+                            draft_in_full=True) as (dev, eng):
+        d = eng.drafter
+        assert isinstance(d, Eagle3Drafter) and d.chain is not None
+        req = GenerationRequest("t", tuple(range(1, 300)), SamplingParams(temperature=0.0),
+                                StoppingCriteria(max_new_tokens=32, ignore_eos=True),
+                                speculative=True)
+        with capture_logs() as logs:
+            events = list(eng.generate(req, timeout=120))
+        graphs = eng.model.backend._steps.graphs
+        chains = [(k, g.graph) for k, (g, _) in graphs.items() if k[2:3] == ("eagle3-chain",)]
+    assert not [e for e in logs if e["event"] == "drafter_extend_failed"], logs
+    fin = events[-1]
+    assert isinstance(fin, Finished) and fin.error is None, fin
+    assert d.chain.steps >= 3 and fin.usage.draft_tokens > 0
+    assert chains and all(k[3] == 3 and 1 <= k[0] <= 4 for k, _ in chains), chains
+    # per key: an eager run, the capture (launched once), then replays
+    assert sum(g.replays for _, g in chains) >= 2, chains
+    kernels = [n.kernel for _, g in chains for n in g.nodes if hasattr(n, "kernel")]
+    assert kernels.count("argmax_rows") == 3 * len(chains), kernels

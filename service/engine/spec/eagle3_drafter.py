@@ -30,6 +30,15 @@ A slot whose rows are not extended up to H - 2 (a step that was not tapped: a pr
 prefix, or a failed step retried apart) proposes nothing until a tapped step catches it up;
 positions never extended hold stale rows, which only make drafts worse, never outputs
 different: every draft is verified by the target.
+
+On a backend that captures its steps (the CUDA backend's graphs) the chain is captured too
+(eagle3_chain.py): extend holds its last rows back (up to HELD_ROWS: the boundary, encoded but
+not decoded) and propose runs the boundary and the k - 1 chained steps as ONE backend step, one
+graph per (boundary rows, k), reading the k drafts once at the end; the same ops in the same
+order, so the same drafts. A held boundary is decoded eagerly (`_flush`) before anything else
+needs its rows: the next extend, tree candidates, a chain too long for the captured step. The
+eager path stays on the CPU backend (graph_chain=False; a test may turn it on there) and for a
+boundary of more rows (a prompt's last prefill chunk): one eager first chain per request.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.engine.spec.drafters import Drafter, DraftState
+from service.engine.spec.eagle3_chain import Boundary, CapturedChain
 from service.engine.spec.tree import candidates_from_logits
 from service.model.eagle3 import Eagle3Spec
 from service.model.eagle3_model import Eagle3Model
@@ -50,12 +60,16 @@ from service.model.hidden import HiddenTap
 class _SlotState:
     n_done: int = 0           # drafter rows written up to position n_done - 1 (0: none)
     d1: int = -1              # the draft after the row at n_done - 1 (target id; -1: none)
+    held: Boundary | None = None  # rows up to n_done - 1 held back for the captured chain
+    ran: bool = False         # ... and already decoded by a chain (its KV rows are written)
 
 
 class Eagle3Drafter(Drafter):
     name = "eagle3"
 
-    def __init__(self, model: Eagle3Model, model_name: str):
+    def __init__(self, model: Eagle3Model, model_name: str, graph_chain: bool | None = None):
+        """graph_chain: draft chains as one backend step (eagle3_chain.py); None: where the
+        backend captures its steps (CUDA with graphs)."""
         self.model, self.model_name = model, model_name
         s, be, M = model.spec, model.backend, model.max_tokens
         self.spec: Eagle3Spec = s
@@ -68,6 +82,9 @@ class Eagle3Drafter(Drafter):
         self._slot_ids = be.zeros((M,), "int32")                      # (M,) i32
         self._best = be.zeros((1,), "int32")                          # (1,) i32 argmax
         self.steps = 0                                                # decoder calls (profiling)
+        if graph_chain is None:
+            graph_chain = bool(getattr(be, "graphs", False))
+        self.chain = CapturedChain(model, self.n_slots) if graph_chain else None
 
     @property
     def tap(self) -> HiddenTap:
@@ -97,19 +114,46 @@ class Eagle3Drafter(Drafter):
             raise ValueError(f"EAGLE-3 extend: positions {list(positions)} of a history of "
                              f"{len(h)} (consecutive positions with a next token expected)")
         st = self._slots.setdefault(seq.slot, _SlotState())
+        if st.held is not None and not st.ran:
+            self._flush(seq.slot, st)             # its rows come before these
+        st.held, st.ran = None, False
         m, M = self.model, self.model.max_tokens
         for a in range(0, n, M):                  # at most M rows per decoder call
             b = min(n, a + M)
+            pa = p0 + a
+            if b == n and self.chain is not None and self.chain.fits(b - a, 1):
+                # the boundary: encoded now (the tap's buffer is the next tapped step's),
+                # decoded by the captured chain
+                self._encode(rows[a:b], hidden, self.chain.held_rows(seq.slot, b - a))
+                st.held = self.chain.boundary(h[pa + 1:p0 + b + 1], pa)
+                st.n_done, st.d1 = p0 + n, -1
+                return
             g = self._g[:b - a]
             self._encode(rows[a:b], hidden, g)
-            pa = p0 + a
-            self._upload(h[pa + 1:p0 + b + 1], pa, seq.slot)
-            logits = m.decode(self._ids[:b - a], self._pos[:b - a], self._slot_ids[:b - a],
-                              p0 + b, g, 1 if b == n else 0)
-            self.steps += 1
-        be = m.backend
-        be.copy_rows(m.ws_y[n - a - 1:n - a], self._y[seq.slot:seq.slot + 1])   # (1, E)
-        st.n_done, st.d1 = p0 + n, self._argmax(logits)
+            if b < n:
+                self._upload(h[pa + 1:p0 + b + 1], pa, seq.slot)
+                m.decode(self._ids[:b - a], self._pos[:b - a], self._slot_ids[:b - a], p0 + b,
+                         g, 0)
+                self.steps += 1
+            else:
+                st.d1 = self._boundary(seq.slot, h[pa + 1:p0 + b + 1], pa, g)
+        st.n_done = p0 + n
+
+    def _boundary(self, slot: int, ids: Seq[int], start: int, g) -> int:
+        """Decode the last rows of an extend (target ids `ids` at positions start.., g rows
+        (T, E)) and keep the last one's y for the chain; returns d1 (a target id)."""
+        m, T = self.model, len(ids)
+        self._upload(ids, start, slot)
+        logits = m.decode(self._ids[:T], self._pos[:T], self._slot_ids[:T], start + T, g, 1)
+        self.steps += 1
+        m.backend.copy_rows(m.ws_y[T - 1:T], self._y[slot:slot + 1])   # (1, E)
+        return self._argmax(logits)
+
+    def _flush(self, slot: int, st: _SlotState) -> None:
+        """Decode slot's held boundary eagerly (its g rows where extend encoded them)."""
+        b = st.held
+        st.d1 = self._boundary(slot, b.ids, b.start, self.chain.held_rows(slot, len(b.ids)))
+        st.held, st.ran = None, False
 
     def check(self) -> None:
         """Run the head once (encode, decode and argmax of one row at position 0 of slot 0,
@@ -143,9 +187,12 @@ class Eagle3Drafter(Drafter):
         """The target id of the best draft row of logits (1, Vd)."""
         be = self.model.backend
         be.argmax(logits, self._best)
-        i = int(np.asarray(be.to_host(self._best))[0])
+        return self._map([int(np.asarray(be.to_host(self._best))[0])])[0]
+
+    def _map(self, rows: list[int]) -> list[int]:
+        """Draft rows -> target ids."""
         d2t = self.model.d2t
-        return int(d2t[i]) if d2t is not None else i
+        return [int(d2t[i]) for i in rows] if d2t is not None else rows
 
     # ---------------------------------------------------------------- drafting
     def propose(self, seq: DraftState, k: int) -> list[int]:
@@ -170,8 +217,13 @@ class Eagle3Drafter(Drafter):
         st = self._slots.get(seq.slot)
         # rows up to position H - 2 + k - 1 are written (d_k has none)
         k = min(k, self.n_ctx - H + 1)
-        if st is None or st.n_done != H - 1 or st.d1 < 0 or k <= 0:
+        if st is None or st.n_done != H - 1 or (st.d1 < 0 and st.held is None) or k <= 0:
             return [], [], []
+        if st.held is not None:
+            if not n_top and self.chain.fits(len(st.held.ids), k):
+                st.ran = True                     # rerunning it rewrites the same rows
+                return self._map(self.chain.run(seq.slot, st.held, k)), [], []
+            self._flush(seq.slot, st)
         m, be = self.model, self.model.backend
         g, tops, logps = self._g[:1], [], []
         be.copy_rows(self._y[seq.slot:seq.slot + 1], g)                  # (1, E) y_1
