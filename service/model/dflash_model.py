@@ -120,17 +120,26 @@ class DflashModel:
             self._kv(layer, n, T)
             self._store_kv(layer, T, positions, slots, i)
 
-    def block(self, ids, positions, slots, n: int):
+    def block_bounds(self, T: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The attention bounds of a block of T rows after n context rows: attn_lo (T,) and
+        attn_mask (T,) int32 host arrays (all the block's rows, or j <= t when causal)."""
+        bits = [(1 << (t + 1)) - 1 if self.spec.causal else (1 << T) - 1 for t in range(T)]
+        return np.full(T, n, np.int32), np.array(bits, np.uint32).view(np.int32)
+
+    def block(self, ids, positions, slots, n: int, lo=None, mask=None):
         """Logits (T, Vd) of the block ids (T,) at positions n .. n + T - 1 of one sequence
         (positions, slots (T,) int32 backend arrays holding those positions and its slot) over
-        its context rows [0, n)."""
+        its context rows [0, n). lo, mask: block_bounds(T, n) already on the backend ((T,)
+        int32 each: a captured block uploads nothing); None: uploaded here."""
         s, be, eps = self.spec, self.backend, self.spec.rms_eps
         T, hd, F = len(ids), s.head_dim, s.n_ff
         if not 1 <= T <= self.max_block:
             raise ValueError(f"DFlash block of {T} rows (max {self.max_block})")
-        bits = [(1 << (t + 1)) - 1 if s.causal else (1 << T) - 1 for t in range(T)]
-        be.upload_ints(np.full(T, n, np.int32), self.ws_lo[:T])
-        be.upload_ints(np.array(bits, np.uint32).view(np.int32), self.ws_mask[:T])
+        if lo is None:
+            lo, mask = self.ws_lo[:T], self.ws_mask[:T]
+            host_lo, host_mask = self.block_bounds(T, n)
+            be.upload_ints(host_lo, lo)
+            be.upload_ints(host_mask, mask)
         x, h, o = self.ws_x[:T], self.ws_n[:T], self.ws_o[:T]
         be.embed(self.embedding, ids, 1.0, x)                            # (T, E)
         for i, layer in enumerate(self.layers):
@@ -145,7 +154,7 @@ class DflashModel:
             a = self.ws_attn[:T]
             be.attention_for_matmul(q3, self.cache, i, slots, positions, n + T, 0,
                                     1.0 / float(np.sqrt(hd)), a.reshape(T, s.n_head, hd),
-                                    self.ws_lo[:T], self.ws_mask[:T])
+                                    lo, mask)
             be.matmul_add(a, layer["wo"], x, o)                          # x += a Wo^T
             be.rms_norm_for_matmul(x, layer["ffn_norm"], eps, h)         # (T, E)
             gu, act = self.ws_gu[:T], self.ws_act[:T]

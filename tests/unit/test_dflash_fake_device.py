@@ -52,3 +52,32 @@ def test_the_dflash_drafter_drafts_on_the_fake_device(compiled, tmp_path, tree_b
     assert isinstance(fin, Finished) and fin.error is None, fin
     assert fin.usage.draft_tokens > 0 and eng.drafter.steps > 0
     assert dev.graphs and all(g.replays for g in dev.graphs)
+
+
+@pytest.mark.parametrize("kind", list(FILES))
+def test_the_block_is_one_captured_graph_on_the_fake_device(compiled, tmp_path, kind):
+    """With captured steps propose's block (the forward and its picks: the argmax, or DSpark's
+    Markov chain) is one backend step keyed (T, 1, "dflash-block", k), captured once per shape
+    and replayed, with no capture-rule violation (the confidence cut reads its values after
+    the step)."""
+    path = synthesize_dflash(tmp_path / "df.gguf", TINY / "tiny-qwen3.gguf", FILES[kind]).path
+    with fake_device_engine(
+            compiled, n_ctx=512, prefill_chunk=128, verify_width=4, drafter="dflash",
+            draft_model=str(path), cuda_graphs=True,
+            draft_p_min=0.5 if FILES[kind].confidence_head else 0.0,
+            draft_in_full=True) as (dev, eng):
+        d = eng.drafter
+        assert isinstance(d, DflashDrafter) and d.graph_block
+        req = GenerationRequest("t", tuple(range(1, 300)), SamplingParams(temperature=0.0),
+                                StoppingCriteria(max_new_tokens=24, ignore_eos=True),
+                                speculative=True)
+        events = list(eng.generate(req, timeout=120))
+        graphs = eng.model.backend._steps.graphs
+        blocks = [(k, g.graph) for k, (g, _) in graphs.items() if k[2:3] == ("dflash-block",)]
+    fin = events[-1]
+    assert isinstance(fin, Finished) and fin.error is None, fin
+    assert fin.usage.draft_tokens > 0
+    assert blocks and sum(g.replays for _, g in blocks) >= 2, blocks
+    picks = "argmax_rows"
+    for _, g in blocks:
+        assert picks in [n.kernel for n in g.nodes if hasattr(n, "kernel")]

@@ -36,6 +36,14 @@ positions never extended hold stale rows, which only make drafts worse, never ou
 every draft is verified by the target. With a reduced draft vocabulary (d2t) the argmax is over
 the Vd draft rows and row i is target id d2t[i]; the argmax runs on the backend (the lowest id
 on ties) and k int32 come back per draft.
+
+On a backend that captures its steps (the CUDA backend's graphs; graph_block, which a test may
+turn on on the CPU) propose's block is ONE backend step keyed (T, 1, "dflash-block", k): the
+block's ids, positions, slots and attention bounds go up in one int32 upload, then the block
+forward and the argmax (or the DSpark Markov chain) run as one captured graph per (T, k), and
+the k picks come back in one read (the confidence cut, when asked, after the step). The ops and
+their order are the eager block's, so the drafts are the same. Tree candidates stay eager
+(each row's logits come to the host).
 """
 
 from __future__ import annotations
@@ -54,7 +62,10 @@ from service.model.hidden import HiddenTap
 class DflashDrafter(Drafter):
     name = "dflash"
 
-    def __init__(self, model: DflashModel, model_name: str, p_min: float = 0.0):
+    def __init__(self, model: DflashModel, model_name: str, p_min: float = 0.0,
+                 graph_block: bool | None = None):
+        """graph_block: propose's block as one backend step (module docstring); None: where
+        the backend captures its steps (CUDA with graphs)."""
         self.model, self.model_name = model, model_name
         s, be, M = model.spec, model.backend, model.max_tokens
         if p_min and not (s.confidence and 0 < p_min <= 1):
@@ -69,6 +80,12 @@ class DflashDrafter(Drafter):
         self._slot_ids = be.zeros((M,), "int32")                      # (M,) i32
         self._best = be.zeros((model.max_block,), "int32")            # (B,) i32 row picks
         self.steps = 0                                                # block forwards
+        if graph_block is None:
+            graph_block = bool(getattr(be, "graphs", False))
+        self.graph_block = graph_block
+        B = model.max_block               # ids | positions | slots | attn_lo | attn_mask
+        self._bhost = be.host_buffer(5 * B) if graph_block else None
+        self._bdev = be.zeros((5 * B,), "int32") if graph_block else None   # (5B,) i32
 
     @property
     def tap(self) -> HiddenTap:
@@ -158,7 +175,7 @@ class DflashDrafter(Drafter):
         """The target ids of the block's k draft rows' picks (argmax; the chain's with the
         Markov head), cut by the confidence."""
         be, rows = self.model.backend, self._best[self.first:self.first + k]
-        if self.model.heads is None:
+        if self.model.heads is None and logits is not None:    # None: picked in the step
             be.argmax(logits[self.first:self.first + k], rows)
         best = np.asarray(be.to_host(rows)).astype(np.int64)[:self._cut(k)]
         d2t = self.model.d2t
@@ -177,7 +194,35 @@ class DflashDrafter(Drafter):
         if k == 0:
             return []
         H = len(seq.history)
+        if self.graph_block:
+            self._captured_block(seq.history[-1], H - 1, seq.slot, k)
+            return self._drafts(None, k)
         return self._drafts(self._block([seq.history[-1]], H - 1, seq.slot, k), k)
+
+    def _captured_block(self, seed: int, n: int, slot: int, k: int) -> None:
+        """_block and the picks (_drafts' argmax) as one backend step, its inputs uploaded
+        in one copy; the picks are left in _best."""
+        m, be, B, first = self.model, self.model.backend, self.model.max_block, self.first
+        T = k + first
+        c, d = self._bhost, self._bdev
+        c[:T] = [seed, *[self.spec.mask_token] * (T - 1)]
+        c[B:B + T] = np.arange(n, n + T, dtype=np.int32)
+        c[2 * B:2 * B + T] = slot
+        c[3 * B:3 * B + T], c[4 * B:4 * B + T] = m.block_bounds(T, n)
+        be.upload_step(c, d)
+        ids, pos, slots = d[:T], d[B:B + T], d[2 * B:2 * B + T]
+        lo, mask, best = d[3 * B:3 * B + T], d[4 * B:4 * B + T], self._best
+
+        def step():
+            logits = m.block(ids, pos, slots, n, lo, mask)                 # (T, Vd)
+            if m.heads is not None:
+                m.heads.chain(ids, logits, best)
+            else:
+                be.argmax(logits[first:first + k], best[first:first + k])
+            return best
+
+        self.steps += 1
+        be.run_step((T, 1, "dflash-block", k), (d, best), step)
 
     def candidates(self, seq: DraftState, k: int, n_top: int
                    ) -> tuple[list[int], np.ndarray, np.ndarray]:
