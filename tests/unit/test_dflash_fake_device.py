@@ -81,3 +81,24 @@ def test_the_block_is_one_captured_graph_on_the_fake_device(compiled, tmp_path, 
     picks = "argmax_rows"
     for _, g in blocks:
         assert picks in [n.kernel for n in g.nodes if hasattr(n, "kernel")]
+
+
+def test_the_gpu_tests_blocks_run_on_the_fake_device(compiled, tmp_path):
+    """tests/gpu/test_dflash_graph_block.py's drive (prefill, proposals, tree candidates,
+    verify steps, extends) with the captured block and with an eager drafter on the same
+    DSpark file with the confidence cut: it runs on the CUDA backend's code path without a
+    capture-rule violation (the kernels do not compute: no draft is compared)."""
+    from tests.engine.test_dflash_graph_block import drive
+
+    path = synthesize_dflash(tmp_path / "df.gguf", TINY / "tiny-qwen3.gguf",
+                             FILES["DSpark-Q8_0-confidence"]).path
+    with fake_device_engine(compiled, n_ctx=256, n_slots=1, verify_width=16, drafter="dflash",
+                            draft_model=str(path), cuda_graphs=True, draft_p_min=0.5,
+                            start=False) as (dev, eng):
+        one = eng.drafter
+        eager = DflashDrafter(one.model, one.model_name, p_min=0.5, graph_block=False)
+        ks = [1, 2, 4, 6, 3, 4, 4, 4]
+        drive(eager, eng.runner, list(range(3, 14)), ks)
+        drive(one, eng.runner, list(range(3, 14)), ks)
+        assert one.graph_block and not eager.graph_block
+    assert any(g.replays for g in dev.graphs)

@@ -78,3 +78,23 @@ def test_the_draft_chain_is_one_captured_graph_on_the_fake_device(compiled, tmp_
     assert sum(g.replays for _, g in chains) >= 2, chains
     kernels = [n.kernel for _, g in chains for n in g.nodes if hasattr(n, "kernel")]
     assert kernels.count("argmax_rows") == 3 * len(chains), kernels
+
+
+def test_the_gpu_tests_chain_and_eager_drafters_run_on_the_fake_device(compiled, tmp_path):
+    """tests/gpu/test_eagle3_chain.py's drive (prefill, proposals, reruns, tree candidates,
+    verify steps, extends) with the captured chain and with an eager drafter on the same head,
+    a reduced vocabulary on the target's embeddings: it runs on the CUDA backend's code path
+    without a capture-rule violation (the kernels do not compute: no draft is compared)."""
+    from tests.engine.test_eagle3_chain import drive
+
+    head = synthesize_eagle3(tmp_path / "e3.gguf", TINY / "tiny-qwen3.gguf", layers=(1, 2, 3),
+                             quant="F16", draft_vocab=200).path
+    with fake_device_engine(compiled, n_ctx=256, n_slots=1, verify_width=16, drafter="eagle3",
+                            draft_model=str(head), cuda_graphs=True, start=False) as (dev, eng):
+        chained = eng.drafter
+        eager = Eagle3Drafter(chained.model, chained.model_name, graph_chain=False)
+        ks = [1, 2, 4, 6, 3, 4, 4, 4]
+        assert len(drive(eager, eng.runner, list(range(3, 14)), ks)) > len(ks)
+        drive(chained, eng.runner, list(range(3, 14)), ks)
+        assert chained.chain.steps >= len(ks) and eager.chain is None
+    assert any(g.replays for g in dev.graphs)

@@ -222,6 +222,7 @@ class Eagle3Drafter(Drafter):
         if st.held is not None:
             if not n_top and self.chain.fits(len(st.held.ids), k):
                 st.ran = True                     # rerunning it rewrites the same rows
+                self.steps += k                   # the boundary's decode and k - 1 more
                 return self._map(self.chain.run(seq.slot, st.held, k)), [], []
             self._flush(seq.slot, st)
         m, be = self.model, self.model.backend
