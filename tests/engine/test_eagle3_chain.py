@@ -6,6 +6,8 @@ reduced vocabulary with own embeddings; reduced vocabulary on the target's embed
   the same order) after a prompt, after verify steps accepting some drafts (boundaries of 1..4
   rows), for every k, again for the same history (a rerun), and through tree candidates (which
   decode a held boundary eagerly first); nothing in the step breaks a capture rule.
+- Likewise for three sequences in three slots drafting between shared verify steps (each
+  slot's held boundary kept apart).
 - Through the engine, greedy speculation with the chain equals plain greedy output.
 """
 
@@ -65,6 +67,53 @@ def drive(d: Eagle3Drafter, runner, prompt: list[int], ks: list[int]) -> list[li
         st.history += [*got[:keep], (rows[keep] * 7 + 3) % 1024]
         d.extend(st, range(keep + 1), range(H - 1, H + keep), runner.hidden_states(vin))
     return out
+
+
+def drive_batch(d: Eagle3Drafter, runner, prompts: list[list[int]], ks: list[int]
+                ) -> list[list[int]]:
+    """Like drive, with one sequence per prompt in slots 0, 1, ..: each prefilled and extended
+    in turn, then per k every sequence proposes (so each slot holds its boundary while the
+    others extend and draft) and ONE verify step checks all their drafts."""
+    sts = []
+    for s, prompt in enumerate(prompts):
+        P = len(prompt)
+        inp = StepInput(prompt, range(P), [s] * P, [P - 1], [ROW_GREEDY], hidden=True)
+        st = _State(s, [*prompt, int(runner.step(inp).token_ids[0])])
+        d.start(st)
+        d.extend(st, range(P), range(P), runner.hidden_states(inp))
+        sts.append(st)
+    out = []
+    for j, k in enumerate(ks):
+        drafts = [d.propose(st, k + s) for s, st in enumerate(sts)]
+        out += drafts
+        ids, pos, slots, first = [], [], [], []
+        for st, got in zip(sts, drafts, strict=True):
+            H, rows = len(st.history), [st.history[-1], *got]
+            first.append(len(ids))
+            ids += rows
+            pos += range(H - 1, H - 1 + len(rows))
+            slots += [st.slot] * len(rows)
+        vin = StepInput(ids, pos, slots, range(len(ids)), [ROW_GREEDY] * len(ids), hidden=True)
+        runner.step(vin)
+        for s, (st, got) in enumerate(zip(sts, drafts, strict=True)):
+            H, keep = len(st.history), (j + s) % (len(got) + 1)
+            st.history += [*got[:keep], (st.history[-1] * 5 + j) % 1024]
+            d.extend(st, range(first[s], first[s] + keep + 1), range(H - 1, H + keep),
+                     runner.hidden_states(vin))
+    return out
+
+
+@pytest.mark.parametrize("which", ["random", "shared"])
+def test_the_captured_chain_of_each_slot_in_a_batch_proposes_the_eager_drafts(heads, which):
+    prompts = [[(41 * i + 3 + 7 * s) % 1024 for i in range(9 + 2 * s)] for s in range(3)]
+    ks = [1, 3, 2, 4, 5, 2, 3]
+    with backend_options("cpu", capture_rules=True), eagle3_engine(
+            heads[which], start=False, n_slots=3) as eng:
+        eager, runner = eng.drafter, eng.runner
+        want = drive_batch(eager, runner, prompts, ks)
+        chained = Eagle3Drafter(eager.model, eager.model_name, graph_chain=True)
+        got = drive_batch(chained, runner, prompts, ks)
+    assert got == want and chained.chain.steps >= 3 * (len(ks) - 1)
 
 
 @pytest.mark.parametrize("which", ["random", "reduced", "shared"])

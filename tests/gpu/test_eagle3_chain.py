@@ -5,9 +5,10 @@ checked here only by collecting it with a stub CuPy; the first `make test-gpu` r
 - The chain replayed from its CUDA graph (one per (boundary rows, k)) proposes exactly the
   drafts of the eager chain (graph_chain=False: the same ops launched one by one) on the same
   target rows, after a prompt, after verify steps accepting 0..3 drafts, a rerun of the same
-  history and tree candidates; heads F16: full vocabulary, and d2t on the target's embeddings.
+  history and tree candidates, and for three slots drafting between shared verify steps; heads
+  F16: full vocabulary, and d2t on the target's embeddings.
 - The engine with the captured chain (the default with cuda_graphs) gives plain greedy output
-  at widths 2, 6 and 16, and a key's graph is replayed.
+  at widths 2, 6 and 16, and a chain's graph was captured.
 """
 
 from __future__ import annotations
@@ -76,3 +77,18 @@ def test_greedy_speculation_with_the_captured_chain_equals_plain_on_cuda(heads, 
                 assert out.finished.usage.draft_tokens > 0
         assert eng.drafter.chain.steps > 0
         assert chain_graphs(eng)
+
+
+def test_each_slots_replayed_chain_in_a_batch_proposes_the_eager_drafts_on_cuda(heads):
+    """Three sequences in three slots drafting between shared verify steps (drive_batch)."""
+    from service.engine.spec.eagle3_drafter import Eagle3Drafter
+    from tests.engine.test_eagle3_chain import drive_batch
+
+    prompts = [[(41 * i + 3 + 7 * s) % 1024 for i in range(9 + 2 * s)] for s in range(3)]
+    ks = [1, 3, 2, 4, 5, 2, 3, 3, 3]
+    with cuda_engine(heads["shared"], start=False, n_slots=3) as eng:
+        chained, runner = eng.drafter, eng.runner
+        eager = Eagle3Drafter(chained.model, chained.model_name, graph_chain=False)
+        want = drive_batch(eager, runner, prompts, ks)
+        got = drive_batch(chained, runner, prompts, ks)
+    assert got == want
