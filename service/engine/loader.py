@@ -273,21 +273,14 @@ def eagle3_header(config: EngineConfig, target: ModelSpec):
     from service.errors import ModelFormatError
     from service.model.eagle3 import Eagle3Spec
 
-    path = Path(config.draft_model).expanduser()
-    if not path.is_file():
-        raise ConfigError([("draft_model", f"{config.draft_model!r} is not a file (an EAGLE-3 "
-                                           "drafter in llama.cpp's GGUF format)")])
-    try:
-        f = GGUFFile(path)
+    def read(f: GGUFFile) -> Eagle3Spec:
         spec = Eagle3Spec.from_gguf(f)
-        spec.check_target(target, f"EAGLE-3 drafter {path.name}")
         if spec.has_rope_freqs:
             raise ModelFormatError("rope_freqs (Llama-3 RoPE scaling) in an EAGLE-3 drafter "
                                    "is not supported yet")
-    except (ModelFormatError, ValueError, OSError) as e:
-        raise ConfigError([("draft_model", f"{path.name} cannot draft for {target.name}: "
-                                           f"{e}")]) from e
-    return f, spec
+        return spec
+
+    return _hidden_drafter_file(config, target, "an EAGLE-3", read)
 
 
 def load_eagle3(header, config: EngineConfig, target: Transformer) -> Drafter:
@@ -319,23 +312,32 @@ def dflash_header(config: EngineConfig, target: ModelSpec):
     """(file, DflashSpec) of config.draft_model, read and checked against the target before
     any weights are loaded: ConfigError naming draft_model when it is not a DFlash drafter
     (of the supported kind) made for this target (format, width, vocabulary, layers)."""
-    from service.errors import ModelFormatError
     from service.model.dflash import DflashSpec
+
+    f, spec = _hidden_drafter_file(config, target, "a DFlash", DflashSpec.from_gguf)
+    if config.draft_p_min > 0 and not spec.confidence:
+        raise ConfigError([("draft_p_min", f"{config.draft_p_min}: {f.path.name} has no DSpark "
+                                           "confidence head to cut drafts with; leave it 0")])
+    return f, spec
+
+
+def _hidden_drafter_file(config: EngineConfig, target: ModelSpec, kind: str, read):
+    """(file, spec) of config.draft_model read by `read` (a spec's from_gguf, ModelFormatError
+    on a bad file) and checked against the target; ConfigError naming draft_model otherwise.
+    kind: "an EAGLE-3", "a DFlash"."""
+    from service.errors import ModelFormatError
 
     path = Path(config.draft_model).expanduser()
     if not path.is_file():
-        raise ConfigError([("draft_model", f"{config.draft_model!r} is not a file (a DFlash "
+        raise ConfigError([("draft_model", f"{config.draft_model!r} is not a file ({kind} "
                                            "drafter in llama.cpp's GGUF format)")])
     try:
         f = GGUFFile(path)
-        spec = DflashSpec.from_gguf(f)
-        spec.check_target(target, f"DFlash drafter {path.name}")
+        spec = read(f)
+        spec.check_target(target, f"{kind.split()[1]} drafter {path.name}")
     except (ModelFormatError, ValueError, OSError) as e:
         raise ConfigError([("draft_model", f"{path.name} cannot draft for {target.name}: "
                                            f"{e}")]) from e
-    if config.draft_p_min > 0 and not spec.confidence:
-        raise ConfigError([("draft_p_min", f"{config.draft_p_min}: {path.name} has no DSpark "
-                                           "confidence head to cut drafts with; leave it 0")])
     return f, spec
 
 

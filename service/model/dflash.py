@@ -57,15 +57,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import numpy as np
-
 from service.errors import ModelFormatError
 from service.gguf.reader import INDEX_TYPES, GGUFFile
+from service.model.drafter_format import D2T, DrafterKeys, check_d2t
 from service.model.hidden import HiddenRows, HiddenTap
 from service.model.spec import ModelSpec
 
 ARCH = "dflash"
-D2T = "d2t"
 MASK_KEY = "tokenizer.ggml.mask_token_id"
 MARKOV_W1, MARKOV_W2, MARKOV_SCALE = "markov_w1.weight", "markov_w2.weight", "markov_w2.scale"
 CONF_W, CONF_B = "conf_proj.weight", "conf_proj.bias"
@@ -229,41 +227,11 @@ class DflashSpec:
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> DflashSpec:
         """The spec of a `dflash` file; ModelFormatError naming the key or tensor at fault."""
-        arch = f.get("general.architecture")
-        if arch != ARCH:
-            raise ModelFormatError(f"{f.path}: architecture {arch!r}, a DFlash drafter "
-                                   f"({ARCH!r}) expected")
+        keys = DrafterKeys(f, ARCH, "DFlash")
         refuse_variants(f)
-
-        def num(key: str, default=None, lo: float = 1, hi: float = 1 << 24):
-            full = f"{ARCH}.{key}"
-            if full not in f.metadata and default is not None:
-                return default
-            v = f.require(full)
-            if not lo <= v <= hi:
-                raise ModelFormatError(f"{f.path}: metadata {full!r} = {v!r} is out of range "
-                                       f"[{lo}, {hi}]")
-            return v
-
-        layers = _target_layers(f)
-        E = int(num("embedding_length"))
-        H = int(num("attention.head_count", hi=4096))
-        Hkv = int(num("attention.head_count_kv", H, hi=4096))
-        if H % Hkv:
-            raise ModelFormatError(f"{f.path}: head_count {H} is not a multiple of "
-                                   f"head_count_kv {Hkv}")
-        hd = int(num("attention.key_length", E // H, hi=4096))
-        if int(num("attention.value_length", hd, hi=4096)) != hd:
-            raise ModelFormatError(f"{f.path}: DFlash wants equal key and value head sizes")
-        rope_dims = int(num("rope.dimension_count", hd, hi=4096))
-        if rope_dims > hd or rope_dims % 2:
-            raise ModelFormatError(f"{f.path}: rope.dimension_count {rope_dims} must be even "
-                                   f"and <= head size {hd}")
-        tokens = f.get("tokenizer.ggml.tokens")
-        if f"{ARCH}.vocab_size" not in f.metadata and not (isinstance(tokens, list) and tokens):
-            raise ModelFormatError(f"{f.path}: no vocabulary (tokenizer.ggml.tokens or "
-                                   f"'{ARCH}.vocab_size'): a DFlash file carries its target's")
-        V = int(num("vocab_size", len(tokens) if isinstance(tokens, list) else None))
+        layers = keys.target_layers(1, MAX_POINTS)
+        a = keys.attention()
+        V = keys.vocab_size()
         if MASK_KEY not in f.metadata:
             raise ModelFormatError(f"{f.path}: metadata {MASK_KEY!r} is missing (the token "
                                    "that fills the block's masked positions)")
@@ -271,18 +239,18 @@ class DflashSpec:
         if not 0 <= mask < V:
             raise ModelFormatError(f"{f.path}: {MASK_KEY} = {mask} is outside the vocabulary "
                                    f"of {V} tokens")
-        causal_key = f"{ARCH}.attention.causal"
         has_d2t = f.has_tensor(D2T)
         spec = cls(
-            n_embd=E, target_layers=layers, n_layer=int(num("block_count", hi=1024)),
-            n_head=H, n_head_kv=Hkv, head_dim=hd, n_ff=int(num("feed_forward_length")),
+            n_embd=a.n_embd, target_layers=layers, n_layer=int(keys.num("block_count", hi=1024)),
+            n_head=a.n_head, n_head_kv=a.n_head_kv, head_dim=a.head_dim,
+            n_ff=int(keys.num("feed_forward_length")),
             vocab_size=V, draft_vocab=f.tensor(D2T).shape[0] if has_d2t else V,
-            n_ctx_train=int(num("context_length")),
-            rms_eps=float(num("attention.layer_norm_rms_epsilon", lo=0.0, hi=1.0)),
-            rope_base=float(num("rope.freq_base", 10_000.0, lo=1.0, hi=1e12)),
-            rope_dims=rope_dims, block_size=int(num("block_size", DEFAULT_BLOCK, lo=2, hi=1024)),
-            mask_token=mask,
-            causal=bool(f.require(causal_key, bool)) if causal_key in f.metadata else False,
+            n_ctx_train=int(keys.num("context_length")),
+            rms_eps=float(keys.num("attention.layer_norm_rms_epsilon", lo=0.0, hi=1.0)),
+            rope_base=float(keys.num("rope.freq_base", 10_000.0, lo=1.0, hi=1e12)),
+            rope_dims=a.rope_dims,
+            block_size=int(keys.num("block_size", DEFAULT_BLOCK, lo=2, hi=1024)),
+            mask_token=mask, causal=keys.flag("attention.causal"),
             own_embedding=f.has_tensor("token_embd.weight"),
             own_output=f.has_tensor("output.weight"), has_d2t=has_d2t, **_dspark_fields(f))
         spec._check_tensors(f)
@@ -306,21 +274,8 @@ class DflashSpec:
         if extra:
             raise ModelFormatError(f"{f.path}: tensors a DFlash drafter does not have: "
                                    + ", ".join(extra[:8]))
-        if not self.has_d2t:
-            return
-        if f.tensor(D2T).qtype.name != "I64":
-            raise ModelFormatError(f"{f.path}: d2t must be I64 (llama.cpp's), not "
-                                   f"{f.tensor(D2T).qtype.name}")
-        if not self.own_output:
-            raise ModelFormatError(f"{f.path}: a d2t of {self.draft_vocab} rows needs the "
-                                   "drafter's own output.weight of as many rows")
-        d2t = f.index_tensor(D2T)                                           # (Vd,) i64
-        if d2t.min() < 0 or d2t.max() >= self.vocab_size:
-            raise ModelFormatError(f"{f.path}: d2t holds ids {int(d2t.min())}.."
-                                   f"{int(d2t.max())}; target token ids in [0, "
-                                   f"{self.vocab_size}) expected (absolute ids)")
-        if np.unique(d2t).size != d2t.size:
-            raise ModelFormatError(f"{f.path}: d2t maps two draft rows to one target id")
+        if self.has_d2t:
+            check_d2t(f, self.vocab_size, True)
 
     # ---------------------------------------------------------------- the target
     def check_target(self, target: ModelSpec, where: str = "draft model") -> None:
@@ -365,19 +320,3 @@ def _dspark_fields(f: GGUFFile) -> dict:
                 confidence=conf, confidence_bias=f.has_tensor(CONF_B),
                 sample_from_anchor=bool(f.require(anchor, bool)) if anchor in f.metadata
                 else True)
-
-
-def _target_layers(f: GGUFFile) -> tuple[int, ...]:
-    key = f"{ARCH}.target_layers"
-    layers = f.get(key)
-    if layers is None:
-        raise ModelFormatError(f"{f.path}: metadata {key!r} is missing (the target layers "
-                               "whose hidden states the drafter reads)")
-    if (not isinstance(layers, list) or not 1 <= len(layers) <= MAX_POINTS
-            or not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= 4096
-                       for k in layers)):
-        raise ModelFormatError(f"{f.path}: metadata {key!r} = {layers!r}: 1 to {MAX_POINTS} "
-                               "layer indices in [0, 4096] expected")
-    if len(set(layers)) != len(layers):
-        raise ModelFormatError(f"{f.path}: metadata {key!r} = {layers!r} repeats a layer")
-    return tuple(int(k) for k in layers)

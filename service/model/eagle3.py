@@ -40,16 +40,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from service.errors import ModelFormatError
 from service.gguf.reader import INDEX_TYPES, GGUFFile
+from service.model.drafter_format import D2T, DrafterKeys, check_d2t
 from service.model.hidden import HiddenRows, HiddenTap
 from service.model.spec import ModelSpec
 
 ARCH = "eagle3"
 N_POINTS = 3                  # llama.cpp: "EAGLE3 requires exactly 3 entries"
-D2T = "d2t"
 
 
 @dataclass(frozen=True)
@@ -108,71 +106,25 @@ class Eagle3Spec:
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> Eagle3Spec:
         """The spec of an `eagle3` file; ModelFormatError naming the key or tensor at fault."""
-        arch = f.get("general.architecture")
-        if arch != ARCH:
-            raise ModelFormatError(f"{f.path}: architecture {arch!r}, an EAGLE-3 drafter "
-                                   f"({ARCH!r}) expected")
-
-        def num(key: str, default=None, lo: float = 1, hi: float = 1 << 24):
-            full = f"{ARCH}.{key}"
-            if full not in f.metadata and default is not None:
-                return default
-            v = f.require(full)
-            if not lo <= v <= hi:
-                raise ModelFormatError(f"{f.path}: metadata {full!r} = {v!r} is out of range "
-                                       f"[{lo}, {hi}]")
-            return v
-
-        def flag(key: str) -> bool:
-            full = f"{ARCH}.{key}"
-            return bool(f.require(full, bool)) if full in f.metadata else False
-
-        layers = f.get(f"{ARCH}.target_layers")
-        if layers is None:
-            raise ModelFormatError(f"{f.path}: metadata '{ARCH}.target_layers' is missing (the "
-                                   "three target layers the drafter reads)")
-        if (not isinstance(layers, list) or len(layers) != N_POINTS
-                or not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= 4096
-                           for k in layers)):
-            raise ModelFormatError(f"{f.path}: metadata '{ARCH}.target_layers' = {layers!r}: "
-                                   f"exactly {N_POINTS} layer indices in [0, 4096] expected")
-        if len(set(layers)) != N_POINTS:
-            raise ModelFormatError(f"{f.path}: metadata '{ARCH}.target_layers' = {layers!r} "
-                                   "repeats a layer")
-        n_block = int(num("block_count", hi=1024))
+        keys = DrafterKeys(f, ARCH, "EAGLE-3")
+        layers = keys.target_layers(N_POINTS, N_POINTS)
+        n_block = int(keys.num("block_count", hi=1024))
         if n_block != 1:
             raise ModelFormatError(f"{f.path}: metadata '{ARCH}.block_count' = {n_block}: an "
                                    "EAGLE-3 drafter has exactly one decoder block")
-        E = int(num("embedding_length"))
-        H = int(num("attention.head_count", hi=4096))
-        Hkv = int(num("attention.head_count_kv", H, hi=4096))
-        if H % Hkv:
-            raise ModelFormatError(f"{f.path}: head_count {H} is not a multiple of "
-                                   f"head_count_kv {Hkv}")
-        hd = int(num("attention.key_length", E // H, hi=4096))
-        if int(num("attention.value_length", hd, hi=4096)) != hd:
-            raise ModelFormatError(f"{f.path}: EAGLE-3 wants equal key and value head sizes")
-        rope_dims = int(num("rope.dimension_count", hd, hi=4096))
-        if rope_dims > hd or rope_dims % 2:
-            raise ModelFormatError(f"{f.path}: rope.dimension_count {rope_dims} must be even "
-                                   f"and <= head size {hd}")
-        tokens = f.get("tokenizer.ggml.tokens")
-        if f"{ARCH}.vocab_size" not in f.metadata and not (isinstance(tokens, list) and tokens):
-            raise ModelFormatError(f"{f.path}: no vocabulary (tokenizer.ggml.tokens or "
-                                   f"'{ARCH}.vocab_size'): an EAGLE-3 file carries its "
-                                   "target's")
-        V = int(num("vocab_size", len(tokens) if isinstance(tokens, list) else None))
+        a = keys.attention()
+        V = keys.vocab_size()
         has_d2t = f.has_tensor(D2T)
-        Vd = f.tensor(D2T).shape[0] if has_d2t else V
         spec = cls(
-            n_embd=E, n_embd_target=int(num("target_hidden_size")),
-            target_layers=tuple(int(k) for k in layers), n_head=H, n_head_kv=Hkv,
-            head_dim=hd, n_ff=int(num("feed_forward_length")), vocab_size=V, draft_vocab=Vd,
-            n_ctx_train=int(num("context_length")),
-            rms_eps=float(num("attention.layer_norm_rms_epsilon", lo=0.0, hi=1.0)),
-            rope_base=float(num("rope.freq_base", 10_000.0, lo=1.0, hi=1e12)),
-            rope_dims=rope_dims, norm_before_fc=flag("norm_before_fc"),
-            norm_before_residual=flag("norm_before_residual"),
+            n_embd=a.n_embd, n_embd_target=int(keys.num("target_hidden_size")),
+            target_layers=layers, n_head=a.n_head, n_head_kv=a.n_head_kv,
+            head_dim=a.head_dim, n_ff=int(keys.num("feed_forward_length")), vocab_size=V,
+            draft_vocab=f.tensor(D2T).shape[0] if has_d2t else V,
+            n_ctx_train=int(keys.num("context_length")),
+            rms_eps=float(keys.num("attention.layer_norm_rms_epsilon", lo=0.0, hi=1.0)),
+            rope_base=float(keys.num("rope.freq_base", 10_000.0, lo=1.0, hi=1e12)),
+            rope_dims=a.rope_dims, norm_before_fc=keys.flag("norm_before_fc"),
+            norm_before_residual=keys.flag("norm_before_residual"),
             own_embedding=f.has_tensor("token_embd.weight"),
             own_output=f.has_tensor("output.weight"), has_d2t=has_d2t,
             has_rope_freqs=f.has_tensor("rope_freqs.weight"))
@@ -191,21 +143,8 @@ class Eagle3Spec:
         if extra:
             raise ModelFormatError(f"{f.path}: tensors an EAGLE-3 drafter does not have: "
                                    + ", ".join(extra[:8]))
-        if self.has_d2t:
-            if f.tensor(D2T).qtype.name != "I64":
-                raise ModelFormatError(f"{f.path}: d2t must be I64 (llama.cpp's), not "
-                                       f"{f.tensor(D2T).qtype.name}")
-            d2t = f.index_tensor(D2T)                                   # (Vd,) i64
-            if d2t.min() < 0 or d2t.max() >= self.vocab_size:
-                raise ModelFormatError(f"{f.path}: d2t holds ids {int(d2t.min())}.."
-                                       f"{int(d2t.max())}; target token ids in [0, "
-                                       f"{self.vocab_size}) expected (absolute ids, not "
-                                       "Hugging Face's offsets)")
-            if np.unique(d2t).size != d2t.size:
-                raise ModelFormatError(f"{f.path}: d2t maps two draft rows to one target id")
-            if not self.own_output and self.draft_vocab != self.vocab_size:
-                raise ModelFormatError(f"{f.path}: a d2t of {self.draft_vocab} rows needs the "
-                                       "drafter's own output.weight of as many rows")
+        if self.has_d2t:      # a permutation of the full vocabulary may use the target's output
+            check_d2t(f, self.vocab_size, self.draft_vocab != self.vocab_size)
 
     # ---------------------------------------------------------------- the target
     def check_target(self, target: ModelSpec, where: str = "draft model") -> None:

@@ -37,7 +37,7 @@ from service.model.dflash import (
     DflashSpec,
 )
 from service.model.spec import ModelSpec
-from service.tools.drafter_weights import QUANTS, add_tensors, random_weights
+from service.tools.drafter_weights import QUANTS, geometry, random_weights, write_drafter
 
 DEFAULT_POINTS = 5            # z-lab's DFlash drafters read five target layers
 
@@ -150,39 +150,16 @@ def write_dflash(out: Path, target: GGUFFile, spec: DflashSpec,
                  tensors: dict[str, np.ndarray], quant: str = "F32") -> DflashSynthResult:
     """Write the drafter `spec` with the given weights (spec.tensor_shapes()'s names and
     shapes, f32; d2t i64) for `target`, re-read and checked against it."""
-    import gguf
-
-    from service.gguf.writer import copy_metadata, write_tensor_data
-
-    part = out.with_name(out.name + ".part")
-    w = gguf.GGUFWriter(str(part), ARCH)
-    try:
-        copy_metadata(target, w, None, None,
-                      drop=lambda k: not k.startswith("tokenizer.") or k == MASK_KEY)
-        w.add_name(f"dflash synth for {target.get('general.name', target.path.stem)}")
-        w.add_array(f"{ARCH}.target_layers", [int(k) for k in spec.target_layers])
-        for key, v in (("embedding_length", spec.n_embd), ("block_count", spec.n_layer),
-                       ("feed_forward_length", spec.n_ff), ("context_length", spec.n_ctx_train),
-                       ("attention.head_count", spec.n_head),
-                       ("attention.head_count_kv", spec.n_head_kv),
-                       ("attention.key_length", spec.head_dim),
-                       ("attention.value_length", spec.head_dim),
-                       ("rope.dimension_count", spec.rope_dims),
-                       ("vocab_size", spec.vocab_size), ("block_size", spec.block_size)):
-            w.add_uint32(f"{ARCH}.{key}", int(v))
-        w.add_float32(f"{ARCH}.attention.layer_norm_rms_epsilon", spec.rms_eps)
-        w.add_float32(f"{ARCH}.rope.freq_base", spec.rope_base)
+    def rest(w) -> None:
         w.add_bool(f"{ARCH}.attention.causal", spec.causal)
         w.add_uint32(MASK_KEY, spec.mask_token)
         if spec.dspark:
             w.add_bool(f"{ARCH}.sample_from_anchor", spec.sample_from_anchor)
             w.add_bool(f"{ARCH}.has_confidence_head", spec.confidence)
-        data = add_tensors(w, tensors, quant)
-    except BaseException:
-        w.close()
-        part.unlink(missing_ok=True)
-        raise
-    write_tensor_data(w, data, part, out)
+
+    u32 = [*geometry(spec, spec.n_layer), ("block_size", spec.block_size)]
+    write_drafter(out, target, ARCH, spec, u32, tensors, quant, rest,
+                  drop_key=lambda k: k == MASK_KEY)
     got = DflashSpec.from_gguf(GGUFFile(out))
     got.check_target(ModelSpec.from_gguf(target), str(out))
     return DflashSynthResult(out, got, len(tensors), out.stat().st_size)

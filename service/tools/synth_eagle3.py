@@ -23,7 +23,7 @@ from service.errors import ConfigError
 from service.gguf.reader import GGUFFile
 from service.model.eagle3 import ARCH, Eagle3Spec
 from service.model.spec import ModelSpec
-from service.tools.drafter_weights import QUANTS, add_tensors, random_weights
+from service.tools.drafter_weights import QUANTS, geometry, random_weights, write_drafter
 
 
 @dataclass(frozen=True)
@@ -111,36 +111,12 @@ def _tensors(spec: Eagle3Spec, seed: int, std: float) -> dict[str, np.ndarray]:
 
 def _write(out: Path, target: GGUFFile, spec: Eagle3Spec, tensors: dict[str, np.ndarray],
            quant: str) -> None:
-    import gguf
-
-    from service.gguf.writer import copy_metadata, write_tensor_data
-
-    part = out.with_name(out.name + ".part")
-    w = gguf.GGUFWriter(str(part), ARCH)
-    try:
-        copy_metadata(target, w, None, None, drop=lambda k: not k.startswith("tokenizer."))
-        w.add_name(f"eagle3 synth for {target.get('general.name', target.path.stem)}")
-        w.add_array(f"{ARCH}.target_layers", [int(k) for k in spec.target_layers])
-        for key, v in (("target_hidden_size", spec.n_embd_target),
-                       ("embedding_length", spec.n_embd), ("block_count", 1),
-                       ("feed_forward_length", spec.n_ff), ("context_length", spec.n_ctx_train),
-                       ("attention.head_count", spec.n_head),
-                       ("attention.head_count_kv", spec.n_head_kv),
-                       ("attention.key_length", spec.head_dim),
-                       ("attention.value_length", spec.head_dim),
-                       ("rope.dimension_count", spec.rope_dims),
-                       ("vocab_size", spec.vocab_size)):
-            w.add_uint32(f"{ARCH}.{key}", int(v))
-        w.add_float32(f"{ARCH}.attention.layer_norm_rms_epsilon", spec.rms_eps)
-        w.add_float32(f"{ARCH}.rope.freq_base", spec.rope_base)
+    def flags(w) -> None:
         if spec.norm_before_fc:
             w.add_bool(f"{ARCH}.norm_before_fc", True)
         if spec.norm_before_residual:
             w.add_bool(f"{ARCH}.norm_before_residual", True)
-        data = add_tensors(w, tensors, quant)
-    except BaseException:
-        w.close()
-        part.unlink(missing_ok=True)
-        raise
-    write_tensor_data(w, data, part, out)
+
+    u32 = [("target_hidden_size", spec.n_embd_target), *geometry(spec, 1)]
+    write_drafter(out, target, ARCH, spec, u32, tensors, quant, flags)
 
