@@ -3,9 +3,9 @@ from the target's own greedy generations, and write it in llama.cpp's eagle3 for
 `--drafter eagle3 --draft-model OUT.gguf`).
 
 1. Data (eagle3_data.py): the prompts (the shipped corpus or a JSON-lines file; token-id lists
-   from Python) are shuffled with the seed and split into training and held-out prompts; the
-   target generates `tokens` greedy tokens after each, its steps tapped at the head's three
-   layers, every position's choice kept.
+   from Python) are shuffled with the seed, `n_prompts` of them kept (0: all), and split into
+   training and held-out prompts; the target generates `tokens` greedy tokens after each, its
+   steps tapped at the head's three layers, every position's choice kept.
 2. The head (eagle3_fit.py): the target's shapes (synth_eagle3.draft_spec), a draft vocabulary
    of the `draft_vocab` most frequent training labels, the output projection started from the
    target's rows; trained with Adam on the cross-entropy against the target's choices
@@ -47,7 +47,7 @@ KINDS = ("eagle3",)
 class TrainOptions:
     kind: str = "eagle3"
     prompts: str = ""                  # JSON-lines file; "": the shipped corpus
-    n_prompts: int = 0                 # the first N prompts of the file; 0: all
+    n_prompts: int = 0                 # N of the prompts (a seeded sample); 0: all
     tokens: int = 64                   # generated per prompt
     max_prompt: int = 256              # prompt tokens kept
     holdout: float = 0.1               # fraction of prompts held out
@@ -81,9 +81,11 @@ class TrainOptions:
                 p.append((name, f"{v} must be at least {lo}"))
         if not 0 < self.holdout < 1:
             p.append(("holdout", f"{self.holdout} must be in (0, 1)"))
-        elif n_prompts and not 1 <= round(n_prompts * self.holdout) < n_prompts:
-            p.append(("holdout", f"{self.holdout} of {n_prompts} prompts leaves no training or "
-                                 "no held-out prompt"))
+        elif n_prompts:
+            n = min(n_prompts, self.n_prompts or n_prompts)
+            if not 1 <= round(n * self.holdout) < n:
+                p.append(("holdout", f"{self.holdout} of {n} prompts leaves no training or no "
+                                     "held-out prompt"))
         if not 0 <= self.draft_vocab <= t.vocab_size:
             p.append(("draft-vocab", f"{self.draft_vocab} is out of range [0, {t.vocab_size}]"))
         if not self.lr > 0:
@@ -116,10 +118,11 @@ class TrainReport:
     engine_width: int
 
 
-def split(n: int, holdout: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Prompt indices (training, held-out): a seeded shuffle, round(n * holdout) held out."""
-    order = np.random.default_rng(seed).permutation(n)
-    k = round(n * holdout)
+def split(n: int, n_use: int, holdout: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompt indices (training, held-out): the first n_use (0: n) of a seeded shuffle of the
+    n prompts, round(n_use * holdout) of them held out."""
+    order = np.random.default_rng(seed).permutation(n)[:n_use or n]
+    k = round(len(order) * holdout)
     return np.sort(order[k:]), np.sort(order[:k])
 
 
@@ -131,8 +134,7 @@ def _prompt_ids(runner: TargetRunner, opts: TrainOptions,
                                            "prompts")])
         texts = read_prompts(opts.prompts or None)
         prompt_ids = [runner.tokenizer.encode(x, parse_special=True) for x in texts]
-    ids = [list(p) for p in prompt_ids]
-    return ids[:opts.n_prompts] if opts.n_prompts else ids
+    return [list(p) for p in prompt_ids]
 
 
 def _check(opts: TrainOptions, t: ModelSpec, out: Path, n_prompts: int) -> None:
@@ -144,16 +146,20 @@ def _check(opts: TrainOptions, t: ModelSpec, out: Path, n_prompts: int) -> None:
 
 
 def _generate(target: Path, t: ModelSpec, layers: tuple[int, ...], opts: TrainOptions,
-              prompt_ids: Sequence[Sequence[int]] | None) -> tuple[list[TargetSequence], float]:
-    """The target's sequences for the prompts, and the seconds it took."""
+              prompt_ids: Sequence[Sequence[int]] | None
+              ) -> tuple[list[TargetSequence], list[TargetSequence], float]:
+    """The target's sequences for the training and the held-out prompts, and the seconds
+    generating them took."""
     runner = TargetRunner(target, layers, backend=opts.backend, threads=opts.threads,
                           n_slots=opts.slots, n_ctx=opts.max_prompt + opts.tokens + 1,
                           max_tokens=max(64, opts.slots))
     prompts = _prompt_ids(runner, opts, prompt_ids)
     if problems := opts.problems(t, len(prompts)):
         raise ConfigError(problems)
+    tr, ho = split(len(prompts), opts.n_prompts, opts.holdout, opts.seed)
     t0 = time.perf_counter()
-    return collect(runner, prompts, opts.tokens, opts.max_prompt), time.perf_counter() - t0
+    seqs = collect(runner, [prompts[i] for i in (*tr, *ho)], opts.tokens, opts.max_prompt)
+    return seqs[:len(tr)], seqs[len(tr):], time.perf_counter() - t0
 
 
 def train_drafter(target: str | Path, out: str | Path, opts: TrainOptions,
@@ -164,14 +170,12 @@ def train_drafter(target: str | Path, out: str | Path, opts: TrainOptions,
     t = ModelSpec.from_gguf(tf)
     _check(opts, t, out, len(prompt_ids) if prompt_ids is not None else 0)
     layers = tuple(opts.target_layers or default_layers(t.n_layer))
-    seqs, gen_seconds = _generate(target, t, layers, opts, prompt_ids)
-    tr, ho = split(len(seqs), opts.holdout, opts.seed)
-    train, held = [seqs[i] for i in tr], [seqs[i] for i in ho]
+    train, held, gen_seconds = _generate(target, t, layers, opts, prompt_ids)
     spec = draft_spec(t, layers, opts.draft_vocab, False, opts.norm_before_fc)
     d2t = fitting.draft_vocab(train, t.vocab_size, opts.draft_vocab)
     t2d = fitting.target_to_draft(d2t, t.vocab_size)
-    head = _initial_head(spec, tf, train, d2t, max(len(s.ids) for s in seqs) + opts.depth,
-                         opts.seed)
+    head = _initial_head(spec, tf, train, d2t,
+                         max(len(s.ids) for s in (*train, *held)) + opts.depth, opts.seed)
     K, D = opts.unroll, opts.depth
     before = fitting.measure(head, held, t2d, K, D)
     with tempfile.TemporaryDirectory() as tmp:
