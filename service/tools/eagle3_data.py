@@ -9,7 +9,8 @@ tapped and every row is a logits row, so the generation is also the teacher-forc
 prefill rows give the prompt positions' features and choices, each decode row its position's
 (the last token is never fed: a sequence of T tokens has T - 1 rows). Prompts are cut to their
 first `max_prompt` tokens. The prompts shipped with the tool (drafter_prompts.jsonl, one JSON
-string per line: code, prose, chat turns, lists, questions) are the default corpus.
+string per line: code, prose, chat turns, lists, questions) are the default corpus; a prompts
+file may also hold lists of token ids (a target without a tokenizer).
 """
 
 from __future__ import annotations
@@ -37,25 +38,47 @@ log = structlog.get_logger("specstream.train_drafter")
 PROMPTS = Path(__file__).with_name("drafter_prompts.jsonl")
 
 
-def read_prompts(path: str | Path | None = None) -> list[str]:
-    """The prompts of a JSON-lines file (one string per line; blank lines skipped), or of the
-    shipped corpus; ConfigError for a missing file, a bad line or no prompt."""
+def read_prompts(path: str | Path | None = None) -> list[str | list[int]]:
+    """The prompts of a JSON-lines file, one a line: a string, or a list of token ids (blank
+    lines skipped); the shipped corpus without a path. ConfigError for a missing file, a bad
+    line or no prompt."""
     path = Path(path) if path else PROMPTS
     if not path.is_file():
         raise ConfigError([("prompts", f"{path} is not a file")])
-    out = []
+    out: list[str | list[int]] = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
-            text = json.loads(line)
+            item = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ConfigError([("prompts", f"{path}:{n}: not JSON ({exc.msg})")]) from None
-        if not isinstance(text, str) or not text:
-            raise ConfigError([("prompts", f"{path}:{n}: a non-empty JSON string expected")])
-        out.append(text)
+        ids = isinstance(item, list) and all(type(t) is int and t >= 0 for t in item)
+        if not (isinstance(item, str) or ids) or not item:
+            raise ConfigError([("prompts", f"{path}:{n}: a non-empty string or list of token "
+                                           "ids expected")])
+        out.append(item)
     if not out:
         raise ConfigError([("prompts", f"{path} holds no prompt")])
+    return out
+
+
+def prompt_ids(prompts: Sequence[str | Sequence[int]], tokenizer: Tokenizer,
+               vocab: int) -> list[list[int]]:
+    """Each prompt as token ids: strings encoded as the engine encodes text prompts (BOS per
+    the vocabulary, special tokens parsed); ConfigError for text without a tokenizer or ids
+    outside the vocabulary."""
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            if not tokenizer.can_encode:
+                raise ConfigError([("prompts", "the target has no tokenizer to encode text "
+                                               "prompts; give lists of token ids")])
+            out.append(tokenizer.encode(p, parse_special=True))
+        elif any(not 0 <= t < vocab for t in p):
+            raise ConfigError([("prompts", f"token ids outside [0, {vocab}) in {list(p)[:8]}")])
+        else:
+            out.append(list(p))
     return out
 
 

@@ -267,7 +267,7 @@ def fit(head: Eagle3Head, seqs: Sequence[TargetSequence], t2d: np.ndarray, opts:
                 per_step = (time.perf_counter() - t0) / step
                 total = max(step, min(total, int(opts.max_seconds / per_step)))
         mean = sums / np.maximum(norms, 1)
-        log.info("epoch", epoch=epoch + 1, steps=step, loss=[round(x, 3) for x in mean],
+        log.info("epoch", epoch=epoch + 1, steps=step, loss=[round(float(x), 3) for x in mean],
                  seconds=round(time.perf_counter() - t0, 1))
         if on_epoch is not None:
             on_epoch(epoch + 1, mean)

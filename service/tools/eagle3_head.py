@@ -118,18 +118,21 @@ class Eagle3Head:
             yield k, y, logits, (cache, keys, vals)
             g = ops.shift(y, 1)                                         # g_k+1[P] = y_k[P-1]
 
+    def logits(self, batch: Batch, n_steps: int) -> list[np.ndarray]:
+        """Every row's draft-vocabulary logits (B, T, Vd) at unroll steps 0..n_steps-1."""
+        return [lg for k, _, lg, _ in self._unrolled(batch, n_steps) if k >= 0]
+
     def evaluate(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
         """Forward only, over weight's K unroll steps: (the summed weighted cross-entropy per
         step (K,), every row's argmax draft-vocabulary index per step (K, B, T))."""
         n_steps = batch.weight.shape[0]
         losses, preds = np.zeros(n_steps), []
         labels = batch.labels.reshape(-1)
-        for k, _, logits, _ in self._unrolled(batch, n_steps):
-            if k >= 0:
-                w = batch.weight[k].reshape(-1).astype(self.dtype)
-                losses[k], _, top = ops.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                      labels, w)
-                preds.append(top.reshape(batch.labels.shape))
+        for k, logits in enumerate(self.logits(batch, n_steps)):
+            w = batch.weight[k].reshape(-1).astype(self.dtype)
+            losses[k], _, top = ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels,
+                                                  w)
+            preds.append(top.reshape(batch.labels.shape))
         return losses, np.stack(preds)
 
     # ------------------------------------------------------------ loss and gradients

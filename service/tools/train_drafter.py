@@ -33,7 +33,13 @@ from service.gguf.reader import GGUFFile
 from service.model.eagle3 import D2T, Eagle3Spec
 from service.model.spec import ModelSpec
 from service.tools import eagle3_fit as fitting
-from service.tools.eagle3_data import TargetRunner, TargetSequence, collect, read_prompts
+from service.tools.eagle3_data import (
+    TargetRunner,
+    TargetSequence,
+    collect,
+    prompt_ids,
+    read_prompts,
+)
 from service.tools.eagle3_eval import EngineAcceptance, engine_acceptance, reference_acceptance
 from service.tools.eagle3_head import Eagle3Head
 from service.tools.synth_eagle3 import QUANTS, default_layers, draft_spec, write_eagle3
@@ -64,7 +70,7 @@ class TrainOptions:
     seed: int = 0
     backend: str = "cpu"               # the target's, for generation and the engine check
     threads: int = 0
-    slots: int = 16                    # sequences generated at once
+    slots: int = 64                    # sequences generated at once
     engine_prompts: int = 0            # held-out prompts the engine check runs; 0: none
 
     def problems(self, t: ModelSpec, n_prompts: int) -> list[tuple[str, str]]:
@@ -126,17 +132,6 @@ def split(n: int, n_use: int, holdout: float, seed: int) -> tuple[np.ndarray, np
     return np.sort(order[k:]), np.sort(order[:k])
 
 
-def _prompt_ids(runner: TargetRunner, opts: TrainOptions,
-                prompt_ids: Sequence[Sequence[int]] | None) -> list[list[int]]:
-    if prompt_ids is None:
-        if not runner.tokenizer.can_encode:
-            raise ConfigError([("prompts", "the target has no tokenizer to encode text "
-                                           "prompts")])
-        texts = read_prompts(opts.prompts or None)
-        prompt_ids = [runner.tokenizer.encode(x, parse_special=True) for x in texts]
-    return [list(p) for p in prompt_ids]
-
-
 def _check(opts: TrainOptions, t: ModelSpec, out: Path, n_prompts: int) -> None:
     problems = opts.problems(t, n_prompts)
     if not out.parent.is_dir():
@@ -146,14 +141,15 @@ def _check(opts: TrainOptions, t: ModelSpec, out: Path, n_prompts: int) -> None:
 
 
 def _generate(target: Path, t: ModelSpec, layers: tuple[int, ...], opts: TrainOptions,
-              prompt_ids: Sequence[Sequence[int]] | None
+              given: Sequence[Sequence[int]] | None
               ) -> tuple[list[TargetSequence], list[TargetSequence], float]:
     """The target's sequences for the training and the held-out prompts, and the seconds
     generating them took."""
     runner = TargetRunner(target, layers, backend=opts.backend, threads=opts.threads,
                           n_slots=opts.slots, n_ctx=opts.max_prompt + opts.tokens + 1,
                           max_tokens=max(64, opts.slots))
-    prompts = _prompt_ids(runner, opts, prompt_ids)
+    prompts = prompt_ids(read_prompts(opts.prompts or None) if given is None else given,
+                         runner.tokenizer, t.vocab_size)
     if problems := opts.problems(t, len(prompts)):
         raise ConfigError(problems)
     tr, ho = split(len(prompts), opts.n_prompts, opts.holdout, opts.seed)
@@ -163,14 +159,15 @@ def _generate(target: Path, t: ModelSpec, layers: tuple[int, ...], opts: TrainOp
 
 
 def train_drafter(target: str | Path, out: str | Path, opts: TrainOptions,
-                  prompt_ids: Sequence[Sequence[int]] | None = None) -> TrainReport:
-    """Fit and write a head (module doc); ConfigError listing every bad option."""
+                  prompts: Sequence[Sequence[int]] | None = None) -> TrainReport:
+    """Fit and write a head (module doc) from `prompts` (token ids; None: opts.prompts' file,
+    else the shipped corpus); ConfigError listing every bad option."""
     target, out = Path(target), Path(out)
     tf = GGUFFile(target)
     t = ModelSpec.from_gguf(tf)
-    _check(opts, t, out, len(prompt_ids) if prompt_ids is not None else 0)
+    _check(opts, t, out, len(prompts) if prompts is not None else 0)
     layers = tuple(opts.target_layers or default_layers(t.n_layer))
-    train, held, gen_seconds = _generate(target, t, layers, opts, prompt_ids)
+    train, held, gen_seconds = _generate(target, t, layers, opts, prompts)
     spec = draft_spec(t, layers, opts.draft_vocab, False, opts.norm_before_fc)
     d2t = fitting.draft_vocab(train, t.vocab_size, opts.draft_vocab)
     t2d = fitting.target_to_draft(d2t, t.vocab_size)
