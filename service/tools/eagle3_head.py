@@ -70,7 +70,7 @@ class Eagle3Head:
         self.embedding = embedding.astype(self.dtype, copy=False)       # (V, E)
         self.eps = self.dtype.type(spec.rms_eps)
         self.cos, self.sin = ops.rope_tables(max_len, spec.rope_dims, spec.rope_base,
-                                             self.dtype)               # (L, d/2) each
+                                             self.dtype)                # (L, d/2) each
 
     # ------------------------------------------------------------ forward
     def _encode(self, feats: np.ndarray) -> tuple[np.ndarray, tuple]:
@@ -97,7 +97,7 @@ class Eagle3Head:
         vals.append(lin(h, p[WV]).reshape(B, T, s.n_head_kv, s.head_dim))  # (B, T, Hkv, hd)
         a, c_att = ops.attention_forward(q, keys, vals)                 # (B, T, H, hd)
         a = a.reshape(B, T, -1)                                         # (B, T, H hd)
-        r = lin(a, p[WO]) + (gn if s.norm_before_residual else g)        # (B, T, E)
+        r = lin(a, p[WO]) + (gn if s.norm_before_residual else g)       # (B, T, E)
         m, c_m = ops.rms_forward(r, p[N_FFN], eps)                      # (B, T, E)
         act, c_act = ops.swiglu_forward(lin(m, p[GATE]), lin(m, p[UP]))  # (B, T, F)
         y = r + lin(act, p[DOWN])                                       # (B, T, E)
@@ -105,22 +105,26 @@ class Eagle3Head:
         logits = lin(z, p[OUT])                                         # (B, T, Vd)
         return y, logits, (h, c_gn, c_att, a, m, c_m, act, c_act, z, c_z)
 
-    def _unrolled(self, batch: Batch, n_steps: int):
-        """Yield (k, y, logits, cache) for unroll steps 0..n_steps-1, and the encoder's and
-        the token norm's caches first as k = -1."""
+    def _inputs(self, batch: Batch) -> tuple[np.ndarray, np.ndarray, tuple]:
+        """(g (B, T, E) from the features, the normed token embeddings (B, T, E), their
+        caches)."""
         g, c_enc = self._encode(batch.feats)
         e, c_e = ops.rms_forward(self.embedding[batch.tokens], self.p[N_TOK], self.eps)
-        yield -1, e, None, (c_enc, c_e)
+        return g, e, (c_enc, c_e)
+
+    def _unrolled(self, g: np.ndarray, e: np.ndarray, n_steps: int):
+        """Yield (y, logits, cache) for unroll steps 0..n_steps-1 from step 0's g."""
         keys: list = []
         vals: list = []
-        for k in range(n_steps):
+        for _ in range(n_steps):
             y, logits, cache = self._step(g, e, keys, vals)
-            yield k, y, logits, (cache, keys, vals)
+            yield y, logits, (cache, keys, vals)
             g = ops.shift(y, 1)                                         # g_k+1[P] = y_k[P-1]
 
     def logits(self, batch: Batch, n_steps: int) -> list[np.ndarray]:
         """Every row's draft-vocabulary logits (B, T, Vd) at unroll steps 0..n_steps-1."""
-        return [lg for k, _, lg, _ in self._unrolled(batch, n_steps) if k >= 0]
+        g, e, _ = self._inputs(batch)
+        return [lg for _, lg, _ in self._unrolled(g, e, n_steps)]
 
     def evaluate(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
         """Forward only, over weight's K unroll steps: (the summed weighted cross-entropy per
@@ -144,10 +148,8 @@ class Eagle3Head:
         norm = np.maximum(batch.weight.sum((1, 2)), 1.0)                # (K,)
         caches, losses, hits = [], np.zeros(n_steps), np.zeros(n_steps)
         labels = batch.labels.reshape(-1)
-        for k, y, logits, cache in self._unrolled(batch, n_steps):
-            if k < 0:
-                e, head_cache = y, cache
-                continue
+        g, e, head_cache = self._inputs(batch)
+        for k, (y, logits, cache) in enumerate(self._unrolled(g, e, n_steps)):
             w = batch.weight[k].reshape(-1).astype(self.dtype)
             losses[k], dlogits, top = ops.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), labels, w)
@@ -206,7 +208,7 @@ class Eagle3Head:
         grads[WQ] += wgrad(dq, h)
         grads[WK] += wgrad(dk, h)
         grads[WV] += wgrad(dv, h)
-        dh = lin(dq, p[WQ].T) + lin(dk, p[WK].T) + lin(dv, p[WV].T)        # (B, T, 2E)
+        dh = lin(dq, p[WQ].T) + lin(dk, p[WK].T) + lin(dv, p[WV].T)     # (B, T, 2E)
         dgn = dh[..., E:] + (dr if s.norm_before_residual else 0.0)
         dg, dw = ops.rms_backward(dgn, c_gn)
         grads[N_FEAT] += dw
