@@ -114,7 +114,7 @@ def make_batch(seqs: Sequence[TargetSequence], t2d: np.ndarray, n_steps: int,
                dtype=np.float32) -> Batch:
     """The sequences as one padded batch with weights for n_steps unroll steps."""
     rows = [rows_of(s) for s in seqs]
-    B, T = len(rows), max(len(r[1]) for r in rows)
+    B, T = len(rows), max(1, *(len(r[1]) for r in rows))
     feats = np.zeros((B, T, rows[0][0].shape[1]), dtype)                # (B, T, 3 Et)
     tokens = np.zeros((B, T), np.int64)
     labels = np.full((B, T), -1, np.int64)

@@ -122,3 +122,10 @@ def test_the_schedule_warms_up_then_decays_to_a_tenth():
     assert lrs[0] == pytest.approx(0.2) and lrs[4] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:], strict=False))
     assert lrs[-1] == pytest.approx(0.1 + 0.9 / 95, rel=1e-6)
+
+
+def test_a_sequence_without_rows_batches_to_zero_weight():
+    """A prompt of one token whose first generated token ends it has no head row."""
+    b = make_batch([sequence([1, 2], 1, [2])], target_to_draft(None, 4), 2)
+    assert b.weight.shape == (2, 1, 1) and b.weight.sum() == 0
+    assert acceptance_starts(sequence([1, 2], 1, [2]), 1).tolist() == []
