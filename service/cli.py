@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train_drafter_parser(sub) -> None:
-    from service.tools.train_drafter import TrainOptions
+    from service.tools.train_options import TrainOptions
 
     d = TrainOptions()
     tr = sub.add_parser("train-drafter", help="fit an EAGLE-3 head to a target from its own "
@@ -436,7 +436,8 @@ def cmd_fit_markov(args) -> int:
 
 
 def cmd_train_drafter(args) -> int:
-    from service.tools.train_drafter import TrainOptions, report_table, train_drafter
+    from service.tools.train_drafter import report_table, train_drafter
+    from service.tools.train_options import TrainOptions
 
     opts = TrainOptions(
         kind=args.kind, prompts=args.prompts, n_prompts=args.n_prompts, tokens=args.tokens,

@@ -43,68 +43,44 @@ from service.tools.eagle3_data import (
 from service.tools.eagle3_eval import EngineAcceptance, engine_acceptance, reference_acceptance
 from service.tools.eagle3_head import Eagle3Head
 from service.tools.synth_eagle3 import QUANTS, default_layers, draft_spec, write_eagle3
+from service.tools.train_options import KINDS, TrainOptions
 
 log = structlog.get_logger("specstream.train_drafter")
 
-KINDS = ("eagle3",)
 
-
-@dataclass(frozen=True)
-class TrainOptions:
-    kind: str = "eagle3"
-    prompts: str = ""                  # JSON-lines file; "": the shipped corpus
-    n_prompts: int = 0                 # N of the prompts (a seeded sample); 0: all
-    tokens: int = 64                   # generated per prompt
-    max_prompt: int = 256              # prompt tokens kept
-    holdout: float = 0.1               # fraction of prompts held out
-    draft_vocab: int = 0               # 0: the target's vocabulary
-    unroll: int = 1
-    epochs: int = 4
-    batch: int = 8
-    lr: float = 1e-3
-    max_seconds: float = 0.0           # > 0: training time budget
-    target_layers: tuple[int, ...] | None = None
-    norm_before_fc: bool = False
-    quant: str = "F16"
-    depth: int = 4                     # chain depth the acceptance is measured to
-    seed: int = 0
-    backend: str = "cpu"               # the target's, for generation and the engine check
-    threads: int = 0
-    slots: int = 64                    # sequences generated at once
-    engine_prompts: int = 0            # held-out prompts the engine check runs; 0: none
-
-    def problems(self, t: ModelSpec, n_prompts: int) -> list[tuple[str, str]]:
-        p = []
-        if self.kind not in KINDS:
-            p.append(("kind", f"{self.kind!r} is not one of " + ", ".join(KINDS)))
-        if self.quant not in QUANTS:
-            p.append(("quant", f"{self.quant!r} is not one of " + ", ".join(QUANTS)))
-        for name, v, lo in (("tokens", self.tokens, 2), ("unroll", self.unroll, 1),
-                            ("epochs", self.epochs, 1), ("batch", self.batch, 1),
-                            ("depth", self.depth, 1), ("slots", self.slots, 1),
-                            ("max-prompt", self.max_prompt, 1)):
-            if v < lo:
-                p.append((name, f"{v} must be at least {lo}"))
-        if not 0 < self.holdout < 1:
-            p.append(("holdout", f"{self.holdout} must be in (0, 1)"))
-        elif n_prompts:
-            n = min(n_prompts, self.n_prompts or n_prompts)
-            if not 1 <= round(n * self.holdout) < n:
-                p.append(("holdout", f"{self.holdout} of {n} prompts leaves no training or no "
-                                     "held-out prompt"))
-        if not 0 <= self.draft_vocab <= t.vocab_size:
-            p.append(("draft-vocab", f"{self.draft_vocab} is out of range [0, {t.vocab_size}]"))
-        if not self.lr > 0:
-            p.append(("lr", f"{self.lr} must be positive"))
-        layers = self.target_layers
-        if layers is not None and (len(layers) != 3 or len(set(layers)) != 3
-                                   or not all(0 <= k <= t.n_layer for k in layers)):
-            p.append(("target-layers", f"{list(layers)}: three distinct layers in "
-                                       f"[0, {t.n_layer}] wanted"))
-        if t.n_ff < 1 or t.head_dim != t.head_dim_v:
-            p.append(("target", "no dense FFN size or unequal key/value head sizes; an EAGLE-3 "
-                                "block needs both"))
-        return p
+def option_problems(opts: TrainOptions, t: ModelSpec, n_prompts: int) -> list[tuple[str, str]]:
+    """Every bad option for target t and n_prompts given prompts (0: read from a file)."""
+    p = []
+    if opts.kind not in KINDS:
+        p.append(("kind", f"{opts.kind!r} is not one of " + ", ".join(KINDS)))
+    if opts.quant not in QUANTS:
+        p.append(("quant", f"{opts.quant!r} is not one of " + ", ".join(QUANTS)))
+    for name, v, lo in (("tokens", opts.tokens, 2), ("unroll", opts.unroll, 1),
+                        ("epochs", opts.epochs, 1), ("batch", opts.batch, 1),
+                        ("depth", opts.depth, 1), ("slots", opts.slots, 1),
+                        ("max-prompt", opts.max_prompt, 1)):
+        if v < lo:
+            p.append((name, f"{v} must be at least {lo}"))
+    if not 0 < opts.holdout < 1:
+        p.append(("holdout", f"{opts.holdout} must be in (0, 1)"))
+    elif n_prompts:
+        n = min(n_prompts, opts.n_prompts or n_prompts)
+        if not 1 <= round(n * opts.holdout) < n:
+            p.append(("holdout", f"{opts.holdout} of {n} prompts leaves no training or no "
+                                 "held-out prompt"))
+    if not 0 <= opts.draft_vocab <= t.vocab_size:
+        p.append(("draft-vocab", f"{opts.draft_vocab} is out of range [0, {t.vocab_size}]"))
+    if not opts.lr > 0:
+        p.append(("lr", f"{opts.lr} must be positive"))
+    layers = opts.target_layers
+    if layers is not None and (len(layers) != 3 or len(set(layers)) != 3
+                               or not all(0 <= k <= t.n_layer for k in layers)):
+        p.append(("target-layers", f"{list(layers)}: three distinct layers in "
+                                   f"[0, {t.n_layer}] wanted"))
+    if t.n_ff < 1 or t.head_dim != t.head_dim_v:
+        p.append(("target", "no dense FFN size or unequal key/value head sizes; an EAGLE-3 "
+                            "block needs both"))
+    return p
 
 
 @dataclass(frozen=True)
@@ -133,7 +109,7 @@ def split(n: int, n_use: int, holdout: float, seed: int) -> tuple[np.ndarray, np
 
 
 def _check(opts: TrainOptions, t: ModelSpec, out: Path, n_prompts: int) -> None:
-    problems = opts.problems(t, n_prompts)
+    problems = option_problems(opts, t, n_prompts)
     if not out.parent.is_dir():
         problems.append(("out", f"{out.parent} is not a directory"))
     if problems:
@@ -150,7 +126,7 @@ def _generate(target: Path, t: ModelSpec, layers: tuple[int, ...], opts: TrainOp
                           max_tokens=max(64, opts.slots))
     prompts = prompt_ids(read_prompts(opts.prompts or None) if given is None else given,
                          runner.tokenizer, t.vocab_size)
-    if problems := opts.problems(t, len(prompts)):
+    if problems := option_problems(opts, t, len(prompts)):
         raise ConfigError(problems)
     tr, ho = split(len(prompts), opts.n_prompts, opts.holdout, opts.seed)
     t0 = time.perf_counter()

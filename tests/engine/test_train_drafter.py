@@ -27,7 +27,8 @@ from service.model.spec import ModelSpec
 from service.tools.eagle3_data import TargetRunner, collect
 from service.tools.eagle3_fit import make_batch, target_tensor, target_to_draft
 from service.tools.eagle3_head import Eagle3Head, trained_names
-from service.tools.train_drafter import TrainOptions, TrainReport, train_drafter
+from service.tools.train_drafter import TrainReport, train_drafter
+from service.tools.train_options import TrainOptions
 from tests.support.cli import run_cli
 from tests.support.engines import run, running_engine
 from tests.support.models import model_path
