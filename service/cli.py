@@ -1,5 +1,5 @@
 """`specstream` command line: models fetch/list, inspect, generate, synth, quantize,
-fit-markov, serve."""
+fit-markov, train-drafter, serve."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ EPILOG = """examples:
       --drafter model --draft-model smollm2-4l.gguf --verify-width 6
   specstream fit-markov smollm2-135m smollm2-4l.gguf smollm2-4l-m16.gguf --rank 16 \
       --corpus bench/corpus/markov_fit.txt          # the same drafter + a DSpark Markov head
+  specstream train-drafter smollm2-135m smollm2-e3.gguf --kind eagle3 --draft-vocab 8192
+  specstream generate smollm2-135m --prompt "def fib(n):" --temperature 0 \
+      --drafter eagle3 --draft-model smollm2-e3.gguf --verify-width 5
   specstream serve                      # gRPC on :50051 with the default model
 """
 
@@ -181,9 +184,56 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = all cores")
     fit.add_argument("--seed", type=int, default=0, help="-generate's sampling seed")
 
+    _train_drafter_parser(sub)
     sub.add_parser("serve", help="run the gRPC server (see `specstream serve --help`)",
                    add_help=False)
     return p
+
+
+def _train_drafter_parser(sub) -> None:
+    from service.tools.train_options import TrainOptions
+
+    d = TrainOptions()
+    tr = sub.add_parser("train-drafter", help="fit an EAGLE-3 head to a target from its own "
+                        "greedy generations (numpy, on the CPU) and write it in llama.cpp's "
+                        "eagle3 format")
+    tr.add_argument("target", help="the target: a .gguf path or a known model name")
+    tr.add_argument("out", help="output .gguf path")
+    tr.add_argument("--kind", default=d.kind, help="eagle3 (the one kind)")
+    tr.add_argument("--prompts", default=d.prompts, metavar="FILE",
+                    help="a JSON-lines file of prompt strings (default: the shipped corpus)")
+    tr.add_argument("--n-prompts", type=int, default=d.n_prompts, metavar="N",
+                    help="use the first N prompts (0: all)")
+    tr.add_argument("--tokens", type=int, default=d.tokens, metavar="N",
+                    help="greedy tokens the target generates per prompt")
+    tr.add_argument("--max-prompt", type=int, default=d.max_prompt, metavar="N",
+                    help="prompt tokens kept")
+    tr.add_argument("--holdout", type=float, default=d.holdout,
+                    help="fraction of the prompts held out for the report")
+    tr.add_argument("--draft-vocab", type=int, default=d.draft_vocab, metavar="N",
+                    help="draft vocabulary: the N most frequent target tokens (d2t); 0: all")
+    tr.add_argument("--unroll", type=int, default=d.unroll, metavar="K",
+                    help="draft-chain steps trained (training-time test; 1: the extend only)")
+    tr.add_argument("--epochs", type=int, default=d.epochs)
+    tr.add_argument("--batch", type=int, default=d.batch, help="sequences per step")
+    tr.add_argument("--lr", type=float, default=d.lr, help="Adam's peak learning rate")
+    tr.add_argument("--max-seconds", type=float, default=d.max_seconds, metavar="S",
+                    help="> 0: fewer steps so that training takes about S seconds")
+    tr.add_argument("--target-layers", default=None,
+                    help="the three target layers read, e.g. 2,15,27 (default: 2, n/2, n-3)")
+    tr.add_argument("--norm-before-fc", action="store_true",
+                    help="an RMS norm on the three target rows before fc")
+    tr.add_argument("--quant", default=d.quant, help="F16 | F32 | Q8_0 (the 2-D weights)")
+    tr.add_argument("--depth", type=int, default=d.depth,
+                    help="draft-chain depth the acceptance is reported to")
+    tr.add_argument("--seed", type=int, default=d.seed)
+    tr.add_argument("--backend", default=d.backend,
+                    help="the target's backend for generation and --engine-prompts: cpu | cuda")
+    tr.add_argument("--threads", type=int, default=d.threads, help="0 = all cores")
+    tr.add_argument("--slots", type=int, default=d.slots, help="sequences generated at once")
+    tr.add_argument("--engine-prompts", type=int, default=d.engine_prompts, metavar="N",
+                    help="also run N held-out prompts through the engine with the untrained "
+                         "and the trained head (0: no)")
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -434,6 +484,23 @@ def cmd_fit_markov(args) -> int:
     return 0
 
 
+def cmd_train_drafter(args) -> int:
+    from service.tools.train_drafter import report_table, train_drafter
+    from service.tools.train_options import TrainOptions
+
+    opts = TrainOptions(
+        kind=args.kind, prompts=args.prompts, n_prompts=args.n_prompts, tokens=args.tokens,
+        max_prompt=args.max_prompt, holdout=args.holdout, draft_vocab=args.draft_vocab,
+        unroll=args.unroll, epochs=args.epochs, batch=args.batch, lr=args.lr,
+        max_seconds=args.max_seconds, target_layers=_target_layers(args.target_layers),
+        norm_before_fc=args.norm_before_fc, quant=args.quant, depth=args.depth,
+        seed=args.seed, backend=args.backend, threads=args.threads, slots=args.slots,
+        engine_prompts=args.engine_prompts)
+    r = train_drafter(_resolve(args.target), args.out, opts)
+    print(report_table(r, args.target))
+    return 0
+
+
 def _joined_generate(argv: list[str]) -> list[str]:
     """`--corpus -generate` as `--corpus=-generate` (argparse reads a value starting with '-'
     as an option)."""
@@ -463,7 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers = {"models": cmd_models, "kernels": cmd_kernels, "inspect": cmd_inspect,
                 "generate": cmd_generate,
                 "synth": cmd_synth, "quantize": cmd_quantize,
-                "fit-markov": cmd_fit_markov}
+                "fit-markov": cmd_fit_markov, "train-drafter": cmd_train_drafter}
     try:
         return handlers[args.command](args)
     except SpecstreamError as exc:

@@ -46,8 +46,10 @@ def default_layers(n_layer: int) -> tuple[int, int, int]:
     return tuple(pts)
 
 
-def _draft_spec(t: ModelSpec, layers: tuple[int, ...], draft_vocab: int, own_embedding: bool,
+def draft_spec(t: ModelSpec, layers: tuple[int, ...], draft_vocab: int, own_embedding: bool,
                 norm_before_fc: bool) -> Eagle3Spec:
+    """An EAGLE-3 head of the target's shapes (width, heads, FFN size, RoPE) reading `layers`,
+    with its own output (draft_vocab rows; 0: the target's vocabulary, no d2t)."""
     return Eagle3Spec(
         n_embd=t.n_embd, n_embd_target=t.n_embd, target_layers=tuple(layers),
         n_head=t.n_head, n_head_kv=t.n_head_kv, head_dim=t.head_dim, n_ff=t.n_ff,
@@ -89,7 +91,7 @@ def synthesize_eagle3(out: str | os.PathLike, target: str | os.PathLike, *, seed
     t = ModelSpec.from_gguf(tf)
     if problems := _problems(t, layers, draft_vocab, quant, weight_std, out):
         raise ConfigError(problems)
-    spec = _draft_spec(t, layers or default_layers(t.n_layer), draft_vocab, own_embedding,
+    spec = draft_spec(t, layers or default_layers(t.n_layer), draft_vocab, own_embedding,
                        norm_before_fc)
     return write_eagle3(out, tf, spec, _tensors(spec, seed, weight_std), quant)
 

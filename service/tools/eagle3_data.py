@@ -1,0 +1,176 @@
+"""train-drafter's data: a target's own greedy generations on a set of prompts, with the rows an
+EAGLE-3 head reads (the hidden-state tap at its three layers) and the target's choice (its
+argmax: the token a verify step would accept) at every position fed.
+
+Generation runs n_slots prompts at a time through the model runner: each prompt's prefill in its
+own steps (chunks of max_tokens rows), then one decode step of one row per unfinished sequence
+until each has `tokens` new tokens or ended with an end-of-generation token. Every step is
+tapped and every row is a logits row, so the generation is also the teacher-forced pass: the
+prefill rows give the prompt positions' features and choices, each decode row its position's
+(the last token is never fed: a sequence of T tokens has T - 1 rows). Prompts are cut to their
+first `max_prompt` tokens. The prompts shipped with the tool (drafter_prompts.jsonl, one JSON
+string per line: code, prose, chat turns, lists, questions) are the default corpus; a prompts
+file may also hold lists of token ids (a target without a tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import structlog
+
+from service.backends import create_backend
+from service.engine.runner import GREEDY, ModelRunner, StepInput
+from service.errors import ConfigError
+from service.gguf.reader import GGUFFile
+from service.model.hidden import HiddenRows, HiddenTap
+from service.model.spec import ModelSpec
+from service.model.tokenizer import Tokenizer
+from service.model.transformer import Transformer
+
+log = structlog.get_logger("specstream.train_drafter")
+
+PROMPTS = Path(__file__).with_name("drafter_prompts.jsonl")
+
+
+def read_prompts(path: str | Path | None = None) -> list[str | list[int]]:
+    """The prompts of a JSON-lines file, one a line: a string, or a list of token ids (blank
+    lines skipped); the shipped corpus without a path. ConfigError for a missing file, a bad
+    line or no prompt."""
+    path = Path(path) if path else PROMPTS
+    if not path.is_file():
+        raise ConfigError([("prompts", f"{path} is not a file")])
+    out: list[str | list[int]] = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError([("prompts", f"{path}:{n}: not JSON ({exc.msg})")]) from None
+        ids = isinstance(item, list) and all(type(t) is int and t >= 0 for t in item)
+        if not (isinstance(item, str) or ids) or not item:
+            raise ConfigError([("prompts", f"{path}:{n}: a non-empty string or list of token "
+                                           "ids expected")])
+        out.append(item)
+    if not out:
+        raise ConfigError([("prompts", f"{path} holds no prompt")])
+    return out
+
+
+def prompt_ids(prompts: Sequence[str | Sequence[int]], tokenizer: Tokenizer,
+               vocab: int) -> list[list[int]]:
+    """Each prompt as token ids: strings encoded as the engine encodes text prompts (BOS per
+    the vocabulary, special tokens parsed); ConfigError for text without a tokenizer or ids
+    outside the vocabulary."""
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            if not tokenizer.can_encode:
+                raise ConfigError([("prompts", "the target has no tokenizer to encode text "
+                                               "prompts; give lists of token ids")])
+            out.append(tokenizer.encode(p, parse_special=True))
+        elif any(not 0 <= t < vocab for t in p):
+            raise ConfigError([("prompts", f"token ids outside [0, {vocab}) in {list(p)[:8]}")])
+        else:
+            out.append(list(p))
+    return out
+
+
+@dataclass(frozen=True)
+class TargetSequence:
+    """A prompt and the target's greedy continuation, with what its steps tapped and chose."""
+
+    ids: np.ndarray           # (T,) i64 prompt + generated tokens
+    n_prompt: int
+    feats: np.ndarray         # (T - 1, 3 Et) f32 the tapped rows of positions 0..T-2
+    choice: np.ndarray        # (T - 1,) i64 the target's argmax there (its next token)
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.ids) - self.n_prompt
+
+
+class TargetRunner:
+    """A target model on a backend with a hidden-state tap at `points`, n_slots sequences at a
+    time, max_tokens rows per step (every row may be a logits row)."""
+
+    def __init__(self, path: str | Path, points: Sequence[int], *, backend: str = "cpu",
+                 threads: int = 0, n_slots: int = 8, n_ctx: int = 512, max_tokens: int = 128):
+        f = GGUFFile(path)
+        self.spec = ModelSpec.from_gguf(f)
+        self.tokenizer = (Tokenizer.from_metadata(f.metadata) if f.get("tokenizer.ggml.tokens")
+                          else Tokenizer.ids_only(self.spec.vocab_size))
+        self.n_slots, self.n_ctx = n_slots, min(n_ctx, self.spec.n_ctx_train)
+        be = create_backend(backend, threads=threads)
+        self.model = Transformer(self.spec, f, be, n_ctx=self.n_ctx, n_slots=n_slots,
+                                 max_tokens=max_tokens, max_logits=max_tokens)
+        self.runner = ModelRunner(self.model, n_slots, self.n_ctx,
+                                  hidden=HiddenTap(tuple(points), HiddenRows.ALL))
+
+    def _step(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int]
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """One tapped step whose every row is a logits row: (the target's choice per row (n,)
+        i64, the tapped rows (n, 3 Et) f32)."""
+        n = len(ids)
+        inp = StepInput(list(ids), list(positions), list(slots), range(n), [GREEDY] * n,
+                        hidden=True)
+        choice = self.runner.step(inp).token_ids.astype(np.int64)
+        feats = np.array(self.model.backend.to_host(self.runner.hidden_states(inp)), np.float32)
+        return choice, feats
+
+    def _prefill(self, ids: Sequence[int], slot: int, feats: list, choice: list) -> None:
+        """Run a prompt into `slot` in chunks of max_tokens rows, appending their rows."""
+        M = self.model.max_tokens
+        for c0 in range(0, len(ids), M):
+            chunk = ids[c0:c0 + M]
+            c, f = self._step(chunk, range(c0, c0 + len(chunk)), [slot] * len(chunk))
+            choice.append(c)
+            feats.append(f)
+
+    def generate(self, prompts: Sequence[Sequence[int]], tokens: int,
+                 stop_ids: frozenset[int] = frozenset()) -> list[TargetSequence]:
+        """Each prompt + up to `tokens` greedy tokens (ending early after a stop id), with the
+        tapped rows and choices of every position fed (all but the last token's)."""
+        out = []
+        for g0 in range(0, len(prompts), self.n_slots):
+            group = [list(p) for p in prompts[g0:g0 + self.n_slots]]
+            seqs = [list(p) for p in group]
+            feats: list[list] = [[] for _ in seqs]
+            choice: list[list] = [[] for _ in seqs]
+            for slot, s in enumerate(seqs):
+                self._prefill(s, slot, feats[slot], choice[slot])
+                s.append(int(choice[slot][-1][-1]))
+            for _ in range(tokens - 1):
+                live = [i for i, s in enumerate(seqs) if s[-1] not in stop_ids]
+                if not live:
+                    break
+                c, f = self._step([seqs[i][-1] for i in live],
+                                  [len(seqs[i]) - 1 for i in live], live)
+                for r, i in enumerate(live):
+                    seqs[i].append(int(c[r]))
+                    choice[i].append(c[r:r + 1])
+                    feats[i].append(f[r:r + 1])
+            out += [TargetSequence(np.array(s, np.int64), len(p), np.concatenate(f),
+                                   np.concatenate(c))
+                    for p, s, f, c in zip(group, seqs, feats, choice, strict=True)]
+        return out
+
+
+def collect(runner: TargetRunner, prompts: Sequence[Sequence[int]], tokens: int,
+            max_prompt: int) -> list[TargetSequence]:
+    """The target's sequences for `prompts`, each cut to its first max_prompt tokens."""
+    cut = [list(p[:max_prompt]) for p in prompts]
+    if any(len(p) + tokens > runner.n_ctx for p in cut):
+        raise ConfigError([("tokens", f"a prompt of {max(map(len, cut))} tokens + {tokens} "
+                                      f"exceeds the target's context of {runner.n_ctx}")])
+    t0 = time.perf_counter()
+    seqs = runner.generate(cut, tokens, runner.tokenizer.eog_ids)
+    log.info("generated", sequences=len(seqs), tokens=sum(s.n_generated for s in seqs),
+             seconds=round(time.perf_counter() - t0, 1))
+    return seqs

@@ -1,0 +1,149 @@
+"""`specstream train-drafter --kind eagle3` on the tiny-qwen3 target (random weights: its greedy
+continuations are still a fixed function of the context, which a head can learn).
+
+- A short training (48 random prompts x 24 tokens, a 300-token draft vocabulary, two unroll
+  steps) lowers the held-out loss at every unroll step and lifts the held-out acceptance far
+  above the untrained head's.
+- The written file is an EAGLE-3 head for the target (Eagle3Spec.from_gguf, check_target), and
+  the reference forward (service/model/eagle3_forward.py) run on it as a chain gives the
+  trainer's acceptance, and the trainer's logits row for row (extend and chain rows).
+- An engine drafting with it (`--drafter eagle3`) gives plain greedy output and accepts drafts.
+- The CLI runs end to end on a prompts file of token ids and reports bad options at once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service.gguf.quants import dequantize
+from service.gguf.reader import GGUFFile
+from service.model.eagle3 import D2T, Eagle3Spec
+from service.model.eagle3_forward import Eagle3Draft
+from service.model.spec import ModelSpec
+from service.tools.eagle3_data import TargetRunner, collect
+from service.tools.eagle3_fit import make_batch, target_tensor, target_to_draft
+from service.tools.eagle3_head import Eagle3Head, trained_names
+from service.tools.train_drafter import TrainReport, train_drafter
+from service.tools.train_options import TrainOptions
+from tests.support.cli import run_cli
+from tests.support.engines import run, running_engine
+from tests.support.models import model_path
+from tests.support.speculation import greedy_equals_plain_at_widths
+
+TARGET, N_NEW = "tiny-qwen3", 24
+OPTS = TrainOptions(tokens=N_NEW, holdout=0.25, draft_vocab=300, unroll=2, epochs=20, lr=3e-3,
+                    quant="F32", depth=3, slots=16)
+
+
+def random_prompts(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 1024, rng.integers(4, 12)).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> TrainReport:
+    out = tmp_path_factory.mktemp("train") / "head.gguf"
+    return train_drafter(model_path(TARGET), out, OPTS, random_prompts(48, seed=0))
+
+
+def test_training_lowers_the_held_out_loss_and_lifts_acceptance(trained):
+    before, after = trained.before, trained.after_held
+    print(f"\nheld-out loss {before.loss} -> {after.loss}, acceptance {before.acceptance} -> "
+          f"{after.acceptance} over {after.starts} starts")
+    assert trained.train == (36, 36 * N_NEW) and trained.held == (12, 12 * N_NEW)
+    assert after.starts >= 200
+    assert (after.loss < before.loss / 4).all()
+    assert after.acceptance[0] >= 0.25 and before.acceptance[0] <= 0.05
+    assert (after.acceptance >= before.acceptance + 0.05).all()
+    assert trained.after_train.loss[0] < after.loss[0]        # fits what it saw best
+    assert trained.fit.steps == 20 * 5
+
+
+def test_the_file_is_an_eagle3_head_for_the_target(trained):
+    f = GGUFFile(trained.path)
+    spec = Eagle3Spec.from_gguf(f)
+    spec.check_target(ModelSpec.from_gguf(GGUFFile(model_path(TARGET))))
+    assert spec == trained.spec
+    assert (spec.target_layers, spec.draft_vocab, spec.n_embd) == ((0, 1, 2), 300, 256)
+    assert spec.has_d2t and spec.own_output and not spec.own_embedding
+    d2t = f.index_tensor(D2T)
+    assert (np.diff(d2t) > 0).all()                           # sorted, distinct
+
+
+def test_the_reference_forward_on_the_file_gives_the_trainers_acceptance(trained):
+    assert np.abs(trained.reference - trained.after_held.acceptance).max() <= 0.02
+
+
+def test_the_trainers_logits_are_the_reference_forwards(trained):
+    """The written tensors in the trainer's head: its extend rows (unroll step 0) and chain
+    rows (step 1: token t[P + 1], g = the step-0 output at P - 1, after the real rows < P)
+    equal the reference's rows of the draft vocabulary."""
+    f, target = GGUFFile(trained.path), GGUFFile(model_path(TARGET))
+    spec = Eagle3Spec.from_gguf(f)
+    params = {n: dequantize(f.tensor(n).raw, f.tensor(n).qtype, f.tensor(n).shape)
+              for n in trained_names(spec)}
+    head = Eagle3Head(spec, params, target_tensor(target, "token_embd.weight"), 64)
+    runner = TargetRunner(model_path(TARGET), spec.target_layers, n_slots=1, n_ctx=64)
+    seq = collect(runner, random_prompts(1, seed=5), 16, 64)[0]
+    d2t = f.index_tensor(D2T)
+    batch = make_batch([seq], target_to_draft(d2t, spec.vocab_size), 2)
+    step0, step1 = (x[0] for x in head.logits(batch, 2))                 # (R, Vd) each
+    ref = Eagle3Draft(spec, f, target, 64)
+    g = ref.encode(batch.feats[0])
+    tokens = batch.tokens[0]
+    for P in range(len(tokens)):
+        real, y = ref.decode(tokens[P:P + 1], g[P:P + 1], P)
+        assert np.abs(real[0, d2t] - step0[P]).max() <= 1e-4 * np.abs(step0[P]).max()
+        if P + 1 < len(tokens):
+            chain, _ = ref.decode(tokens[P + 1:P + 2], y, P + 1)
+            assert np.abs(chain[0, d2t] - step1[P + 1]).max() <= 1e-4 * np.abs(
+                step1[P + 1]).max()
+
+
+def test_an_engine_drafting_with_the_trained_head_gives_plain_greedy_output(trained):
+    prompts = random_prompts(4, seed=99)                       # none of them trained on
+    with running_engine(TARGET) as eng:
+        plain = [run(eng, p, max_new_tokens=N_NEW, ignore_eos=True, speculative=False).token_ids
+                 for p in prompts]
+    with running_engine(TARGET, drafter="eagle3", draft_model=str(trained.path),
+                        verify_width=4, draft_in_full=True) as eng:
+        got = list(greedy_equals_plain_at_widths(eng, prompts, plain, widths=(2, 4),
+                                                 max_new_tokens=N_NEW, label="trained"))
+    assert all(a.accepted > 0 for a in got)
+
+
+# ---------------------------------------------------------------- the command line
+def test_the_cli_trains_on_a_prompts_file_of_token_ids(capsys, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in random_prompts(12, seed=3)))
+    out = tmp_path / "cli.gguf"
+    code, text, err = run_cli(capsys, "train-drafter", str(model_path(TARGET)), str(out),
+                              "--kind", "eagle3", "--prompts", str(prompts), "--tokens", "8",
+                              "--epochs", "2", "--holdout", "0.25", "--quant", "Q8_0",
+                              "--draft-vocab", "64", "--depth", "2")
+    assert code == 0, err
+    assert "9 training / 3 held-out prompts" in text
+    assert "held-out acceptance, depth 2" in text and "reference forward" in text
+    assert Eagle3Spec.from_gguf(GGUFFile(out)).draft_vocab == 64
+
+
+def test_the_cli_reports_every_bad_option(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "train-drafter", str(model_path(TARGET)),
+                           str(tmp_path / "no" / "x.gguf"), "--kind", "dflash", "--unroll", "0",
+                           "--holdout", "1.5", "--draft-vocab", "5000", "--quant", "Q4_0")
+    assert code == 2
+    for what in ("kind: 'dflash'", "unroll: 0", "holdout: 1.5", "draft-vocab: 5000",
+                 "quant: 'Q4_0'", "is not a directory"):
+        assert what in err, what
+
+
+def test_text_prompts_need_a_tokenizer(capsys, tmp_path):
+    """tiny-qwen3 has no vocabulary texts: the shipped (text) corpus cannot be encoded."""
+    code, _, err = run_cli(capsys, "train-drafter", str(model_path(TARGET)),
+                           str(tmp_path / "x.gguf"))
+    assert code == 2 and "no tokenizer to encode text prompts" in err
+    assert not Path(tmp_path / "x.gguf").exists()
