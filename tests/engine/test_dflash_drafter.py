@@ -15,7 +15,6 @@ llama.cpp's agreement with the reference: tests/golden/test_dflash_oracle.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +31,12 @@ from service.tools.synth_dflash import DflashOptions, synthesize_dflash
 from tests.engine.test_moe_speculation import PROMPTS, batch_equals_alone
 from tests.support.engines import run, running_engine
 from tests.support.models import model_path
-from tests.support.speculation import greedy_equals_plain_at_widths
+from tests.support.speculation import (
+    DraftSeq,
+    greedy_equals_plain_at_widths,
+    plain_greedy_ids,
+    sampled_equals_plain,
+)
 
 TARGET, N_NEW = "tiny-qwen3", 24
 WIDTHS = (2, 6, 16)
@@ -62,17 +66,10 @@ def dflash_engine(path: Path, **overrides):
 @pytest.fixture(scope="module")
 def plain_ids() -> list[list[int]]:
     with running_engine(TARGET) as eng:
-        return [run(eng, p, max_new_tokens=N_NEW, ignore_eos=True, speculative=False).token_ids
-                for p in PROMPTS]
+        return plain_greedy_ids(eng, PROMPTS, N_NEW)
 
 
 # ---------------------------------------------------------------- against the reference
-@dataclass
-class _State:                    # what a drafter reads of a sequence (DraftState)
-    slot: int
-    history: list[int] = field(default_factory=list)
-
-
 def reference_drafts(d: DflashDrafter, path: Path, feats: np.ndarray, history: list[int],
                      k: int) -> tuple[list[int], list[float]]:
     """The reference's k drafts after `history` from the target's rows feats (H - 1, P E) of
@@ -105,7 +102,7 @@ def prefill_and_extend(d: DflashDrafter, runner, prompt: list[int]):
     inp = StepInput(prompt, range(P), [0] * P, [P - 1], [ROW_GREEDY], hidden=True)
     seed = int(runner.step(inp).token_ids[0])
     feats = np.array(runner.hidden_states(inp))                          # (P, P E)
-    st = _State(0, [*prompt, seed])
+    st = DraftSeq(0, [*prompt, seed])
     d.start(st)
     d.extend(st, range(P), range(P), runner.hidden_states(inp))
     return st, seed, feats
@@ -157,7 +154,7 @@ def test_tree_candidates_are_the_blocks_rows(drafters):
 def test_a_stale_slot_proposes_nothing(drafters):
     """Before its context is extended to the seed's predecessor, a slot drafts nothing."""
     with dflash_engine(drafters["random"], start=False) as eng:
-        st = _State(0, [5, 6, 7])
+        st = DraftSeq(0, [5, 6, 7])
         eng.drafter.start(st)
         assert eng.drafter.propose(st, 4) == []
         assert eng.drafter.candidates(st, 4, 2)[0] == []
@@ -182,15 +179,8 @@ def test_greedy_speculation_equals_plain_greedy(drafters, plain_ids, which):
 
 
 def test_sampled_speculation_equals_plain_sampling(drafters):
-    drafted = 0
     with dflash_engine(drafters["random"], verify_width=6) as eng:
-        for prompt in PROMPTS:
-            kw = dict(max_new_tokens=20, ignore_eos=True, top_logprobs=1)
-            plain = run(eng, prompt, SAMPLED, speculative=False, **kw)
-            spec = run(eng, prompt, SAMPLED, speculative=True, **kw)
-            assert spec.token_ids == plain.token_ids, prompt
-            assert spec.text == plain.text and spec.logprobs == plain.logprobs
-            drafted += spec.finished.usage.draft_tokens
+        drafted, _ = sampled_equals_plain(eng, PROMPTS, SAMPLED)
     assert drafted > 0
 
 

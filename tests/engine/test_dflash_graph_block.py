@@ -21,9 +21,10 @@ from service.engine.runner import GREEDY as ROW_GREEDY
 from service.engine.runner import StepInput
 from service.engine.spec.dflash_drafter import DflashDrafter
 from service.tools.synth_dflash import DflashOptions, synthesize_dflash
-from tests.engine.test_dflash_drafter import N_NEW, PROMPTS, TARGET, _State, dflash_engine
+from tests.engine.test_dflash_drafter import N_NEW, PROMPTS, TARGET, dflash_engine
 from tests.support.engines import run
 from tests.support.models import model_path
+from tests.support.speculation import DraftSeq
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def drive(d: DflashDrafter, runner, prompt: list[int], ks: list[int]) -> list[li
     extend the kept rows. Returns every proposal and candidates' chain."""
     P = len(prompt)
     inp = StepInput(prompt, range(P), [0] * P, [P - 1], [ROW_GREEDY], hidden=True)
-    st = _State(0, [*prompt, int(runner.step(inp).token_ids[0])])
+    st = DraftSeq(0, [*prompt, int(runner.step(inp).token_ids[0])])
     d.start(st)
     d.extend(st, range(P), range(P), runner.hidden_states(inp))
     out = []

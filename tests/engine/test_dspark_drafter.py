@@ -40,7 +40,11 @@ from tests.engine.test_dflash_drafter import (
 from tests.engine.test_moe_speculation import PROMPTS, batch_equals_alone
 from tests.support.engines import run, running_engine
 from tests.support.models import model_path
-from tests.support.speculation import greedy_equals_plain_at_widths
+from tests.support.speculation import (
+    greedy_equals_plain_at_widths,
+    plain_greedy_ids,
+    sampled_equals_plain,
+)
 
 P_MIN = 0.22              # cuts the cut test's block at its fourth draft
 ENGINE_P_MIN = 0.6        # cuts many of the engine runs' blocks (their confidences are higher)
@@ -62,8 +66,7 @@ def drafters(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def plain_ids() -> list[list[int]]:
     with running_engine(TARGET) as eng:
-        return [run(eng, p, max_new_tokens=N_NEW, ignore_eos=True, speculative=False).token_ids
-                for p in PROMPTS]
+        return plain_greedy_ids(eng, PROMPTS, N_NEW)
 
 
 def reference_chain(d: DflashDrafter, path: Path, feats: np.ndarray, history: list[int],
@@ -162,15 +165,8 @@ def test_greedy_speculation_with_the_confidence_cut_equals_plain_greedy(drafters
 
 
 def test_sampled_speculation_equals_plain_sampling(drafters):
-    drafted = 0
     with dflash_engine(drafters["bonus-reduced"], verify_width=6) as eng:
-        for prompt in PROMPTS:
-            kw = dict(max_new_tokens=20, ignore_eos=True, top_logprobs=1)
-            plain = run(eng, prompt, SAMPLED, speculative=False, **kw)
-            spec = run(eng, prompt, SAMPLED, speculative=True, **kw)
-            assert spec.token_ids == plain.token_ids, prompt
-            assert spec.text == plain.text and spec.logprobs == plain.logprobs
-            drafted += spec.finished.usage.draft_tokens
+        drafted, _ = sampled_equals_plain(eng, PROMPTS, SAMPLED)
     assert drafted > 0
 
 

@@ -24,9 +24,10 @@ from service.engine.runner import GREEDY as ROW_GREEDY
 from service.engine.runner import StepInput
 from service.engine.spec.eagle3_drafter import Eagle3Drafter
 from service.tools.synth_eagle3 import synthesize_eagle3
-from tests.engine.test_eagle3_drafter import N_NEW, PROMPTS, TARGET, _State, eagle3_engine
+from tests.engine.test_eagle3_drafter import N_NEW, PROMPTS, TARGET, eagle3_engine
 from tests.support.engines import run
 from tests.support.models import model_path
+from tests.support.speculation import DraftSeq
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def drive(d: Eagle3Drafter, runner, prompt: list[int], ks: list[int]) -> list[li
     made-up bonus, extend the kept rows. Returns every proposal and tree candidates' chains."""
     P = len(prompt)
     inp = StepInput(prompt, range(P), [0] * P, [P - 1], [ROW_GREEDY], hidden=True)
-    st = _State(0, [*prompt, int(runner.step(inp).token_ids[0])])
+    st = DraftSeq(0, [*prompt, int(runner.step(inp).token_ids[0])])
     d.start(st)
     d.extend(st, range(P), range(P), runner.hidden_states(inp))
     out = []
@@ -78,7 +79,7 @@ def drive_batch(d: Eagle3Drafter, runner, prompts: list[list[int]], ks: list[int
     for s, prompt in enumerate(prompts):
         P = len(prompt)
         inp = StepInput(prompt, range(P), [s] * P, [P - 1], [ROW_GREEDY], hidden=True)
-        st = _State(s, [*prompt, int(runner.step(inp).token_ids[0])])
+        st = DraftSeq(s, [*prompt, int(runner.step(inp).token_ids[0])])
         d.start(st)
         d.extend(st, range(P), range(P), runner.hidden_states(inp))
         sts.append(st)

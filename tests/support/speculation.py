@@ -1,13 +1,15 @@
 """Greedy speculation held to plain greedy output: a set of prompts run on one engine at one
 verify width after another, each output compared with the plain run's, and what was drafted and
-accepted at each width counted."""
+accepted at each width counted; sampled speculation held to plain sampling likewise; the plain
+greedy outputs they are held to; and the sequence a drafter driven by hand reads."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from service.engine.engine import Engine
+from service.engine.types import SamplingParams
 from tests.support.engines import run
 
 
@@ -58,3 +60,36 @@ def greedy_equals_plain_at_widths(eng: Engine, prompts: Sequence[Sequence[int]],
         print(f"\n{label} width {width}: {accepted}/{drafted} drafts accepted "
               f"({got.rate:.1%}), {got.tokens_per_step:.2f} tokens per step")
         yield got
+
+
+@dataclass
+class DraftSeq:
+    """What a drafter reads of a sequence (the engine's DraftState), for tests that drive a
+    drafter by hand."""
+
+    slot: int
+    history: list[int] = field(default_factory=list)
+
+
+def plain_greedy_ids(eng: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int
+                     ) -> list[list[int]]:
+    """Each prompt's greedy output on `eng` without speculation, max_new_tokens past any end
+    token."""
+    return [run(eng, p, max_new_tokens=max_new_tokens, ignore_eos=True,
+                speculative=False).token_ids for p in prompts]
+
+
+def sampled_equals_plain(eng: Engine, prompts: Sequence[Sequence[int]],
+                         params: SamplingParams, max_new_tokens: int = 20) -> tuple[int, int]:
+    """Every prompt sampled with `params` on `eng`, with speculation and without: the same
+    tokens, text and top-1 log-probabilities. Returns the drafts (proposed, accepted)."""
+    drafted = accepted = 0
+    for prompt in prompts:
+        kw = dict(max_new_tokens=max_new_tokens, ignore_eos=True, top_logprobs=1)
+        plain = run(eng, prompt, params, speculative=False, **kw)
+        spec = run(eng, prompt, params, speculative=True, **kw)
+        assert spec.token_ids == plain.token_ids, (params, prompt)
+        assert spec.text == plain.text and spec.logprobs == plain.logprobs
+        drafted += spec.finished.usage.draft_tokens
+        accepted += spec.finished.usage.accepted_draft_tokens
+    return drafted, accepted
