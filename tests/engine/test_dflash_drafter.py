@@ -35,6 +35,7 @@ from tests.support.speculation import (
     DraftSeq,
     greedy_equals_plain_at_widths,
     plain_greedy_ids,
+    prefill_and_extend,
     sampled_equals_plain,
 )
 
@@ -92,20 +93,6 @@ def agree_where_clear(got: list[int], want: list[int], gaps: list[float]) -> int
             assert a == b, (got, want, gaps)
             n += 1
     return n
-
-
-def prefill_and_extend(d: DflashDrafter, runner, prompt: list[int]):
-    """`prompt` prefilled through the target in slot 0 with its rows tapped, and the drafter's
-    slot 0 started on it and extended with those rows: the sequence (the prompt, then the seed
-    the prefill chose), the seed, and the prompt's tapped rows (P, P E)."""
-    P = len(prompt)
-    inp = StepInput(prompt, range(P), [0] * P, [P - 1], [ROW_GREEDY], hidden=True)
-    seed = int(runner.step(inp).token_ids[0])
-    feats = np.array(runner.hidden_states(inp))                          # (P, P E)
-    st = DraftSeq(0, [*prompt, seed])
-    d.start(st)
-    d.extend(st, range(P), range(P), runner.hidden_states(inp))
-    return st, seed, feats
 
 
 @pytest.mark.parametrize("which", ["random", "reduced"])

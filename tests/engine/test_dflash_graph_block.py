@@ -24,7 +24,7 @@ from service.tools.synth_dflash import DflashOptions, synthesize_dflash
 from tests.engine.test_dflash_drafter import N_NEW, PROMPTS, TARGET, dflash_engine
 from tests.support.engines import run
 from tests.support.models import model_path
-from tests.support.speculation import DraftSeq
+from tests.support.speculation import start_tapped
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +49,7 @@ def drive(d: DflashDrafter, runner, prompt: list[int], ks: list[int]) -> list[li
     """Prefill `prompt` in slot 0 (tapped), extend, then for each k: propose (and every third
     time tree candidates), verify [seed, drafts] keeping a varying prefix plus a made-up bonus,
     extend the kept rows. Returns every proposal and candidates' chain."""
-    P = len(prompt)
-    inp = StepInput(prompt, range(P), [0] * P, [P - 1], [ROW_GREEDY], hidden=True)
-    st = DraftSeq(0, [*prompt, int(runner.step(inp).token_ids[0])])
-    d.start(st)
-    d.extend(st, range(P), range(P), runner.hidden_states(inp))
+    st, _ = start_tapped(d, runner, prompt)
     out = []
     for j, k in enumerate(ks):
         got = d.propose(st, k)

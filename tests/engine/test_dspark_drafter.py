@@ -35,7 +35,6 @@ from tests.engine.test_dflash_drafter import (
     TARGET,
     WIDTHS,
     dflash_engine,
-    prefill_and_extend,
 )
 from tests.engine.test_moe_speculation import PROMPTS, batch_equals_alone
 from tests.support.engines import run, running_engine
@@ -43,6 +42,7 @@ from tests.support.models import model_path
 from tests.support.speculation import (
     greedy_equals_plain_at_widths,
     plain_greedy_ids,
+    prefill_and_extend,
     sampled_equals_plain,
 )
 

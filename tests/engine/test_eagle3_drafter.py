@@ -46,6 +46,7 @@ from tests.support.speculation import (
     DraftSeq,
     greedy_equals_plain_at_widths,
     plain_greedy_ids,
+    prefill_and_extend,
     sampled_equals_plain,
 )
 
@@ -181,21 +182,6 @@ def reference(d: Eagle3Drafter, head: Path) -> Eagle3Draft:
     """The numpy reference of `head` (the spec the drafter `d` read from it) over the target's
     file, for 64 positions."""
     return Eagle3Draft(d.spec, GGUFFile(head), GGUFFile(model_path(TARGET)), 64)
-
-
-def prefill_and_extend(d: Eagle3Drafter, runner, prompt: list[int]
-                       ) -> tuple[DraftSeq, int, np.ndarray]:
-    """`prompt` prefilled through the target in slot 0 with its rows tapped, and the drafter's
-    slot 0 started on it and extended with those rows: the sequence (the prompt, then the seed
-    token the prefill chose), the seed, and the prompt's tapped rows (P, 3 Et)."""
-    P = len(prompt)
-    inp = StepInput(prompt, range(P), [0] * P, [P - 1], [ROW_GREEDY], hidden=True)
-    seed = int(runner.step(inp).token_ids[0])
-    feats = np.array(runner.hidden_states(inp))                      # (P, 3Et)
-    st = DraftSeq(0, [*prompt, seed])
-    d.start(st)
-    d.extend(st, range(P), range(P), runner.hidden_states(inp))
-    return st, seed, feats
 
 
 @pytest.mark.parametrize("which", ["random", "reduced"])

@@ -1,14 +1,19 @@
 """Greedy speculation held to plain greedy output: a set of prompts run on one engine at one
 verify width after another, each output compared with the plain run's, and what was drafted and
 accepted at each width counted; sampled speculation held to plain sampling likewise; the plain
-greedy outputs they are held to; and the sequence a drafter driven by hand reads."""
+greedy outputs they are held to; and the sequence a drafter driven by hand reads, started
+on a tapped prefill."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from service.engine.engine import Engine
+from service.engine.runner import GREEDY as ROW_GREEDY
+from service.engine.runner import StepInput
 from service.engine.types import SamplingParams
 from tests.support.engines import run
 
@@ -93,3 +98,22 @@ def sampled_equals_plain(eng: Engine, prompts: Sequence[Sequence[int]],
         drafted += spec.finished.usage.draft_tokens
         accepted += spec.finished.usage.accepted_draft_tokens
     return drafted, accepted
+
+
+def start_tapped(d, runner, prompt: list[int], slot: int = 0) -> tuple[DraftSeq, StepInput]:
+    """`prompt` prefilled through the target in `slot` with its rows tapped, and drafter d's
+    `slot` started on it and extended with those rows: the sequence (the prompt, then the
+    token the prefill chose) and the prefill's step (its rows: runner.hidden_states(step))."""
+    P = len(prompt)
+    inp = StepInput(prompt, range(P), [slot] * P, [P - 1], [ROW_GREEDY], hidden=True)
+    st = DraftSeq(slot, [*prompt, int(runner.step(inp).token_ids[0])])
+    d.start(st)
+    d.extend(st, range(P), range(P), runner.hidden_states(inp))
+    return st, inp
+
+
+def prefill_and_extend(d, runner, prompt: list[int]) -> tuple[DraftSeq, int, np.ndarray]:
+    """start_tapped in slot 0: the sequence, the seed the prefill chose, and the prompt's
+    tapped rows on the host (P, the tap's width: 3 Et for EAGLE-3, P E for DFlash)."""
+    st, inp = start_tapped(d, runner, prompt)
+    return st, st.history[-1], np.array(runner.hidden_states(inp))
