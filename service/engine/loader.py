@@ -294,9 +294,7 @@ def load_eagle3(header, config: EngineConfig, target: Transformer) -> Drafter:
     t = time.perf_counter()
 
     def build() -> Drafter:
-        model = Eagle3Model(spec, f, target, n_ctx=config.n_ctx, n_slots=config.n_slots,
-                            max_tokens=target.max_tokens, type_k=config.kv_cache_type_k,
-                            type_v=config.kv_cache_type_v, max_logits=1)
+        model = Eagle3Model(spec, f, target, **_target_geometry(config, target), max_logits=1)
         return Eagle3Drafter(model, _drafter_name(f, "EAGLE-3"))
 
     drafter = _checked_on_backend(f, config, build)
@@ -349,9 +347,7 @@ def load_dflash(header, config: EngineConfig, target: Transformer) -> Drafter:
     t = time.perf_counter()
 
     def build() -> Drafter:
-        model = DflashModel(spec, f, target, n_ctx=config.n_ctx, n_slots=config.n_slots,
-                            max_tokens=target.max_tokens, type_k=config.kv_cache_type_k,
-                            type_v=config.kv_cache_type_v)
+        model = DflashModel(spec, f, target, **_target_geometry(config, target))
         kind = "DSpark" if spec.dspark else "DFlash"
         return DflashDrafter(model, _drafter_name(f, kind), p_min=config.draft_p_min)
 
@@ -360,6 +356,13 @@ def load_dflash(header, config: EngineConfig, target: Transformer) -> Drafter:
           n_layer=spec.n_layer, block_size=spec.block_size, draft_vocab=spec.draft_vocab,
           markov_rank=spec.markov_rank, confidence_head=spec.confidence)
     return drafter
+
+
+def _target_geometry(config: EngineConfig, target: Transformer) -> dict:
+    """The context, slots, step rows and KV types a hidden-state drafter's model shares with
+    the target it reads (its model's keywords)."""
+    return dict(n_ctx=config.n_ctx, n_slots=config.n_slots, max_tokens=target.max_tokens,
+                type_k=config.kv_cache_type_k, type_v=config.kv_cache_type_v)
 
 
 def _drafter_name(f: GGUFFile, kind: str) -> str:
