@@ -45,17 +45,24 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.02, seed
 NEAR_TIE = 0.05               # reference logit gap below which backend and reference may differ
 
 
+COMMON = dict(n_ff=256, quant="F32", weight_std=0.1)
+# random drafters for tiny-qwen3: two layers, full vocabulary, block 16; one layer with a
+# 300-id draft vocabulary, its own embeddings, causal block attention, block 8
+OPTIONS = {"random": DflashOptions(seed=6, layers=(1, 2), n_layer=2, **COMMON),
+           "reduced": DflashOptions(seed=7, layers=(0, 2), draft_vocab=300, own_embedding=True,
+                                    causal=True, block_size=8, **COMMON)}
+
+
+def synth_drafters(out: Path, options: dict[str, DflashOptions]) -> dict[str, Path]:
+    """Each of `options` synthesized for TARGET into folder out: name -> file."""
+    t = model_path(TARGET)
+    return {name: synthesize_dflash(out / f"{name}.gguf", t, o).path
+            for name, o in options.items()}
+
+
 @pytest.fixture(scope="module")
 def drafters(tmp_path_factory) -> dict[str, Path]:
-    """Random drafters for tiny-qwen3: two layers, full vocabulary, block 16; one layer with a
-    300-id draft vocabulary, its own embeddings, causal block attention, block 8."""
-    d, t = tmp_path_factory.mktemp("dfd"), model_path(TARGET)
-    common = dict(n_ff=256, quant="F32", weight_std=0.1)
-    return {"random": synthesize_dflash(d / "random.gguf", t, DflashOptions(
-                seed=6, layers=(1, 2), n_layer=2, **common)).path,
-            "reduced": synthesize_dflash(d / "reduced.gguf", t, DflashOptions(
-                seed=7, layers=(0, 2), draft_vocab=300, own_embedding=True, causal=True,
-                block_size=8, **common)).path}
+    return synth_drafters(tmp_path_factory.mktemp("dfd"), OPTIONS)
 
 
 def dflash_engine(path: Path, **overrides):
