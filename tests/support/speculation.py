@@ -117,3 +117,21 @@ def prefill_and_extend(d, runner, prompt: list[int]) -> tuple[DraftSeq, int, np.
     tapped rows on the host (P, the tap's width: 3 Et for EAGLE-3, P E for DFlash)."""
     st, inp = start_tapped(d, runner, prompt)
     return st, st.history[-1], np.array(runner.hidden_states(inp))
+
+
+def trees_equal_plain_at_budgets(eng: Engine, prompts: Sequence[Sequence[int]],
+                                 plain_ids: Sequence[list[int]], *, budgets: Sequence[int],
+                                 max_new_tokens: int, label: str) -> None:
+    """For each of `budgets` in turn, tree verify with that many nodes per step: every prompt
+    run greedily on `eng`, to max_new_tokens past any end token, must give plain_ids[i]; at
+    least one token is drafted; the drafts proposed and accepted are printed."""
+    for budget in budgets:
+        eng.config = replace(eng.config, tree_budget=budget)
+        drafted = accepted = 0
+        for prompt, plain in zip(prompts, plain_ids, strict=True):
+            out = run(eng, prompt, max_new_tokens=max_new_tokens, ignore_eos=True)
+            assert out.token_ids == plain, (label, budget, prompt)
+            drafted += out.finished.usage.draft_tokens
+            accepted += out.finished.usage.accepted_draft_tokens
+        print(f"\n{label} tree budget {budget}: {accepted}/{drafted} drafts accepted")
+        assert drafted > 0
