@@ -11,7 +11,6 @@ failure)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,9 +24,10 @@ from tests.engine.test_eagle3_drafter import (
     successors,
 )
 from tests.engine.test_moe_speculation import PROMPTS, batch_equals_alone
-from tests.support.engines import run, running_engine
+from tests.support.engines import running_engine
 from tests.support.models import model_path
 from tests.support.speculation import (
+    greedy_equals_plain_at_widths,
     plain_greedy_ids,
     sampled_equals_plain,
     trees_equal_plain_at_budgets,
@@ -66,18 +66,10 @@ def heads(tmp_path_factory, plain_ids) -> dict[str, Path]:
 @pytest.mark.parametrize("which", ["random", "agreeing"])
 def test_greedy_speculation_equals_plain_greedy_on_cuda(heads, plain_ids, which):
     with cuda_engine(heads[which]) as eng:
-        for width in WIDTHS:
-            eng.config = replace(eng.config, verify_width=width)
-            drafted = accepted = 0
-            for prompt, plain in zip(PROMPTS, plain_ids, strict=True):
-                out = run(eng, prompt, max_new_tokens=N_NEW, ignore_eos=True)
-                assert out.token_ids == plain, (which, width, prompt)
-                drafted += out.finished.usage.draft_tokens
-                accepted += out.finished.usage.accepted_draft_tokens
-            print(f"\n{which} width {width}: {accepted}/{drafted} drafts accepted")
-            assert drafted > 0
+        for got in greedy_equals_plain_at_widths(eng, PROMPTS, plain_ids, widths=WIDTHS,
+                                                 max_new_tokens=N_NEW, label=which):
             if which == "agreeing":
-                assert accepted > 0
+                assert got.accepted > 0
 
 
 @pytest.mark.parametrize("which", ["random", "agreeing"])
