@@ -45,16 +45,15 @@ command; bench/llamacpp_ext.py binds the C functions llama_cpp's module lacks):
 from __future__ import annotations
 
 import argparse
-import base64
 import ctypes
 import hashlib
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+from llamacpp_oracle import pack, run_probe
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "data" / "tiny"
@@ -81,11 +80,6 @@ DRAFTERS: dict[str, dict] = {
                                      draft_vocab=300, markov_rank=16, markov_std=0.8,
                                      markov_scale=0.5, bonus_anchor=True, quant="F16"),
 }
-
-
-def pack(a: np.ndarray) -> dict:
-    a = np.ascontiguousarray(a, np.float32)
-    return {"shape": list(a.shape), "f32": base64.b64encode(a.tobytes()).decode()}
 
 
 # ---------------------------------------------------------------- llama.cpp side (its own python)
@@ -193,13 +187,8 @@ def main() -> int:
             o = DflashOptions(weight_std=WEIGHT_STD, **opts)
             r = synthesize_dflash(Path(tmp) / f"{name}.gguf", target, o)
             s = r.spec
-            p = subprocess.run([args.llama_python, __file__, "--probe", str(target), str(r.path),
-                                str(s.first_draft_row), str(int(s.confidence))],
-                               capture_output=True, text=True)
-            if p.returncode:
-                print(p.stderr[-3000:], file=sys.stderr)
-                return 1
-            res = json.loads(p.stdout.strip().splitlines()[-1])
+            res = run_probe(args.llama_python, __file__, str(target), str(r.path),
+                            str(s.first_draft_row), str(int(s.confidence)))
             out["llama_cpp"] = res.pop("version")
             if res.pop("layers") != list(o.layers):
                 raise SystemExit(f"{name}: llama.cpp read other target layers")

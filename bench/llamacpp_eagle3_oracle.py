@@ -26,15 +26,14 @@ the C functions llama_cpp's module lacks):
 from __future__ import annotations
 
 import argparse
-import base64
 import hashlib
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+from llamacpp_oracle import pack, run_probe
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "data" / "tiny"
@@ -53,11 +52,6 @@ DRAFTERS: dict[str, dict] = {
                                      own_embedding=True),
     "norm-before-fc-f16": dict(seed=13, quant="F16", norm_before_fc=True),
 }
-
-
-def pack(a: np.ndarray) -> dict:
-    a = np.ascontiguousarray(a, np.float32)
-    return {"shape": list(a.shape), "f32": base64.b64encode(a.tobytes()).decode()}
 
 
 # ---------------------------------------------------------------- llama.cpp side (its own python)
@@ -130,12 +124,7 @@ def main() -> int:
         for name, opts in DRAFTERS.items():
             r = synthesize_eagle3(Path(tmp) / f"{name}.gguf", target, layers=LAYERS,
                                   weight_std=WEIGHT_STD, **opts)
-            p = subprocess.run([args.llama_python, __file__, "--probe", str(target), str(r.path)],
-                               capture_output=True, text=True)
-            if p.returncode:
-                print(p.stderr[-3000:], file=sys.stderr)
-                return 1
-            res = json.loads(p.stdout.strip().splitlines()[-1])
+            res = run_probe(args.llama_python, __file__, str(target), str(r.path))
             out["llama_cpp"] = res.pop("version")
             out["features"] = res.pop("features")       # the same target run for every drafter
             out["t0_gap"] = res.pop("t0_gap")

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from llamacpp_oracle import run_probe
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "data" / "tiny"
@@ -116,12 +117,7 @@ def main() -> int:
         if args.only and name not in args.only:
             continue
         path = TINY / f"{name}.gguf"
-        r = subprocess.run([args.llama_python, __file__, "--probe", str(path)],
-                           capture_output=True, text=True)
-        if r.returncode:
-            print(r.stderr[-2000:], file=sys.stderr)
-            return 1
-        res = json.loads(r.stdout.strip().splitlines()[-1])
+        res = run_probe(args.llama_python, __file__, str(path), tail=2000)
         out["llama_cpp"] = res.pop("version")
         out["models"][name] = {"file": path.name, "preset": preset, "quant": quant,
                                "seed": seed} | res

@@ -7,6 +7,7 @@ against the target first (HIDDEN_DRAFTERS: eagle3_header, dflash_header)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -291,17 +292,12 @@ def load_eagle3(header, config: EngineConfig, target: Transformer) -> Drafter:
 
     f, spec = header
     t = time.perf_counter()
-    try:
-        model = Eagle3Model(spec, f, target, n_ctx=config.n_ctx, n_slots=config.n_slots,
-                            max_tokens=target.max_tokens, type_k=config.kv_cache_type_k,
-                            type_v=config.kv_cache_type_v, max_logits=1)
-        drafter = Eagle3Drafter(model, f"{f.get('general.name', f.path.stem)} "
-                                       f"({f.path.name}, EAGLE-3)")
-        drafter.check()
-    except Exception as e:      # the backend cannot run the head's shapes or types
-        raise ConfigError([("draft_model", f"{f.path.name} cannot run on the "
-                                           f"{config.backend} backend: {type(e).__name__}: "
-                                           f"{e}")]) from e
+
+    def build() -> Drafter:
+        model = Eagle3Model(spec, f, target, **_target_geometry(config, target), max_logits=1)
+        return Eagle3Drafter(model, _drafter_name(f, "EAGLE-3"))
+
+    drafter = _checked_on_backend(f, config, build)
     phase("draft_model", t, path=str(f.path), kind="eagle3", layers=list(spec.target_layers),
           width=spec.n_embd, draft_vocab=spec.draft_vocab)
     return drafter
@@ -349,21 +345,43 @@ def load_dflash(header, config: EngineConfig, target: Transformer) -> Drafter:
 
     f, spec = header
     t = time.perf_counter()
-    try:
-        model = DflashModel(spec, f, target, n_ctx=config.n_ctx, n_slots=config.n_slots,
-                            max_tokens=target.max_tokens, type_k=config.kv_cache_type_k,
-                            type_v=config.kv_cache_type_v)
+
+    def build() -> Drafter:
+        model = DflashModel(spec, f, target, **_target_geometry(config, target))
         kind = "DSpark" if spec.dspark else "DFlash"
-        drafter = DflashDrafter(model, f"{f.get('general.name', f.path.stem)} "
-                                       f"({f.path.name}, {kind})", p_min=config.draft_p_min)
+        return DflashDrafter(model, _drafter_name(f, kind), p_min=config.draft_p_min)
+
+    drafter = _checked_on_backend(f, config, build)
+    phase("draft_model", t, path=str(f.path), kind="dflash", layers=list(spec.target_layers),
+          n_layer=spec.n_layer, block_size=spec.block_size, draft_vocab=spec.draft_vocab,
+          markov_rank=spec.markov_rank, confidence_head=spec.confidence)
+    return drafter
+
+
+def _target_geometry(config: EngineConfig, target: Transformer) -> dict:
+    """The context, slots, step rows and KV types a hidden-state drafter's model shares with
+    the target it reads (its model's keywords)."""
+    return dict(n_ctx=config.n_ctx, n_slots=config.n_slots, max_tokens=target.max_tokens,
+                type_k=config.kv_cache_type_k, type_v=config.kv_cache_type_v)
+
+
+def _drafter_name(f: GGUFFile, kind: str) -> str:
+    """A hidden-state drafter's name in logs and responses: "<general.name> (<file>, <kind>)"."""
+    return f"{f.get('general.name', f.path.stem)} ({f.path.name}, {kind})"
+
+
+def _checked_on_backend(f: GGUFFile, config: EngineConfig, build: Callable[[], Drafter]
+                        ) -> Drafter:
+    """build()'s drafter once its check() has run one step on the target's backend:
+    ConfigError naming draft_model when the backend cannot run the drafter's shapes or types
+    (at load, instead of on the first request)."""
+    try:
+        drafter = build()
         drafter.check()
     except Exception as e:      # the backend cannot run the drafter's shapes or types
         raise ConfigError([("draft_model", f"{f.path.name} cannot run on the "
                                            f"{config.backend} backend: {type(e).__name__}: "
                                            f"{e}")]) from e
-    phase("draft_model", t, path=str(f.path), kind="dflash", layers=list(spec.target_layers),
-          n_layer=spec.n_layer, block_size=spec.block_size, draft_vocab=spec.draft_vocab,
-          markov_rank=spec.markov_rank, confidence_head=spec.confidence)
     return drafter
 
 

@@ -58,8 +58,14 @@ import re
 from dataclasses import dataclass
 
 from service.errors import ModelFormatError
-from service.gguf.reader import INDEX_TYPES, GGUFFile
-from service.model.drafter_format import D2T, DrafterKeys, check_d2t
+from service.gguf.reader import GGUFFile
+from service.model.drafter_format import (
+    D2T,
+    DrafterKeys,
+    check_d2t,
+    check_reads_target,
+    check_tensor_types,
+)
 from service.model.hidden import HiddenRows, HiddenTap
 from service.model.spec import ModelSpec
 
@@ -262,18 +268,7 @@ class DflashSpec:
             if not f.has_tensor(f"blk.{i}.attn_v.weight"):
                 raise ModelFormatError(f"{f.path}: tensor 'blk.{i}.attn_v.weight' is missing; "
                                        "shared K/V (a layer without attn_v) is not supported")
-        for name, shape in shapes.items():
-            info = f.tensor(name, shape)
-            if (int(info.qtype) in INDEX_TYPES) != (name == D2T):
-                raise ModelFormatError(f"{f.path}: tensor {name!r} has type {info.qtype.name}"
-                                       + ("; d2t must be I64" if name == D2T else ""))
-            if name in F32_ONLY and info.qtype.name != "F32":
-                raise ModelFormatError(f"{f.path}: tensor {name!r} has type "
-                                       f"{info.qtype.name}; F32 expected")
-        extra = sorted(set(f.tensors) - set(shapes))
-        if extra:
-            raise ModelFormatError(f"{f.path}: tensors a DFlash drafter does not have: "
-                                   + ", ".join(extra[:8]))
+        check_tensor_types(f, shapes, "DFlash", F32_ONLY)
         if self.has_d2t:
             check_d2t(f, self.vocab_size, True)
 
@@ -284,13 +279,7 @@ class DflashSpec:
             raise ModelFormatError(f"{where}: the drafter's width is {self.n_embd} but the "
                                    f"target's embedding length is {target.n_embd} (llama.cpp's "
                                    "DFlash encoder reads target rows of the drafter's width)")
-        bad = [k for k in self.target_layers if k > target.n_layer]
-        if bad:
-            raise ModelFormatError(f"{where}: target_layers {list(self.target_layers)} name "
-                                   f"layers past the target's {target.n_layer}")
-        if self.vocab_size != target.vocab_size:
-            raise ModelFormatError(f"{where}: vocabulary of {self.vocab_size} tokens but the "
-                                   f"target's has {target.vocab_size}")
+        check_reads_target(self.target_layers, self.vocab_size, target, where)
 
 
 def _dspark_fields(f: GGUFFile) -> dict:

@@ -1,7 +1,8 @@
 """What the drafter files that read a target's hidden states (EAGLE-3: service/model/eagle3.py;
 DFlash: service/model/dflash.py) have in common in llama.cpp's GGUF format: numbers under the
 architecture's prefix with their ranges, the target layers they read, the attention geometry,
-the target's vocabulary they carry, and the `d2t` draft-to-target id map. Each check raises
+the target's vocabulary they carry, the `d2t` draft-to-target id map, the tensor set's types,
+and the target layers and vocabulary a target must have. Each check raises
 ModelFormatError naming the key or tensor at fault and the file.
 """
 
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.errors import ModelFormatError
-from service.gguf.reader import GGUFFile
+from service.gguf.reader import INDEX_TYPES, GGUFFile
+from service.model.spec import ModelSpec
 
 D2T = "d2t"
 MAX_LAYER = 4096
@@ -117,6 +119,37 @@ def check_d2t(f: GGUFFile, vocab_size: int, own_output_needed: bool) -> None:
                                "ids, not Hugging Face's offsets)")
     if np.unique(d2t).size != d2t.size:
         raise ModelFormatError(f"{f.path}: d2t maps two draft rows to one target id")
+
+
+def check_tensor_types(f: GGUFFile, shapes: dict[str, tuple[int, ...]], kind: str,
+                       f32_only: tuple[str, ...] = ()) -> None:
+    """Every tensor of `shapes` (name -> shape) is in f with that shape, d2t alone an index
+    type and those of f32_only F32; f has no others. kind names the drafter in messages
+    ("EAGLE-3", "DFlash")."""
+    for name, shape in shapes.items():
+        info = f.tensor(name, shape)
+        if (int(info.qtype) in INDEX_TYPES) != (name == D2T):
+            raise ModelFormatError(f"{f.path}: tensor {name!r} has type {info.qtype.name}"
+                                   + ("; d2t must be I64" if name == D2T else ""))
+        if name in f32_only and info.qtype.name != "F32":
+            raise ModelFormatError(f"{f.path}: tensor {name!r} has type "
+                                   f"{info.qtype.name}; F32 expected")
+    extra = sorted(set(f.tensors) - set(shapes))
+    if extra:
+        raise ModelFormatError(f"{f.path}: tensors {_article(kind)} {kind} drafter does not "
+                               "have: " + ", ".join(extra[:8]))
+
+
+def check_reads_target(target_layers: tuple[int, ...], vocab_size: int, target: ModelSpec,
+                       where: str) -> None:
+    """The target has the layers a drafter reads and the vocabulary it carries."""
+    bad = [k for k in target_layers if k > target.n_layer]
+    if bad:
+        raise ModelFormatError(f"{where}: target_layers {list(target_layers)} name "
+                               f"layers past the target's {target.n_layer}")
+    if vocab_size != target.vocab_size:
+        raise ModelFormatError(f"{where}: vocabulary of {vocab_size} tokens but the "
+                               f"target's has {target.vocab_size}")
 
 
 def _article(word: str) -> str:

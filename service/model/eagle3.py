@@ -41,8 +41,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from service.errors import ModelFormatError
-from service.gguf.reader import INDEX_TYPES, GGUFFile
-from service.model.drafter_format import D2T, DrafterKeys, check_d2t
+from service.gguf.reader import GGUFFile
+from service.model.drafter_format import (
+    D2T,
+    DrafterKeys,
+    check_d2t,
+    check_reads_target,
+    check_tensor_types,
+)
 from service.model.hidden import HiddenRows, HiddenTap
 from service.model.spec import ModelSpec
 
@@ -132,17 +138,7 @@ class Eagle3Spec:
         return spec
 
     def _check_tensors(self, f: GGUFFile) -> None:
-        shapes = self.tensor_shapes()
-        for name, shape in shapes.items():
-            info = f.tensor(name, shape)
-            index = int(info.qtype) in INDEX_TYPES
-            if index != (name == D2T):
-                raise ModelFormatError(f"{f.path}: tensor {name!r} has type {info.qtype.name}"
-                                       + ("; d2t must be I64" if name == D2T else ""))
-        extra = sorted(set(f.tensors) - set(shapes))
-        if extra:
-            raise ModelFormatError(f"{f.path}: tensors an EAGLE-3 drafter does not have: "
-                                   + ", ".join(extra[:8]))
+        check_tensor_types(f, self.tensor_shapes(), "EAGLE-3")
         if self.has_d2t:      # a permutation of the full vocabulary may use the target's output
             check_d2t(f, self.vocab_size, self.draft_vocab != self.vocab_size)
 
@@ -152,13 +148,7 @@ class Eagle3Spec:
         if self.n_embd_target != target.n_embd:
             raise ModelFormatError(f"{where}: target_hidden_size {self.n_embd_target} but the "
                                    f"target's embedding length is {target.n_embd}")
-        bad = [k for k in self.target_layers if k > target.n_layer]
-        if bad:
-            raise ModelFormatError(f"{where}: target_layers {list(self.target_layers)} name "
-                                   f"layers past the target's {target.n_layer}")
-        if self.vocab_size != target.vocab_size:
-            raise ModelFormatError(f"{where}: vocabulary of {self.vocab_size} tokens but the "
-                                   f"target's has {target.vocab_size}")
+        check_reads_target(self.target_layers, self.vocab_size, target, where)
         shared = [w for w, own in (("token_embd", self.own_embedding),
                                    ("output", self.own_output)) if not own]
         if shared and target.n_embd != self.n_embd:

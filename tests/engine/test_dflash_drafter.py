@@ -15,7 +15,6 @@ llama.cpp's agreement with the reference: tests/golden/test_dflash_oracle.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +31,13 @@ from service.tools.synth_dflash import DflashOptions, synthesize_dflash
 from tests.engine.test_moe_speculation import PROMPTS, batch_equals_alone
 from tests.support.engines import run, running_engine
 from tests.support.models import model_path
-from tests.support.speculation import greedy_equals_plain_at_widths
+from tests.support.speculation import (
+    DraftSeq,
+    greedy_equals_plain_at_widths,
+    plain_greedy_ids,
+    prefill_and_extend,
+    sampled_equals_plain,
+)
 
 TARGET, N_NEW = "tiny-qwen3", 24
 WIDTHS = (2, 6, 16)
@@ -40,17 +45,24 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.02, seed
 NEAR_TIE = 0.05               # reference logit gap below which backend and reference may differ
 
 
+COMMON = dict(n_ff=256, quant="F32", weight_std=0.1)
+# random drafters for tiny-qwen3: two layers, full vocabulary, block 16; one layer with a
+# 300-id draft vocabulary, its own embeddings, causal block attention, block 8
+OPTIONS = {"random": DflashOptions(seed=6, layers=(1, 2), n_layer=2, **COMMON),
+           "reduced": DflashOptions(seed=7, layers=(0, 2), draft_vocab=300, own_embedding=True,
+                                    causal=True, block_size=8, **COMMON)}
+
+
+def synth_drafters(out: Path, options: dict[str, DflashOptions]) -> dict[str, Path]:
+    """Each of `options` synthesized for TARGET into folder out: name -> file."""
+    t = model_path(TARGET)
+    return {name: synthesize_dflash(out / f"{name}.gguf", t, o).path
+            for name, o in options.items()}
+
+
 @pytest.fixture(scope="module")
 def drafters(tmp_path_factory) -> dict[str, Path]:
-    """Random drafters for tiny-qwen3: two layers, full vocabulary, block 16; one layer with a
-    300-id draft vocabulary, its own embeddings, causal block attention, block 8."""
-    d, t = tmp_path_factory.mktemp("dfd"), model_path(TARGET)
-    common = dict(n_ff=256, quant="F32", weight_std=0.1)
-    return {"random": synthesize_dflash(d / "random.gguf", t, DflashOptions(
-                seed=6, layers=(1, 2), n_layer=2, **common)).path,
-            "reduced": synthesize_dflash(d / "reduced.gguf", t, DflashOptions(
-                seed=7, layers=(0, 2), draft_vocab=300, own_embedding=True, causal=True,
-                block_size=8, **common)).path}
+    return synth_drafters(tmp_path_factory.mktemp("dfd"), OPTIONS)
 
 
 def dflash_engine(path: Path, **overrides):
@@ -62,17 +74,10 @@ def dflash_engine(path: Path, **overrides):
 @pytest.fixture(scope="module")
 def plain_ids() -> list[list[int]]:
     with running_engine(TARGET) as eng:
-        return [run(eng, p, max_new_tokens=N_NEW, ignore_eos=True, speculative=False).token_ids
-                for p in PROMPTS]
+        return plain_greedy_ids(eng, PROMPTS, N_NEW)
 
 
 # ---------------------------------------------------------------- against the reference
-@dataclass
-class _State:                    # what a drafter reads of a sequence (DraftState)
-    slot: int
-    history: list[int] = field(default_factory=list)
-
-
 def reference_drafts(d: DflashDrafter, path: Path, feats: np.ndarray, history: list[int],
                      k: int) -> tuple[list[int], list[float]]:
     """The reference's k drafts after `history` from the target's rows feats (H - 1, P E) of
@@ -95,20 +100,6 @@ def agree_where_clear(got: list[int], want: list[int], gaps: list[float]) -> int
             assert a == b, (got, want, gaps)
             n += 1
     return n
-
-
-def prefill_and_extend(d: DflashDrafter, runner, prompt: list[int]):
-    """`prompt` prefilled through the target in slot 0 with its rows tapped, and the drafter's
-    slot 0 started on it and extended with those rows: the sequence (the prompt, then the seed
-    the prefill chose), the seed, and the prompt's tapped rows (P, P E)."""
-    P = len(prompt)
-    inp = StepInput(prompt, range(P), [0] * P, [P - 1], [ROW_GREEDY], hidden=True)
-    seed = int(runner.step(inp).token_ids[0])
-    feats = np.array(runner.hidden_states(inp))                          # (P, P E)
-    st = _State(0, [*prompt, seed])
-    d.start(st)
-    d.extend(st, range(P), range(P), runner.hidden_states(inp))
-    return st, seed, feats
 
 
 @pytest.mark.parametrize("which", ["random", "reduced"])
@@ -157,7 +148,7 @@ def test_tree_candidates_are_the_blocks_rows(drafters):
 def test_a_stale_slot_proposes_nothing(drafters):
     """Before its context is extended to the seed's predecessor, a slot drafts nothing."""
     with dflash_engine(drafters["random"], start=False) as eng:
-        st = _State(0, [5, 6, 7])
+        st = DraftSeq(0, [5, 6, 7])
         eng.drafter.start(st)
         assert eng.drafter.propose(st, 4) == []
         assert eng.drafter.candidates(st, 4, 2)[0] == []
@@ -182,15 +173,8 @@ def test_greedy_speculation_equals_plain_greedy(drafters, plain_ids, which):
 
 
 def test_sampled_speculation_equals_plain_sampling(drafters):
-    drafted = 0
     with dflash_engine(drafters["random"], verify_width=6) as eng:
-        for prompt in PROMPTS:
-            kw = dict(max_new_tokens=20, ignore_eos=True, top_logprobs=1)
-            plain = run(eng, prompt, SAMPLED, speculative=False, **kw)
-            spec = run(eng, prompt, SAMPLED, speculative=True, **kw)
-            assert spec.token_ids == plain.token_ids, prompt
-            assert spec.text == plain.text and spec.logprobs == plain.logprobs
-            drafted += spec.finished.usage.draft_tokens
+        drafted, _ = sampled_equals_plain(eng, PROMPTS, SAMPLED)
     assert drafted > 0
 
 

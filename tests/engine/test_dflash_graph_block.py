@@ -20,39 +20,30 @@ from service.backends.cpu.backend import CpuBackend
 from service.engine.runner import GREEDY as ROW_GREEDY
 from service.engine.runner import StepInput
 from service.engine.spec.dflash_drafter import DflashDrafter
-from service.tools.synth_dflash import DflashOptions, synthesize_dflash
-from tests.engine.test_dflash_drafter import N_NEW, PROMPTS, TARGET, _State, dflash_engine
+from tests.engine.test_dflash_drafter import (
+    N_NEW,
+    OPTIONS,
+    PROMPTS,
+    dflash_engine,
+    synth_drafters,
+)
+from tests.engine.test_dspark_drafter import OPTIONS as DSPARK
 from tests.support.engines import run
-from tests.support.models import model_path
+from tests.support.speculation import start_tapped
 
 
 @pytest.fixture(scope="module")
 def drafters(tmp_path_factory) -> dict[str, Path]:
-    d, t = tmp_path_factory.mktemp("dfg"), model_path(TARGET)
-    common = dict(n_ff=256, quant="F32", weight_std=0.1)
-    return {"random": synthesize_dflash(d / "random.gguf", t, DflashOptions(
-                seed=6, layers=(1, 2), n_layer=2, **common)).path,
-            "reduced": synthesize_dflash(d / "reduced.gguf", t, DflashOptions(
-                seed=7, layers=(0, 2), draft_vocab=300, own_embedding=True, causal=True,
-                block_size=8, **common)).path,
-            "dspark-conf": synthesize_dflash(d / "anchor.gguf", t, DflashOptions(
-                seed=6, layers=(1, 2), n_layer=2, markov_rank=32, markov_std=0.8,
-                confidence_head=True, **common)).path,
-            "dspark-bonus": synthesize_dflash(d / "bonus.gguf", t, DflashOptions(
-                seed=7, layers=(0, 2), draft_vocab=300, own_embedding=True, causal=True,
-                block_size=8, markov_rank=16, markov_std=0.5, markov_scale=0.5,
-                bonus_anchor=True, **common)).path}
+    """test_dflash_drafter.py's and test_dspark_drafter.py's drafters."""
+    return synth_drafters(tmp_path_factory.mktemp("dfg"), {
+        **OPTIONS, "dspark-conf": DSPARK["anchor-conf"], "dspark-bonus": DSPARK["bonus-reduced"]})
 
 
 def drive(d: DflashDrafter, runner, prompt: list[int], ks: list[int]) -> list[list[int]]:
     """Prefill `prompt` in slot 0 (tapped), extend, then for each k: propose (and every third
     time tree candidates), verify [seed, drafts] keeping a varying prefix plus a made-up bonus,
     extend the kept rows. Returns every proposal and candidates' chain."""
-    P = len(prompt)
-    inp = StepInput(prompt, range(P), [0] * P, [P - 1], [ROW_GREEDY], hidden=True)
-    st = _State(0, [*prompt, int(runner.step(inp).token_ids[0])])
-    d.start(st)
-    d.extend(st, range(P), range(P), runner.hidden_states(inp))
+    st, _ = start_tapped(d, runner, prompt)
     out = []
     for j, k in enumerate(ks):
         got = d.propose(st, k)

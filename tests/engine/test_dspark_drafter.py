@@ -17,6 +17,7 @@ llama.cpp's agreement with the reference and the backend: tests/golden/test_dfla
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,6 @@ from service.engine.runner import StepInput
 from service.engine.spec.dflash_drafter import DflashDrafter
 from service.gguf.reader import GGUFFile
 from service.model.dflash_forward import DflashDraft
-from service.tools.synth_dflash import DflashOptions, synthesize_dflash
 from tests.engine.test_dflash_drafter import (
     N_NEW,
     NEAR_TIE,
@@ -35,35 +35,38 @@ from tests.engine.test_dflash_drafter import (
     TARGET,
     WIDTHS,
     dflash_engine,
-    prefill_and_extend,
+    synth_drafters,
 )
+from tests.engine.test_dflash_drafter import OPTIONS as DFLASH_OPTIONS
 from tests.engine.test_moe_speculation import PROMPTS, batch_equals_alone
 from tests.support.engines import run, running_engine
 from tests.support.models import model_path
-from tests.support.speculation import greedy_equals_plain_at_widths
+from tests.support.speculation import (
+    greedy_equals_plain_at_widths,
+    plain_greedy_ids,
+    prefill_and_extend,
+    sampled_equals_plain,
+)
 
 P_MIN = 0.22              # cuts the cut test's block at its fourth draft
 ENGINE_P_MIN = 0.6        # cuts many of the engine runs' blocks (their confidences are higher)
 
 
+OPTIONS = {"anchor-conf": replace(DFLASH_OPTIONS["random"], markov_rank=32, markov_std=0.8,
+                                   confidence_head=True),
+           "bonus-reduced": replace(DFLASH_OPTIONS["reduced"], markov_rank=16, markov_std=0.5,
+                                    markov_scale=0.5, bonus_anchor=True)}
+
+
 @pytest.fixture(scope="module")
 def drafters(tmp_path_factory) -> dict[str, Path]:
-    d, t = tmp_path_factory.mktemp("dsd"), model_path(TARGET)
-    common = dict(n_ff=256, quant="F32", weight_std=0.1)
-    return {"anchor-conf": synthesize_dflash(d / "anchor.gguf", t, DflashOptions(
-                seed=6, layers=(1, 2), n_layer=2, markov_rank=32, markov_std=0.8,
-                confidence_head=True, **common)).path,
-            "bonus-reduced": synthesize_dflash(d / "bonus.gguf", t, DflashOptions(
-                seed=7, layers=(0, 2), draft_vocab=300, own_embedding=True, causal=True,
-                block_size=8, markov_rank=16, markov_std=0.5, markov_scale=0.5,
-                bonus_anchor=True, **common)).path}
+    return synth_drafters(tmp_path_factory.mktemp("dsd"), OPTIONS)
 
 
 @pytest.fixture(scope="module")
 def plain_ids() -> list[list[int]]:
     with running_engine(TARGET) as eng:
-        return [run(eng, p, max_new_tokens=N_NEW, ignore_eos=True, speculative=False).token_ids
-                for p in PROMPTS]
+        return plain_greedy_ids(eng, PROMPTS, N_NEW)
 
 
 def reference_chain(d: DflashDrafter, path: Path, feats: np.ndarray, history: list[int],
@@ -162,15 +165,8 @@ def test_greedy_speculation_with_the_confidence_cut_equals_plain_greedy(drafters
 
 
 def test_sampled_speculation_equals_plain_sampling(drafters):
-    drafted = 0
     with dflash_engine(drafters["bonus-reduced"], verify_width=6) as eng:
-        for prompt in PROMPTS:
-            kw = dict(max_new_tokens=20, ignore_eos=True, top_logprobs=1)
-            plain = run(eng, prompt, SAMPLED, speculative=False, **kw)
-            spec = run(eng, prompt, SAMPLED, speculative=True, **kw)
-            assert spec.token_ids == plain.token_ids, prompt
-            assert spec.text == plain.text and spec.logprobs == plain.logprobs
-            drafted += spec.finished.usage.draft_tokens
+        drafted, _ = sampled_equals_plain(eng, PROMPTS, SAMPLED)
     assert drafted > 0
 
 

@@ -24,9 +24,10 @@ from service.engine.runner import GREEDY as ROW_GREEDY
 from service.engine.runner import StepInput
 from service.engine.spec.eagle3_drafter import Eagle3Drafter
 from service.tools.synth_eagle3 import synthesize_eagle3
-from tests.engine.test_eagle3_drafter import N_NEW, PROMPTS, TARGET, _State, eagle3_engine
+from tests.engine.test_eagle3_drafter import N_NEW, PROMPTS, TARGET, eagle3_engine
 from tests.support.engines import run
 from tests.support.models import model_path
+from tests.support.speculation import start_tapped
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +46,7 @@ def drive(d: Eagle3Drafter, runner, prompt: list[int], ks: list[int]) -> list[li
     """Prefill `prompt` in slot 0 (tapped), extend, then for each k: propose k drafts (twice:
     the second must equal the first), verify [seed, drafts] keeping a varying prefix plus a
     made-up bonus, extend the kept rows. Returns every proposal and tree candidates' chains."""
-    P = len(prompt)
-    inp = StepInput(prompt, range(P), [0] * P, [P - 1], [ROW_GREEDY], hidden=True)
-    st = _State(0, [*prompt, int(runner.step(inp).token_ids[0])])
-    d.start(st)
-    d.extend(st, range(P), range(P), runner.hidden_states(inp))
+    st, _ = start_tapped(d, runner, prompt)
     out = []
     for j, k in enumerate(ks):
         got = d.propose(st, k)
@@ -74,14 +71,7 @@ def drive_batch(d: Eagle3Drafter, runner, prompts: list[list[int]], ks: list[int
     """Like drive, with one sequence per prompt in slots 0, 1, ..: each prefilled and extended
     in turn, then per k every sequence proposes (so each slot holds its boundary while the
     others extend and draft) and ONE verify step checks all their drafts."""
-    sts = []
-    for s, prompt in enumerate(prompts):
-        P = len(prompt)
-        inp = StepInput(prompt, range(P), [s] * P, [P - 1], [ROW_GREEDY], hidden=True)
-        st = _State(s, [*prompt, int(runner.step(inp).token_ids[0])])
-        d.start(st)
-        d.extend(st, range(P), range(P), runner.hidden_states(inp))
-        sts.append(st)
+    sts = [start_tapped(d, runner, prompt, s)[0] for s, prompt in enumerate(prompts)]
     out = []
     for j, k in enumerate(ks):
         drafts = [d.propose(st, k + s) for s, st in enumerate(sts)]

@@ -26,7 +26,7 @@ head's acceptance.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +42,13 @@ from service.tools.synth_eagle3 import synthesize_eagle3, write_eagle3
 from tests.engine.test_moe_speculation import PROMPTS, batch_equals_alone
 from tests.support.engines import run, running_engine
 from tests.support.models import model_path
-from tests.support.speculation import greedy_equals_plain_at_widths
+from tests.support.speculation import (
+    DraftSeq,
+    greedy_equals_plain_at_widths,
+    plain_greedy_ids,
+    prefill_and_extend,
+    sampled_equals_plain,
+)
 
 TARGET, N_NEW = "tiny-qwen3", 24
 WIDTHS = (2, 6, 16)
@@ -74,8 +80,7 @@ def eagle3_engine(head: Path, **overrides):
 @pytest.fixture(scope="module")
 def plain_ids() -> list[list[int]]:
     with running_engine(TARGET) as eng:
-        return [run(eng, p, max_new_tokens=N_NEW, ignore_eos=True, speculative=False).token_ids
-                for p in PROMPTS]
+        return plain_greedy_ids(eng, PROMPTS, N_NEW)
 
 
 # ---------------------------------------------------------------- a head that agrees
@@ -139,12 +144,6 @@ def agreeing(plain_ids, tmp_path_factory) -> Path:
 
 
 # ---------------------------------------------------------------- against the reference
-@dataclass
-class _State:                    # what a drafter reads of a sequence (DraftState)
-    slot: int
-    history: list[int] = field(default_factory=list)
-
-
 def reference_chain(ref: Eagle3Draft, feats: np.ndarray, history: list[int], k: int
                     ) -> tuple[list[int], list[float], np.ndarray]:
     """The reference's k drafts after `history` from the target's rows feats (H - 1, 3 Et) of
@@ -183,21 +182,6 @@ def reference(d: Eagle3Drafter, head: Path) -> Eagle3Draft:
     """The numpy reference of `head` (the spec the drafter `d` read from it) over the target's
     file, for 64 positions."""
     return Eagle3Draft(d.spec, GGUFFile(head), GGUFFile(model_path(TARGET)), 64)
-
-
-def prefill_and_extend(d: Eagle3Drafter, runner, prompt: list[int]
-                       ) -> tuple[_State, int, np.ndarray]:
-    """`prompt` prefilled through the target in slot 0 with its rows tapped, and the drafter's
-    slot 0 started on it and extended with those rows: the sequence (the prompt, then the seed
-    token the prefill chose), the seed, and the prompt's tapped rows (P, 3 Et)."""
-    P = len(prompt)
-    inp = StepInput(prompt, range(P), [0] * P, [P - 1], [ROW_GREEDY], hidden=True)
-    seed = int(runner.step(inp).token_ids[0])
-    feats = np.array(runner.hidden_states(inp))                      # (P, 3Et)
-    st = _State(0, [*prompt, seed])
-    d.start(st)
-    d.extend(st, range(P), range(P), runner.hidden_states(inp))
-    return st, seed, feats
 
 
 @pytest.mark.parametrize("which", ["random", "reduced"])
@@ -282,7 +266,7 @@ def test_drafts_equal_the_reference_after_a_branch_of_a_tree(heads):
 def test_a_stale_slot_proposes_nothing(heads):
     """Before its rows are extended to the seed's predecessor, a slot drafts nothing."""
     with eagle3_engine(heads["random"], start=False) as eng:
-        st = _State(0, [5, 6, 7])
+        st = DraftSeq(0, [5, 6, 7])
         eng.drafter.start(st)
         assert eng.drafter.propose(st, 4) == []
         eng.drafter.release(st)
@@ -308,14 +292,8 @@ def test_sampled_speculation_equals_plain_sampling(heads, agreeing, which):
     drafted = accepted = 0
     with eagle3_engine(head, verify_width=6) as eng:
         for params in SAMPLED:
-            for prompt in PROMPTS:
-                kw = dict(max_new_tokens=20, ignore_eos=True, top_logprobs=1)
-                plain = run(eng, prompt, params, speculative=False, **kw)
-                spec = run(eng, prompt, params, speculative=True, **kw)
-                assert spec.token_ids == plain.token_ids, (params, prompt)
-                assert spec.text == plain.text and spec.logprobs == plain.logprobs
-                drafted += spec.finished.usage.draft_tokens
-                accepted += spec.finished.usage.accepted_draft_tokens
+            d, a = sampled_equals_plain(eng, PROMPTS, params)
+            drafted, accepted = drafted + d, accepted + a
     print(f"\n{which}, sampled: {accepted}/{drafted} drafts accepted")
     assert drafted > 0
 

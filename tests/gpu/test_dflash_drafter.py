@@ -13,7 +13,6 @@ is their first)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,9 +20,14 @@ import pytest
 from service.tools.synth_dflash import DflashOptions, synthesize_dflash
 from tests.engine.test_dflash_drafter import N_NEW, SAMPLED, TARGET, WIDTHS
 from tests.engine.test_moe_speculation import PROMPTS, batch_equals_alone
-from tests.support.engines import run, running_engine
+from tests.support.engines import running_engine
 from tests.support.models import model_path
-from tests.support.speculation import greedy_equals_plain_at_widths
+from tests.support.speculation import (
+    greedy_equals_plain_at_widths,
+    plain_greedy_ids,
+    sampled_equals_plain,
+    trees_equal_plain_at_budgets,
+)
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -52,8 +56,7 @@ def cuda_engine(drafter: Path | None = None, **options):
 @pytest.fixture(scope="module")
 def plain_ids() -> list[list[int]]:
     with cuda_engine() as eng:
-        return [run(eng, p, max_new_tokens=N_NEW, ignore_eos=True, speculative=False).token_ids
-                for p in PROMPTS]
+        return plain_greedy_ids(eng, PROMPTS, N_NEW)
 
 
 @pytest.fixture(scope="module")
@@ -74,15 +77,8 @@ def test_greedy_speculation_equals_plain_greedy_on_cuda(drafters, plain_ids, whi
 
 @pytest.mark.parametrize("which", list(DRAFTERS))
 def test_sampled_speculation_equals_plain_sampling_on_cuda(drafters, which):
-    drafted = 0
     with cuda_engine(drafters[which], verify_width=6) as eng:
-        for prompt in PROMPTS:
-            kw = dict(max_new_tokens=20, ignore_eos=True, top_logprobs=1)
-            plain = run(eng, prompt, SAMPLED, speculative=False, **kw)
-            spec = run(eng, prompt, SAMPLED, speculative=True, **kw)
-            assert spec.token_ids == plain.token_ids, prompt
-            assert spec.logprobs == plain.logprobs
-            drafted += spec.finished.usage.draft_tokens
+        drafted, _ = sampled_equals_plain(eng, PROMPTS, SAMPLED)
     assert drafted > 0
 
 
@@ -99,13 +95,5 @@ def test_trees_equal_plain_greedy_on_cuda(drafters, plain_ids, which):
     """Tree verify over the block's top candidates per depth, budgets 4, 8 and 16, captured
     steps."""
     with cuda_engine(drafters[which], tree_budget=4) as eng:
-        for budget in (4, 8, 16):
-            eng.config = replace(eng.config, tree_budget=budget)
-            drafted = accepted = 0
-            for prompt, plain in zip(PROMPTS, plain_ids, strict=True):
-                out = run(eng, prompt, max_new_tokens=N_NEW, ignore_eos=True)
-                assert out.token_ids == plain, (which, budget, prompt)
-                drafted += out.finished.usage.draft_tokens
-                accepted += out.finished.usage.accepted_draft_tokens
-            print(f"\n{which} tree budget {budget}: {accepted}/{drafted} drafts accepted")
-            assert drafted > 0
+        trees_equal_plain_at_budgets(eng, PROMPTS, plain_ids, budgets=(4, 8, 16),
+                                     max_new_tokens=N_NEW, label=which)

@@ -11,7 +11,6 @@ failure)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,8 +24,14 @@ from tests.engine.test_eagle3_drafter import (
     successors,
 )
 from tests.engine.test_moe_speculation import PROMPTS, batch_equals_alone
-from tests.support.engines import run, running_engine
+from tests.support.engines import running_engine
 from tests.support.models import model_path
+from tests.support.speculation import (
+    greedy_equals_plain_at_widths,
+    plain_greedy_ids,
+    sampled_equals_plain,
+    trees_equal_plain_at_budgets,
+)
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -44,8 +49,7 @@ def cuda_engine(head: Path | None = None, **options):
 @pytest.fixture(scope="module")
 def plain_ids() -> list[list[int]]:
     with cuda_engine() as eng:
-        return [run(eng, p, max_new_tokens=N_NEW, ignore_eos=True, speculative=False).token_ids
-                for p in PROMPTS]
+        return plain_greedy_ids(eng, PROMPTS, N_NEW)
 
 
 @pytest.fixture(scope="module")
@@ -62,30 +66,17 @@ def heads(tmp_path_factory, plain_ids) -> dict[str, Path]:
 @pytest.mark.parametrize("which", ["random", "agreeing"])
 def test_greedy_speculation_equals_plain_greedy_on_cuda(heads, plain_ids, which):
     with cuda_engine(heads[which]) as eng:
-        for width in WIDTHS:
-            eng.config = replace(eng.config, verify_width=width)
-            drafted = accepted = 0
-            for prompt, plain in zip(PROMPTS, plain_ids, strict=True):
-                out = run(eng, prompt, max_new_tokens=N_NEW, ignore_eos=True)
-                assert out.token_ids == plain, (which, width, prompt)
-                drafted += out.finished.usage.draft_tokens
-                accepted += out.finished.usage.accepted_draft_tokens
-            print(f"\n{which} width {width}: {accepted}/{drafted} drafts accepted")
-            assert drafted > 0
+        for got in greedy_equals_plain_at_widths(eng, PROMPTS, plain_ids, widths=WIDTHS,
+                                                 max_new_tokens=N_NEW, label=which):
             if which == "agreeing":
-                assert accepted > 0
+                assert got.accepted > 0
 
 
 @pytest.mark.parametrize("which", ["random", "agreeing"])
 def test_sampled_speculation_equals_plain_sampling_on_cuda(heads, which):
     with cuda_engine(heads[which], verify_width=6) as eng:
         for params in SAMPLED:
-            for prompt in PROMPTS:
-                kw = dict(max_new_tokens=20, ignore_eos=True, top_logprobs=1)
-                plain = run(eng, prompt, params, speculative=False, **kw)
-                spec = run(eng, prompt, params, speculative=True, **kw)
-                assert spec.token_ids == plain.token_ids, (params, prompt)
-                assert spec.logprobs == plain.logprobs
+            sampled_equals_plain(eng, PROMPTS, params)
 
 
 @pytest.mark.parametrize("which", ["random", "agreeing"])
@@ -100,13 +91,5 @@ def test_a_request_alone_equals_it_in_a_speculating_batch_on_cuda(heads, which):
 def test_trees_equal_plain_greedy_on_cuda(heads, plain_ids, which):
     """Tree verify over the head's top-4 per depth, budgets 4, 8 and 16, captured steps."""
     with cuda_engine(heads[which], tree_budget=4) as eng:
-        for budget in (4, 8, 16):
-            eng.config = replace(eng.config, tree_budget=budget)
-            drafted = accepted = 0
-            for prompt, plain in zip(PROMPTS, plain_ids, strict=True):
-                out = run(eng, prompt, max_new_tokens=N_NEW, ignore_eos=True)
-                assert out.token_ids == plain, (which, budget, prompt)
-                drafted += out.finished.usage.draft_tokens
-                accepted += out.finished.usage.accepted_draft_tokens
-            print(f"\n{which} tree budget {budget}: {accepted}/{drafted} drafts accepted")
-            assert drafted > 0
+        trees_equal_plain_at_budgets(eng, PROMPTS, plain_ids, budgets=(4, 8, 16),
+                                     max_new_tokens=N_NEW, label=which)

@@ -27,6 +27,7 @@ from service.backends import create_backend
 from service.backends.step_format import N_PARAMS, OUT_WORDS, param_record
 from service.engine.engine import Engine
 from service.engine.runner import GREEDY, ModelRunner, RowSampling, StepInput
+from service.engine.types import Finished, GenerationRequest, SamplingParams, StoppingCriteria
 from service.gguf.reader import GGUFFile
 from service.model.hidden import HiddenRows, HiddenTap
 from service.model.spec import ModelSpec
@@ -399,3 +400,14 @@ def fake_device_engine(kernels: CompiledKernels, **options) -> Iterator[tuple[Fa
     with install(kernels) as dev, running_engine(
             TINY / "tiny-qwen3.gguf", **{"backend": "cuda", "n_slots": 2, **options}) as eng:
         yield dev, eng
+
+
+def speculate_greedily(eng: Engine, max_new_tokens: int) -> Finished:
+    """A 299-token prompt decoded greedily with speculation on `eng`, max_new_tokens past any
+    end token: its Finished event, which must carry no error."""
+    req = GenerationRequest("t", tuple(range(1, 300)), SamplingParams(temperature=0.0),
+                            StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=True),
+                            speculative=True)
+    fin = list(eng.generate(req, timeout=120))[-1]
+    assert isinstance(fin, Finished) and fin.error is None, fin
+    return fin

@@ -9,13 +9,16 @@ import numpy as np
 
 from service.gguf.reader import GGUFFile
 
+T = gguf.GGMLQuantizationType
+
 
 def rewrite(src: Path, dst: Path, meta: dict | None = None, drop: tuple[str, ...] = (),
             tensors: dict | None = None) -> Path:
     """A copy of `src` with metadata `meta` set (value, GGUFValueType[, sub type]), keys and
-    tensors in `drop` removed and `tensors` (name -> array, GGML type) added or replaced."""
+    tensors in `drop` removed and `tensors` (name -> array, GGML type) added or replaced (the
+    arguments are left as they are: a table of cases can pass its own)."""
     f = GGUFFile(src)
-    meta, tensors = meta or {}, tensors or {}
+    meta, tensors = dict(meta or {}), tensors or {}
     w = gguf.GGUFWriter(str(dst), meta.pop("general.architecture",
                                      (f.metadata["general.architecture"],))[0])
     for key, value in f.metadata.items():
@@ -39,3 +42,15 @@ def rewrite(src: Path, dst: Path, meta: dict | None = None, drop: tuple[str, ...
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+# edits of a drafter file's d2t and what the refusal says, for a drafter with a 300-id draft
+# vocabulary (and its own output.weight) of a 1024-token target (service/model/drafter_format.py)
+D2T_BAD = {
+    "d2t out of range": (dict(tensors={"d2t": (np.arange(1000, 1300, dtype=np.int64), T.I64)}),
+                         r"ids 1000..1299; target token ids in \[0, 1024\)"),
+    "d2t repeats": (dict(tensors={"d2t": (np.zeros(300, np.int64), T.I64)}),
+                    "two draft rows to one target id"),
+    "d2t float": (dict(tensors={"d2t": (np.zeros(300, np.float32), T.F32)}), "d2t must be I64"),
+    "d2t without output": (dict(drop=("output.weight",)), "needs the drafter's own output"),
+}

@@ -83,6 +83,14 @@ def open_gguf(model: str | Path, *, fetch: bool = True) -> GGUFFile:
     return _open(str(model_path(model, fetch=fetch)))
 
 
+def path_and_spec(model: str | Path, *, fetch: bool = True) -> tuple[Path, ModelSpec]:
+    """The file of `model` (model_path's names or a path) and the ModelSpec read from it."""
+    from service.model.spec import ModelSpec
+
+    p = model_path(model, fetch=fetch)
+    return p, ModelSpec.from_gguf(open_gguf(p))
+
+
 def build_model(model: str | Path, backend=None, *, n_ctx: int = 64, n_slots: int = 1,
                 max_tokens: int = 32, spec: Callable[[ModelSpec], ModelSpec] | None = None,
                 fetch: bool = True, cls: type | None = None, **options) -> Transformer:

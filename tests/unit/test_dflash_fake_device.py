@@ -16,9 +16,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from service.engine.spec.dflash_drafter import DflashDrafter
-from service.engine.types import Finished, GenerationRequest, SamplingParams, StoppingCriteria
 from service.tools.synth_dflash import DflashOptions, synthesize_dflash
-from tests.support.cuda_steps import fake_device_engine
+from tests.support.cuda_steps import fake_device_engine, speculate_greedily
 from tests.support.models import TINY
 
 FILES = {"F16": DflashOptions(n_layer=2, block_size=8, quant="F16"),
@@ -41,15 +40,10 @@ def test_the_dflash_drafter_drafts_on_the_fake_device(compiled, tmp_path, tree_b
             draft_p_min=0.5 if FILES[kind].confidence_head else 0.0,
             draft_in_full=True) as (dev, eng):          # verify_alpha 0: draft every step
         assert isinstance(eng.drafter, DflashDrafter)
-        req = GenerationRequest("t", tuple(range(1, 300)), SamplingParams(temperature=0.0),
-                                StoppingCriteria(max_new_tokens=6, ignore_eos=True),
-                                speculative=True)
         with capture_logs() as logs:
-            events = list(eng.generate(req, timeout=120))
+            fin = speculate_greedily(eng, 6)
     assert not [e for e in logs if e["event"].startswith("drafter_")
                 and e.get("log_level") in ("error", "warning")], logs
-    fin = events[-1]
-    assert isinstance(fin, Finished) and fin.error is None, fin
     assert fin.usage.draft_tokens > 0 and eng.drafter.steps > 0
     assert dev.graphs and all(g.replays for g in dev.graphs)
 
@@ -68,14 +62,9 @@ def test_the_block_is_one_captured_graph_on_the_fake_device(compiled, tmp_path, 
             draft_in_full=True) as (dev, eng):
         d = eng.drafter
         assert isinstance(d, DflashDrafter) and d.graph_block
-        req = GenerationRequest("t", tuple(range(1, 300)), SamplingParams(temperature=0.0),
-                                StoppingCriteria(max_new_tokens=24, ignore_eos=True),
-                                speculative=True)
-        events = list(eng.generate(req, timeout=120))
+        fin = speculate_greedily(eng, 24)
         graphs = eng.model.backend._steps.graphs
         blocks = [(k, g.graph) for k, (g, _) in graphs.items() if k[2:3] == ("dflash-block",)]
-    fin = events[-1]
-    assert isinstance(fin, Finished) and fin.error is None, fin
     assert fin.usage.draft_tokens > 0
     assert blocks and sum(g.replays for _, g in blocks) >= 2, blocks
     picks = "argmax_rows"

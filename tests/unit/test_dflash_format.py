@@ -19,16 +19,15 @@ from service.model.dflash import DflashSpec
 from service.model.hidden import HiddenRows
 from service.model.spec import ModelSpec
 from service.tools.synth_dflash import DflashOptions, default_layers, synthesize_dflash
-from tests.support.gguf_edit import rewrite
-from tests.support.models import model_path
+from tests.support.gguf_edit import D2T_BAD, rewrite
+from tests.support.models import path_and_spec
 
 TARGET = "tiny-qwen3"
 
 
 @pytest.fixture(scope="module")
 def target() -> tuple[Path, ModelSpec]:
-    p = model_path(TARGET)
-    return p, ModelSpec.from_gguf(GGUFFile(p))
+    return path_and_spec(TARGET)
 
 
 @pytest.fixture(scope="module")
@@ -143,12 +142,7 @@ BAD = {
     "no k norm": (dict(drop=("blk.1.attn_k_norm.weight",)), "attn_k_norm.weight' is missing"),
     "shared kv": (dict(drop=("blk.0.attn_v.weight",)), "shared K/V .* is not supported"),
     "extra tensor": (dict(tensors={"blk.2.attn_q.weight": f32(4, 32)}), "does not have: blk.2"),
-    "d2t out of range": (dict(tensors={"d2t": (np.arange(1000, 1300, dtype=np.int64), T.I64)}),
-                         r"ids 1000..1299; target token ids in \[0, 1024\)"),
-    "d2t repeats": (dict(tensors={"d2t": (np.zeros(300, np.int64), T.I64)}),
-                    "two draft rows to one target id"),
-    "d2t float": (dict(tensors={"d2t": (np.zeros(300, np.float32), T.F32)}), "d2t must be I64"),
-    "d2t without output": (dict(drop=("output.weight",)), "needs the drafter's own output"),
+    **D2T_BAD,
     "gelu": (dict(meta={"dflash.hidden_activation": ("gelu", V.STRING)}), "only silu"),
     "yarn": (dict(meta={"dflash.rope.scaling.type": ("yarn", V.STRING)}),
              "RoPE scaling is not supported"),
@@ -184,22 +178,18 @@ VARIANTS = {
 }
 
 
-def _edit(src: Path, dst: Path, kw: dict) -> Path:
-    return rewrite(src, dst, **{k: dict(v) if isinstance(v, dict) else v for k, v in kw.items()})
-
-
 @pytest.mark.parametrize("case", list(BAD))
 def test_malformed_files_are_refused_with_the_reason(tmp_path, reduced, case):
     kw, match = BAD[case]
     with pytest.raises(ModelFormatError, match=match):
-        DflashSpec.from_gguf(GGUFFile(_edit(reduced, tmp_path / "bad.gguf", kw)))
+        DflashSpec.from_gguf(GGUFFile(rewrite(reduced, tmp_path / "bad.gguf", **kw)))
 
 
 @pytest.mark.parametrize("case", list(VARIANTS))
 def test_unsupported_variants_are_refused_by_name(tmp_path, reduced, case):
     kw, match = VARIANTS[case]
     with pytest.raises(ModelFormatError, match=match + ".*not supported"):
-        DflashSpec.from_gguf(GGUFFile(_edit(reduced, tmp_path / "variant.gguf", kw)))
+        DflashSpec.from_gguf(GGUFFile(rewrite(reduced, tmp_path / "variant.gguf", **kw)))
 
 
 def test_the_unchanged_copy_is_accepted(tmp_path, reduced):

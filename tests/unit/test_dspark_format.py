@@ -20,7 +20,7 @@ from service.model.dflash import DflashSpec
 from service.model.spec import ModelSpec
 from service.tools.synth_dflash import DflashOptions, synthesize_dflash
 from tests.support.gguf_edit import rewrite
-from tests.support.models import model_path
+from tests.support.models import path_and_spec
 
 V, T = gguf.GGUFValueType, gguf.GGMLQuantizationType
 OPTIONS = DflashOptions(seed=3, layers=(0, 2), n_ff=128, block_size=8, draft_vocab=300,
@@ -29,8 +29,7 @@ OPTIONS = DflashOptions(seed=3, layers=(0, 2), n_ff=128, block_size=8, draft_voc
 
 @pytest.fixture(scope="module")
 def target() -> tuple[Path, ModelSpec]:
-    p = model_path("tiny-qwen3")
-    return p, ModelSpec.from_gguf(GGUFFile(p))
+    return path_and_spec("tiny-qwen3")
 
 
 @pytest.fixture(scope="module")

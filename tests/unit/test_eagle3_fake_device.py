@@ -13,9 +13,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from service.engine.spec.eagle3_drafter import Eagle3Drafter
-from service.engine.types import Finished, GenerationRequest, SamplingParams, StoppingCriteria
 from service.tools.synth_eagle3 import synthesize_eagle3
-from tests.support.cuda_steps import fake_device_engine
+from tests.support.cuda_steps import fake_device_engine, speculate_greedily
 from tests.support.models import TINY
 
 
@@ -29,16 +28,11 @@ def test_the_eagle3_drafter_drafts_on_the_fake_device(compiled, tmp_path, tree_b
             draft_model=str(head), tree_budget=tree_budget,
             draft_in_full=True) as (dev, eng):          # verify_alpha 0: draft every step
         assert isinstance(eng.drafter, Eagle3Drafter)
-        req = GenerationRequest("t", tuple(range(1, 300)), SamplingParams(temperature=0.0),
-                                StoppingCriteria(max_new_tokens=6, ignore_eos=True),
-                                speculative=True)
         with capture_logs() as logs:
-            events = list(eng.generate(req, timeout=120))
+            fin = speculate_greedily(eng, 6)
     # every extend ran: the 128-row prefill chunks' fc (128 x 768) fits the backend's
     # scratch, sized again once the head's weights were loaded
     assert not [e for e in logs if e["event"] == "drafter_extend_failed"], logs
-    fin = events[-1]
-    assert isinstance(fin, Finished) and fin.error is None, fin
     assert fin.usage.draft_tokens > 0 and eng.drafter.steps > 0
     assert dev.graphs and all(g.replays for g in dev.graphs)
     launched = {x.kernel for x in dev.launches}
@@ -62,16 +56,11 @@ def test_the_draft_chain_is_one_captured_graph_on_the_fake_device(compiled, tmp_
                             draft_in_full=True) as (dev, eng):
         d = eng.drafter
         assert isinstance(d, Eagle3Drafter) and d.chain is not None
-        req = GenerationRequest("t", tuple(range(1, 300)), SamplingParams(temperature=0.0),
-                                StoppingCriteria(max_new_tokens=32, ignore_eos=True),
-                                speculative=True)
         with capture_logs() as logs:
-            events = list(eng.generate(req, timeout=120))
+            fin = speculate_greedily(eng, 32)
         graphs = eng.model.backend._steps.graphs
         chains = [(k, g.graph) for k, (g, _) in graphs.items() if k[2:3] == ("eagle3-chain",)]
     assert not [e for e in logs if e["event"] == "drafter_extend_failed"], logs
-    fin = events[-1]
-    assert isinstance(fin, Finished) and fin.error is None, fin
     assert d.chain.steps >= 3 and fin.usage.draft_tokens > 0
     assert chains and all(k[3] == 3 and 1 <= k[0] <= 4 for k, _ in chains), chains
     # per key: an eager run, the capture (launched once), then replays

@@ -18,16 +18,15 @@ from service.model.eagle3 import Eagle3Spec
 from service.model.hidden import HiddenRows
 from service.model.spec import ModelSpec
 from service.tools.synth_eagle3 import default_layers, synthesize_eagle3
-from tests.support.gguf_edit import rewrite
-from tests.support.models import model_path
+from tests.support.gguf_edit import D2T_BAD, rewrite
+from tests.support.models import path_and_spec
 
 TARGET = "tiny-qwen3"
 
 
 @pytest.fixture(scope="module")
 def target() -> tuple[Path, ModelSpec]:
-    p = model_path(TARGET)
-    return p, ModelSpec.from_gguf(GGUFFile(p))
+    return path_and_spec(TARGET)
 
 
 @pytest.fixture(scope="module")
@@ -127,12 +126,7 @@ BAD = {
     "no hidden norm": (dict(drop=("blk.0.attn_norm_2.weight",)), "attn_norm_2.weight' is miss"),
     "extra tensor": (dict(tensors={"blk.1.attn_q.weight": (np.zeros((4, 32), np.float32),
                                                            T.F32)}), "does not have: blk.1"),
-    "d2t out of range": (dict(tensors={"d2t": (np.arange(1000, 1300, dtype=np.int64), T.I64)}),
-                         r"ids 1000..1299; target token ids in \[0, 1024\)"),
-    "d2t repeats": (dict(tensors={"d2t": (np.zeros(300, np.int64), T.I64)}),
-                    "two draft rows to one target id"),
-    "d2t float": (dict(tensors={"d2t": (np.zeros(300, np.float32), T.F32)}), "d2t must be I64"),
-    "d2t without output": (dict(drop=("output.weight",)), "needs the drafter's own output"),
+    **D2T_BAD,
     "d2t length": (dict(tensors={"d2t": (np.arange(299, dtype=np.int64), T.I64)}),
                    r"'output.weight' has shape \(300, 256\), expected \(299, 256\)"),
 }
@@ -141,10 +135,8 @@ BAD = {
 @pytest.mark.parametrize("case", list(BAD))
 def test_malformed_files_are_refused_with_the_reason(tmp_path, reduced, case):
     kw, match = BAD[case]
-    bad = rewrite(reduced, tmp_path / "bad.gguf", **{k: dict(v) if isinstance(v, dict) else v
-                                                      for k, v in kw.items()})
     with pytest.raises(ModelFormatError, match=match):
-        Eagle3Spec.from_gguf(GGUFFile(bad))
+        Eagle3Spec.from_gguf(GGUFFile(rewrite(reduced, tmp_path / "bad.gguf", **kw)))
 
 
 def test_the_unchanged_copy_is_accepted(tmp_path, reduced):
