@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command on an offline GPU host: install the carried wheels, put the real models in place
 # (from pieces carried in .gpu/, joined and checked), run the GPU tests, then the benchmarks.
-#   bash bench/gpu_host.sh [tests|bench|all|load|prefill|spec|concurrency] [pytest / script args]
+#   bash bench/gpu_host.sh [tests|bench|all|load|prefill|spec|concurrency|drafters]
+#                          [pytest / script args]
 # Every stage but load first compiles the kernels side by side (`specstream kernels warm`);
 # GPU_TEST_WORKERS=N runs the tests on N pytest-xdist workers where xdist is installed.
 # The bench stage runs bench/gpu_bench.py (BENCH_ARGS='--quick', BENCH_JSON=path).
@@ -77,5 +78,22 @@ fi
 if [ "$what" = concurrency ]; then
   python3 bench/concurrency.py --backend cuda --model synth-8b \
     --json "${CONC_JSON:-/tmp/bench-concurrency.json}" "$@" || status=1
+fi
+# EAGLE-3 heads fitted on the GPU host (issue 22's goal): for each real model in place,
+# `specstream train-drafter` with the target generating on CUDA (TRAIN_ARGS, default below),
+# then bench/speculative.py's real part with that head beside plain decoding and the n-gram
+# drafter (script args follow). Heads land in $DRAFTERS_DIR (default /tmp/specstream-heads).
+if [ "$what" = drafters ]; then
+  heads=${DRAFTERS_DIR:-/tmp/specstream-heads}; mkdir -p "$heads"
+  for model in smollm2-135m gemma3-270m; do
+    [ -f "$SPECSTREAM_MODELS_DIR/$model.gguf" ] || { echo "$model: not in place"; continue; }
+    python3 -m service.cli train-drafter "$SPECSTREAM_MODELS_DIR/$model.gguf" \
+      "$heads/$model-eagle3.gguf" --kind eagle3 --backend cuda \
+      ${TRAIN_ARGS:---tokens 128 --draft-vocab 16384 --unroll 3 --epochs 8 --max-seconds 240} \
+      || { status=1; continue; }
+    python3 bench/speculative.py --part real --backend cuda --models "$model" \
+      --eagle3 "$heads/$model-eagle3.gguf" \
+      --json "${SPEC_JSON:-/tmp/bench-spec}-$model.json" "$@" || status=1
+  done
 fi
 exit $status
