@@ -106,6 +106,39 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one JSON object at the end instead of streaming text")
     _engine_flags(gen)
 
+    _synth_parser(sub)
+
+    qnt = sub.add_parser("quantize", help="re-quantize a GGUF, optionally keeping only its "
+                         "first N blocks (a layer-truncated drafter of the same vocabulary)")
+    qnt.add_argument("model", help="input: a .gguf path or a known model name")
+    qnt.add_argument("out", help="output .gguf path")
+    qnt.add_argument("--type", required=True, help="q8_0 | q4_0 | q4-mix (q4_0, with "
+                     "dflash.* tensors at q8_0); 1-D tensors are written as F32")
+    qnt.add_argument("--layers", type=int, default=None, metavar="N",
+                     help="keep blocks 0..N-1 (plus embeddings, output norm and head)")
+
+    fit = sub.add_parser("fit-markov", help="fit a DSpark Markov head (a low-rank previous-token "
+                         "correction of a drafter's logits) and write it into a copy of DRAFT")
+    fit.add_argument("target", help="the target: a .gguf path or a known model name")
+    fit.add_argument("draft", help="the drafter: a .gguf of the target's vocabulary")
+    fit.add_argument("out", help="output .gguf path (DRAFT plus the head)")
+    fit.add_argument("--rank", type=int, required=True, metavar="R")
+    fit.add_argument("--corpus", required=True, metavar="FILE|-generate",
+                     help="a UTF-8 text file, or -generate to sample the corpus from the target")
+    fit.add_argument("--tokens", type=int, default=None, metavar="N",
+                     help="corpus tokens used (default: the whole file; 2048 with -generate)")
+    fit.add_argument("--dtype", default="f16", help="f16 | f32 (the head's tensors)")
+    fit.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = all cores")
+    fit.add_argument("--seed", type=int, default=0, help="-generate's sampling seed")
+
+    _train_drafter_parser(sub)
+    sub.add_parser("serve", help="run the gRPC server (see `specstream serve --help`)",
+                   add_help=False)
+    return p
+
+
+def _synth_parser(sub) -> None:
+    """`specstream synth`: a preset model, or an EAGLE-3 / DFlash drafter for a target."""
     syn = sub.add_parser("synth", help="write a seeded random-weight GGUF with a real "
                          "architecture's shapes (for benchmarks)")
     syn.add_argument("out", help="output .gguf path")
@@ -160,34 +193,6 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument("--threads", type=int, default=0, help="generator threads; 0 = all cores")
     syn.add_argument("--weight-std", type=float, default=0.02,
                      help="the weights' standard deviation (norm weights stay near 1)")
-
-    qnt = sub.add_parser("quantize", help="re-quantize a GGUF, optionally keeping only its "
-                         "first N blocks (a layer-truncated drafter of the same vocabulary)")
-    qnt.add_argument("model", help="input: a .gguf path or a known model name")
-    qnt.add_argument("out", help="output .gguf path")
-    qnt.add_argument("--type", required=True, help="q8_0 | q4_0 | q4-mix (q4_0, with "
-                     "dflash.* tensors at q8_0); 1-D tensors are written as F32")
-    qnt.add_argument("--layers", type=int, default=None, metavar="N",
-                     help="keep blocks 0..N-1 (plus embeddings, output norm and head)")
-
-    fit = sub.add_parser("fit-markov", help="fit a DSpark Markov head (a low-rank previous-token "
-                         "correction of a drafter's logits) and write it into a copy of DRAFT")
-    fit.add_argument("target", help="the target: a .gguf path or a known model name")
-    fit.add_argument("draft", help="the drafter: a .gguf of the target's vocabulary")
-    fit.add_argument("out", help="output .gguf path (DRAFT plus the head)")
-    fit.add_argument("--rank", type=int, required=True, metavar="R")
-    fit.add_argument("--corpus", required=True, metavar="FILE|-generate",
-                     help="a UTF-8 text file, or -generate to sample the corpus from the target")
-    fit.add_argument("--tokens", type=int, default=None, metavar="N",
-                     help="corpus tokens used (default: the whole file; 2048 with -generate)")
-    fit.add_argument("--dtype", default="f16", help="f16 | f32 (the head's tensors)")
-    fit.add_argument("--threads", type=int, default=0, help="CPU threads; 0 = all cores")
-    fit.add_argument("--seed", type=int, default=0, help="-generate's sampling seed")
-
-    _train_drafter_parser(sub)
-    sub.add_parser("serve", help="run the gRPC server (see `specstream serve --help`)",
-                   add_help=False)
-    return p
 
 
 def _train_drafter_parser(sub) -> None:
