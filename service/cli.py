@@ -239,6 +239,9 @@ def _train_drafter_parser(sub) -> None:
     tr.add_argument("--engine-prompts", type=int, default=d.engine_prompts, metavar="N",
                     help="also run N held-out prompts through the engine with the untrained "
                          "and the trained head (0: no)")
+    tr.add_argument("--soft-labels", type=int, default=d.soft_labels, metavar="N",
+                    help="train on the target's N most likely tokens' distribution (<= 20; "
+                         "0: its choice alone)")
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -500,7 +503,7 @@ def cmd_train_drafter(args) -> int:
         max_seconds=args.max_seconds, target_layers=_target_layers(args.target_layers),
         norm_before_fc=args.norm_before_fc, quant=args.quant, depth=args.depth,
         seed=args.seed, backend=args.backend, threads=args.threads, slots=args.slots,
-        engine_prompts=args.engine_prompts)
+        engine_prompts=args.engine_prompts, soft_labels=args.soft_labels)
     r = train_drafter(_resolve(args.target), args.out, opts)
     print(report_table(r, args.target))
     return 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +90,10 @@ class TargetSequence:
     n_prompt: int
     feats: np.ndarray         # (T - 1, 3 Et) f32 the tapped rows of positions 0..T-2
     choice: np.ndarray        # (T - 1,) i64 the target's argmax there (its next token)
+    # with n_top > 0: the target's n_top most likely next tokens there and their
+    # log-probabilities, most likely first (id -1, -inf where the step reported fewer)
+    top_ids: np.ndarray | None = None     # (T - 1, n_top) i64
+    top_logp: np.ndarray | None = None    # (T - 1, n_top) f32
 
     @property
     def n_generated(self) -> int:
@@ -98,10 +102,12 @@ class TargetSequence:
 
 class TargetRunner:
     """A target model on a backend with a hidden-state tap at `points`, n_slots sequences at a
-    time, max_tokens rows per step (every row may be a logits row)."""
+    time, max_tokens rows per step (every row may be a logits row); n_top > 0 (at most the
+    step's TOP_MAX) also keeps each row's n_top most likely tokens."""
 
     def __init__(self, path: str | Path, points: Sequence[int], *, backend: str = "cpu",
-                 threads: int = 0, n_slots: int = 8, n_ctx: int = 512, max_tokens: int = 128):
+                 threads: int = 0, n_slots: int = 8, n_ctx: int = 512, max_tokens: int = 128,
+                 n_top: int = 0):
         f = GGUFFile(path)
         self.spec = ModelSpec.from_gguf(f)
         self.tokenizer = (Tokenizer.from_metadata(f.metadata) if f.get("tokenizer.ggml.tokens")
@@ -112,26 +118,35 @@ class TargetRunner:
                                  max_tokens=max_tokens, max_logits=max_tokens)
         self.runner = ModelRunner(self.model, n_slots, self.n_ctx,
                                   hidden=HiddenTap(tuple(points), HiddenRows.ALL))
+        self.n_top = n_top
+        self.sampling = replace(GREEDY, n_top=n_top) if n_top > 0 else GREEDY
 
     def _step(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int]
-              ) -> tuple[np.ndarray, np.ndarray]:
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
         """One tapped step whose every row is a logits row: (the target's choice per row (n,)
-        i64, the tapped rows (n, 3 Et) f32)."""
+        i64, the tapped rows (n, 3 Et) f32, and with n_top the top ids (n, n_top) i64 and
+        log-probabilities (n, n_top) f32)."""
         n = len(ids)
-        inp = StepInput(list(ids), list(positions), list(slots), range(n), [GREEDY] * n,
-                        hidden=True)
-        choice = self.runner.step(inp).token_ids.astype(np.int64)
+        inp = StepInput(list(ids), list(positions), list(slots), range(n),
+                        [self.sampling] * n, hidden=True)
+        out = self.runner.step(inp)
+        choice = out.token_ids.astype(np.int64)
         feats = np.array(self.model.backend.to_host(self.runner.hidden_states(inp)), np.float32)
-        return choice, feats
+        if self.n_top <= 0:
+            return choice, feats, None, None
+        top_ids = np.full((n, self.n_top), -1, np.int64)                # (n, n_top) i64
+        top_logp = np.full((n, self.n_top), -np.inf, np.float32)        # (n, n_top) f32
+        for r, lp in enumerate(out.logprobs):
+            for j, (t, v) in enumerate(lp.top):
+                top_ids[r, j], top_logp[r, j] = t, v
+        return choice, feats, top_ids, top_logp
 
-    def _prefill(self, ids: Sequence[int], slot: int, feats: list, choice: list) -> None:
+    def _prefill(self, ids: Sequence[int], slot: int, parts: list) -> None:
         """Run a prompt into `slot` in chunks of max_tokens rows, appending their rows."""
         M = self.model.max_tokens
         for c0 in range(0, len(ids), M):
             chunk = ids[c0:c0 + M]
-            c, f = self._step(chunk, range(c0, c0 + len(chunk)), [slot] * len(chunk))
-            choice.append(c)
-            feats.append(f)
+            parts.append(self._step(chunk, range(c0, c0 + len(chunk)), [slot] * len(chunk)))
 
     def generate(self, prompts: Sequence[Sequence[int]], tokens: int,
                  stop_ids: frozenset[int] = frozenset()) -> list[TargetSequence]:
@@ -141,25 +156,29 @@ class TargetRunner:
         for g0 in range(0, len(prompts), self.n_slots):
             group = [list(p) for p in prompts[g0:g0 + self.n_slots]]
             seqs = [list(p) for p in group]
-            feats: list[list] = [[] for _ in seqs]
-            choice: list[list] = [[] for _ in seqs]
+            parts: list[list] = [[] for _ in seqs]      # per sequence: its steps' row blocks
             for slot, s in enumerate(seqs):
-                self._prefill(s, slot, feats[slot], choice[slot])
-                s.append(int(choice[slot][-1][-1]))
+                self._prefill(s, slot, parts[slot])
+                s.append(int(parts[slot][-1][0][-1]))
             for _ in range(tokens - 1):
                 live = [i for i, s in enumerate(seqs) if s[-1] not in stop_ids]
                 if not live:
                     break
-                c, f = self._step([seqs[i][-1] for i in live],
+                rows = self._step([seqs[i][-1] for i in live],
                                   [len(seqs[i]) - 1 for i in live], live)
                 for r, i in enumerate(live):
-                    seqs[i].append(int(c[r]))
-                    choice[i].append(c[r:r + 1])
-                    feats[i].append(f[r:r + 1])
-            out += [TargetSequence(np.array(s, np.int64), len(p), np.concatenate(f),
-                                   np.concatenate(c))
-                    for p, s, f, c in zip(group, seqs, feats, choice, strict=True)]
+                    seqs[i].append(int(rows[0][r]))
+                    parts[i].append(tuple(None if a is None else a[r:r + 1] for a in rows))
+            out += [_sequence(s, len(p), blocks)
+                    for p, s, blocks in zip(group, seqs, parts, strict=True)]
         return out
+
+
+def _sequence(ids: list[int], n_prompt: int, blocks: list) -> TargetSequence:
+    """A TargetSequence from its steps' row blocks (choice, feats, top ids, top log-probs)."""
+    c, f, ti, tl = (None if col[0] is None else np.concatenate(col)
+                    for col in zip(*blocks, strict=True))
+    return TargetSequence(np.array(ids, np.int64), n_prompt, f, c, ti, tl)
 
 
 def collect(runner: TargetRunner, prompts: Sequence[Sequence[int]], tokens: int,

@@ -9,6 +9,11 @@ was chosen by the target when ids[P + 1] == choice[P]; a chain's k-th draft at r
 when rows P - k + 1..P all were (eagle3_head.py), which holds throughout a generation and not in
 general inside a prompt.
 
+Soft labels (`--soft-labels N`): a row's loss target is the target's distribution over its N
+most likely next tokens (kept at generation) restricted to the draft vocabulary and
+renormalized, in place of the one-hot of its choice. The reported measures (loss, acceptance)
+stay against the choice.
+
 Draft vocabulary (d2t): the `n` target ids most frequent among the training rows' labels (ties
 to the lower id), sorted; 0 keeps the whole vocabulary. Labels outside it weigh 0 in the loss
 and count as misses in the acceptance.
@@ -111,8 +116,9 @@ def rows_of(s: TargetSequence) -> tuple[np.ndarray, ...]:
 
 
 def make_batch(seqs: Sequence[TargetSequence], t2d: np.ndarray, n_steps: int,
-               dtype=np.float32) -> Batch:
-    """The sequences as one padded batch with weights for n_steps unroll steps."""
+               dtype=np.float32, soft: bool = False) -> Batch:
+    """The sequences as one padded batch with weights for n_steps unroll steps; soft: with
+    soft labels from the sequences' top tokens (soft_labels)."""
     rows = [rows_of(s) for s in seqs]
     B, T = len(rows), max(1, *(len(r[1]) for r in rows))
     feats = np.zeros((B, T, rows[0][0].shape[1]), dtype)                # (B, T, 3 Et)
@@ -124,7 +130,28 @@ def make_batch(seqs: Sequence[TargetSequence], t2d: np.ndarray, n_steps: int,
         feats[b, :R], tokens[b, :R], labels[b, :R] = f, tok, t2d[lab]
         for k in range(n_steps):
             weight[k, b, :R] = (labels[b, :R] >= 0) & _chain_ok(chosen, k)
-    return Batch(feats, tokens, labels, weight)
+    if not soft:
+        return Batch(feats, tokens, labels, weight)
+    n = seqs[0].top_ids.shape[1]
+    soft_ids = np.zeros((B, T, n), np.int64)                            # (B, T, n)
+    soft_p = np.zeros((B, T, n), dtype)                                 # (B, T, n)
+    for b, s in enumerate(seqs):
+        R = len(rows[b][1])
+        soft_ids[b, :R], soft_p[b, :R] = soft_labels(s, t2d)
+    return Batch(feats, tokens, labels, weight, soft_ids, soft_p)
+
+
+def soft_labels(s: TargetSequence, t2d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A sequence's head rows' soft labels (module doc): (draft ids (R, n) i64, 0 where unused,
+    probabilities (R, n) f32)."""
+    R = len(s.ids) - 2
+    top, logp = s.top_ids[1:R + 1], s.top_logp[1:R + 1]                # (R, n) each
+    d = np.where(top >= 0, t2d[np.maximum(top, 0)], -1)                 # (R, n) i64
+    lp = np.where(d >= 0, logp, -np.inf).astype(np.float64)            # (R, n) f64
+    m = lp.max(-1, keepdims=True)
+    p = np.exp(lp - np.where(np.isfinite(m), m, 0.0))                   # (R, n) f64
+    z = p.sum(-1, keepdims=True)
+    return np.maximum(d, 0), (p / np.where(z > 0, z, 1.0)).astype(np.float32)
 
 
 def _chain_ok(chosen: np.ndarray, k: int) -> np.ndarray:
@@ -234,6 +261,7 @@ class FitOptions:
     lr: float = 1e-3
     max_seconds: float = 0.0  # > 0: fewer steps, so that training ends in about this time
     seed: int = 0
+    soft: bool = False        # train on soft labels (the sequences carry their top tokens)
 
 
 @dataclass(frozen=True)
@@ -258,7 +286,7 @@ def fit(head: Eagle3Head, seqs: Sequence[TargetSequence], t2d: np.ndarray, opts:
         for group in batches(seqs, opts.batch, rng):
             if step >= total:
                 break
-            b = make_batch(group, t2d, opts.unroll, head.dtype)
+            b = make_batch(group, t2d, opts.unroll, head.dtype, opts.soft)
             losses, _, grads = head.loss_and_grads(b)
             adam.step(grads, schedule(step, total, opts.lr))
             step += 1

@@ -13,6 +13,10 @@ is right when its earlier drafts were, so the tokens it reads are the real ones.
 
     loss = sum_k (sum over rows of weight_k * CE(logits_k, label)) / sum weight_k
 
+With soft labels (Batch.soft_p) a row's CE is against the target's distribution over its top
+draft ids, -sum_j p_j log softmax(logits)[id_j], whose gradient is softmax - p: the row learns
+the target's alternatives and their odds, not only its argmax.
+
 weight_k (K, B, T) is 0 on padding, unlabeled rows and rows whose chain would read a token the
 target did not choose. The token embeddings are the target's and stay frozen; every other
 tensor of the file (Eagle3Spec.tensor_shapes, d2t aside) is trained.
@@ -48,6 +52,21 @@ class Batch:
     tokens: np.ndarray        # (B, T) int64 input token t[P + 1] (0 on padding)
     labels: np.ndarray        # (B, T) int64 draft-vocabulary index of the label, -1: none
     weight: np.ndarray        # (K, B, T) per unroll step: 1 where the row's loss counts
+    # soft labels (None: the one-hot of labels): the target's distribution over a few draft
+    # ids per row, the loss's target in place of the label (which stays the accuracy's)
+    soft_ids: np.ndarray | None = None    # (B, T, N) int64 draft-vocabulary indices
+    soft_p: np.ndarray | None = None      # (B, T, N) probabilities, 0 on unused entries
+
+    def loss(self, logits: np.ndarray, k: int, dtype) -> tuple[float, np.ndarray, np.ndarray]:
+        """Unroll step k's weighted cross-entropy of logits (B, T, Vd) against the labels
+        (soft or hard): (sum, dlogits (B T, Vd), argmax (B T,))."""
+        flat = logits.reshape(-1, logits.shape[-1])
+        w = self.weight[k].reshape(-1).astype(dtype)
+        if self.soft_p is None:
+            return ops.cross_entropy(flat, self.labels.reshape(-1), w)
+        n = self.soft_p.shape[-1]
+        return ops.soft_cross_entropy(flat, self.soft_ids.reshape(-1, n),
+                                      self.soft_p.reshape(-1, n), w)
 
 
 def lin(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -131,11 +150,8 @@ class Eagle3Head:
         step (K,), every row's argmax draft-vocabulary index per step (K, B, T))."""
         n_steps = batch.weight.shape[0]
         losses, preds = np.zeros(n_steps), []
-        labels = batch.labels.reshape(-1)
         for k, logits in enumerate(self.logits(batch, n_steps)):
-            w = batch.weight[k].reshape(-1).astype(self.dtype)
-            losses[k], _, top = ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels,
-                                                  w)
+            losses[k], _, top = batch.loss(logits, k, self.dtype)
             preds.append(top.reshape(batch.labels.shape))
         return losses, np.stack(preds)
 
@@ -150,10 +166,8 @@ class Eagle3Head:
         labels = batch.labels.reshape(-1)
         g, e, head_cache = self._inputs(batch)
         for k, (y, logits, cache) in enumerate(self._unrolled(g, e, n_steps)):
-            w = batch.weight[k].reshape(-1).astype(self.dtype)
-            losses[k], dlogits, top = ops.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), labels, w)
-            hits[k] = float(((top == labels) & (w > 0)).sum())
+            losses[k], dlogits, top = batch.loss(logits, k, self.dtype)
+            hits[k] = float(((top == labels) & (batch.weight[k].reshape(-1) > 0)).sum())
             caches.append((y, (dlogits / norm[k]).reshape(logits.shape), cache))
         grads = {n: np.zeros_like(self.p[n]) for n in trained_names(self.spec)}
         self._backward(caches, e, head_cache, grads)

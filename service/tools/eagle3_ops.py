@@ -180,3 +180,24 @@ def cross_entropy(logits: np.ndarray, labels: np.ndarray, weight: np.ndarray
     d[rows, lab] -= 1.0
     d *= weight[:, None]
     return float(nll.sum()), d, logits.argmax(-1)
+
+
+def soft_cross_entropy(logits: np.ndarray, ids: np.ndarray, probs: np.ndarray,
+                       weight: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+    """Weighted cross-entropy against sparse target distributions: logits (N, Vd), ids (N, K)
+    draft-vocabulary indices (any value where probs is 0), probs (N, K) summing to 1 per row
+    with weight > 0, weight (N,). Row loss -sum_j p_j log softmax(logits)[ids_j] = logsumexp -
+    sum_j p_j logits[ids_j]; its gradient softmax(logits) - p scattered onto the ids. Returns
+    (sum of weight * loss, dlogits of that sum (N, Vd), the argmax per row (N,))."""
+    m = logits.max(-1, keepdims=True)
+    e = np.exp(logits - m)                                              # (N, Vd)
+    z = e.sum(-1, keepdims=True)
+    p = np.where(weight[:, None] > 0, probs, 0).astype(logits.dtype)    # (N, K)
+    idx = np.where(p > 0, ids, 0)                                       # (N, K)
+    rows = np.arange(len(idx))[:, None]
+    nll = (np.log(z[:, 0]) + m[:, 0]) * p.sum(-1) - (p * logits[rows, idx]).sum(-1)
+    d = e / z                                                           # (N, Vd) softmax
+    d *= p.sum(-1)[:, None]
+    np.add.at(d, (np.broadcast_to(rows, idx.shape), idx), -p)
+    d *= weight[:, None]
+    return float((nll * weight).sum()), d, logits.argmax(-1)

@@ -8,7 +8,8 @@ from the target's own greedy generations, and write it in llama.cpp's eagle3 for
    steps tapped at the head's three layers, every position's choice kept.
 2. The head (eagle3_fit.py): the target's shapes (synth_eagle3.draft_spec), a draft vocabulary
    of the `draft_vocab` most frequent training labels, the output projection started from the
-   target's rows; trained with Adam on the cross-entropy against the target's choices
+   target's rows; trained with Adam on the cross-entropy against the target's choices (or,
+   with `soft_labels` N, against its top-N distribution on the draft vocabulary)
    (eagle3_head.py: numpy, hand-written backward passes), unrolled `unroll` chain steps.
 3. The file (synth_eagle3.write_eagle3: written, re-read, checked against the target), then the
    report: losses and acceptance per depth before and after training on the held-out prompts
@@ -28,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
+from service.backends.step_format import TOP_MAX
 from service.errors import ConfigError
 from service.gguf.reader import GGUFFile
 from service.model.eagle3 import D2T, Eagle3Spec
@@ -61,6 +63,8 @@ def option_problems(opts: TrainOptions, t: ModelSpec, n_prompts: int) -> list[tu
                         ("max-prompt", opts.max_prompt, 1)):
         if v < lo:
             p.append((name, f"{v} must be at least {lo}"))
+    if not 0 <= opts.soft_labels <= TOP_MAX:
+        p.append(("soft-labels", f"{opts.soft_labels} is out of range [0, {TOP_MAX}]"))
     if not 0 < opts.holdout < 1:
         p.append(("holdout", f"{opts.holdout} must be in (0, 1)"))
     elif n_prompts:
@@ -123,7 +127,7 @@ def _generate(target: Path, t: ModelSpec, layers: tuple[int, ...], opts: TrainOp
     generating them took."""
     runner = TargetRunner(target, layers, backend=opts.backend, threads=opts.threads,
                           n_slots=opts.slots, n_ctx=opts.max_prompt + opts.tokens + 1,
-                          max_tokens=max(64, opts.slots))
+                          max_tokens=max(64, opts.slots), n_top=opts.soft_labels)
     prompts = prompt_ids(read_prompts(opts.prompts or None) if given is None else given,
                          runner.tokenizer, t.vocab_size)
     if problems := option_problems(opts, t, len(prompts)):
@@ -157,7 +161,7 @@ def train_drafter(target: str | Path, out: str | Path, opts: TrainOptions,
             _write(untrained, tf, spec, head, d2t, opts.quant)
         result = fitting.fit(head, train, t2d, fitting.FitOptions(
             unroll=K, epochs=opts.epochs, batch=opts.batch, lr=opts.lr,
-            max_seconds=opts.max_seconds, seed=opts.seed))
+            max_seconds=opts.max_seconds, seed=opts.seed, soft=opts.soft_labels > 0))
         written = _write(out, tf, spec, head, d2t, opts.quant)
         engine = []
         if opts.engine_prompts:

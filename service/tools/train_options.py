@@ -31,3 +31,4 @@ class TrainOptions:
     threads: int = 0
     slots: int = 64                    # sequences generated at once
     engine_prompts: int = 0            # held-out prompts the engine check runs; 0: none
+    soft_labels: int = 0               # > 0: train on the target's top-N distribution

@@ -8,7 +8,9 @@ continuations are still a fixed function of the context, which a head can learn)
   the reference forward (service/model/eagle3_forward.py) run on it as a chain gives the
   trainer's acceptance, and the trainer's logits row for row (extend and chain rows).
 - An engine drafting with it (`--drafter eagle3`) gives plain greedy output and accepts drafts.
-- The CLI runs end to end on a prompts file of token ids and reports bad options at once.
+- With n_top the generation keeps each position's top tokens, the choice first.
+- The CLI runs end to end on a prompts file of token ids (with soft labels) and reports bad
+  options at once.
 """
 
 from __future__ import annotations
@@ -104,6 +106,22 @@ def test_the_trainers_logits_are_the_reference_forwards(trained):
                 step1[P + 1]).max()
 
 
+def test_generation_keeps_the_top_tokens_with_n_top():
+    """Every fed position's n_top most likely tokens: the choice first, log-probabilities
+    descending and of a distribution (their mass at most 1); the choices are n_top = 0's."""
+    prompts = random_prompts(3, seed=11)
+    plain = collect(TargetRunner(model_path(TARGET), (0, 1, 2), n_slots=2, n_ctx=64),
+                    prompts, 8, 64)
+    topped = collect(TargetRunner(model_path(TARGET), (0, 1, 2), n_slots=2, n_ctx=64,
+                                  n_top=4), prompts, 8, 64)
+    for a, b in zip(plain, topped, strict=True):
+        assert a.top_ids is None and np.array_equal(a.choice, b.choice)
+        assert b.top_ids.shape == b.top_logp.shape == (len(b.ids) - 1, 4)
+        assert np.array_equal(b.top_ids[:, 0], b.choice)
+        assert (np.diff(b.top_logp, axis=1) <= 0).all()
+        assert (np.exp(b.top_logp).sum(1) <= 1 + 1e-5).all()
+
+
 def test_an_engine_drafting_with_the_trained_head_gives_plain_greedy_output(trained):
     prompts = random_prompts(4, seed=99)                       # none of them trained on
     with running_engine(TARGET) as eng:
@@ -124,7 +142,7 @@ def test_the_cli_trains_on_a_prompts_file_of_token_ids(capsys, tmp_path):
     code, text, err = run_cli(capsys, "train-drafter", str(model_path(TARGET)), str(out),
                               "--kind", "eagle3", "--prompts", str(prompts), "--tokens", "8",
                               "--epochs", "2", "--holdout", "0.25", "--quant", "Q8_0",
-                              "--draft-vocab", "64", "--depth", "2")
+                              "--draft-vocab", "64", "--depth", "2", "--soft-labels", "5")
     assert code == 0, err
     assert "9 training / 3 held-out prompts" in text
     assert "held-out acceptance, depth 2" in text and "reference forward" in text
@@ -134,10 +152,11 @@ def test_the_cli_trains_on_a_prompts_file_of_token_ids(capsys, tmp_path):
 def test_the_cli_reports_every_bad_option(capsys, tmp_path):
     code, _, err = run_cli(capsys, "train-drafter", str(model_path(TARGET)),
                            str(tmp_path / "no" / "x.gguf"), "--kind", "dflash", "--unroll", "0",
-                           "--holdout", "1.5", "--draft-vocab", "5000", "--quant", "Q4_0")
+                           "--holdout", "1.5", "--draft-vocab", "5000", "--quant", "Q4_0",
+                           "--soft-labels", "21")
     assert code == 2
     for what in ("kind: 'dflash'", "unroll: 0", "holdout: 1.5", "draft-vocab: 5000",
-                 "quant: 'Q4_0'", "is not a directory"):
+                 "quant: 'Q4_0'", "is not a directory", "soft-labels: 21"):
         assert what in err, what
 
 

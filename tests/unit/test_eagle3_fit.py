@@ -17,6 +17,7 @@ from service.tools.eagle3_fit import (
     draft_vocab,
     make_batch,
     schedule,
+    soft_labels,
     target_to_draft,
 )
 from service.tools.train_drafter import split
@@ -40,6 +41,31 @@ def test_the_draft_vocabulary_is_the_most_frequent_labels_sorted():
     t2d = target_to_draft(np.array([2, 7]), 12)
     assert t2d.tolist() == [-1, -1, 0, -1, -1, -1, -1, 1, -1, -1, -1, -1]
     assert target_to_draft(None, 4).tolist() == [0, 1, 2, 3]
+
+
+def test_soft_labels_are_the_top_tokens_on_the_draft_vocabulary_renormalized():
+    """Row P's soft label is position P + 1's top tokens (the label's position) mapped to
+    draft ids, those outside the draft vocabulary and unset entries dropped, the rest
+    renormalized; a batch carries them padded with probability 0."""
+    ids, choice = [1, 2, 3, 4, 5], [2, 3, 4, 5]
+    top = np.array([[2, 6, -1], [3, 8, 6], [4, 9, 3], [5, 6, 2]])             # (T - 1, 3)
+    logp = np.log(np.array([[0.5, 0.1, 1.0], [0.6, 0.2, 0.1], [0.7, 0.3, 1e-30],
+                            [0.8, 0.1, 0.1]], np.float32))
+    logp[0, 2] = -np.inf
+    s = TargetSequence(np.array(ids), 2, np.zeros((4, 3), np.float32), np.array(choice),
+                       top, logp)
+    t2d = target_to_draft(np.array([2, 3, 4, 5, 6]), 10)     # 8 and 9 outside
+    d, p = soft_labels(s, t2d)
+    assert d.shape == p.shape == (3, 3)
+    assert np.allclose(p, [[0.6 / 0.7, 0, 0.1 / 0.7], [1.0, 0, 0], [0.8, 0.1, 0.1]])
+    assert d[0, 0] == 1 and d[0, 2] == 4 and d[1, 0] == 2 and d[2].tolist() == [3, 4, 0]
+    b = make_batch([s, sequence(ids[:4], 2, choice[:3])], t2d, 1, soft=False)
+    assert b.soft_p is None
+    s2 = TargetSequence(np.array(ids[:4]), 2, np.zeros((3, 3), np.float32),
+                        np.array(choice[:3]), top[:3], logp[:3])
+    b = make_batch([s, s2], t2d, 1, soft=True)
+    assert np.allclose(b.soft_p[0], p) and b.soft_ids[0].tolist() == d.tolist()
+    assert np.allclose(b.soft_p[1, 2], 0) and np.allclose(b.soft_p[1, :2], p[:2])
 
 
 def test_rows_labels_and_chain_weights():

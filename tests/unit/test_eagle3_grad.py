@@ -2,7 +2,8 @@
 against central finite differences of the loss, in float64 on tiny shapes: every trained tensor,
 at unroll depths 1 and 3 (the training-time-test chain, whose steps read the previous step's
 output and attend to its rows), with and without the pre-fc norm and the normed residual, a
-reduced draft vocabulary and grouped heads; padding and unlabeled rows weighted 0."""
+reduced draft vocabulary and grouped heads; padding and unlabeled rows weighted 0; with hard
+labels and with soft ones (a distribution over a few draft ids per row)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from service.model.eagle3 import Eagle3Spec
 from service.tools.eagle3_head import Batch, Eagle3Head, trained_names
-from service.tools.eagle3_ops import attention_forward
+from service.tools.eagle3_ops import attention_forward, cross_entropy, soft_cross_entropy
 
 E, ET, H, HKV, HD, F, V, VD, B, T = 8, 6, 4, 2, 4, 12, 20, 10, 2, 7
 EPS = 1e-6
@@ -38,14 +39,19 @@ def tiny_head(spec: Eagle3Spec, seed: int) -> Eagle3Head:
     return Eagle3Head(spec, params, rng.standard_normal((V, E)), max_len=T)
 
 
-def tiny_batch(n_steps: int, seed: int) -> Batch:
+def tiny_batch(n_steps: int, seed: int, soft: bool = False) -> Batch:
     rng = np.random.default_rng(seed)
     labels = rng.integers(-1, VD, (B, T))
     weight = (rng.random((n_steps, B, T)) < 0.8) & (labels >= 0)
     weight[:, 1, T - 2:] = False                          # the second sequence is shorter
+    soft_ids = soft_p = None
+    if soft:                                              # 4 ids a row, one of them unused
+        soft_ids = rng.integers(0, VD, (B, T, 4))
+        soft_p = rng.random((B, T, 4)) * (np.arange(4) < 3)
+        soft_p /= soft_p.sum(-1, keepdims=True)
     return Batch(feats=3.0 * rng.standard_normal((B, T, 3 * ET)),
                  tokens=rng.integers(0, V, (B, T)), labels=labels,
-                 weight=weight.astype(np.float64))
+                 weight=weight.astype(np.float64), soft_ids=soft_ids, soft_p=soft_p)
 
 
 def total_loss(head: Eagle3Head, batch: Batch) -> float:
@@ -53,11 +59,13 @@ def total_loss(head: Eagle3Head, batch: Batch) -> float:
     return float((losses / np.maximum(batch.weight.sum((1, 2)), 1.0)).sum())
 
 
+@pytest.mark.parametrize("soft", [False, True], ids=["hard", "soft"])
 @pytest.mark.parametrize("n_steps", [1, 3])
 @pytest.mark.parametrize("flags", [{}, {"norm_before_fc": True, "norm_before_residual": True}],
                          ids=["plain", "normed"])
-def test_gradients_match_finite_differences(n_steps, flags):
-    head, batch = tiny_head(tiny_spec(**flags), seed=n_steps), tiny_batch(n_steps, seed=7)
+def test_gradients_match_finite_differences(n_steps, flags, soft):
+    head = tiny_head(tiny_spec(**flags), seed=n_steps)
+    batch = tiny_batch(n_steps, seed=7, soft=soft)
     _, _, grads = head.loss_and_grads(batch)
     rng = np.random.default_rng(3)
     assert set(grads) == set(trained_names(head.spec))
@@ -73,6 +81,36 @@ def test_gradients_match_finite_differences(n_steps, flags):
             w[idx] = old
             num = (up - down) / (2 * EPS)
             assert abs(num - g[idx]) <= 1e-6 * max(1.0, abs(num)), (name, idx, num, g[idx])
+
+
+def test_soft_cross_entropy():
+    """Against a one-hot it is the hard cross-entropy; its logits gradient matches finite
+    differences and is softmax - p on a row's ids (duplicate ids add up); a weight-0 row adds
+    nothing whatever its probabilities."""
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((6, VD))
+    labels = rng.integers(0, VD, 6)
+    weight = np.array([1.0, 0.5, 0.0, 2.0, 1.0, 1.0])
+    ids = np.stack([labels, rng.integers(0, VD, 6), labels], 1)          # (6, 3)
+    one_hot = np.array([[1.0, 0.0, 0.0]] * 6)
+    hard = cross_entropy(logits, labels, weight)
+    soft = soft_cross_entropy(logits, ids, one_hot, weight)
+    assert np.isclose(soft[0], hard[0]) and np.allclose(soft[1], hard[1])
+    p = rng.random((6, 3))
+    p /= p.sum(-1, keepdims=True)
+    loss, d, _ = soft_cross_entropy(logits, ids, p, weight)
+    assert not d[2].any()
+    for r, c in ((0, int(labels[0])), (1, 3), (3, int(ids[3, 1])), (4, 7)):
+        x = logits.copy()
+        x[r, c] += EPS
+        up = soft_cross_entropy(x, ids, p, weight)[0]
+        x[r, c] -= 2 * EPS
+        num = (up - soft_cross_entropy(x, ids, p, weight)[0]) / (2 * EPS)
+        assert abs(num - d[r, c]) <= 1e-6, (r, c, num, d[r, c])
+    sm = np.exp(logits[0]) / np.exp(logits[0]).sum()
+    target = np.zeros(VD)
+    np.add.at(target, ids[0], p[0])
+    assert np.allclose(d[0], sm - target)
 
 
 def test_the_chain_steps_read_earlier_steps():
