@@ -10,8 +10,12 @@ from its per-state cache. Greedy constrained rows run overlapped (a fed row choo
 mask and the host checks it against the mask, filled meanwhile: docs/structured-output.md); the
 table also gives how many overlapped choices the masks refused.
 
-    python bench/structured.py [--backend cpu|cuda] [--tokens 64] [--rounds 2] [--regex R]
-        [--constraints regex,json]
+    python bench/structured.py [--backend cpu|cuda] [--model smollm2-135m|synth-8b|PATH]
+        [--tokens 64] [--rounds 2] [--regex R] [--constraints regex,json]
+
+The synthetic 8B (llama3-8b shapes, Q4_K_M, seeded, generated into --synth-dir and reused)
+carries a real tokenizer, so its masks are as large as a real model's; its text is noise, so
+a constraint may end early (the per-token figure counts only the tokens that came).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from service.config import EngineConfig, models_dir_from_env  # noqa: E402
 from service.engine.engine import Engine  # noqa: E402
@@ -38,6 +43,7 @@ from service.engine.types import (  # noqa: E402
 )
 from service.gguf.fetch import fetch_model  # noqa: E402
 from service.logging import configure_logging  # noqa: E402
+from synth_model import DEFAULT_DIR, synth_model  # noqa: E402
 
 PROMPT = "Write a few sentences about the sea, the wind and the boats:"
 LOOSE = Constraint("regex", r"[A-Za-z ,.;'\-]{1,4000}")
@@ -91,6 +97,9 @@ def per_token_ms(eng: Engine, streams: int, tokens: int, constraint: Constraint 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="smollm2-135m, synth-8b (llama3-8b shapes, Q4_K_M) or a GGUF path")
+    ap.add_argument("--synth-dir", default=DEFAULT_DIR)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="best of this many runs each")
     ap.add_argument("--streams", default="1,16")
@@ -106,7 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     configure_logging("warning")
     counts = [int(s) for s in args.streams.split(",")]
-    path = fetch_model("smollm2-135m", models_dir_from_env())
+    if args.model == "synth-8b":
+        path, _ = synth_model(args.synth_dir, "llama3-8b", "Q4_K_M", 0)
+    elif Path(args.model).is_file():
+        path = Path(args.model)
+    else:
+        path = fetch_model(args.model, models_dir_from_env())
     eng = Engine.load(path, EngineConfig(backend=args.backend, n_ctx=512,
                                          n_slots=max(counts), overlap=args.overlap))
     eng.start()
@@ -129,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                              "refused": refused})
     finally:
         eng.stop()
-    print(f"structured output, {args.backend}, overlap {args.overlap}, SmolLM2, {args.tokens} "
+    print(f"structured output, {args.backend}, overlap {args.overlap}, {args.model}, {args.tokens} "
           f"tokens, best of {args.rounds} (ms per token per stream after its first; goal ratio "
           f"<= 1.05); regex {args.regex!r}, json {NOTE.text}")
     print(f"{'constraint':>10} {'streams':>8} {'plain':>9} {'constrained':>12} {'ratio':>7} "
