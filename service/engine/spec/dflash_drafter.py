@@ -53,7 +53,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 
 from service.engine.spec.drafters import Drafter, DraftState
-from service.engine.spec.tree import candidates_from_logits
+from service.engine.spec.tree import candidates_from_logits, check_n_top, no_candidates
 from service.model.dflash import DflashSpec
 from service.model.dflash_model import DflashModel
 from service.model.hidden import HiddenTap
@@ -230,16 +230,15 @@ class DflashDrafter(Drafter):
         per chain position, its n_top most likely target ids (k', n_top) int64 with their
         log-probabilities (float64, log-softmax over the draft vocabulary), best first; the
         chain's token is each row's first. The block's logits rows come to the host."""
-        if not 1 <= n_top <= self.spec.draft_vocab:
-            raise ValueError(f"n_top must be in 1..{self.spec.draft_vocab}, got {n_top}")
+        check_n_top(n_top, self.spec.draft_vocab)
         k = self._ready(seq, k)
         if k == 0:
-            return [], np.zeros((0, n_top), np.int64), np.zeros((0, n_top), np.float64)
+            return no_candidates(n_top)
         H = len(seq.history)
         logits = self._block([seq.history[-1]], H - 1, seq.slot, k)
         k = self._cut(k)
         if k == 0:
-            return [], np.zeros((0, n_top), np.int64), np.zeros((0, n_top), np.float64)
+            return no_candidates(n_top)
         rows, logp = candidates_from_logits(
             np.asarray(self.model.backend.to_host(logits))[self.first:self.first + k],
             n_top)                                                       # (k, n_top) x2

@@ -60,6 +60,7 @@ from service.engine.runner.model_runner import DRAFT, ModelRunner
 from service.engine.runner.step import GREEDY, StepInput
 from service.engine.spec.drafters import Drafter, DraftState
 from service.engine.spec.markov_head import MarkovHead
+from service.engine.spec.tree import check_n_top
 from service.engine.types import TokenLogprob
 from service.model.transformer import Transformer
 
@@ -106,8 +107,7 @@ class ModelDrafter(Drafter):
         """The top-1 chain of up to k tokens, and per chain position its n_top (<= TOP_MAX)
         most likely tokens (ids (k', n_top) int64) with their log-probabilities (float64),
         best first; the chain's token is each row's first."""
-        if not 1 <= n_top <= TOP_MAX:
-            raise ValueError(f"n_top must be in 1..{TOP_MAX}, got {n_top}")
+        check_n_top(n_top, TOP_MAX)
         chain, logprobs = self._draft(seq, k, n_top)
         tops = [lp.top for lp in logprobs if lp is not None]
         ids = np.array([[t for t, _ in row] for row in tops], np.int64).reshape(-1, n_top)

@@ -50,7 +50,7 @@ import numpy as np
 
 from service.engine.spec.drafters import Drafter, DraftState
 from service.engine.spec.eagle3_chain import Boundary, CapturedChain
-from service.engine.spec.tree import candidates_from_logits
+from service.engine.spec.tree import candidates_from_logits, check_n_top
 from service.model.eagle3 import Eagle3Spec
 from service.model.eagle3_model import Eagle3Model
 from service.model.hidden import HiddenTap
@@ -204,8 +204,7 @@ class Eagle3Drafter(Drafter):
         per chain position, its n_top most likely target ids (k', n_top) int64 with their
         log-probabilities (float64, log-softmax over the draft vocabulary), best first; the
         chain's token is each row's first. Each position's logits row comes to the host."""
-        if not 1 <= n_top <= self.spec.draft_vocab:
-            raise ValueError(f"n_top must be in 1..{self.spec.draft_vocab}, got {n_top}")
+        check_n_top(n_top, self.spec.draft_vocab)
         chain, ids, logp = self._draft(seq, k, n_top)
         return chain, np.asarray(ids, np.int64).reshape(-1, n_top), np.asarray(
             logp, np.float64).reshape(-1, n_top)

@@ -90,6 +90,18 @@ class Compaction(NamedTuple):
 
 
 # ---------------------------------------------------------------- building
+def check_n_top(n_top: int, most: int) -> None:
+    """A drafter's candidates() refuses a candidate count outside 1..most."""
+    if not 1 <= n_top <= most:
+        raise ValueError(f"n_top must be in 1..{most}, got {n_top}")
+
+
+def no_candidates(n_top: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """candidates()' answer when nothing can be drafted: an empty chain, (0, n_top) ids and
+    log-probabilities."""
+    return [], np.zeros((0, n_top), np.int64), np.zeros((0, n_top), np.float64)
+
+
 def candidates_from_logits(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Top-k tokens per draft position with their log-probabilities, best first (equal
     logits: the lower id first, like the argmax kernels). logits (D, V) -> ids (D, k) int64,
