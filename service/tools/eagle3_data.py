@@ -25,6 +25,7 @@ import numpy as np
 import structlog
 
 from service.backends import create_backend
+from service.config import MAX_STEP_ROWS
 from service.engine.runner import GREEDY, ModelRunner, StepInput
 from service.errors import ConfigError
 from service.gguf.reader import GGUFFile
@@ -113,7 +114,8 @@ class TargetRunner:
         self.tokenizer = (Tokenizer.from_metadata(f.metadata) if f.get("tokenizer.ggml.tokens")
                           else Tokenizer.ids_only(self.spec.vocab_size))
         self.n_slots, self.n_ctx = n_slots, min(n_ctx, self.spec.n_ctx_train)
-        be = create_backend(backend, threads=threads)
+        # steps up to MAX_STEP_ROWS batch-invariant, as the engine's (engine/loader.py)
+        be = create_backend(backend, threads=threads, invariant_tokens=MAX_STEP_ROWS)
         self.model = Transformer(self.spec, f, be, n_ctx=self.n_ctx, n_slots=n_slots,
                                  max_tokens=max_tokens, max_logits=max_tokens)
         self.runner = ModelRunner(self.model, n_slots, self.n_ctx,

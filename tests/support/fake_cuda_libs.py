@@ -17,7 +17,7 @@ import importlib
 import types
 from typing import Any
 
-from tests.support.fake_gpu import Gemm, KernelCheckError
+from tests.support.fake_gpu import CaptureError, Gemm, KernelCheckError
 
 # ---------------------------------------------------------------- cuda.bindings.driver
 
@@ -186,6 +186,9 @@ class _Cublas:
         m = types.ModuleType("cupy_backends.cuda.libs.cublas", "fake cuBLAS bindings")
 
         def set_stream(h, s):
+            if self.cp.dev.capturing:   # CuPy refuses cuBLAS calls while any stream captures
+                raise CaptureError("calling cuBLAS API during stream capture is currently "
+                                   "unsupported (CuPy's cublas.setStream)")
             self._h(h)["stream"] = int(s)
 
         def set_pointer_mode(h, mode):

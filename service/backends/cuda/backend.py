@@ -23,7 +23,7 @@ from service.backends.cuda.attention import PREFILL_ATTENTION_MIN_TOKENS, Attent
 from service.backends.cuda.elementwise import ElementwiseOps
 from service.backends.cuda.gemm import PREFILL_GEMM_MIN_TOKENS, GemmOps
 from service.backends.cuda.gemv import GEMV_PREFETCH_ROWS, GemvOps
-from service.backends.cuda.graphs import StepGraphs, step_sizes
+from service.backends.cuda.graphs import GRAPH_MAX_TOKENS, StepGraphs, step_sizes
 from service.backends.cuda.kv import KVOps
 from service.backends.cuda.launcher import ActivationBlocks, Launcher
 from service.backends.cuda.memory import DeviceMemory
@@ -89,10 +89,12 @@ class CudaBackend(Backend):
         launcher = self._launcher = Launcher(self.stream, blocks, pdl)
         self._memory = DeviceMemory(self.stream, blocks)
         self._weights = WeightLoader(self.stream, upload, uploader)
-        self._steps = StepGraphs(self.stream, launcher, blocks, graphs)
-        self._gemm = GemmOps(self.stream, launcher, blocks,
-                             _past(prefill_gemm_min_tokens, invariant_tokens),
-                             prefill_scratch_mib << 20)
+        gemm_min = _past(prefill_gemm_min_tokens, invariant_tokens)
+        # cuBLAS cannot be captured: a step wide enough for the GEMM path always runs eagerly
+        self._steps = StepGraphs(self.stream, launcher, blocks, graphs,
+                                 GRAPH_MAX_TOKENS if gemm_min is None
+                                 else min(GRAPH_MAX_TOKENS, gemm_min - 1))
+        self._gemm = GemmOps(self.stream, launcher, blocks, gemm_min, prefill_scratch_mib << 20)
         self._gemv = GemvOps(launcher, blocks, rows=gemv_rows, early=gemv_early,
                              prefetch_rows=gemv_prefetch_rows, mma=gemv_mma,
                              fuse_norm=fuse_norm)

@@ -32,9 +32,10 @@ def step_sizes(max_tokens: int) -> tuple[int, ...]:
 
 class StepGraphs:
     def __init__(self, stream: Any, launcher: Launcher, blocks: ActivationBlocks,
-                 enabled: bool) -> None:
+                 enabled: bool, max_tokens: int = GRAPH_MAX_TOKENS) -> None:
         self.stream = stream
         self.enabled = enabled                       # False: every step runs eagerly
+        self.max_tokens = max_tokens                 # wider steps run eagerly
         self.graphs: dict[tuple, tuple[Any, Any]] = {}   # key -> (graph, fn's result)
         self.seen: set[tuple] = set()                # keys run once (eagerly)
         self._launcher = launcher
@@ -48,7 +49,7 @@ class StepGraphs:
             self._blocks.forget()
 
     def _run(self, key: tuple, inputs: tuple, fn: Callable[[], Any]) -> Any:
-        if not self.enabled or key[0] > GRAPH_MAX_TOKENS:
+        if not self.enabled or key[0] > self.max_tokens:
             return fn()
         full = (*key, *(a.data.ptr for a in inputs))
         hit = self.graphs.get(full)
