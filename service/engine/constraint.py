@@ -190,6 +190,10 @@ class Matcher:
         """The mask before any token (the compiled one, read-only: no fill)."""
         return self._first
 
+    def is_stop(self, token: int) -> bool:
+        """Whether `token` is one of the grammar's stop tokens (it ends the constraint)."""
+        return bool((self._stops == token).any())
+
     def accept(self, token: int) -> bool:
         """Advance by one token; False when the token is not allowed (nothing changes)."""
         return bool(self._m.accept_token(int(token)))
@@ -226,25 +230,36 @@ def _batcher(threaded: bool) -> Any:
         return b
 
 
-def advance_rows(matchers: list[Matcher], tokens: list[int]) -> np.ndarray:
-    """Accept one committed token per matcher and fill every next mask, all in one batch
+def advance_rows(matchers: list[Matcher], tokens: list[int],
+                 fill: list[bool] | None = None) -> tuple[np.ndarray, list[bool]]:
+    """Accept one committed token per matcher and fill the next masks, all in one batch
     (xgrammar's BatchGrammarMatcher: accept, then fill on its threads from THREADED_ROWS rows
-    up) into one array, returned (n, W) i32; each matcher's `ahead` records its token. A token
-    a matcher refuses leaves it unchanged with `ahead` None (its row of the array is garbage):
-    the per-token path then refuses it as before."""
+    up) into one array: (masks (n, W) i32, which rows were filled). A matcher whose `ahead` is
+    already its token accepted it before (it is not accepted twice); `fill[i]` False skips
+    row i's fill (its mask is filled when asked for). Each matcher's `ahead` records its
+    token. A token a matcher refuses leaves it unchanged with `ahead` None (its row of the
+    array is garbage): the per-token path then refuses it as before."""
     x, n = xgr(), len(matchers)
     masks = np.empty((n, mask_words(matchers[0].vocab_size) if n else 1), np.int32)   # (n, W)
     if not n:
-        return masks
-    ok = x.BatchGrammarMatcher.batch_accept_token([m._m for m in matchers],
-                                                  [int(t) for t in tokens])
-    keep = [i for i in range(n) if ok[i]]
+        return masks, []
+    ok = [m.ahead is not None and m.ahead == int(t) for m, t in zip(matchers, tokens, strict=True)]
+    todo = [i for i in range(n) if not ok[i]]
+    if todo:
+        got = x.BatchGrammarMatcher.batch_accept_token([matchers[i]._m for i in todo],
+                                                       [int(tokens[i]) for i in todo])
+        for i, g in zip(todo, got, strict=True):
+            ok[i] = bool(g)
+    keep = [i for i in range(n) if ok[i] and (fill is None or fill[i])]
     if keep:
         _batcher(len(keep) >= THREADED_ROWS).batch_fill_next_token_bitmask(
             [matchers[i]._m for i in keep], masks, keep)
     for i, m in enumerate(matchers):
         m.ahead = int(tokens[i]) if ok[i] else None
-    return masks
+    filled = [False] * n
+    for i in keep:
+        filled[i] = True
+    return masks, filled
 
 
 def allowed(mask: np.ndarray, token: int) -> bool:

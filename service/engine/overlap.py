@@ -40,6 +40,7 @@ from service.engine.scheduler.policy import Scheduler
 from service.engine.scheduler.sequence import Sequence, advance_constrained
 from service.engine.spec.decode import Speculator, choice, verify_input
 from service.engine.stepprofile import EMIT, READBACK, SCHEDULE, STEP, StepStats
+from service.engine.types import FinishReason
 
 
 class OverlappedDecode:
@@ -119,18 +120,26 @@ class OverlappedDecode:
                 self._void.discard(id(seq))
                 seq.n_past -= 1
                 continue
-            if seq.matcher is not None and not allowed(seq.row_masks[0], tok):
-                seq.n_past -= 1         # computed its KV row, but chose without its mask
-                if id(seq) in later:
-                    self._void.add(id(seq))
-                refused = True
-                self._stats().mask_refusals += 1
-                seq.refused_unmasked()
-                continue
             if seq.matcher is not None:
+                ok, end = _check_unmasked(seq, tok)
+                if end is not None:     # the previous token ended the constraint (lazy check)
+                    seq.n_past -= 1 + (id(seq) in later)    # this row and the one after it
+                    seq.end_after_commits(end)
+                    self._release(seq)
+                    continue
+                if not ok:
+                    seq.n_past -= 1     # computed its KV row, but chose without its mask
+                    if id(seq) in later:
+                        self._void.add(id(seq))
+                    refused = True
+                    self._stats().mask_refusals += 1
+                    seq.refused_unmasked()
+                    continue
                 seq.kept_unmasked()
             live.append((r, seq, tok))
-        advance_constrained([(seq, tok) for _, seq, tok in live])   # next masks, one batch
+        # next masks in one batch; a sequence whose next row is in flight skips its fill: that
+        # row's choice is checked by accepting it (_check_unmasked)
+        advance_constrained([(seq, tok) for _, seq, tok in live], later)
         for r, seq, tok in live:
             seq.count_step(1)
             seq.emit([tok], out.logprobs[r:r + 1])
@@ -139,6 +148,28 @@ class OverlappedDecode:
                     seq.n_past -= 1     # that row is not part of its committed context
                 self._release(seq)
         return refused
+
+
+def _check_unmasked(seq: Sequence, tok: int) -> tuple[bool, FinishReason | None]:
+    """Whether the constraint allows `tok`, chosen without its mask, as the sequence's next
+    token; and the finish the previous token's commit left to this check, if any. With the
+    mask filled, the mask says. With its fill skipped (row_masks [None]), the matcher accepts
+    `tok` (kept `ahead`, not accepted twice): a token it takes shows that the previous token
+    neither ended the constraint nor reached a dead end. An end token, or one it refuses,
+    fills the mask now (the previous token's) and checks as the eager commit would have:
+    CONSTRAINT or CONSTRAINT_DEAD_END end the sequence before `tok`, as they would have
+    after the previous token."""
+    m, mask = seq.matcher, seq.row_masks[0]
+    if mask is not None:
+        return allowed(mask, tok), None
+    if seq.advances(tok) and not m.is_stop(tok) and m.accept(tok):
+        m.ahead = tok
+        return True, None
+    mask = seq.row_mask(0)
+    end = seq.constraint_end(mask)
+    if end is not None:
+        return False, end
+    return allowed(mask, tok), None
 
 
 def fed_input(seqs: list[Sequence]) -> StepInput:

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from service.engine import constraint as C
-from service.engine.types import Constraint
+from service.engine.types import Constraint, FinishReason, GenerationRequest, StoppingCriteria
 from service.errors import InvalidRequestError
 from service.gguf.reader import GGUFFile
 from service.model.tokenizer import Tokenizer
+from tests.support.engines import GREEDY
 
 MODELS = {"bpe": Path("models/smollm2-135m.gguf"), "spm": Path("models/gemma3-270m.gguf")}
 
@@ -185,10 +186,11 @@ def test_batch_advance_equals_one_row_at_a_time(tok, threaded_rows, monkeypatch)
             else:
                 C.mask_logits(lg, mask)
             toks.append(int(np.argmax(lg)) if np.isfinite(lg).any() else 0)
-        masks = C.advance_rows([batch[i] for i in live], toks)
+        masks, filled = C.advance_rows([batch[i] for i in live], toks)
         for r, (i, t) in enumerate(zip(live, toks, strict=True)):
             ok = alone[i].accept(t)
             assert (batch[i].ahead == t) if ok else batch[i].ahead is None
+            assert filled[r] == ok
             ref = alone[i].mask()
             assert np.array_equal(batch[i].mask(), ref)
             if ok:
@@ -199,3 +201,58 @@ def test_batch_advance_equals_one_row_at_a_time(tok, threaded_rows, monkeypatch)
         if not live:
             break
     assert step >= 3
+
+
+def test_advance_rows_skips_fills_and_accepts_a_token_once(tok):
+    """fill False: the token is accepted, the row not filled (mask() then gives the same mask
+    as a filled row); a matcher whose `ahead` is already its token is not advanced again."""
+    c = Constraint("regex", r"[a-z]{1,8}")
+    V = tok.vocab_size
+    a, b, ref = (C.Matcher(C.compile_constraint(tok, c), V) for _ in range(3))
+    t = int(np.flatnonzero(np.unpackbits(a.mask().view(np.uint8), bitorder="little")[:V])[0])
+    assert b.accept(t)                      # accepted before (overlap.py's check) ...
+    b.ahead = t
+    masks, filled = C.advance_rows([a, b], [t, t], [False, True])
+    assert filled == [False, True] and a.ahead == t and b.ahead == t
+    assert ref.accept(t)
+    assert np.array_equal(masks[1], ref.mask())            # ... and not accepted twice
+    assert np.array_equal(a.mask(), ref.mask()) and np.array_equal(b.mask(), ref.mask())
+
+
+def test_a_skipped_fill_leaves_the_ends_to_the_next_tokens_check(tok):
+    """overlap._check_unmasked on a sequence whose last commit skipped its mask fill
+    (row_masks [None]): a token the matcher takes is kept without a fill; a dead end or a
+    complete constraint that allows only end tokens comes out as the finish the eager commit
+    would have given (CONSTRAINT_DEAD_END / CONSTRAINT), whatever the next token is."""
+    from service.engine.overlap import _check_unmasked
+    from service.engine.scheduler.sequence import Sequence, advance_constrained
+
+    V = tok.vocab_size
+
+    def seq(c: Constraint, tokens: list[int]) -> Sequence:
+        req = GenerationRequest("r", (1, 2), GREEDY, StoppingCriteria(max_new_tokens=99),
+                                constraint=c)
+        s = Sequence(request=req, sink=lambda ev: None, seed_value=0, text=None,
+                     eog_ids=frozenset(tok.eog_ids), n_ctx=512, speculative=False,
+                     matcher=C.Matcher(C.compile_constraint(tok, c), V))
+        for t in tokens:                    # committed with the fill skipped
+            advance_constrained([(s, t)], {id(s)})
+            assert s.row_masks == [None] and s._advance(t) is None
+        return s
+
+    def first(mask):            # the first token the mask allows that is no end token
+        ok = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:V])
+        return int(next(t for t in ok if t not in tok.eog_ids))
+
+    a = tok.encode("a", add_bos=False)[-1]
+    any_tok = first(C.Matcher(C.compile_constraint(tok, Constraint("regex", "b")), V).mask())
+    s = seq(Constraint("regex", r"a[^\x00-\U0010ffff]"), [a])
+    assert _check_unmasked(s, any_tok) == (False, FinishReason.CONSTRAINT_DEAD_END)
+    yes = tok.encode("yes", add_bos=False)
+    for nxt in (any_tok, min(tok.eog_ids)):
+        s = seq(Constraint("choice", options=("yes", "no")), yes)
+        assert _check_unmasked(s, nxt) == (False, FinishReason.CONSTRAINT)
+    s = seq(Constraint("regex", r"[a-z]{1,8}"), [a])
+    nxt = first(s.row_mask(0))
+    s.row_masks = [None]
+    assert _check_unmasked(s, nxt) == (True, None) and s.matcher.ahead == nxt

@@ -79,7 +79,8 @@ class Sequence:
         # prompt position p -> log-probability of prompt token p + 1, while scoring the prompt
         self.prompt_scores: dict[int, TokenLogprob] | None = None
         # constrained: row_masks[i] is the token mask after the committed tokens and the first
-        # i tokens of the draft being verified (row_masks[0]: the next token's)
+        # i tokens of the draft being verified (row_masks[0]: the next token's; None until
+        # asked for when an overlapped commit skipped its fill: engine/overlap.py)
         self.row_masks: list = [self.matcher.first_mask()] if self.matcher is not None else []
 
     def row_mask(self, ahead: int):
@@ -88,6 +89,8 @@ class Sequence:
             return None
         if ahead >= len(self.row_masks):
             raise RuntimeError("a constrained row's mask is not known yet (overlapped step?)")
+        if ahead == 0 and self.row_masks[0] is None:    # filled now, at the committed tokens
+            self.row_masks[0] = self.matcher.mask()
         return self.row_masks[ahead]
 
     @property
@@ -118,6 +121,7 @@ class Sequence:
         choose it, and the commit then ends the sequence (CONSTRAINT_DEAD_END)."""
         m, kept = self.matcher, []
         del self.row_masks[1:]
+        self.row_mask(0)
         for d in drafts:
             mask = self.row_masks[-1]
             if d in self.eog_ids or not allowed(mask, d) or not m.accept(d):
@@ -269,14 +273,23 @@ class Sequence:
         even an end token), None while it goes on."""
         m = self.matcher
         self.mask_wait = max(0, self.mask_wait - 1)
-        if m.ahead == tok:              # accepted and its next mask filled with the step's rows
+        if m.ahead == tok:              # accepted with the step's rows (advance_constrained)
             m.ahead = None
             mask = self.row_masks[0]
+            if mask is None:            # fill skipped: the next commit checks (overlap.py)
+                return FinishReason.CONSTRAINT if m.terminated else None
         else:
             if not m.accept(tok):
                 raise RuntimeError(f"token {tok} outside the constraint's mask was committed")
             mask = m.mask()
             self.row_masks = [mask]
+        return self.constraint_end(mask)
+
+    def constraint_end(self, mask) -> FinishReason | None:
+        """After the committed tokens, whose next-token mask is `mask`: CONSTRAINT when the
+        constraint is complete and nothing but an end token may follow, CONSTRAINT_DEAD_END
+        when nothing may follow, None while it goes on."""
+        m = self.matcher
         if m.terminated or m.done(mask):
             return FinishReason.CONSTRAINT
         return FinishReason.CONSTRAINT_DEAD_END if dead_end(mask) else None
@@ -287,6 +300,13 @@ class Sequence:
         return (self.matcher is not None and not self.finished
                 and not (tok in self.eog_ids and not self.request.stopping.ignore_eos)
                 and tok not in self.request.stopping.stop_token_ids)
+
+    def end_after_commits(self, reason: FinishReason) -> None:
+        """Finish as emit would have after its last token: the text held back sent first."""
+        text = self.text.finish()
+        if text:
+            self.send(Delta((), text, ()))
+        self.finish(reason)
 
     def finish(self, reason: FinishReason, matched=None, error: str | None = None) -> None:
         if self.finished:
@@ -315,14 +335,18 @@ class Sequence:
         self.send(Finished(reason, usage, timings, matched, error))
 
 
-def advance_constrained(commits: list[tuple[Sequence, int]]) -> None:
+def advance_constrained(commits: list[tuple[Sequence, int]],
+                        lazy: frozenset[int] | set[int] = frozenset()) -> None:
     """A step's constrained sequences each about to commit one token (`commits`: sequence, its
     token): their matchers accept the tokens and fill their next masks in one batch
-    (constraint.advance_rows), before the emits, which then find their masks ready."""
+    (constraint.advance_rows), before the emits, which then find their masks ready. The
+    sequences whose id() is in `lazy` skip the fill (row_masks [None]): their next token,
+    already chosen without a mask, is checked by accepting it (engine/overlap.py)."""
     commits = [(s, t) for s, t in commits if s.advances(t)]
     if not commits:
         return
-    masks = advance_rows([s.matcher for s, _ in commits], [t for _, t in commits])   # (n, W)
-    for (seq, _), mask in zip(commits, masks, strict=True):
+    masks, filled = advance_rows([s.matcher for s, _ in commits], [t for _, t in commits],
+                                 [id(s) not in lazy for s, _ in commits])       # (n, W)
+    for (seq, _), mask, full in zip(commits, masks, filled, strict=True):
         if seq.matcher.ahead is not None:
-            seq.row_masks = [mask]
+            seq.row_masks = [mask if full else None]
