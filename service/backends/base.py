@@ -110,6 +110,9 @@ class Backend(abc.ABC):
     # steps run asynchronously to the host (queued on a device): the engine's overlapped loop
     # hides its host work behind them (config overlap "auto")
     asynchronous: bool = False
+    # steps are captured once per shape and replayed (CUDA graphs): the engine runs every
+    # decode / verify shape at startup so that no request pays a first use or a capture
+    captures_steps: bool = False
     # The share of memory_free() the default KV pool may take (kv_cache_memory ''): host memory
     # is shared with everything else on the machine, and the prefix cache fills whatever pool
     # it is given over time, so a quarter of it.

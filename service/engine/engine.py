@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from service.config import EngineConfig, step_budget
+from service.config import MAX_STEP_ROWS, EngineConfig, step_budget
 from service.engine.kv_events import KvEventLog
 from service.engine.loader import ModelInfo, load_model, phase
 from service.engine.mixed import mixed_input, split_mixed
@@ -319,6 +319,12 @@ class Engine:
     def _run(self) -> None:
         try:
             try:
+                if self.model.backend.captures_steps:
+                    t0 = time.perf_counter()
+                    rows = self.config.n_slots * max(self.config.verify_width,
+                                                     self.config.tree_budget, 1)
+                    n = self.runner.warm_steps(min(rows, MAX_STEP_ROWS))
+                    phase("step_graphs", t0, steps=n, graphs=self.model.backend.n_graphs)
                 if self.config.verify_width >= 2 and self.drafter is not None:
                     self.verify_alpha = measure_verify_alpha(self.runner,
                                                              self.config.verify_width)

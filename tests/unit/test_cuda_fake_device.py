@@ -311,6 +311,25 @@ def test_engine_generates_on_the_fake_device(compiled):
         x.kernel for x in dev.launches}
 
 
+def test_engine_start_captures_every_decode_and_verify_shape(compiled):
+    """Before the first request the engine runs each (padded n, n logits) step shape up to its
+    rows (2 slots x verify width 4 = 8) twice: every one is captured, so decoding alone and
+    with speculation (chains of 2..4 rows) captures nothing new (prompt chunks of up to 64
+    rows are captured on their second use, as before)."""
+    with cuda_steps.fake_device_engine(compiled, n_ctx=512, prefill_chunk=64) as (dev, eng):
+        be = eng.model.backend
+        assert be.captures_steps
+        keys = {k[:2] for k in be.graph_keys}
+        assert {(eng.runner.padded(n), n) for n in range(1, 9)} <= keys, keys
+        before = be.n_graphs
+        req = GenerationRequest("t", tuple(range(1, 50)), SamplingParams(temperature=0.0),
+                                StoppingCriteria(max_new_tokens=12, ignore_eos=True))
+        list(eng.generate(req, timeout=120))
+        cuda_steps.speculate_greedily(eng, 12)
+        new = [k[:2] for k in be.graph_keys[before:]]     # prompt chunks of 64: (64, 0 | 1)
+        assert not [k for k in new if k[0] == eng.runner.padded(k[1])], new
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "service/engine/runner.py passes kv_positions / attn_lo / attn_mask on every step "
     "(ordinary rows too), and CudaBackend._attention takes the query-tiled kernel only when "

@@ -159,6 +159,7 @@ class CudaBackend(Backend):
     def step_sizes(self, max_tokens: int) -> tuple[int, ...]: return step_sizes(max_tokens)
     def run_step(self, key, inputs, fn): return self._steps.run(key, inputs, fn)
 
+    captures_steps = property(lambda self: self._steps.enabled)
     n_graphs = property(lambda self: len(self._steps.graphs))
     # one entry per captured graph: its step key followed by its inputs' device pointers
     graph_keys = property(lambda self: tuple(self._steps.graphs))

@@ -68,7 +68,7 @@ from typing import Any
 import numpy as np
 
 from service.backends.step_format import ADJ_ROW_MAX, N_PARAMS, OUT_WORDS, Param, mask_words
-from service.engine.runner.step import RowSampling, StepInput, StepOutput
+from service.engine.runner.step import GREEDY, RowSampling, StepInput, StepOutput
 from service.model.hidden import HiddenOut, HiddenRows, HiddenTap
 from service.model.transformer import Transformer
 
@@ -99,6 +99,7 @@ class ModelRunner:
     def __init__(self, model: Transformer, n_slots: int, n_ctx: int, kind: RunnerKind = TARGET,
                  logits_hook: Callable | None = None, hidden: HiddenTap | None = None):
         self.model, self.kind, self.logits_hook = model, kind, logits_hook
+        self.n_ctx = n_ctx
         be, M, L = model.backend, model.max_tokens, model.max_logits
         self._hidden: HiddenOut | None = None
         if hidden is not None:
@@ -236,6 +237,20 @@ class ModelRunner:
                 h[r * W:(r + 1) * W] = s.mask
                 top = r + 1
         self.model.backend.upload_step(h[:top * W], self._mask_dev[:top * W])
+
+    def warm_steps(self, max_rows: int) -> int:
+        """Run every decode and chain-verify step shape of up to `max_rows` rows (each row a
+        logits row: (padded n, n) for n = 1..max_rows) twice at slot 0, positions 0..n-1, so a
+        backend that captures step graphs has loaded, captured and replayed each one before a
+        request needs it (the first prefill that uses slot 0 rewrites its rows). Returns the
+        steps run."""
+        n_max = min(max_rows, self.model.max_logits, self.model.max_tokens, self.n_ctx)
+        for n in range(1, n_max + 1):
+            inp = StepInput(list(range(1, n + 1)), list(range(n)), [0] * n, list(range(n)),
+                            [GREEDY] * n)
+            for _ in range(2):                  # first use (eager), then the capture
+                self.step(inp)
+        return 2 * max(0, n_max)
 
     def step(self, inp: StepInput) -> StepOutput:
         """Run one step and read its choices back."""
