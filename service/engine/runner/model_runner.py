@@ -240,17 +240,19 @@ class ModelRunner:
 
     def warm_steps(self, max_rows: int) -> int:
         """Run every decode and chain-verify step shape of up to `max_rows` rows (each row a
-        logits row: (padded n, n) for n = 1..max_rows) twice at slot 0, positions 0..n-1, so a
-        backend that captures step graphs has loaded, captured and replayed each one before a
-        request needs it (the first prefill that uses slot 0 rewrites its rows). Returns the
-        steps run."""
+        logits row: (padded n, n) for n = 1..max_rows; with a hidden-state tap also tapped)
+        twice at slot 0, positions 0..n-1, so a backend that captures step graphs has loaded,
+        captured and replayed each one before a request needs it (the first prefill that uses
+        slot 0 rewrites its rows). Returns the steps run."""
         n_max = min(max_rows, self.model.max_logits, self.model.max_tokens, self.n_ctx)
+        taps = (False, True) if self._hidden is not None else (False,)
         for n in range(1, n_max + 1):
-            inp = StepInput(list(range(1, n + 1)), list(range(n)), [0] * n, list(range(n)),
-                            [GREEDY] * n)
-            for _ in range(2):                  # first use (eager), then the capture
-                self.step(inp)
-        return 2 * max(0, n_max)
+            for hidden in taps:                 # a drafter's tapped steps are shapes of their own
+                inp = StepInput(list(range(1, n + 1)), list(range(n)), [0] * n,
+                                list(range(n)), [GREEDY] * n, hidden=hidden)
+                for _ in range(2):              # first use (eager), then the capture
+                    self.step(inp)
+        return 2 * len(taps) * max(0, n_max)
 
     def step(self, inp: StepInput) -> StepOutput:
         """Run one step and read its choices back."""
