@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from synth_model import DEFAULT_DIR, synth_model  # noqa: E402
+
 from service.config import EngineConfig, models_dir_from_env  # noqa: E402
 from service.engine.engine import Engine  # noqa: E402
 from service.engine.stepprofile import StepStats  # noqa: E402
@@ -43,7 +45,6 @@ from service.engine.types import (  # noqa: E402
 )
 from service.gguf.fetch import fetch_model  # noqa: E402
 from service.logging import configure_logging  # noqa: E402
-from synth_model import DEFAULT_DIR, synth_model  # noqa: E402
 
 PROMPT = "Write a few sentences about the sea, the wind and the boats:"
 LOOSE = Constraint("regex", r"[A-Za-z ,.;'\-]{1,4000}")

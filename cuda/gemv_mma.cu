@@ -1,5 +1,6 @@
 // gemv_mma.cu: out[c, n] (+)= sum_k W[n, k] x[c, k] for 1..64 columns c per block column, on
-// int8 tensor cores (mma.sync, sm_80+) instead of gemv.cu's per-column dp4a.
+// int8 tensor cores (mma.sync, sm_80+) instead of gemv.cu's per-column dp4a; one column in the
+// tiles' order of additions on dp4a (no MMA padding of 7 columns in 8).
 //
 // Inputs as gemv.cu's plain mode: W in planes (quant_types.cuh), x as 8-bit blocks: codes qa
 // (C, K) int8, per 32-group (da, sa) with x[c, k] ~ da * qa[c, k], sa = sum of the group's
@@ -15,6 +16,9 @@
 // __fmul_rn, __fadd_rn: no contraction left to the compiler), and a column's sequence of them
 // depends neither on NC nor on the block's rows: a column gets the same bits from every tile.
 // accumulate = 1 adds the product to what out (C, ldo) f32 holds.
+//
+// One column (gemv_mma_<type>_c1[p]): the same sums in the same order from dp4a dot products,
+// one warp per row, block (32, GEMV_WARPS), grid ceil(N / GEMV_WARPS): see its section below.
 //
 // Launch (gemv_mma_<type>_c<NC>, NC = 8, 16, 32, 64; M = MMA_M_C<NC> m-tiles of 16 rows):
 // block (32, MMA_WARPS), grid (ceil(N / (16 M)), ceil(C / NC)). A block owns 16 M rows and NC
@@ -373,11 +377,12 @@ struct Mma32 {
         }
     }
 };
-using MmaQ8_0 = Mma32<4, BlkQ8_0>;
-using MmaQ4_0 = Mma32<4, BlkQ4_0>;
-using MmaQ4_1 = Mma32<4, BlkQ4_1>;
-using MmaQ5_0 = Mma32<4, BlkQ5_0>;
-using MmaQ5_1 = Mma32<4, BlkQ5_1>;
+constexpr int MMA_U32 = 4;      // 32-element blocks per unit of a warp's split-K (and of c1)
+using MmaQ8_0 = Mma32<MMA_U32, BlkQ8_0>;
+using MmaQ4_0 = Mma32<MMA_U32, BlkQ4_0>;
+using MmaQ4_1 = Mma32<MMA_U32, BlkQ4_1>;
+using MmaQ5_0 = Mma32<MMA_U32, BlkQ5_0>;
+using MmaQ5_1 = Mma32<MMA_U32, BlkQ5_1>;
 
 template <class T, int M, int NT>
 __device__ __forceinline__ void gemv_mma(Planes P, int K, int N, const signed char* __restrict__ qa,
@@ -457,3 +462,188 @@ GEMV_MMA_KERNELS(q4_0, MmaQ4_0, MMA_BOUNDS)
 GEMV_MMA_KERNELS(q4_1, MmaQ4_1, MMA_BOUNDS)
 GEMV_MMA_KERNELS(q5_0, MmaQ5_0, MMA_BOUNDS)
 GEMV_MMA_KERNELS(q5_1, MmaQ5_1, MMA_BOUNDS)
+
+// ------------------------------------------------------------------ one column: gemv_mma_<type>_c1
+// A tile's accumulator for (row n, column c) is, per warp w (units b = w, w + MMA_WARPS, ...)
+// and per group of each unit in order, acc_w = __fmaf_rn(p, q, acc_w) with (p, q) a function
+// of the group alone (below); then out = (((0 + acc_0) + acc_1) + ...) + acc_{MMA_WARPS-1}.
+// The one-column kernel computes the same (p, q) from dp4a integer dot products (the group's
+// integer sum is exact either way) and applies them in the same order, so one column gets the
+// tiles' bits while reading its weights as the dp4a GEMV does (no 8-column MMA fragments of
+// which 7 are padding). Per group, s = sum_k code_k a_k (codes as the tiles' fragments hold
+// them) and (da, sa) the column's block:
+//   Q4_K, Q5_K   p = da,           q = fma(d*sc, s, -(dmin*m * sa))
+//   Q6_K         p = d * da,       q = float(sc0 s_0 + sc1 s_1)      (16-element halves)
+//   Q8_0, Q4_0, Q5_0  p = d * da,  q = s                              (codes q - 8, q - 16)
+//   Q4_1, Q5_1   p = da,           q = fma(d, s, m * sa)
+// Launch (gemv_mma_<type>_c1[p]): block (32, GEMV_WARPS), grid ceil(N / GEMV_WARPS); warp w of
+// block b owns row n = GEMV_WARPS b + w. A round of the warp covers 32 consecutive groups, lane
+// l group g0 + l (as gemv.cu's one-column loop), i.e. R = 32 / UG units of UG groups (UG = 8
+// for the K-quants' super-blocks, MMA_U32 blocks for the 32-element types). Each lane leaves
+// its (p, q) in shared memory; the first lane of each unit adds its unit's UG terms in order to
+// the accumulator of the unit's warp slot (u mod MMA_WARPS), of which it holds MMA_WARPS / R.
+// The p variant (Q4_K, Q6_K: kernels.GEMV_PREFETCH_TYPES) loads the next round's weights and
+// activations before this round's dots.
+struct C1Q4K {
+    using Q = Q4_K;
+    static constexpr int UG = 8;
+    __device__ static float2 term(const Q::G& g, const int* a, float2 e) {
+        return make_float2(e.x, __fmaf_rn(g.ds, exact_f(dp8(g.c, a)), -__fmul_rn(g.dm, e.y)));
+    }
+};
+struct C1Q5K {
+    using Q = Q5_K;
+    static constexpr int UG = 8;
+    __device__ static float2 term(const Q::G& g, const int* a, float2 e) {
+        return make_float2(e.x, __fmaf_rn(g.ds, exact_f(dp8(g.c, a)), -__fmul_rn(g.dm, e.y)));
+    }
+};
+struct C1Q6K {
+    using Q = Q6_K;
+    static constexpr int UG = 8;
+    __device__ static float2 term(const Q::G& g, const int* a, float2 e) {
+        int s0 = 0, s1 = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            s0 = __dp4a(g.c[i], a[i], s0);
+            s1 = __dp4a(g.c[i + 4], a[i + 4], s1);
+        }
+        return make_float2(__fmul_rn(g.d, e.x), __int2float_rn(g.sc0 * s0 + g.sc1 * s1));
+    }
+};
+// codes minus z in every byte (the tiles' signed codes of Q4_0 / Q5_0), dotted with a
+__device__ __forceinline__ int dp8_minus(const int c[8], int z, const int a[8]) {
+    int s = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) s = __dp4a((int)__vsub4(c[i], z), a[i], s);
+    return s;
+}
+struct C1Q8_0 {
+    using Q = Q8_0;
+    static constexpr int UG = MMA_U32;
+    __device__ static float2 term(const Q::G& g, const int* a, float2 e) {
+        return make_float2(__fmul_rn(g.d, e.x), exact_f(dp8(g.c, a)));
+    }
+};
+struct C1Q4_0 {
+    using Q = Q4_0;
+    static constexpr int UG = MMA_U32;
+    __device__ static float2 term(const Q::G& g, const int* a, float2 e) {
+        return make_float2(__fmul_rn(g.d, e.x), exact_f(dp8_minus(g.c, 0x08080808, a)));
+    }
+};
+struct C1Q5_0 {
+    using Q = Q5_0;
+    static constexpr int UG = MMA_U32;
+    __device__ static float2 term(const Q::G& g, const int* a, float2 e) {
+        return make_float2(__fmul_rn(g.d, e.x), exact_f(dp8_minus(g.c, 0x10101010, a)));
+    }
+};
+template <class QT>
+struct C1Min {                  // Q4_1, Q5_1: w = d * q + m
+    using Q = QT;
+    static constexpr int UG = MMA_U32;
+    __device__ static float2 term(const typename Q::G& g, const int* a, float2 e) {
+        return make_float2(e.x, __fmaf_rn(g.d, exact_f(dp8(g.c, a)), __fmul_rn(g.m, e.y)));
+    }
+};
+using C1Q4_1 = C1Min<Q4_1>;
+using C1Q5_1 = C1Min<Q5_1>;
+
+#if !defined(GEMV_WARPS)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
+
+template <class C, bool PF>
+__device__ __forceinline__ void gemv_mma_one(Planes P, int K, int N, const signed char* __restrict__ qa,
+                                             const float2* __restrict__ ads,
+                                             float* __restrict__ out, int accumulate) {
+    using Q = typename C::Q;
+    constexpr int UG = C::UG, R = WARP / UG, NACC = MMA_WARPS / R, SUB = Q::QK / 32;
+    static_assert(WARP % UG == 0 && MMA_WARPS % R == 0, "a round must hold whole units");
+    __shared__ float2 terms[GEMV_WARPS][WARP];
+    PDL_ENTRY();
+    const int lane = threadIdx.x, n = blockIdx.x * GEMV_WARPS + threadIdx.y;
+    if (n >= N) return;
+    const int G = K / 32;
+    const size_t rb = (size_t)n * (K / Q::QK);
+    const u8* ap = reinterpret_cast<const u8*>(qa);
+    float2* tw = terms[threadIdx.y];
+    const bool owner = (lane & (UG - 1)) == 0;
+    float acc[NACC];
+#pragma unroll
+    for (int i = 0; i < NACC; i++) acc[i] = 0.0f;
+    typename Q::G w;
+    int a[8];
+    float2 e;
+    if (PF && lane < G) {
+        ld16(ap + 32 * lane, a);
+        ld16(ap + 32 * lane + 16, a + 4);
+        e = ads[lane];
+        Q::load(P, rb + lane / SUB, lane % SUB, w);
+    }
+    for (int g0 = 0, round = 0; g0 < G; g0 += WARP, round++) {
+        const int g = g0 + lane;
+        float2 t = make_float2(0.0f, 0.0f);
+        if constexpr (PF) {
+            typename Q::G wn;
+            int an[8];
+            float2 en;
+            const int gn = g + WARP;
+            if (gn < G) {
+                ld16(ap + 32 * gn, an);
+                ld16(ap + 32 * gn + 16, an + 4);
+                en = ads[gn];
+                Q::load(P, rb + gn / SUB, gn % SUB, wn);
+            }
+            if (g < G) t = C::term(w, a, e);
+            w = wn;
+            e = en;
+#pragma unroll
+            for (int i = 0; i < 8; i++) a[i] = an[i];
+        } else if (g < G) {
+            ld16(ap + 32 * g, a);
+            ld16(ap + 32 * g + 16, a + 4);
+            e = ads[g];
+            Q::load(P, rb + g / SUB, g % SUB, w);
+            t = C::term(w, a, e);
+        }
+        tw[lane] = t;
+        __syncwarp();
+        if (owner) {
+#pragma unroll
+            for (int i = 0; i < NACC; i++) {
+                if (i != round % NACC) continue;
+#pragma unroll
+                for (int j = 0; j < UG; j++)
+                    if (g + j < G) acc[i] = __fmaf_rn(tw[lane + j].x, tw[lane + j].y, acc[i]);
+            }
+        }
+        __syncwarp();
+    }
+    // slot s = i R + q lives in acc[i] of the owner lane q UG
+    float s = 0.0f;
+#pragma unroll
+    for (int slot = 0; slot < MMA_WARPS; slot++)
+        s = __fadd_rn(s, __shfl_sync(0xFFFFFFFFu, acc[slot / R], (slot % R) * UG));
+    if (lane == 0) out[n] = accumulate ? __fadd_rn(out[n], s) : s;
+}
+
+// the tiles' parameter list; n_cols and ldo are those of one column (1, any)
+#define GEMV_MMA_ONE(name, C, V, PF)                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                           \
+    gemv_mma_##name##_c1##V(const u8* p0, const u8* p1, const u8* p2, const u8* p3, int K,  \
+                            int N, const signed char* qa, const float2* ads, int n_cols,    \
+                            float* out, int ldo, int accumulate) {                          \
+        gemv_mma_one<C, PF>(Planes{p0, p1, p2, p3}, K, N, qa, ads, out, accumulate);        \
+    }
+// c1p for the types whose dp4a one-column GEMV prefetches (kernels.GEMV_PREFETCH_TYPES)
+#define GEMV_MMA_ONES(name, C) GEMV_MMA_ONE(name, C, , false) GEMV_MMA_ONE(name, C, p, true)
+GEMV_MMA_ONES(q4_k, C1Q4K)
+GEMV_MMA_ONES(q6_k, C1Q6K)
+GEMV_MMA_ONE(q5_k, C1Q5K, , false)
+GEMV_MMA_ONE(q8_0, C1Q8_0, , false)
+GEMV_MMA_ONE(q4_0, C1Q4_0, , false)
+GEMV_MMA_ONE(q4_1, C1Q4_1, , false)
+GEMV_MMA_ONE(q5_0, C1Q5_0, , false)
+GEMV_MMA_ONE(q5_1, C1Q5_1, , false)

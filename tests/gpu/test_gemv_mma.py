@@ -20,8 +20,8 @@ from gguf.quants import dequantize
 
 from service.backends.act_quant import round_activations
 from service.backends.cpu.backend import CpuBackend
-from service.backends.cuda.kernels import GEMV_MMA_TYPES
-from service.backends.cuda.types import gemv_mma_nc
+from service.backends.cuda.kernels import GEMV_MMA_TYPES, GEMV_PREFETCH_TYPES
+from service.backends.cuda.types import gemv_mma_kernel
 from tests.gpu.test_kernels import gpu_matmul, poisoned
 from tests.support.blocks import block_size, random_tensor_info
 
@@ -77,8 +77,9 @@ def test_mma_gemv_against_exact_cpu_and_dp4a(cuda, mma, name):
     for n, k in shapes(name):
         launched = against_references(cuda, mma, name, n, k)
         t = name.lower()
+        prefetch = n <= mma.gemv_prefetch_rows and t in GEMV_PREFETCH_TYPES
         assert [s for s in launched if s.startswith("gemv_")] == [
-            f"gemv_mma_{t}_c{gemv_mma_nc(T, t)}" for T in COLUMNS], (name, n, k)
+            gemv_mma_kernel(T, t, prefetch) for T in COLUMNS], (name, n, k)
 
 
 def against_references(cuda, mma, name: str, n: int, k: int) -> list[str]:
@@ -146,6 +147,30 @@ def test_a_column_gets_the_same_bits_at_every_width(mma, name):
     neighbours) equals the same column computed alone, bit for bit."""
     for n, k in shapes(name)[1:]:
         same_bits_at_every_width(mma, name, n, k)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_one_column_kernels_give_the_tiles_bits(mma, name):
+    """gemv_mma_<type>_c1 and _c1p (one warp per row, dp4a dot products added in the tiles'
+    order) against column 0 of a 2-column step (the 8-column tile) and each other, bit for
+    bit, on matrices of 3 to 17 super-blocks / 18 to 72 blocks per row (units fewer and more
+    than the tiles' warps, a short last unit)."""
+    from service.backends.cuda.backend import CudaBackend
+
+    plain = CudaBackend(graphs=False, prefill_gemm_min_tokens=None, gemv_mma=True,
+                        gemv_prefetch_rows=0)
+    for n, k in shapes(name):
+        t = random_tensor_info(name, n, k, seed=n * k)
+        rng = np.random.default_rng(n)
+        x = rng.normal(0, 1, (2, k)).astype(np.float32)
+        got = {}
+        for label, be in (("c1p", mma), ("c1", plain)):
+            w = be.load_matrix([t])
+            be.prepare(max_tokens=64, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
+            got[label] = on(be, gpu_matmul, be, w, x[:1], n)[0]
+            got[f"tile ({label})"] = on(be, gpu_matmul, be, w, x, n)[0]
+        for label, v in got.items():
+            assert np.array_equal(v, got["tile (c1)"]), (name, n, k, label)
 
 
 def same_bits_at_every_width(mma, name: str, n: int, k: int) -> None:

@@ -21,6 +21,9 @@ from service.backends import create_backend
 from service.backends.cuda.kernels import (
     GEMV_MMA_C64_TYPES,
     GEMV_MMA_TYPES,
+    GEMV_PREFETCH_ROWS,
+    GEMV_PREFETCH_TYPES,
+    GEMV_WARPS,
     KV_READ,
     MMA_WARPS,
     MOEG_GLU_ROWS,
@@ -30,6 +33,7 @@ from service.backends.cuda.kernels import (
 from service.backends.cuda.types import (
     MOEG_NC,
     ceil_div,
+    gemv_mma_kernel,
     gemv_mma_nc,
     moe_group_nc,
     moe_group_tiles,
@@ -60,6 +64,7 @@ OPTIONS = {                                  # name -> (CudaBackend options, cud
     "pdl-off": ((("pdl", False),), True),
     "no-cuda-bindings": ((), False),
     "gemv-mma": ((("gemv_mma", True),), True),
+    "gemv-mma-no-prefetch": ((("gemv_mma", True), ("gemv_prefetch_rows", 0)), True),
     "gemv-early": ((("gemv_early", True),), True),
     "fuse-norm": ((("fuse_norm", True),), True),
     "fuse-norm-no-prefetch": ((("fuse_norm", True), ("gemv_prefetch_rows", 0)), True),
@@ -343,10 +348,11 @@ def test_runner_prefill_steps_use_the_query_tiled_attention(results):
 # ---------------------------------------------------------------- weight types, KV pairs
 @pytest.mark.parametrize("mix", MMA_MIXES)
 def test_tensor_core_gemv_takes_the_smallest_tile_that_holds_the_step(results, mix):
-    """gemv_mma: a GEMV of C columns launches gemv_mma_<type>_c<NC> with NC the smallest of 8,
-    16, 32, 64 >= C, grid (ceil(N / rows of the tile), ceil(C / NC)), and no dp4a GEMV runs
-    over the type; the steps of 1..64 rows (padded by the runner to its captured widths;
-    a replayed graph launches nothing) launch every tile of the base type."""
+    """gemv_mma: a GEMV of C >= 2 columns launches gemv_mma_<type>_c<NC> with NC the smallest
+    of 8, 16, 32, 64 >= C, grid (ceil(N / rows of the tile), ceil(C / NC)), one column
+    gemv_mma_<type>_c1[p] (p: the prefetch rule of the dp4a GEMV) with one warp per row, and
+    no dp4a GEMV runs over the type; the steps of 1..64 rows (padded by the runner to its
+    captured widths; a replayed graph launches nothing) launch every tile of the base type."""
     t = synth.MIXES[mix].base.name.lower()
     r = results(Scenario(f"synth-{mix}", script="mma", options=MMA))
     assert [m.label for m in r.marks] == [f"mma-{n}" for n in cuda_steps.MMA_WIDTHS]
@@ -361,16 +367,23 @@ def test_tensor_core_gemv_takes_the_smallest_tile_that_holds_the_step(results, m
         assert not [x.kernel for x in mine if x.kernel.startswith(f"gemv_{t}_")], m.label
         for x in (x for x in mine if x.kernel.startswith("gemv_mma_")):
             N, C = int(x.args[5].value), int(x.args[8].value)      # K, N, qa, ads, n_cols
-            nc = gemv_mma_nc(C, x.kernel[len("gemv_mma_"):].rsplit("_c", 1)[0])
-            assert x.kernel.endswith(f"_c{nc}"), (m.label, x.kernel, C)
-            assert x.grid[:2] == (ceil_div(N, mma_rows(nc)), ceil_div(C, nc)), (m.label, x)
-            assert x.block[:2] == (32, MMA_WARPS)
+            kt = x.kernel[len("gemv_mma_"):].rsplit("_c", 1)[0]
+            prefetch = N <= GEMV_PREFETCH_ROWS and kt in GEMV_PREFETCH_TYPES
+            assert x.kernel == gemv_mma_kernel(C, kt, prefetch), (m.label, x.kernel, C)
+            if C == 1:
+                assert x.grid[:2] == (ceil_div(N, GEMV_WARPS), 1), (m.label, x)
+                assert x.block[:2] == (32, GEMV_WARPS)
+            else:
+                nc = gemv_mma_nc(C, kt)
+                assert x.grid[:2] == (ceil_div(N, mma_rows(nc)), ceil_div(C, nc)), (m.label, x)
+                assert x.block[:2] == (32, MMA_WARPS)
             if x.kernel.startswith(f"gemv_mma_{t}_"):
                 # the step padded, or the one sampled row's logits
                 assert n <= C < 2 * max(n, 4) or C == 1, (m.label, C)
                 widths.add(C)
     tiles = set(want.values())
-    assert {gemv_mma_nc(C, t) for C in widths} == tiles, sorted(widths)
+    assert 1 in widths                              # the sampled row's logits, one column
+    assert {gemv_mma_nc(C, t) for C in widths - {1}} == tiles, sorted(widths)
     assert {f"gemv_mma_{t}_c{nc}" for nc in tiles} <= r.kernels
 
 
@@ -415,8 +428,11 @@ def _expect(option: str, r: Result, base: Result) -> None:
         assert r.dev.graphs and {x.via for x in launches} == {"cupy"}
     elif option == "gemv-mma":
         assert names(r, "gemv_mma_") == {f"gemv_mma_{t}_c{n}" for t in ("q4_k", "q6_k")
-                                          for n in (8, 16)}
+                                          for n in ("1p", 8, 16)}
         assert not names(r, "gemv_q4_k_") and not names(r, "gemv_q6_k_")
+    elif option == "gemv-mma-no-prefetch":
+        assert names(r, "gemv_mma_") == {f"gemv_mma_{t}_c{n}" for t in ("q4_k", "q6_k")
+                                          for n in (1, 8, 16)}
     elif option == "gemv-early":
         assert {"gemv_q4_k_c1r1e", "gemv_q6_k_c1r1e"} <= kernels
         assert not {"gemv_q4_k_c1r1p", "gemv_q6_k_c1r1p"} & kernels

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.backends.cuda.kernels import GEMV_MMA_NC, mma_rows, registry
+from service.backends.cuda.kernels import (
+    GEMV_MMA_NC,
+    GEMV_MMA_TYPES,
+    GEMV_PREFETCH_TYPES,
+    mma_rows,
+    registry,
+)
 from service.backends.cuda.types import (
     GEMV_WIDE_ROWS,
     gemv_choice,
+    gemv_mma_kernel,
     gemv_mma_nc,
     norm_block,
     view_rows,
@@ -25,7 +32,8 @@ def test_gemv_columns_round_up_to_a_variant():
 def test_tensor_core_gemv_takes_the_smallest_tile_that_holds_the_columns():
     """gemv_mma_nc: 8 for 1..8 columns, 16 for 9..16, 32 for 17..32, 64 for 33..64 and above
     (wider steps run 64-column tiles over grid.y) for the 32-element types; the K-quants stop
-    at 32 (33..64 columns: two 32-column tiles); each tile registered for every type."""
+    at 32 (33..64 columns: two 32-column tiles); each tile registered for every type, and the
+    one-column kernel (c1; c1p for the prefetching types) that gemv_mma_kernel picks at 1."""
     widths = (1, 8, 9, 16, 17, 32, 33, 64, 65, 200)
     got = {t: gemv_mma_nc(t, "q8_0") for t in widths}
     assert got == {1: 8, 8: 8, 9: 16, 16: 16, 17: 32, 32: 32, 33: 64, 64: 64, 65: 64, 200: 64}
@@ -37,8 +45,14 @@ def test_tensor_core_gemv_takes_the_smallest_tile_that_holds_the_columns():
     assert GEMV_MMA_NC == (8, 16, 32, 64)
     assert {mma_rows(nc) for nc in GEMV_MMA_NC} <= {16, 32}
     names = {k for k in registry() if k.startswith("gemv_mma_")}
-    types = {n.rsplit("_c", 1)[0] for n in names}
-    assert names == {f"{t}_c{nc}" for t in types for nc in GEMV_MMA_NC}
+    types = {n.rsplit("_c", 1)[0][len("gemv_mma_"):] for n in names}
+    assert types == set(GEMV_MMA_TYPES)
+    assert names == {f"gemv_mma_{t}_c{nc}" for t in types for nc in (*GEMV_MMA_NC, 1)} | {
+        f"gemv_mma_{t}_c1p" for t in GEMV_PREFETCH_TYPES}
+    for t in types:
+        assert gemv_mma_kernel(1, t, False) == f"gemv_mma_{t}_c1"
+        assert gemv_mma_kernel(1, t, True) == f"gemv_mma_{t}_c1p"
+        assert {gemv_mma_kernel(n, t, True) for n in range(2, 65)} <= names
 
 
 def test_gemv_variants_chosen_are_instantiated():

@@ -22,8 +22,9 @@ from service.backends.base import Backend
 from service.backends.cuda.attention import PREFILL_ATTENTION_MIN_TOKENS, AttentionOps
 from service.backends.cuda.elementwise import ElementwiseOps
 from service.backends.cuda.gemm import PREFILL_GEMM_MIN_TOKENS, GemmOps
-from service.backends.cuda.gemv import GEMV_PREFETCH_ROWS, GemvOps
+from service.backends.cuda.gemv import GemvOps
 from service.backends.cuda.graphs import GRAPH_MAX_TOKENS, StepGraphs, step_sizes
+from service.backends.cuda.kernels import GEMV_PREFETCH_ROWS
 from service.backends.cuda.kv import KVOps
 from service.backends.cuda.launcher import ActivationBlocks, Launcher
 from service.backends.cuda.memory import DeviceMemory

@@ -13,15 +13,18 @@ next RMSNorm fused), and the tensor-core GEMVs of cuda/gemv_mma.cu.
   c1r1p kernel (the next weight group loaded before each dot; same bits), where one warp per
   row leaves too few loads in flight; 0 never (docs/PERFORMANCE.md section 11: faster at 4096
   rows on the H200, not at 6144 and more, nor on Q8_0 / Q4_0).
-- mma: every GEMV over kernels.GEMV_MMA_TYPES weights (plain mode, any width, one column
-  included) runs on the int8 tensor cores, one tile of 8, 16, 32 or 64 columns per block row
-  (types.gemv_mma_nc: the smallest tile that holds the step, so a step of up to 64 rows reads
-  each weight once; the K-quants stop at 32 columns, two 32-column tiles being faster there):
-  a column's result depends on neither the step's width nor its neighbours, so batching and
-  verify stay exact within the mode. Off by default: its sums
-  are rounded in another order than the dp4a kernels' (other last bits), and one column cost
-  ~1.2-1.4x the dp4a kernel's time while 8 / 16 cost ~1.3-1.5x / 1.5-2.6x of it (H200, Q4_K /
-  Q6_K before the 32 / 64 tiles; docs/PERFORMANCE.md section 9).
+- mma: every GEMV over kernels.GEMV_MMA_TYPES weights (plain mode, any width) runs in the
+  tensor-core family: 2..64 columns on the int8 tensor cores, one tile of 8, 16, 32 or 64
+  columns per block row (types.gemv_mma_nc: the smallest tile that holds the step, so a step of
+  up to 64 rows reads each weight once; the K-quants stop at 32 columns, two 32-column tiles
+  being faster there), and one column on gemv_mma_<type>_c1[p], dp4a dot products added in
+  the tiles' order (the tiles' bits, read as the dp4a GEMV reads; the p loop by the
+  prefetch_rows rule): a column's result depends on neither the step's width nor its
+  neighbours, so batching and verify stay exact within the mode. Off by default: its sums
+  are rounded in another order than the dp4a kernels' (other last bits), and with the 8-column
+  tile at one column, one column cost ~1.6-2.0x the dp4a kernel's time while 8 / 16 cost
+  ~1.1x / ~1.2-1.3x of a column of the mode (H200, 4096 x 14336; docs/PERFORMANCE.md
+  section 9). The c1 kernels are not yet measured on a GPU.
 - fuse_norm: a one-column residual GEMV followed by an RMSNorm (matmul_add_norm) runs as one
   launch whose last block normalizes the row; False (the default) launches the two kernels.
   Both give the same bits. Off by default: measured slower on the H200 (0.89x / 0.94x of the
@@ -53,15 +56,12 @@ from service.backends.cuda.types import (
     ceil_div,
     check_dtype,
     gemv_choice,
+    gemv_mma_kernel,
     gemv_mma_nc,
     matrix_key,
     norm_block,
     view_rows,
 )
-
-# One-column GEMVs of Q4_K / Q6_K matrices (kernels.GEMV_PREFETCH_TYPES, measured faster there)
-# with at most this many rows run the c1r1p kernel (the `prefetch_rows` default).
-GEMV_PREFETCH_ROWS = 4096
 
 
 class GemvOps:
@@ -139,9 +139,14 @@ class GemvOps:
         cores (cuda/gemv_mma.cu); shapes were checked by matmul."""
         if qa.size < C * w.k or ads.shape[0] < C * w.k // 32 or w.k % w.layout.block_size:
             raise ValueError(f"gemv_mma: blocks {qa.size} / {ads.shape} for {C} x {w.k}")
-        nc = gemv_mma_nc(C, w.layout.kernel)
-        grid = (ceil_div(w.n, mma_rows(nc)), ceil_div(C, nc))
-        self._launcher.launch(f"gemv_mma_{w.layout.kernel}_c{nc}", grid, (32, MMA_WARPS),
+        t = w.layout.kernel
+        name = gemv_mma_kernel(C, t, w.n <= self.prefetch_rows and t in GEMV_PREFETCH_TYPES)
+        if C == 1:                            # one warp per row, the tiles' order of additions
+            grid, block = (ceil_div(w.n, GEMV_WARPS), 1), (32, GEMV_WARPS)
+        else:
+            nc = gemv_mma_nc(C, t)
+            grid, block = (ceil_div(w.n, mma_rows(nc)), ceil_div(C, nc)), (32, MMA_WARPS)
+        self._launcher.launch(name, grid, block,
                               [*w.args(), I32(w.k), I32(w.n), qa, ads, I32(C), out, I32(ldo),
                                I32(1 if accumulate else 0)])
         self._blocks.wrote(out)

@@ -196,7 +196,8 @@ KV_TYPES = tuple(str(t) for t in BACKEND_KV_TYPES["cuda"])        # kv_quant.cuh
 # gemv.cu GEMV_VARIANTS: (columns, rows per warp)
 GEMV_VARIANTS = ((1, 1), (1, 2), (2, 2), (4, 2), (8, 2), (16, 2), (2, 4), (4, 4), (8, 4),
                  (16, 4))
-# gemv_mma.cu: gemv_mma_<type>_c<NC>
+# gemv_mma.cu: gemv_mma_<type>_c<NC> (tiles of NC columns) and gemv_mma_<type>_c1[p] (one
+# column in the tiles' order of additions)
 GEMV_MMA_TYPES = ("q4_k", "q6_k", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q5_k")
 GEMV_MMA_NC = tuple(MMA_TILE_M)     # the tiles' columns
 # Types whose steps of 33..64 rows take the 64-column tile; the others (the K-quants, whose
@@ -204,7 +205,12 @@ GEMV_MMA_NC = tuple(MMA_TILE_M)     # the tiles' columns
 # Q4_K c64 123 us against 2 x 44.5 for two c32 tiles, Q8_0 c64 105 us against 2 x 63.3
 # (bench/gpu_bench.py --only gemv --quick, 2026-12-04).
 GEMV_MMA_C64_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
-GEMV_PREFETCH_TYPES = ("q4_k", "q6_k")   # gemv.cu: gemv_<type>_c1r1pn (c1r1p: every type)
+# gemv.cu: gemv_<type>_c1r1pn (c1r1p: every type); gemv_mma.cu: gemv_mma_<type>_c1p
+GEMV_PREFETCH_TYPES = ("q4_k", "q6_k")
+# One-column GEMVs of Q4_K / Q6_K matrices (GEMV_PREFETCH_TYPES, measured faster there) with at
+# most this many rows run the prefetching loop (c1r1p; c1p in the tensor-core family; the
+# CudaBackend `gemv_prefetch_rows` default).
+GEMV_PREFETCH_ROWS = 4096
 ATT_SIZES = (128, 256)                   # attention*.cu _d128 / _d256: Dv <= 128 / 256
 # moe.cu MOEG_DOWN / MOEG_GLU: columns per tile -> rows per warp of the expert-grouped down
 # GEMV and of the gate | up GEMV with the GLU (2R weight rows per warp)
@@ -235,6 +241,10 @@ FAMILIES = (
     Family("gemv_mma_{t}_c{nc}", "gemv_mma.cu",
            f"{_PLANES} K,N:i32 qa,ads:ptr n_cols:i32 out:ptr ldo,accumulate:i32",
            _each(t=GEMV_MMA_TYPES, nc=GEMV_MMA_NC), keeps_blocks=True),
+    Family("gemv_mma_{t}_c1{v}", "gemv_mma.cu",
+           f"{_PLANES} K,N:i32 qa,ads:ptr n_cols:i32 out:ptr ldo,accumulate:i32",
+           (*_each(t=GEMV_MMA_TYPES, v=("",)), *_each(t=GEMV_PREFETCH_TYPES, v=("p",))),
+           keeps_blocks=True),
     # quantize.cu
     Family("quantize_act", "quantize.cu", "x:ptr ldx,C,K:i32 qa,ads:ptr"),
     Family("kv_store_{t}", "quantize.cu",

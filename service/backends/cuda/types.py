@@ -136,6 +136,16 @@ def gemv_mma_nc(n_cols: int, kernel: str) -> int:
     return next((nc for nc in tiles if nc >= n_cols), tiles[-1])
 
 
+def gemv_mma_kernel(n_cols: int, kernel: str, prefetch: bool) -> str:
+    """The tensor-core family's kernel for a step of n_cols columns over `kernel` weights:
+    gemv_mma_<kernel>_c1 for one column (dp4a dot products added in the tiles' order: the
+    tiles' bits; `prefetch`: its c1p loop, the next groups loaded before each round's dots,
+    the same bits), else the tile of gemv_mma_nc."""
+    if n_cols == 1:
+        return f"gemv_mma_{kernel}_c1{'p' if prefetch else ''}"
+    return f"gemv_mma_{kernel}_c{gemv_mma_nc(n_cols, kernel)}"
+
+
 # (pointer, rows, row width, row stride) of a matrix view: what the 8-bit activation blocks in
 # the scratch were made from.
 ViewKey = tuple[int, int, int, int]
