@@ -250,15 +250,13 @@ def advance_rows(matchers: list[Matcher], tokens: list[int],
                                                        [int(tokens[i]) for i in todo])
         for i, g in zip(todo, got, strict=True):
             ok[i] = bool(g)
-    keep = [i for i in range(n) if ok[i] and (fill is None or fill[i])]
+    filled = [ok[i] and (fill is None or fill[i]) for i in range(n)]
+    keep = [i for i in range(n) if filled[i]]
     if keep:
         _batcher(len(keep) >= THREADED_ROWS).batch_fill_next_token_bitmask(
             [matchers[i]._m for i in keep], masks, keep)
     for i, m in enumerate(matchers):
         m.ahead = int(tokens[i]) if ok[i] else None
-    filled = [False] * n
-    for i in keep:
-        filled[i] = True
     return masks, filled
 
 

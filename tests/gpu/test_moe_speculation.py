@@ -91,10 +91,15 @@ def greedy_at_widths(eng: Engine, prompts) -> tuple[list, dict[int, tuple[int, i
     return plain, counts
 
 
-def verify_graphs(eng: Engine) -> set[tuple[int, int]]:
-    """(tokens, logits rows) of the captured steps that verified drafts (> 1 logits row)."""
-    return {(k[0], k[1]) for k in eng.model.backend.graph_keys
-            if isinstance(k[1], int) and len(k) > 2 and k[2] != "chain" and k[1] > 1}
+def verify_graphs(eng: Engine, since: dict) -> dict[tuple[int, int], int]:
+    """(tokens, logits rows) of the captured steps that verified drafts (> 1 logits row) ->
+    how many times they were replayed after the `since` counts (the engine captures every
+    shape at its start and times some: a replay since is a step the requests ran)."""
+    out: dict[tuple[int, int], int] = {}
+    for k, n in eng.model.backend.graph_replays.items():
+        if isinstance(k[1], int) and len(k) > 2 and k[2] != "chain" and k[1] > 1:
+            out[(k[0], k[1])] = out.get((k[0], k[1]), 0) + n - since.get(k, 0)
+    return out
 
 
 @pytest.mark.parametrize("target", NGRAM_TARGETS)
@@ -110,17 +115,18 @@ def test_ngram_speculation_equals_plain_greedy_on_cuda(target, files):
 
 @pytest.mark.parametrize("target", MODEL_TARGETS)
 def test_model_drafter_speculation_equals_plain_greedy_on_cuda(target, files):
-    """Widths 4, 6 and 16 with the q8_0 copy drafting; the verify steps of 16 rows (15
-    drafts in full) were captured; the tokens the engine chose are the CPU backend's choices
+    """Widths 4, 6 and 16 with the q8_0 copy drafting; verify steps of 16 rows (15 drafts in
+    full) ran as replayed graphs; the tokens the engine chose are the CPU backend's choices
     on the same history where the CPU's choice is clear."""
     path, draft = files[target]
     with cuda_engine(path, drafter="model", draft_model=draft) as eng:
+        start = eng.model.backend.graph_replays
         plain, counts = greedy_at_widths(eng, prompts_of(path))
-        graphs = verify_graphs(eng)
+        graphs = verify_graphs(eng, start)
     print(f"\n{target} model drafter on CUDA: (drafted, accepted) per width {counts}; "
-          f"captured verify steps {sorted(graphs)}")
+          f"verify steps replayed {sorted(graphs.items())}")
     assert all(d > 0 and a > 0 for d, a in counts.values()), counts
-    assert any(t == 16 for t, _ in graphs), graphs
+    assert any(t == 16 and n > 0 for (t, _), n in graphs.items()), graphs
     assert_clear_choices_agree_with_the_cpu(path, plain)
 
 

@@ -326,6 +326,7 @@ def test_engine_start_captures_every_decode_and_verify_shape(compiled):
         assert be.captures_steps
         keys = {k[:2] for k in be.graph_keys}
         assert {(eng.runner.padded(n), n) for n in range(1, 9)} <= keys, keys
+        start = be.graph_replays                      # (the verify cost's timed steps)
         before = be.n_graphs
         req = GenerationRequest("t", tuple(range(1, 50)), SamplingParams(temperature=0.0),
                                 StoppingCriteria(max_new_tokens=12, ignore_eos=True))
@@ -333,6 +334,9 @@ def test_engine_start_captures_every_decode_and_verify_shape(compiled):
         cuda_steps.speculate_greedily(eng, 12)
         new = [k[:2] for k in be.graph_keys[before:]]     # prompt chunks of 64: (64, 0 | 1)
         assert not [k for k in new if k[0] == eng.runner.padded(k[1])], new
+        replayed = {k[:2] for k, n in be.graph_replays.items() if n > start.get(k, 0)}
+        assert (1, 1) in replayed                       # decoding replayed the start's graph
+        assert any(k[1] > 1 and k[0] == eng.runner.padded(k[1]) for k in replayed), replayed
 
 
 @pytest.mark.xfail(strict=True, reason=(

@@ -164,6 +164,8 @@ class CudaBackend(Backend):
     n_graphs = property(lambda self: len(self._steps.graphs))
     # one entry per captured graph: its step key followed by its inputs' device pointers
     graph_keys = property(lambda self: tuple(self._steps.graphs))
+    # key -> how many times its captured graph was replayed (the capture's own launch not counted)
+    graph_replays = property(lambda self: dict(self._steps.replays))
 
     # ---------------------------------------------------------------- KV cache
     def new_kv_cache(self, n_layer, n_slots, n_ctx, n_head_kv, head_dim, head_dim_v, type_k,

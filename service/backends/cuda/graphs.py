@@ -10,6 +10,8 @@ graph per (tokens, logits) shape serves every position. Steps wider than GRAPH_M
 
 from __future__ import annotations
 
+import collections
+
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +40,7 @@ class StepGraphs:
         self.max_tokens = max_tokens                 # wider steps run eagerly
         self.graphs: dict[tuple, tuple[Any, Any]] = {}   # key -> (graph, fn's result)
         self.seen: set[tuple] = set()                # keys run once (eagerly)
+        self.replays: collections.Counter[tuple] = collections.Counter()   # key -> launches
         self._launcher = launcher
         self._blocks = blocks
 
@@ -56,6 +59,7 @@ class StepGraphs:
         if hit is not None:
             graph, result = hit
             graph.launch(stream=self.stream)
+            self.replays[full] += 1
             return result
         if full not in self.seen:         # first use: eager, loads every kernel it needs
             self.seen.add(full)
