@@ -11,7 +11,6 @@ graph per (tokens, logits) shape serves every position. Steps wider than GRAPH_M
 from __future__ import annotations
 
 import collections
-
 from collections.abc import Callable
 from typing import Any
 
