@@ -484,20 +484,16 @@ GEMV_MMA_KERNELS(q5_1, MmaQ5_1, MMA_BOUNDS)
 // the accumulator of the unit's warp slot (u mod MMA_WARPS), of which it holds MMA_WARPS / R.
 // The p variant (Q4_K, Q6_K: kernels.GEMV_PREFETCH_TYPES) loads the next round's weights and
 // activations before this round's dots.
-struct C1Q4K {
-    using Q = Q4_K;
+template <class QT>
+struct C1K45 {                  // Q4_K, Q5_K: w = d*sc * q - dmin*m
+    using Q = QT;
     static constexpr int UG = 8;
-    __device__ static float2 term(const Q::G& g, const int* a, float2 e) {
+    __device__ static float2 term(const typename Q::G& g, const int* a, float2 e) {
         return make_float2(e.x, __fmaf_rn(g.ds, exact_f(dp8(g.c, a)), -__fmul_rn(g.dm, e.y)));
     }
 };
-struct C1Q5K {
-    using Q = Q5_K;
-    static constexpr int UG = 8;
-    __device__ static float2 term(const Q::G& g, const int* a, float2 e) {
-        return make_float2(e.x, __fmaf_rn(g.ds, exact_f(dp8(g.c, a)), -__fmul_rn(g.dm, e.y)));
-    }
-};
+using C1Q4K = C1K45<Q4_K>;
+using C1Q5K = C1K45<Q5_K>;
 struct C1Q6K {
     using Q = Q6_K;
     static constexpr int UG = 8;
