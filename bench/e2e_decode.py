@@ -2,7 +2,7 @@
 
     python bench/e2e_decode.py [--models synth-1b,synth-8b,smollm2-135m] [--tokens 256]
                                [--rounds 2] [--backend cuda] [--json PATH]
-                               [--parts step,default,engine,no-overlap,grpc]
+                               [--parts step,default,engine,no-overlap,grpc,mma]
 
 - step: the graph-replayed decode step back to back (bench/gpu_decode.py `_decode_rate`: the
   position uploaded, the step replayed, the argmax fed back on the device, the id read), the
@@ -13,6 +13,8 @@
   (config `overlap` on) and without it (off);
 - grpc: the same request through the gRPC server (in this process, on a localhost socket) to
   a real client, tok/s over the tokens after the first as the client receives them;
+- mma: the overlapped engine with `gemv_mma` (the tensor-core GEMV family at every width,
+  one column on its c1 kernels), beside the default dp4a GEMVs (CUDA only);
 - default: the engine with the server's default speculation (n-gram drafter, verify width 4)
   and the request's speculation left at its default, overlapped: what a user of the default
   server gets on text the drafter rarely matches;
@@ -39,7 +41,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 from synth_model import DEFAULT_DIR, synth_model  # noqa: E402
 
 SYNTH = {"synth-1b": "llama3.2-1b", "synth-8b": "llama3-8b", "synth-30b-a3b": "qwen3-30b-a3b"}
-PARTS = ("step", "default", "engine", "no-overlap", "grpc")
+PARTS = ("step", "default", "engine", "no-overlap", "grpc", "mma")
 PROMPT = tuple(range(1000, 1016))
 
 
@@ -134,14 +136,15 @@ def bench(name: str, path: Path, a) -> dict:
             row["default"] = max(engine_rate(eng, a.tokens, None) for _ in range(a.rounds))
         finally:
             eng.stop(30)
-    for overlap in ("on", "off"):
-        key = "engine" if overlap == "on" else "engine_no_overlap"
-        want_grpc = overlap == "on" and "grpc" in a.parts
+    for key, overlap, mma in (("engine", "on", False), ("engine_no_overlap", "off", False),
+                              ("engine_mma", "on", True)):
+        want_grpc = key == "engine" and "grpc" in a.parts
         if (key == "engine" and "engine" not in a.parts and not want_grpc) or (
-                key == "engine_no_overlap" and "no-overlap" not in a.parts):
+                key == "engine_no_overlap" and "no-overlap" not in a.parts) or (
+                key == "engine_mma" and ("mma" not in a.parts or a.backend != "cuda")):
             continue
         cfg = EngineConfig(backend=a.backend, n_slots=4, verify_width=1,
-                           drafter="none", overlap=overlap)
+                           drafter="none", overlap=overlap, gemv_mma=mma)
         eng = Engine.load(path, cfg)
         eng.start()
         try:
@@ -158,9 +161,9 @@ def bench(name: str, path: Path, a) -> dict:
 
 def table(rows: list[dict]) -> str:
     head = ("| model | llama.cpp tg128 | step (graph) | engine, overlapped | engine, one step "
-            "at a time | gRPC, overlapped | default server config | engine/step | "
-            "engine/llama.cpp | gRPC/llama.cpp |")
-    lines = [head, "|" + " --- |" * 10]
+            "at a time | gRPC, overlapped | default server config | engine, --gemv-mma | "
+            "engine/step | engine/llama.cpp | gRPC/llama.cpp | --gemv-mma/engine |")
+    lines = [head, "|" + " --- |" * 12]
 
     def cell(v) -> str:
         return f"{v:.0f}" if v else "-"
@@ -173,8 +176,9 @@ def table(rows: list[dict]) -> str:
 
         lines.append(f"| {r['model']} | {cell(base)} | {cell(step)} | {cell(r.get('engine'))} | "
                      f"{cell(r.get('engine_no_overlap'))} | {cell(r.get('grpc'))} | "
-                     f"{cell(r.get('default'))} | {ratio('engine', step)} | "
-                     f"{ratio('engine', base)} | {ratio('grpc', base)} |")
+                     f"{cell(r.get('default'))} | {cell(r.get('engine_mma'))} | "
+                     f"{ratio('engine', step)} | {ratio('engine', base)} | "
+                     f"{ratio('grpc', base)} | {ratio('engine_mma', r.get('engine'))} |")
     return "\n".join(lines)
 
 
