@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command on an offline GPU host: install the carried wheels, put the real models in place
 # (from pieces carried in .gpu/, joined and checked), run the GPU tests, then the benchmarks.
-#   bash bench/gpu_host.sh [tests|bench|all|load|prefill|spec|concurrency|drafters]
+#   bash bench/gpu_host.sh [tests|bench|all|load|prefill|spec|concurrency|drafters|mma]
 #                          [pytest / script args]
 # Every stage but load first compiles the kernels side by side (`specstream kernels warm`);
 # GPU_TEST_WORKERS=N runs the tests on N pytest-xdist workers where xdist is installed.
@@ -78,6 +78,18 @@ fi
 if [ "$what" = concurrency ]; then
   python3 bench/concurrency.py --backend cuda --model synth-8b \
     --json "${CONC_JSON:-/tmp/bench-concurrency.json}" "$@" || status=1
+fi
+# The tensor-core GEMV family against the default dp4a GEMVs (issue 19: whether it can be the
+# default): its GPU tests (every tile and the one-column kernels bit for bit), the GEMV table
+# (dp4a and mma per width), then one stream end to end with and without --gemv-mma on the
+# synthetic 1B / 8B and the real models in place (E2E_MODELS; script args go to e2e_decode).
+if [ "$what" = mma ]; then
+  python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gemv_mma.py \
+    tests/gpu/test_batching.py || status=1
+  python3 bench/gpu_bench.py --only gemv --quick --json "${BENCH_JSON:-/tmp/bench-gemv.json}" \
+    || status=1
+  python3 bench/e2e_decode.py --parts step,engine,mma \
+    --models "${E2E_MODELS:-synth-1b,synth-8b,smollm2-135m}" "$@" || status=1
 fi
 # EAGLE-3 heads fitted on the GPU host (issue 22's goal): for each real model in place,
 # `specstream train-drafter` with the target generating on CUDA (TRAIN_ARGS, default below),
