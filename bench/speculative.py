@@ -16,10 +16,11 @@ and an oracle drafter on synthetic shapes; every ratio against plain decoding in
     prompt and token index; the run goes on). Each configuration is its own engine, loaded with
     its EngineConfig (verify_width, drafter, draft_model, tree_budget): the table shows what the
     engine does with it. The engine chooses each step's draft length from the sequence's recent
-    acceptance and alpha, the cost of a verify row relative to a plain step, which it times at
-    start; alpha is timed once per model (by the plain/ngram engine) and given to every other
-    engine of that model, so that timing noise does not make the rows decide differently
-    (`--alpha X` sets it; 0 drafts in full every step).
+    acceptance and the step costs it times at start (alpha, the cost of a verify row relative
+    to a plain step; on a GPU the cost of a step of each size); they are timed once per model
+    (by the plain/ngram engine) and given to every other engine of that model, so that timing
+    noise does not make the rows decide differently (`--alpha X` sets alpha alone; 0 drafts in
+    full every step).
 (b) `--part synth`: a synthetic Q4_K_M model per --shapes (8b, 1b; tiny for a CPU check),
     generated seeded into --synth-dir (the names bench/gpu_bench.py uses, so its files are
     reused). Verify-step time for widths 1..16 at KV length --kv: runner steps of one sequence
@@ -168,14 +169,16 @@ def eagle3_heads(a, tmp: Path, target: Path) -> list[tuple[str, Path]]:
     return out
 
 
-def _load(a, target: Path, alpha: float | None, **fields) -> Engine:
+def _load(a, target: Path, costs: tuple[float, list[float]] | None, **fields) -> Engine:
+    """An engine of `fields`, started; `costs` (verify_alpha, row_costs) replaces its own
+    timing at start."""
     fields.pop("_warm", None)
     cfg = EngineConfig(backend=a.backend, n_ctx=1024, n_slots=1, threads=a.threads,
                        verify_width=a.width, **fields)
     eng = Engine.load(target, cfg)
     eng.start()
-    if alpha is not None:               # else the engine's own timing at start
-        eng.verify_alpha = alpha
+    if costs is not None:
+        eng.verify_alpha, eng.row_costs = costs
     eng.warmup()
     ids = eng.text_prompt_ids(S.PROMPTS["prose"][0])
     for spec in (False, True):                  # every step shape of this config, once
@@ -230,8 +233,9 @@ def bench_real(a, results: dict) -> None:
                 results["real"].append({"model": name, "kind": "-", "drafter": "-",
                                         "verify": "-", "error": f"{type(exc).__name__}: {exc}"})
                 continue
-            base = _load(a, target, a.alpha, drafter="ngram")
-            alpha = base.verify_alpha            # every engine of this model decides alike
+            base = _load(a, target, None if a.alpha is None else (a.alpha, []),
+                         drafter="ngram")
+            costs = base.verify_alpha, base.row_costs   # every engine of this model decides alike
             prompts = {k: [base.text_prompt_ids(t) for t in S.PROMPTS[k]] for k in kinds}
             n_layer = base.spec.n_layer
             plain, rows = {}, []
@@ -245,7 +249,7 @@ def bench_real(a, results: dict) -> None:
             base.stop(10)
             for drafter, verify, fields in real_configs(a, n_layer, Path(tmp), target):
                 try:
-                    eng = _load(a, target, alpha, **fields)
+                    eng = _load(a, target, costs, **fields)
                 except Exception as exc:   # a configuration the engine refuses is a table row
                     rows += [(drafter, verify, k, {"error": f"{type(exc).__name__}: {exc}"})
                              for k in kinds]

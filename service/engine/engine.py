@@ -62,7 +62,7 @@ from service.engine.spec.decode import Draft, Speculator, advance_plain, choice,
 from service.engine.spec.drafters import Drafter, create_drafter
 from service.engine.spec.options import resolve as resolve_speculation
 from service.engine.spec.tree_verify import compact, n_rows
-from service.engine.spec.verify_cost import measure_verify_alpha
+from service.engine.spec.verify_cost import measure_row_costs, measure_verify_alpha
 from service.engine.stepprofile import (
     DRAFTING,
     EMIT,
@@ -200,7 +200,20 @@ class Engine:
 
     @verify_alpha.setter
     def verify_alpha(self, alpha: float) -> None:
+        """Weigh drafts by 1 + alpha * (rows - 1) from now on (a measured table is dropped:
+        alpha 0 drafts in full)."""
         self.scheduler.verify_alpha = alpha
+        self.scheduler.row_costs = []
+
+    @property
+    def row_costs(self) -> list[float]:
+        """The measured cost of a step of R rows relative to one row, by R (empty: the linear
+        model of verify_alpha); set after verify_alpha to share a table between engines."""
+        return self.scheduler.row_costs
+
+    @row_costs.setter
+    def row_costs(self, cost: list[float]) -> None:
+        self.scheduler.row_costs = list(cost)
 
     @property
     def healthy(self) -> bool:
@@ -319,15 +332,21 @@ class Engine:
     def _run(self) -> None:
         try:
             try:
+                rows = min(MAX_STEP_ROWS, self.config.n_slots * max(
+                    self.config.verify_width, self.config.tree_budget, 1))
                 if self.model.backend.captures_steps:
                     t0 = time.perf_counter()
-                    rows = self.config.n_slots * max(self.config.verify_width,
-                                                     self.config.tree_budget, 1)
-                    n = self.runner.warm_steps(min(rows, MAX_STEP_ROWS))
+                    n = self.runner.warm_steps(rows)
                     phase("step_graphs", t0, steps=n, graphs=self.model.backend.n_graphs)
                 if self.config.verify_width >= 2 and self.drafter is not None:
-                    self.verify_alpha = measure_verify_alpha(self.runner,
-                                                             self.config.verify_width)
+                    width = self.config.verify_width
+                    if self.model.backend.captures_steps:   # replayed steps: every size
+                        cost = measure_row_costs(self.runner, rows)
+                        self.verify_alpha = min(1.0, max(0.0, (cost[min(width, len(cost) - 1)]
+                                                               - 1.0) / (width - 1)))
+                        self.row_costs = cost
+                    else:
+                        self.verify_alpha = measure_verify_alpha(self.runner, width)
             finally:
                 self._ready.set()
             self._loop()

@@ -129,6 +129,30 @@ def test_drafts_shrink_before_a_waiting_chunk_is_left_out():
     assert plan.mixed_rows == 64 and sum(r.n_draft for r in plan.decode) == 2
 
 
+def test_draft_lengths_follow_the_step_costs_at_the_batch_size():
+    """The step's chains are weighed together (width.allocate_drafts) at the step's size: 8
+    sequences at the prior acceptance (0.6) on a table where rows are free up to 16 and each
+    row past them costs a sixteenth of a step take the 8 free rows (one draft each, the
+    largest gains), all 24 when every row is free, none when each row costs a step."""
+    sch = scheduler()
+    spec = [seq(i, 4) for i in range(8)]
+    for s in spec:
+        s.speculative, s.verify_width = True, 4
+        sch.add(s)
+    sch.schedule()
+    for s in spec:
+        decoded(s)
+    sch.row_costs = [1.0] * 17 + [r / 16 for r in range(17, 65)]
+    assert [r.n_draft for r in sch.schedule().decode] == [1] * 8
+    assert sch.draft_length(spec[0]) == 3          # one sequence's 3 drafts: rows 11 <= 16
+    sch.row_costs = [1.0] * 65
+    assert [r.n_draft for r in sch.schedule().decode] == [3] * 8
+    sch.row_costs = [float(max(r, 1)) for r in range(65)]
+    assert [r.n_draft for r in sch.schedule().decode] == [0] * 8
+    sch.row_costs, sch.verify_alpha = [], 0.0      # the linear model, verification free
+    assert [r.n_draft for r in sch.schedule().decode] == [3] * 8
+
+
 # ---------------------------------------------------------------- the step's rows
 def test_mixed_input_puts_the_choosing_rows_last_and_splits_back():
     sch = scheduler()

@@ -326,7 +326,10 @@ def test_engine_start_captures_every_decode_and_verify_shape(compiled):
         assert be.captures_steps
         keys = {k[:2] for k in be.graph_keys}
         assert {(eng.runner.padded(n), n) for n in range(1, 9)} <= keys, keys
-        start = be.graph_replays                      # (the verify cost's timed steps)
+        start = be.graph_replays                      # (the step costs' timed steps)
+        # the cost of a step of each size up to its rows, timed on the replayed graphs
+        assert len(eng.row_costs) == 9 and eng.row_costs[1] == 1.0, eng.row_costs
+        assert {k[:2] for k, n in start.items() if n} == {(s, s) for s in (1, 2, 4, 8)}
         before = be.n_graphs
         req = GenerationRequest("t", tuple(range(1, 50)), SamplingParams(temperature=0.0),
                                 StoppingCriteria(max_new_tokens=12, ignore_eos=True))

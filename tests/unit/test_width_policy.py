@@ -7,6 +7,7 @@ import itertools
 from service.engine.spec.width import (
     PRIOR_P,
     DepthAcceptance,
+    allocate_drafts,
     best_draft_length,
     expected_tokens,
     linear_costs,
@@ -54,3 +55,60 @@ def test_depth_acceptance_tracks_where_chains_break():
         d.record(2, 0)
     assert d.rates(1)[0] < 0.2
     assert best_draft_length(d.rates(4), linear_costs(0.3, 4), 4) == 0
+
+
+def brute_force(rates, rooms, base_rows, base_tokens, cost):
+    """The best tokens per unit of time over every draft-length vector (each within its room
+    and the table): value and the smallest total drafts reaching it."""
+    best, best_m = -1.0, None
+    for ks in itertools.product(*(range(r + 1) for r in rooms)):
+        rows = base_rows + sum(ks)
+        if rows >= len(cost):
+            continue
+        gained = sum(expected_tokens(p, k) - 1 for p, k in zip(rates, ks, strict=True))
+        value = (base_tokens + gained) / cost[rows]
+        if value > best * (1 + 1e-9) or (abs(value - best) <= best * 1e-9 and sum(ks) < best_m):
+            best, best_m = max(best, value), sum(ks)
+    return best, best_m
+
+
+def test_allocation_is_the_best_split_of_the_step_by_brute_force():
+    """allocate_drafts reaches the best expected tokens per unit of time of any choice of
+    draft lengths, with the fewest drafts among the best, on flat, concave, linear and steep
+    step-cost tables at several base sizes."""
+    grid = (0.1, 0.5, 0.8, 0.95)
+    tables = ([1.0] * 12, [1.0 + 0.05 * r for r in range(12)], [float(r) for r in range(12)],
+              [1.0, 1.0, 1.0, 1.0, 1.0, 2.5, 2.6, 2.7, 2.8, 4.0, 4.1, 4.2],
+              [1.0 + 0.3 * max(0, r - 1) for r in range(12)])
+    for p0, p1 in itertools.product(grid, repeat=2):
+        rates = [[p0, p0 * 0.9, p0 * 0.8], [p1, p1, p1]]
+        for cost in tables:
+            for base in (2, 4, 6):
+                k = allocate_drafts(rates, [3, 3], base, 2.0, cost)
+                rows = base + sum(k)
+                gained = sum(expected_tokens(p, n) - 1 for p, n in zip(rates, k, strict=True))
+                got = (2.0 + gained) / cost[rows]
+                best, best_m = brute_force(rates, [3, 3], base, 2.0, cost)
+                assert got >= best * (1 - 1e-9), (p0, p1, cost, base, k)
+                assert sum(k) == best_m, (p0, p1, cost, base, k)
+
+
+def test_one_sequence_allocation_is_best_draft_length():
+    grid = [0.0, 0.2, 0.5, 0.8, 0.95]
+    for p in itertools.product(grid, repeat=3):
+        for cost in ([1.0, 1.0, 1.1, 1.5, 3.0], [1.0, 1.0, 1.3, 1.6, 1.9], [1.0] * 5):
+            got = allocate_drafts([list(p)], [3], 1, 1.0, cost)
+            assert got == [best_draft_length(p, cost[1:], 3)], (p, cost)
+
+
+def test_drafting_stops_where_the_batch_makes_rows_dear():
+    """The same acceptance drafts in full while a step's rows are nearly free (a small batch
+    on a GPU) and not at all once each row costs its share (a compute-bound batch)."""
+    gpu = [1.0] * 17 + [1.0 + (r - 16) / 16 for r in range(17, 129)]   # flat to 16, then linear
+    rates = [[0.7] * 3] * 4
+    assert allocate_drafts(rates, [3] * 4, 4, 4.0, gpu) == [3, 3, 3, 3]
+    wide = [[0.7] * 3] * 64
+    assert allocate_drafts(wide, [3] * 64, 64, 64.0, gpu) == [0] * 64
+    # rows past the table are never taken; the largest gains first (every first draft)
+    assert allocate_drafts(rates, [3] * 4, 4, 4.0, [1.0] * 10) == [2, 1, 1, 1]   # 5 rows left
+    assert allocate_drafts([], [], 3, 3.0, gpu) == []

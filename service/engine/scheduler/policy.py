@@ -31,8 +31,10 @@ prefill_chunk):
      it recomputes its context (the prompt in the same chunks, its generated tokens in chunks
      of R, choosing nothing) and goes on: its emitted tokens stand and, sampling being keyed by
      token index, it continues exactly as it would have. How many tokens a sequence drafts:
-     `best_draft_length` (spec/width.py) from its per-depth acceptance and the measured step
-     costs (`step_costs`, else 1 + verify_alpha * k); a tree uses its budget.
+     `allocate_drafts` (spec/width.py) for the step's chains together, from each one's
+     per-depth acceptance and the measured cost of a step of each size (`row_costs`, else
+     1 + verify_alpha * (rows - 1)), so drafts are taken only where they pay at this batch
+     size; a tree uses its budget.
    - then the prefill chunks: each prefilling (or recomputing) sequence's next chunk, in start
      order, that fits the rows left (a later, smaller chunk may fit where an earlier one did
      not; none is cut to fit). A chunk's size never depends on the load: prefill_chunk from
@@ -58,7 +60,7 @@ from service.config import MAX_STEP_ROWS
 from service.engine.scheduler.kv import KVManager
 from service.engine.scheduler.plan import DecodeRow, PrefillChunk, SlotChange, StepPlan
 from service.engine.scheduler.sequence import Sequence
-from service.engine.spec.width import best_draft_length, linear_costs
+from service.engine.spec.width import allocate_drafts
 from service.errors import CapacityError
 
 log = structlog.get_logger("specstream.engine")
@@ -78,9 +80,9 @@ class Scheduler:
         # Cost of each extra verified token relative to a plain step (draft_length); the
         # engine measures it before it serves anything.
         self.verify_alpha = 0.0
-        # Measured step time by drafts verified, cost[k] in plain steps (spec/width.py); empty:
-        # 1 + verify_alpha * k
-        self.step_costs: list[float] = []
+        # Measured time of a step of R rows relative to one row, cost[R] for R = 0..step rows
+        # (spec/verify_cost.measure_row_costs); empty: 1 + verify_alpha * (R - 1)
+        self.row_costs: list[float] = []
         self._turn = 0                          # decode steps planned so far
         self._changes: list[SlotChange] = []
         self._preempted = 0
@@ -180,7 +182,7 @@ class Scheduler:
         chosen = sorted(decoding, key=lambda s: s.last_turn)[:self.step_rows]
         for seq in chosen:
             seq.last_turn = self._turn
-        want = [self.draft_length(seq) for seq in chosen]
+        want = self._draft_lengths(chosen, reserve)
         spare = max(0, self.step_rows - len(chosen) - reserve)
         while sum(want) > spare:        # shrink the longest draft (the later in turn on a tie)
             i = max(range(len(want)), key=lambda j: (want[j], j))
@@ -229,18 +231,55 @@ class Scheduler:
                 and seq.n_past < self.n_ctx)
 
     def draft_length(self, seq: Sequence) -> int:
-        """How many tokens `seq` would like drafted this step (0: plain decoding)."""
+        """How many tokens `seq` would like drafted this step (0: plain decoding), beside one
+        row of every other running sequence."""
+        room = self._draft_room(seq)
+        if not seq.speculative or seq.tree_budget:  # a tree uses its budget (spec/tree_verify.py)
+            return room
+        base = max(1, len(self.running))
+        k = allocate_drafts([seq.depth_accept.rates(room)], [room], base, base,
+                            self._costs(base + room))[0]
+        return self._probe(seq, k, room)
+
+    def _draft_lengths(self, chosen: list[Sequence], reserve: int) -> list[int]:
+        """The draft lengths of one step's sequences, chosen together (width.allocate_drafts):
+        a tree takes its budget, the chains' drafts are weighed at the step's size (its
+        sequences' rows, the trees' and the `reserve` rows of prefill chunks)."""
+        rooms = [self._draft_room(seq) for seq in chosen]
+        chains = [i for i, seq in enumerate(chosen) if seq.speculative and not seq.tree_budget]
+        want = [0 if i in chains else rooms[i] for i in range(len(chosen))]
+        if chains:
+            base = len(chosen) + reserve + sum(want)
+            k = allocate_drafts([chosen[i].depth_accept.rates(rooms[i]) for i in chains],
+                                [rooms[i] for i in chains], base, len(chosen),
+                                self._costs(base + sum(rooms[i] for i in chains)))
+            for i, ki in zip(chains, k, strict=True):
+                want[i] = self._probe(chosen[i], ki, rooms[i])
+        return want
+
+    def _draft_room(self, seq: Sequence) -> int:
+        """The most tokens `seq` may draft (its width or tree budget less one, the context and
+        max_new_tokens left); 0 when it does not speculate."""
         if not seq.speculative:
             return 0
-        room = min((seq.tree_budget or seq.verify_width) - 1, self.n_ctx - seq.n_past - 1,
-                   seq.request.stopping.max_new_tokens - len(seq.generated) - 1)
-        if seq.tree_budget:             # a tree uses its budget (spec/tree_verify.py)
-            return max(0, room)
-        k = best_draft_length(seq.depth_accept.rates(room),
-                              self.step_costs or linear_costs(self.verify_alpha, room), room)
+        return max(0, min((seq.tree_budget or seq.verify_width) - 1, self.n_ctx - seq.n_past - 1,
+                          seq.request.stopping.max_new_tokens - len(seq.generated) - 1))
+
+    def _probe(self, seq: Sequence, k: int, room: int) -> int:
+        """k, or one draft when `seq` went PROBE_EVERY plain steps without one (keep measuring:
+        the text may turn repetitive)."""
         if k == 0 and seq.steps_without_draft >= PROBE_EVERY:
-            k = min(1, room)            # keep measuring: the text may turn repetitive
+            return min(1, room)
         return k
+
+    def _costs(self, rows: int) -> list[float]:
+        """cost[R] for R = 0..rows: the measured table, else 1 + verify_alpha * (R - 1); past
+        the table's end, its last step's cost per row goes on."""
+        cost = self.row_costs or [1.0 + self.verify_alpha * (r - 1) for r in range(rows + 1)]
+        if len(cost) <= rows:
+            last = cost[-1] - cost[-2] if len(cost) > 2 else self.verify_alpha
+            cost = [*cost, *(cost[-1] + last * (r + 1) for r in range(rows + 1 - len(cost)))]
+        return cost
 
     def _prefill_chunks(self, prefilling: list[Sequence], room: int
                         ) -> tuple[list[PrefillChunk], PrefillChunk | None]:

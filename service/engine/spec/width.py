@@ -15,6 +15,18 @@ plain step), the policy picks
 
 so k = 0 wins whenever no draft length pays for its verify rows: drafting never loses in
 expectation. Without a measured table, cost[k] = 1 + alpha * k (spec/verify_cost.py).
+
+A step of several sequences (allocate_drafts): the j-th draft of sequence i adds
+g_ij = prod_{m<j} p_i[m] expected tokens (non-increasing in j), and the step's time is the
+measured cost of its total rows, cost[R] (R = base rows + drafts). The drafts taken are the m
+largest gains, m maximizing
+
+    (T0 + sum of the m largest g) / cost[R0 + m]      (ties: the smaller m)
+
+(T0: the tokens the step commits without drafts, one per sequence; R0: its rows), so a draft
+is taken only where it pays for the rows it adds at this batch size: on a step whose cost
+grows with every row (a compute-bound batch) drafting stops, on one where rows are nearly free
+it drafts in full. One sequence: best_draft_length with cost[k] = cost[R0 + k].
 """
 
 from __future__ import annotations
@@ -75,3 +87,35 @@ def best_draft_length(p: Sequence[float], cost: Sequence[float], max_k: int) -> 
         if value > best * (1.0 + 1e-9):
             best_k, best = k, value
     return best_k
+
+
+def draft_gains(p: Sequence[float], k: int) -> list[float]:
+    """g_j for j = 1..k: the expected tokens the j-th draft adds (prod_{m<j} p[m])."""
+    out, run = [], 1.0
+    for i in range(k):
+        run *= p[i]
+        out.append(run)
+    return out
+
+
+def allocate_drafts(rates: Sequence[Sequence[float]], rooms: Sequence[int], base_rows: int,
+                    base_tokens: float, cost: Sequence[float]) -> list[int]:
+    """Draft lengths of a step's speculating sequences (rates[i]: sequence i's acceptance per
+    depth, rooms[i]: its most drafts) on top of `base_rows` rows committing `base_tokens`
+    tokens, cost[R] the time of a step of R rows: the m largest gains, m maximizing expected
+    tokens per unit of time (ties: the smaller m); rows past the table are not taken."""
+    items = sorted((-g, i, j) for i, (p, room) in enumerate(zip(rates, rooms, strict=True))
+                   for j, g in enumerate(draft_gains(p, min(room, len(p)))))
+    best_m, total = 0, base_tokens
+    best = base_tokens / cost[min(base_rows, len(cost) - 1)]
+    for m, (neg, _, _) in enumerate(items, 1):
+        if base_rows + m >= len(cost):
+            break
+        total -= neg
+        value = total / cost[base_rows + m]
+        if value > best * (1.0 + 1e-9):
+            best_m, best = m, value
+    k = [0] * len(rooms)
+    for _, i, _ in items[:best_m]:
+        k[i] += 1
+    return k
