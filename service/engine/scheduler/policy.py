@@ -247,7 +247,9 @@ class Scheduler:
         sequences' rows, the trees' and the `reserve` rows of prefill chunks)."""
         rooms = [self._draft_room(seq) for seq in chosen]
         chains = [i for i, seq in enumerate(chosen) if seq.speculative and not seq.tree_budget]
-        want = [0 if i in chains else rooms[i] for i in range(len(chosen))]
+        want = list(rooms)                  # trees: their budget; chains below
+        for i in chains:
+            want[i] = 0
         if chains:
             base = len(chosen) + reserve + sum(want)
             k = allocate_drafts([chosen[i].depth_accept.rates(rooms[i]) for i in chains],
