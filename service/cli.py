@@ -242,6 +242,12 @@ def _train_drafter_parser(sub) -> None:
     tr.add_argument("--soft-labels", type=int, default=d.soft_labels, metavar="N",
                     help="train on the target's N most likely tokens' distribution (<= 20; "
                          "0: its choice alone)")
+    tr.add_argument("--weight-decay", type=float, default=d.weight_decay, metavar="WD",
+                    help="AdamW's decoupled weight decay of the head's matrices (0: none)")
+    tr.add_argument("--data", default=d.data, metavar="FILE.npz",
+                    help="keep the target's generation in this file: reused by a later run "
+                         "with the same target, prompts, split, tokens, layers and backend, "
+                         "else generated and written")
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -503,7 +509,8 @@ def cmd_train_drafter(args) -> int:
         max_seconds=args.max_seconds, target_layers=_target_layers(args.target_layers),
         norm_before_fc=args.norm_before_fc, quant=args.quant, depth=args.depth,
         seed=args.seed, backend=args.backend, threads=args.threads, slots=args.slots,
-        engine_prompts=args.engine_prompts, soft_labels=args.soft_labels)
+        engine_prompts=args.engine_prompts, soft_labels=args.soft_labels,
+        weight_decay=args.weight_decay, data=args.data)
     r = train_drafter(_resolve(args.target), args.out, opts)
     print(report_table(r, args.target))
     return 0

@@ -195,3 +195,49 @@ def collect(runner: TargetRunner, prompts: Sequence[Sequence[int]], tokens: int,
     log.info("generated", sequences=len(seqs), tokens=sum(s.n_generated for s in seqs),
              seconds=round(time.perf_counter() - t0, 1))
     return seqs
+
+
+# ---------------------------------------------------------------- a generation kept on disk
+def save_sequences(path: str | Path, seqs: Sequence[TargetSequence], key: dict) -> None:
+    """`seqs` into one .npz (arrays concatenated, with offsets) with `key`, what made them
+    (load_sequences returns them only for the same key)."""
+    lens = np.array([len(s.ids) for s in seqs], np.int64)
+    top = seqs[0].top_ids is not None if seqs else False
+    arrays = {"key": np.array(json.dumps(key, sort_keys=True)), "lens": lens,
+              "n_prompt": np.array([s.n_prompt for s in seqs], np.int64),
+              "ids": np.concatenate([s.ids for s in seqs]) if seqs else np.zeros(0, np.int64),
+              "feats": np.concatenate([s.feats for s in seqs]) if seqs else np.zeros((0, 0)),
+              "choice": np.concatenate([s.choice for s in seqs]) if seqs else np.zeros(0)}
+    if top:
+        arrays["top_ids"] = np.concatenate([s.top_ids for s in seqs])
+        arrays["top_logp"] = np.concatenate([s.top_logp for s in seqs])
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    tmp.replace(path)
+    log.info("data_saved", path=str(path), sequences=len(seqs),
+             mib=round(path.stat().st_size / 2**20, 1))
+
+
+def load_sequences(path: str | Path, key: dict) -> list[TargetSequence] | None:
+    """The sequences save_sequences wrote to `path` for the same `key`; None when the file is
+    absent or was made otherwise (another target, prompts, split, tokens, layers, backend)."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    with np.load(path, allow_pickle=False) as z:
+        if str(z["key"]) != json.dumps(key, sort_keys=True):
+            log.info("data_stale", path=str(path))
+            return None
+        ends = np.cumsum(z["lens"])
+        starts = ends - z["lens"]
+        rows = starts - np.arange(len(starts))          # a sequence of T tokens has T - 1 rows
+        top = "top_ids" in z.files
+        out = []
+        for i, (a, b, r) in enumerate(zip(starts, ends, rows, strict=True)):
+            n = b - a - 1
+            out.append(TargetSequence(
+                z["ids"][a:b], int(z["n_prompt"][i]), z["feats"][r:r + n], z["choice"][r:r + n],
+                z["top_ids"][r:r + n] if top else None, z["top_logp"][r:r + n] if top else None))
+    log.info("data_loaded", path=str(path), sequences=len(out))
+    return out

@@ -173,14 +173,16 @@ def batches(seqs: Sequence[TargetSequence], size: int, rng: np.random.Generator 
 # ---------------------------------------------------------------- Adam
 @dataclass
 class Adam:
-    """Adam with the global gradient norm clipped to `clip`; the learning rate is set per
-    step by the caller (warmup, then linear decay)."""
+    """Adam with the global gradient norm clipped to `clip` and decoupled weight decay on the
+    2-D parameters (p -= lr * weight_decay * p before the step, AdamW); the learning rate is
+    set per step by the caller (warmup, then linear decay)."""
 
     params: dict[str, np.ndarray]
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     clip: float = 1.0
+    weight_decay: float = 0.0   # decoupled (AdamW), on the matrices only (not the norms)
     t: int = 0
     m: dict = field(default_factory=dict)
     v: dict = field(default_factory=dict)
@@ -199,7 +201,10 @@ class Adam:
             m += (1 - self.beta1) * g
             v *= self.beta2
             v += (1 - self.beta2) * g * g
-            self.params[name] -= (lr / c1) * m / (np.sqrt(v / c2) + self.eps)
+            p = self.params[name]
+            if self.weight_decay and p.ndim >= 2:
+                p -= (lr * self.weight_decay) * p
+            p -= (lr / c1) * m / (np.sqrt(v / c2) + self.eps)
         return norm
 
 
@@ -262,6 +267,7 @@ class FitOptions:
     max_seconds: float = 0.0  # > 0: fewer steps, so that training ends in about this time
     seed: int = 0
     soft: bool = False        # train on soft labels (the sequences carry their top tokens)
+    weight_decay: float = 0.0  # AdamW's, on the matrices
 
 
 @dataclass(frozen=True)
@@ -279,7 +285,7 @@ def fit(head: Eagle3Head, seqs: Sequence[TargetSequence], t2d: np.ndarray, opts:
     rng = np.random.default_rng(opts.seed)
     per_epoch = -(-len(seqs) // opts.batch)
     total = opts.epochs * per_epoch
-    adam, step, t0 = Adam(head.p), 0, time.perf_counter()
+    adam, step, t0 = Adam(head.p, weight_decay=opts.weight_decay), 0, time.perf_counter()
     sums = norms = np.zeros(opts.unroll)
     for epoch in range(opts.epochs):
         sums, norms = np.zeros(opts.unroll), np.zeros(opts.unroll)

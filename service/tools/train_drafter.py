@@ -20,6 +20,8 @@ from the target's own greedy generations, and write it in llama.cpp's eagle3 for
 
 from __future__ import annotations
 
+import hashlib
+import json
 import tempfile
 import time
 from collections.abc import Sequence
@@ -39,8 +41,10 @@ from service.tools.eagle3_data import (
     TargetRunner,
     TargetSequence,
     collect,
+    load_sequences,
     prompt_ids,
     read_prompts,
+    save_sequences,
 )
 from service.tools.eagle3_eval import EngineAcceptance, engine_acceptance, reference_acceptance
 from service.tools.eagle3_head import Eagle3Head
@@ -76,6 +80,10 @@ def option_problems(opts: TrainOptions, t: ModelSpec, n_prompts: int) -> list[tu
         p.append(("draft-vocab", f"{opts.draft_vocab} is out of range [0, {t.vocab_size}]"))
     if not opts.lr > 0:
         p.append(("lr", f"{opts.lr} must be positive"))
+    if not 0 <= opts.weight_decay < 1:
+        p.append(("weight-decay", f"{opts.weight_decay} is out of range [0, 1)"))
+    if opts.data and not Path(opts.data).parent.is_dir():
+        p.append(("data", f"{Path(opts.data).parent} is not a directory"))
     layers = opts.target_layers
     if layers is not None and (len(layers) != 3 or len(set(layers)) != 3
                                or not all(0 <= k <= t.n_layer for k in layers)):
@@ -133,9 +141,29 @@ def _generate(target: Path, t: ModelSpec, layers: tuple[int, ...], opts: TrainOp
     if problems := option_problems(opts, t, len(prompts)):
         raise ConfigError(problems)
     tr, ho = split(len(prompts), opts.n_prompts, opts.holdout, opts.seed)
+    ordered = [prompts[i] for i in (*tr, *ho)]
+    key = _data_key(target, layers, opts, ordered, len(tr))
     t0 = time.perf_counter()
-    seqs = collect(runner, [prompts[i] for i in (*tr, *ho)], opts.tokens, opts.max_prompt)
+    seqs = load_sequences(opts.data, key) if opts.data else None
+    if seqs is None:
+        seqs = collect(runner, ordered, opts.tokens, opts.max_prompt)
+        if opts.data:
+            save_sequences(opts.data, seqs, key)
     return seqs[:len(tr)], seqs[len(tr):], time.perf_counter() - t0
+
+
+def _data_key(target: Path, layers: tuple[int, ...], opts: TrainOptions,
+              prompts: Sequence[Sequence[int]], n_train: int) -> dict:
+    """What a generation depends on (a kept one is reused only for the same): the target file
+    (its size and the hash of its first 4 MiB: header, metadata and the first tensors), the
+    tapped layers, the prompts in order and the training / held-out split, the tokens and
+    prompt cut, the top-N kept, the backend that generated it."""
+    with open(target, "rb") as f:
+        head = hashlib.sha256(f.read(4 << 20)).hexdigest()
+    ids = hashlib.sha256(json.dumps([list(map(int, p)) for p in prompts]).encode()).hexdigest()
+    return {"target_bytes": target.stat().st_size, "target_head": head, "layers": list(layers),
+            "prompts": ids, "n_train": n_train, "tokens": opts.tokens,
+            "max_prompt": opts.max_prompt, "n_top": opts.soft_labels, "backend": opts.backend}
 
 
 def train_drafter(target: str | Path, out: str | Path, opts: TrainOptions,
@@ -161,7 +189,8 @@ def train_drafter(target: str | Path, out: str | Path, opts: TrainOptions,
             _write(untrained, tf, spec, head, d2t, opts.quant)
         result = fitting.fit(head, train, t2d, fitting.FitOptions(
             unroll=K, epochs=opts.epochs, batch=opts.batch, lr=opts.lr,
-            max_seconds=opts.max_seconds, seed=opts.seed, soft=opts.soft_labels > 0))
+            max_seconds=opts.max_seconds, seed=opts.seed, soft=opts.soft_labels > 0,
+            weight_decay=opts.weight_decay))
         written = _write(out, tf, spec, head, d2t, opts.quant)
         engine = []
         if opts.engine_prompts:

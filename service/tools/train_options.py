@@ -32,3 +32,5 @@ class TrainOptions:
     slots: int = 64                    # sequences generated at once
     engine_prompts: int = 0            # held-out prompts the engine check runs; 0: none
     soft_labels: int = 0               # > 0: train on the target's top-N distribution
+    weight_decay: float = 0.0          # AdamW's decoupled decay of the matrices
+    data: str = ""                     # .npz of the generation (reused when it matches)

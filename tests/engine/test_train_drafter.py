@@ -9,6 +9,8 @@ continuations are still a fixed function of the context, which a head can learn)
   trainer's acceptance, and the trainer's logits row for row (extend and chain rows).
 - An engine drafting with it (`--drafter eagle3`) gives plain greedy output and accepts drafts.
 - With n_top the generation keeps each position's top tokens, the choice first.
+- A generation kept with --data is reused only by a run that would generate the same; weight
+  decay shrinks the head's matrices alone.
 - The CLI runs end to end on a prompts file of token ids (with soft labels) and reports bad
   options at once.
 """
@@ -122,6 +124,46 @@ def test_generation_keeps_the_top_tokens_with_n_top():
         assert (np.exp(b.top_logp).sum(1) <= 1 + 1e-5).all()
 
 
+def test_a_kept_generation_is_reused_only_for_the_same_run(tmp_path, monkeypatch):
+    """--data: the first run writes the generation, a second with the same target, prompts,
+    split and tokens reads it back (the same sequences, soft-label tokens included, and no
+    generation), one with other tokens generates afresh and writes its own."""
+    from service.tools import train_drafter as td
+
+    data, prompts = tmp_path / "gen.npz", random_prompts(8, seed=21)
+    opts = TrainOptions(tokens=6, holdout=0.25, slots=4, soft_labels=3, data=str(data))
+    t = ModelSpec.from_gguf(GGUFFile(model_path(TARGET)))
+    first = td._generate(model_path(TARGET), t, (0, 1, 2), opts, prompts)
+    assert data.is_file()
+    calls = []
+    monkeypatch.setattr(td, "collect", lambda *a: calls.append(a) or [])
+    again = td._generate(model_path(TARGET), t, (0, 1, 2), opts, prompts)
+    assert not calls
+    for a, b in zip(first[0] + first[1], again[0] + again[1], strict=True):
+        for f in ("ids", "feats", "choice", "top_ids", "top_logp"):
+            assert np.array_equal(getattr(a, f), getattr(b, f)), f
+        assert a.n_prompt == b.n_prompt
+    assert [len(x) for x in again[:2]] == [6, 2]
+    monkeypatch.undo()
+    other = td._generate(model_path(TARGET), t, (0, 1, 2),
+                         TrainOptions(tokens=5, holdout=0.25, slots=4, data=str(data)), prompts)
+    assert max(s.n_generated for s in other[0] + other[1]) == 5
+    assert other[0][0].top_ids is None
+
+
+def test_weight_decay_shrinks_the_matrices_alone():
+    """AdamW's decoupled decay: with no gradient a matrix shrinks by lr * wd per step, a norm
+    (1-D) does not move; without decay nothing moves."""
+    from service.tools.eagle3_fit import Adam
+
+    params = {"w": np.ones((2, 3), np.float32), "norm": np.ones(3, np.float32)}
+    zero = {k: np.zeros_like(v) for k, v in params.items()}
+    Adam(params, weight_decay=0.1).step(zero, 0.01)
+    assert np.allclose(params["w"], 1 - 0.01 * 0.1) and np.array_equal(params["norm"], np.ones(3))
+    Adam(params).step(zero, 0.01)
+    assert np.allclose(params["w"], 1 - 0.01 * 0.1)
+
+
 def test_an_engine_drafting_with_the_trained_head_gives_plain_greedy_output(trained):
     prompts = random_prompts(4, seed=99)                       # none of them trained on
     with running_engine(TARGET) as eng:
@@ -153,10 +195,12 @@ def test_the_cli_reports_every_bad_option(capsys, tmp_path):
     code, _, err = run_cli(capsys, "train-drafter", str(model_path(TARGET)),
                            str(tmp_path / "no" / "x.gguf"), "--kind", "dflash", "--unroll", "0",
                            "--holdout", "1.5", "--draft-vocab", "5000", "--quant", "Q4_0",
-                           "--soft-labels", "21")
+                           "--soft-labels", "21", "--weight-decay", "2",
+                           "--data", str(tmp_path / "none" / "d.npz"))
     assert code == 2
     for what in ("kind: 'dflash'", "unroll: 0", "holdout: 1.5", "draft-vocab: 5000",
-                 "quant: 'Q4_0'", "is not a directory", "soft-labels: 21"):
+                 "quant: 'Q4_0'", "is not a directory", "soft-labels: 21", "weight-decay: 2",
+                 "data: "):
         assert what in err, what
 
 
