@@ -62,7 +62,7 @@ from service.engine.spec.decode import Draft, Speculator, advance_plain, choice,
 from service.engine.spec.drafters import Drafter, create_drafter
 from service.engine.spec.options import resolve as resolve_speculation
 from service.engine.spec.tree_verify import compact, n_rows
-from service.engine.spec.verify_cost import measure_row_costs, measure_verify_alpha
+from service.engine.spec.verify_cost import alpha_of, measure_row_costs, measure_verify_alpha
 from service.engine.stepprofile import (
     DRAFTING,
     EMIT,
@@ -342,8 +342,7 @@ class Engine:
                     width = self.config.verify_width
                     if self.model.backend.captures_steps:   # replayed steps: every size
                         cost = measure_row_costs(self.runner, rows)
-                        self.verify_alpha = min(1.0, max(0.0, (cost[min(width, len(cost) - 1)]
-                                                               - 1.0) / (width - 1)))
+                        self.verify_alpha = alpha_of(cost[min(width, len(cost) - 1)], width)
                         self.row_costs = cost
                     else:
                         self.verify_alpha = measure_verify_alpha(self.runner, width)

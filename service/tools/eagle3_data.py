@@ -101,6 +101,12 @@ class TargetSequence:
         return len(self.ids) - self.n_prompt
 
 
+def target_tokenizer(f: GGUFFile, spec: ModelSpec) -> Tokenizer:
+    """The target's tokenizer, or ids only for a file without vocabulary texts."""
+    return (Tokenizer.from_metadata(f.metadata) if f.get("tokenizer.ggml.tokens")
+            else Tokenizer.ids_only(spec.vocab_size))
+
+
 class TargetRunner:
     """A target model on a backend with a hidden-state tap at `points`, n_slots sequences at a
     time, max_tokens rows per step (every row may be a logits row); n_top > 0 (at most the
@@ -111,8 +117,7 @@ class TargetRunner:
                  n_top: int = 0):
         f = GGUFFile(path)
         self.spec = ModelSpec.from_gguf(f)
-        self.tokenizer = (Tokenizer.from_metadata(f.metadata) if f.get("tokenizer.ggml.tokens")
-                          else Tokenizer.ids_only(self.spec.vocab_size))
+        self.tokenizer = target_tokenizer(f, self.spec)
         self.n_slots, self.n_ctx = n_slots, min(n_ctx, self.spec.n_ctx_train)
         # steps up to MAX_STEP_ROWS batch-invariant, as the engine's (engine/loader.py)
         be = create_backend(backend, threads=threads, invariant_tokens=MAX_STEP_ROWS)

@@ -45,6 +45,7 @@ from service.tools.eagle3_data import (
     prompt_ids,
     read_prompts,
     save_sequences,
+    target_tokenizer,
 )
 from service.tools.eagle3_eval import EngineAcceptance, engine_acceptance, reference_acceptance
 from service.tools.eagle3_head import Eagle3Head
@@ -131,13 +132,11 @@ def _check(opts: TrainOptions, t: ModelSpec, out: Path, n_prompts: int) -> None:
 def _generate(target: Path, t: ModelSpec, layers: tuple[int, ...], opts: TrainOptions,
               given: Sequence[Sequence[int]] | None
               ) -> tuple[list[TargetSequence], list[TargetSequence], float]:
-    """The target's sequences for the training and the held-out prompts, and the seconds
-    generating them took."""
-    runner = TargetRunner(target, layers, backend=opts.backend, threads=opts.threads,
-                          n_slots=opts.slots, n_ctx=opts.max_prompt + opts.tokens + 1,
-                          max_tokens=max(64, opts.slots), n_top=opts.soft_labels)
+    """The target's sequences for the training and the held-out prompts (read from
+    opts.data when it holds this generation: no model is loaded), and the seconds generating
+    or reading them took."""
     prompts = prompt_ids(read_prompts(opts.prompts or None) if given is None else given,
-                         runner.tokenizer, t.vocab_size)
+                         target_tokenizer(GGUFFile(target), t), t.vocab_size)
     if problems := option_problems(opts, t, len(prompts)):
         raise ConfigError(problems)
     tr, ho = split(len(prompts), opts.n_prompts, opts.holdout, opts.seed)
@@ -146,6 +145,9 @@ def _generate(target: Path, t: ModelSpec, layers: tuple[int, ...], opts: TrainOp
     t0 = time.perf_counter()
     seqs = load_sequences(opts.data, key) if opts.data else None
     if seqs is None:
+        runner = TargetRunner(target, layers, backend=opts.backend, threads=opts.threads,
+                              n_slots=opts.slots, n_ctx=opts.max_prompt + opts.tokens + 1,
+                              max_tokens=max(64, opts.slots), n_top=opts.soft_labels)
         seqs = collect(runner, ordered, opts.tokens, opts.max_prompt)
         if opts.data:
             save_sequences(opts.data, seqs, key)

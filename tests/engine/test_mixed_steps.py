@@ -111,15 +111,21 @@ def test_a_chunk_that_does_not_fit_waits_unless_it_is_the_oldest():
     assert [x.seq for x in plan.prefill] == [b] and len(plan.decode) == 2
 
 
-def test_drafts_shrink_before_a_waiting_chunk_is_left_out():
-    sch = scheduler()
-    spec = [seq(i, 4) for i in range(2)]
+def speculating(sch: Scheduler, n: int, width: int) -> list[Sequence]:
+    """n speculating sequences of `width`, admitted, their prompts (4 tokens) computed."""
+    spec = [seq(i, 4) for i in range(n)]
     for s in spec:
-        s.speculative, s.verify_width = True, 8
+        s.speculative, s.verify_width = True, width
         sch.add(s)
     sch.schedule()
     for s in spec:
         decoded(s)
+    return spec
+
+
+def test_drafts_shrink_before_a_waiting_chunk_is_left_out():
+    sch = scheduler()
+    speculating(sch, 2, 8)
     plan = sch.schedule()
     assert [r.n_draft for r in plan.decode] == [6, 6]       # alone: all their length allows
     late = seq(5, 60)
@@ -135,13 +141,7 @@ def test_draft_lengths_follow_the_step_costs_at_the_batch_size():
     row past them costs a sixteenth of a step take the 8 free rows (one draft each, the
     largest gains), all 24 when every row is free, none when each row costs a step."""
     sch = scheduler()
-    spec = [seq(i, 4) for i in range(8)]
-    for s in spec:
-        s.speculative, s.verify_width = True, 4
-        sch.add(s)
-    sch.schedule()
-    for s in spec:
-        decoded(s)
+    spec = speculating(sch, 8, 4)
     sch.row_costs = [1.0] * 17 + [r / 16 for r in range(17, 65)]
     assert [r.n_draft for r in sch.schedule().decode] == [1] * 8
     assert sch.draft_length(spec[0]) == 3          # one sequence's 3 drafts: rows 11 <= 16

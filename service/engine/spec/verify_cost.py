@@ -55,11 +55,16 @@ def measure_row_costs(runner: ModelRunner, max_rows: int, reps: int = 3) -> list
     return cost
 
 
+def alpha_of(relative: float, width: int) -> float:
+    """alpha of a verify step of `width` >= 2 rows costing `relative` plain steps."""
+    return min(1.0, max(0.0, (relative - 1.0) / (width - 1)))
+
+
 def measure_verify_alpha(runner: ModelRunner, width: int, reps: int = 3) -> float:
     """alpha for verify steps of `width` >= 2 rows (one untimed full-width step first)."""
     _best(runner, width, reps)
     t1, tw = _best(runner, 1, reps), _best(runner, width, reps)
-    alpha = min(1.0, max(0.0, (tw / t1 - 1.0) / (width - 1)))
+    alpha = alpha_of(tw / t1, width)
     log.info("verify_cost", width=width, plain_ms=round(t1 * 1e3, 2),
              verify_ms=round(tw * 1e3, 2), alpha=round(alpha, 3))
     return alpha
