@@ -76,7 +76,10 @@ def test_create_drafter():
 
 
 def test_draft_length_trades_acceptance_against_verify_cost():
-    from service.engine.spec.chain import draft_length
+    from service.engine.spec.width import best_draft_length, linear_costs
+
+    def draft_length(p: float, alpha: float, max_k: int) -> int:   # one sequence, geometric
+        return best_draft_length([p] * max_k, linear_costs(alpha, max_k), max_k)
 
     assert draft_length(0.0, 0.0, 7) == 0          # nothing is ever accepted
     assert draft_length(0.3, 0.0, 7) == 7          # verifying is free (a GPU): draft it all

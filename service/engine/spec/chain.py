@@ -45,22 +45,3 @@ def accept_chain(draft: Sequence[int], target: Sequence[int]) -> tuple[int, list
     while n < len(draft) and draft[n] == target[n - 1]:
         n += 1
     return n, [*draft[1:n], target[n - 1]]
-
-
-def draft_length(p: float, alpha: float, max_k: int) -> int:
-    """How many tokens to draft, given the acceptance rate p of recent drafts and the cost of
-    a verify step relative to a plain step, 1 + alpha * k for k drafted tokens.
-
-    Under a geometric model (each draft accepted with probability p, given the previous ones
-    were), k drafts commit 1 + p + p^2 + ... + p^k tokens on average; we pick the k that
-    maximizes tokens per unit of cost, 0 meaning plain decoding:
-
-        k* = argmax_k (1 + sum_{i=1..k} p^i) / (1 + alpha * k),   0 <= k <= max_k
-    """
-    best_k, best, expected = 0, 1.0, 1.0
-    for k in range(1, max_k + 1):
-        expected += p ** k
-        value = expected / (1.0 + alpha * k)
-        if value > best:
-            best_k, best = k, value
-    return best_k
