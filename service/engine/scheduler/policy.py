@@ -60,7 +60,7 @@ from service.config import MAX_STEP_ROWS
 from service.engine.scheduler.kv import KVManager
 from service.engine.scheduler.plan import DecodeRow, PrefillChunk, SlotChange, StepPlan
 from service.engine.scheduler.sequence import Sequence
-from service.engine.spec.width import allocate_drafts
+from service.engine.spec.width import allocate_drafts, shrink_drafts
 from service.errors import CapacityError
 
 log = structlog.get_logger("specstream.engine")
@@ -184,9 +184,7 @@ class Scheduler:
             seq.last_turn = self._turn
         want = self._draft_lengths(chosen, reserve)
         spare = max(0, self.step_rows - len(chosen) - reserve)
-        while sum(want) > spare:        # shrink the longest draft (the later in turn on a tie)
-            i = max(range(len(want)), key=lambda j: (want[j], j))
-            want[i] -= 1
+        want = shrink_drafts(want, spare)   # the longest lose a token, the later on a tie
         for i, seq in enumerate(chosen):     # blocks for every row; the drafter writes them too
             if seq.slot >= 0 and not self._room(seq, seq.n_past + want[i] + 1):
                 want[i] = -1

@@ -119,3 +119,32 @@ def allocate_drafts(rates: Sequence[Sequence[float]], rooms: Sequence[int], base
     for _, i, _ in items[:best_m]:
         k[i] += 1
     return k
+
+
+def shrink_drafts(want: Sequence[int], spare: int) -> list[int]:
+    """Draft lengths cut to fit `spare` rows: one token at a time off the longest draft (the
+    later index on a tie) until sum(want) <= spare. Computed by level: every draft is clipped
+    to the lowest level L whose cut is within the excess (a binary search), then the drafts
+    left at L give one more token each, the later ones first, for the rest of the excess."""
+    out = list(want)
+    excess = sum(out) - max(spare, 0)
+    if excess <= 0:
+        return out
+
+    def cut(level: int) -> int:
+        return sum(w - level for w in out if w > level)
+
+    lo, hi = 0, max(out)                 # cut(hi) = 0 <= excess
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cut(mid) <= excess:
+            hi = mid
+        else:
+            lo = mid + 1
+    rest = excess - cut(lo)              # < the drafts at lo (cut(lo - 1) > excess)
+    for i in reversed(range(len(out))):
+        out[i] = min(out[i], lo)
+        if rest and out[i] == lo:
+            out[i] -= 1
+            rest -= 1
+    return out
