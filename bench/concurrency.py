@@ -33,13 +33,14 @@ another suffix. Time to first token of A (uncached) and B (cached), their ratio 
 requests' Usage.cached_prompt_tokens; median of 3 rounds, each with a fresh prefix.
 
 Engine settings: --n-ctx (default: long enough for the streams and the prefix requests),
---n-slots (default: the highest level); --kv-cache-memory, --max-step-tokens and
---no-prefix-cache, --gemv-mma reach EngineConfig only when given.
+--n-slots (default: the highest level); --kv-cache-memory, --prefill-chunk, --max-step-tokens,
+--no-prefix-cache and --gemv-mma reach EngineConfig only when given.
 
     python bench/concurrency.py [--model smollm2-135m|PATH|synth-8b|synth-1b|synth-tiny]
         [--backend cpu|cuda|auto] [--levels 1,4,16,64] [--tokens 256] [--sampled]
         [--prompts text|ids] [--prompt-tokens 32] [--prefix-tokens 2000] [--rounds 1]
-        [--n-ctx N] [--n-slots N] [--kv-cache-memory 8GiB] [--max-step-tokens N]
+        [--n-ctx N] [--n-slots N] [--kv-cache-memory 8GiB] [--prefill-chunk N]
+        [--max-step-tokens N]
         [--no-prefix-cache] [--gemv-mma] [--no-overlap] [--speculative] [--threads 0]
         [--synth-dir DIR] [--seed 0] [--json PATH] [--plot PNG]
     python bench/plot_concurrency.py RESULT.json [MORE.json ...] OUT.png   (redraw from JSON)
@@ -316,6 +317,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--n-ctx", type=int, help="default: prompt + tokens (or prefix) + 64")
     g.add_argument("--n-slots", type=int, help="default: the highest level")
     g.add_argument("--kv-cache-memory", help="EngineConfig.kv_cache_memory (e.g. 8GiB, 0.5)")
+    g.add_argument("--prefill-chunk", type=int,
+                   help="EngineConfig.prefill_chunk (CUDA: <= 64 keeps prompt chunks in captured, "
+                        "row-invariant steps beside decode rows)")
     g.add_argument("--max-step-tokens", type=int, help="EngineConfig.max_step_tokens")
     g.add_argument("--no-prefix-cache", action="store_true", help="EngineConfig.prefix_cache=False")
     g.add_argument("--gemv-mma", action="store_true",
@@ -345,6 +349,8 @@ def engine_fields(a, backend: str, levels: list[int]) -> dict:
               "n_slots": a.n_slots or max(levels), "threads": a.threads}
     if a.kv_cache_memory is not None:
         fields["kv_cache_memory"] = a.kv_cache_memory
+    if a.prefill_chunk is not None:
+        fields["prefill_chunk"] = a.prefill_chunk
     if a.max_step_tokens is not None:
         fields["max_step_tokens"] = a.max_step_tokens
     if a.no_prefix_cache:

@@ -83,7 +83,9 @@ fi
 # default): its GPU tests (every tile and the one-column kernels bit for bit), the GEMV table
 # (dp4a and mma per width), then one stream end to end with and without --gemv-mma on the
 # synthetic 1B / 8B and the real models in place (E2E_MODELS; script args go to e2e_decode),
-# then 1 and 64 streams through gRPC on the synthetic 8B with and without --gemv-mma.
+# then 1 and 64 streams through gRPC on the synthetic 8B with --gemv-mma, with --gemv-mma and
+# 64-row prompt chunks (they ride the captured decode steps instead of 128-row eager GEMM steps),
+# and with the dp4a GEMVs.
 if [ "$what" = mma ]; then
   python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gemv_mma.py \
     tests/gpu/test_batching.py || status=1
@@ -92,10 +94,12 @@ if [ "$what" = mma ]; then
   python3 bench/e2e_decode.py --parts step,engine,mma \
     --models "${E2E_MODELS:-synth-1b,synth-8b,smollm2-135m}" "$@" || status=1
   # many streams through gRPC on the synthetic 8B, the tiles and the dp4a GEMVs (MMA_LEVELS)
-  for mode in --gemv-mma ""; do
+  for mode in "--gemv-mma" "--gemv-mma --prefill-chunk 64" ""; do
+    tag=$(echo "$mode" | sed -e 's/--gemv-mma/-mma/' -e 's/ --prefill-chunk /-chunk/')
+    echo "== concurrency [${mode:-dp4a}]"
     python3 bench/concurrency.py --backend cuda --model synth-8b --levels "${MMA_LEVELS:-1,64}" \
       --tokens 128 --prompts ids --prompt-tokens 128 --prefix-tokens 0 --rounds 1 $mode \
-      --json "${MMA_CONC_JSON:-/tmp/bench-conc}${mode:+-mma}.json" || status=1
+      --json "${MMA_CONC_JSON:-/tmp/bench-conc}$tag.json" || status=1
   done
 fi
 # EAGLE-3 heads fitted on the GPU host (issue 22's goal): for each real model in place,
