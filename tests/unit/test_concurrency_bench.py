@@ -47,8 +47,8 @@ def test_engine_fields_hold_only_the_options_given(C):
     assert f == {"backend": "cpu", "n_ctx": 300 + C.SUFFIX_TOKENS + 1 + 64, "n_slots": 8,
                  "threads": 0}
     a = C.parse_args(["--kv-cache-memory", "0.5", "--max-step-tokens", "512",
-                      "--prefill-chunk", "64", "--no-prefix-cache", "--n-ctx", "4096", "--n-slots", "3",
-                      "--prefix-tokens", "0"])
+                      "--prefill-chunk", "64", "--no-prefix-cache", "--n-ctx", "4096",
+                      "--n-slots", "3", "--prefix-tokens", "0"])
     f = C.engine_fields(a, "cuda", a.level_list)
     assert a.level_list == [1, 4, 16, 64]
     assert f == {"backend": "cuda", "n_ctx": 4096, "n_slots": 3, "threads": 0,
