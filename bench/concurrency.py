@@ -318,8 +318,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--n-slots", type=int, help="default: the highest level")
     g.add_argument("--kv-cache-memory", help="EngineConfig.kv_cache_memory (e.g. 8GiB, 0.5)")
     g.add_argument("--prefill-chunk", type=int,
-                   help="EngineConfig.prefill_chunk (CUDA: <= 64 keeps prompt chunks in captured, "
-                        "row-invariant steps beside decode rows)")
+                   help="EngineConfig.prefill_chunk (CUDA: <= 64 runs prompt chunks as captured "
+                        "steps on the row-invariant GEMVs, not eager GEMM steps)")
     g.add_argument("--max-step-tokens", type=int, help="EngineConfig.max_step_tokens")
     g.add_argument("--no-prefix-cache", action="store_true", help="EngineConfig.prefix_cache=False")
     g.add_argument("--gemv-mma", action="store_true",

@@ -84,8 +84,8 @@ fi
 # (dp4a and mma per width), then one stream end to end with and without --gemv-mma on the
 # synthetic 1B / 8B and the real models in place (E2E_MODELS; script args go to e2e_decode),
 # then 1 and 64 streams through gRPC on the synthetic 8B with --gemv-mma, with --gemv-mma and
-# 64-row prompt chunks (they ride the captured decode steps instead of 128-row eager GEMM steps),
-# and with the dp4a GEMVs.
+# 64-row prompt chunks (captured steps on the row-invariant GEMVs instead of one eager 128-row
+# GEMM step per prompt), and with the dp4a GEMVs.
 if [ "$what" = mma ]; then
   python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_gemv_mma.py \
     tests/gpu/test_batching.py || status=1
