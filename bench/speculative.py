@@ -19,8 +19,9 @@ and an oracle drafter on synthetic shapes; every ratio against plain decoding in
     acceptance and the step costs it times at start (alpha, the cost of a verify row relative
     to a plain step; on a GPU the cost of a step of each size); they are timed once per model
     (by the plain/ngram engine) and given to every other engine of that model, so that timing
-    noise does not make the rows decide differently (`--alpha X` sets alpha alone; 0 drafts in
-    full every step).
+    noise does not make the rows decide differently; each engine learns the time its own
+    drafter takes per draft as it drafts (`--alpha X` sets alpha alone, with drafting taken as
+    free; 0 drafts in full every step).
 (b) `--part synth`: a synthetic Q4_K_M model per --shapes (8b, 1b; tiny for a CPU check),
     generated seeded into --synth-dir (the names bench/gpu_bench.py uses, so its files are
     reused). Verify-step time for widths 1..16 at KV length --kv: runner steps of one sequence
@@ -171,7 +172,8 @@ def eagle3_heads(a, tmp: Path, target: Path) -> list[tuple[str, Path]]:
 
 def _load(a, target: Path, costs: tuple[float, list[float]] | None, **fields) -> Engine:
     """An engine of `fields`, started; `costs` (verify_alpha, row_costs) replaces its own
-    timing at start."""
+    timing at start (the drafting cost each engine learns from its own drafter, unless
+    --alpha is given: then drafts are weighed by alpha alone)."""
     fields.pop("_warm", None)
     cfg = EngineConfig(backend=a.backend, n_ctx=1024, n_slots=1, threads=a.threads,
                        verify_width=a.width, **fields)
@@ -179,6 +181,8 @@ def _load(a, target: Path, costs: tuple[float, list[float]] | None, **fields) ->
     eng.start()
     if costs is not None:
         eng.verify_alpha, eng.row_costs = costs
+        if a.alpha is None:
+            eng.draft_cost = None
     eng.warmup()
     ids = eng.text_prompt_ids(S.PROMPTS["prose"][0])
     for spec in (False, True):                  # every step shape of this config, once

@@ -62,7 +62,12 @@ from service.engine.spec.decode import Draft, Speculator, advance_plain, choice,
 from service.engine.spec.drafters import Drafter, create_drafter
 from service.engine.spec.options import resolve as resolve_speculation
 from service.engine.spec.tree_verify import compact, n_rows
-from service.engine.spec.verify_cost import alpha_of, measure_row_costs, measure_verify_alpha
+from service.engine.spec.verify_cost import (
+    alpha_of,
+    measure_plain_step,
+    measure_row_costs,
+    measure_verify_alpha,
+)
 from service.engine.stepprofile import (
     DRAFTING,
     EMIT,
@@ -98,6 +103,9 @@ from service.model.transformer import Transformer
 __all__ = ["Engine", "RequestHandle", "StepStats"]
 
 log = structlog.get_logger("specstream.engine")
+
+DRAFT_COST_WEIGHT = 0.3   # weight of each step's drafting time in the running draft_cost
+DRAFT_COST_MAX = 8.0      # plain steps per draft a sample counts at most
 
 
 class RequestHandle:
@@ -154,6 +162,13 @@ class Engine:
         self.overlap = config.overlap == "on" or (config.overlap == "auto"
                                                   and model.backend.asynchronous)
         self._tapped: StepInput | None = None    # the last step run, for Speculator.extend
+        # drafting time per drafted token relative to a plain step (scheduler.draft_cost):
+        # learned from the drafts unless set (draft_cost, verify_alpha); the plain step's
+        # seconds are measured at start
+        self._plain_step_s = 0.0
+        self._draft_cost_set = False
+        self._draft_samples = 0
+        self._drafted_last: set[int] = set()     # the sequences the last step drafted for
         self.overlapped = OverlappedDecode(self.runner, self.scheduler, self.speculator,
                                            self._lock, lambda: self.stats, self._release)
 
@@ -200,10 +215,25 @@ class Engine:
 
     @verify_alpha.setter
     def verify_alpha(self, alpha: float) -> None:
-        """Weigh drafts by 1 + alpha * (rows - 1) from now on (a measured table is dropped:
-        alpha 0 drafts in full)."""
+        """Weigh drafts by 1 + alpha * (rows - 1) from now on, making them taken as free (a
+        measured table is dropped, the drafting cost set to 0: alpha 0 drafts in full; set
+        draft_cost to None after it to learn the drafting cost again)."""
         self.scheduler.verify_alpha = alpha
         self.scheduler.row_costs = []
+        self.draft_cost = 0.0
+
+    @property
+    def draft_cost(self) -> float:
+        """The time of making one draft relative to a plain step, which the width policy adds
+        per draft (learned from the drafter's timings, spec/width.py)."""
+        return self.scheduler.draft_cost
+
+    @draft_cost.setter
+    def draft_cost(self, cost: float | None) -> None:
+        """A fixed drafting cost from now on; None: learn it from the drafts again."""
+        self._draft_cost_set = cost is not None
+        if cost is not None:
+            self.scheduler.draft_cost = cost
 
     @property
     def row_costs(self) -> list[float]:
@@ -346,6 +376,8 @@ class Engine:
                         self.row_costs = cost
                     else:
                         self.verify_alpha = measure_verify_alpha(self.runner, width)
+                    self._plain_step_s = measure_plain_step(self.runner)
+                    self.draft_cost = None          # learned from the drafts
             finally:
                 self._ready.set()
             self._loop()
@@ -436,12 +468,14 @@ class Engine:
         """The step: the decode rows' drafts, then ONE runner step verifying every decode row
         with the prefill chunks riding along (mixed.py), then each part's commit. A step that
         fails is retried one part at a time (nothing was committed)."""
+        t0 = time.perf_counter()
         try:
             batch = self.speculator.draft(rows, timer)
         except Exception as exc:   # drafting failed: fail its rows; the chunks go on
             for row in rows:
                 self._fail(row.seq, exc)
             batch = []
+        self._learn_draft_cost(batch, time.perf_counter() - t0)
         self._lap(DRAFTING)
         if (not chunks and self.overlap and timer is None
                 and all(isinstance(d, list) and len(d) == 1 for _, d in batch)
@@ -470,6 +504,24 @@ class Engine:
             timer.finish([seq for seq, _ in batch], self.stats.decode_steps,
                          sum(n_rows(d) for _, d in batch))
         self._lap(EMIT)
+
+    def _learn_draft_cost(self, batch: list[tuple[Sequence, Draft]], seconds: float) -> None:
+        """Fold this step's drafting time per drafted token, in plain steps (at most
+        DRAFT_COST_MAX: a pause of the process is not the drafter's), into draft_cost. Only a
+        step whose drafting sequences all drafted in the step before counts: a model drafter's
+        first draft of a sequence, or its first after plain steps, also runs the tokens its
+        own model has not seen yet (the prompt, the tokens of the plain steps), a cost of
+        starting to draft and not of drafting on."""
+        drafting = {id(seq) for seq, d in batch if n_rows(d) > 1}
+        steady, self._drafted_last = drafting <= self._drafted_last, drafting
+        if self._draft_cost_set or self._plain_step_s <= 0.0 or not drafting or not steady:
+            return
+        drafted = sum(n_rows(d) - 1 for _, d in batch)
+        sample = min(DRAFT_COST_MAX, seconds / drafted / self._plain_step_s)
+        s = self.scheduler
+        s.draft_cost = sample if not self._draft_samples else (
+            (1.0 - DRAFT_COST_WEIGHT) * s.draft_cost + DRAFT_COST_WEIGHT * sample)
+        self._draft_samples += 1
 
     def _one_by_one(self, batch: list[tuple[Sequence, Draft]], chunks: list[PrefillChunk]
                     ) -> tuple[list[StepOutput | None], list]:

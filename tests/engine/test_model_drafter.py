@@ -192,3 +192,30 @@ def test_generate_cli_drafts_with_a_model(capsys, drafts):
         outs.append(json.loads(out))
     assert outs[0]["token_ids"] == outs[1]["token_ids"]
     assert outs[0]["usage"]["accepted_draft_tokens"] > 0
+
+
+def test_the_engine_learns_what_a_draft_costs_and_stops_a_drafter_as_dear_as_the_target():
+    """A model drafting for itself (the same file) runs a target-sized forward per draft: the
+    engine learns a drafting cost of about a plain step per draft from its steady drafting
+    steps (a sequence's first drafting step, which runs the prompt through the draft model,
+    does not count), after which the width policy stops drafting (k + 1 tokens would cost
+    1 + alpha k + k steps), probing rarely; the output is plain decoding's. A cost that is set
+    stays (draft_in_full, verify_alpha)."""
+    target = model_path("tiny-qwen3")
+    ids = list(range(5, 21))
+    with running_engine(target, verify_width=4) as eng:
+        plain = run(eng, ids, max_new_tokens=64, ignore_eos=True, speculative=False).token_ids
+    with running_engine(target, drafter="model", draft_model=str(target),
+                        verify_width=4) as eng:
+        out = run(eng, ids, max_new_tokens=64, ignore_eos=True)
+        assert out.token_ids == plain
+        assert eng.draft_cost > 0.5, eng.draft_cost
+        assert eng.scheduler.probe_every() >= 25
+        # drafting in full would draft 3 per step (every draft accepted: 48 drafts)
+        assert out.finished.usage.draft_tokens <= 12, out.finished.usage
+    with running_engine(target, drafter="model", draft_model=str(target), verify_width=4,
+                        draft_in_full=True) as eng:
+        out = run(eng, ids, max_new_tokens=64, ignore_eos=True)
+        assert out.token_ids == plain
+        assert eng.draft_cost == 0.0
+        assert out.finished.usage.draft_tokens >= 40, out.finished.usage

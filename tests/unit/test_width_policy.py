@@ -135,3 +135,41 @@ def test_shrink_drafts_is_the_one_token_at_a_time_rule():
         got = shrink_drafts(want, spare)
         assert got == one_at_a_time(want, spare), (want, spare)
         assert sum(got) == min(sum(want), spare)
+
+
+def test_a_dear_drafter_drafts_only_where_its_drafts_pay_for_themselves():
+    """Making drafts costs draft_cost plain steps each: drafts that pay for their verify rows
+    alone stop paying once the drafter's own time counts, and a drafter as dear as the target
+    never drafts, even when every draft is accepted (k + 1 tokens for 1 + alpha k + k steps)."""
+    cost = linear_costs(0.15, 8)
+    half = [0.5] * 4
+    assert allocate_drafts([half], [4], 1, 1, cost) == [2]
+    assert allocate_drafts([half], [4], 1, 1, cost, draft_cost=0.0) == [2]
+    assert allocate_drafts([half], [4], 1, 1, cost, draft_cost=0.3) == [1]
+    assert allocate_drafts([half], [4], 1, 1, cost, draft_cost=1.0) == [0]
+    assert allocate_drafts([[1.0] * 4], [4], 1, 1, cost) == [4]
+    assert allocate_drafts([[1.0] * 4], [4], 1, 1, cost, draft_cost=1.0) == [0]
+    assert allocate_drafts([[0.99] * 4, [0.2] * 4], [4, 4], 2, 2, linear_costs(0.05, 12),
+                           draft_cost=0.1) == [4, 0]
+
+
+def test_draft_cost_is_priced_per_draft_by_brute_force():
+    """allocate_drafts with a drafting cost is the best split when each draft adds draft_cost
+    to the step's time (brute force over every draft-length vector), and one sequence's
+    allocation is best_draft_length's with the same cost."""
+    rng = random.Random(7)
+    for _ in range(200):
+        n = rng.randint(1, 3)
+        rates = [[rng.choice([0.1, 0.4, 0.7, 0.9, 1.0]) for _ in range(3)] for _ in range(n)]
+        rooms = [rng.randint(0, 3) for _ in range(n)]
+        table = linear_costs(rng.choice([0.0, 0.1, 0.3]), 12)
+        dc = rng.choice([0.0, 0.05, 0.3, 1.0])
+        priced = [c + dc * max(0, r - n) for r, c in enumerate(table)]
+        best, best_m = brute_force(rates, rooms, n, n, priced)
+        k = allocate_drafts(rates, rooms, n, n, table, dc)
+        gained = sum(expected_tokens(p, ki) - 1 for p, ki in zip(rates, k, strict=True))
+        assert abs((n + gained) / priced[n + sum(k)] - best) <= best * 1e-9
+        assert sum(k) == best_m
+        if n == 1:
+            per = [table[1 + j] for j in range(4)]
+            assert k[0] == best_draft_length(rates[0][:rooms[0]], per, rooms[0], dc)

@@ -32,9 +32,9 @@ prefill_chunk):
      of R, choosing nothing) and goes on: its emitted tokens stand and, sampling being keyed by
      token index, it continues exactly as it would have. How many tokens a sequence drafts:
      `allocate_drafts` (spec/width.py) for the step's chains together, from each one's
-     per-depth acceptance and the measured cost of a step of each size (`row_costs`, else
-     1 + verify_alpha * (rows - 1)), so drafts are taken only where they pay at this batch
-     size; a tree uses its budget.
+     per-depth acceptance, the measured cost of a step of each size (`row_costs`, else
+     1 + verify_alpha * (rows - 1)) and of making a draft (`draft_cost`), so drafts are taken
+     only where they pay at this batch size; a tree uses its budget.
    - then the prefill chunks: each prefilling (or recomputing) sequence's next chunk, in start
      order, that fits the rows left (a later, smaller chunk may fit where an earlier one did
      not; none is cut to fit). A chunk's size never depends on the load: prefill_chunk from
@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import math
 
 import structlog
 
@@ -66,6 +67,9 @@ from service.errors import CapacityError
 log = structlog.get_logger("specstream.engine")
 
 PROBE_EVERY = 8   # plain steps after which a sequence that stopped drafting tries one draft
+# ... at least: a probe whose draft costs d plain steps waits d / PROBE_SHARE steps, so probing
+# a dear drafter (a model drafter on a small target) costs about 2% of the time
+PROBE_SHARE = 0.02
 MIX_ROWS = MAX_STEP_ROWS   # chunks up to this wide ride in the decode step (the invariant path)
 
 
@@ -83,6 +87,9 @@ class Scheduler:
         # Measured time of a step of R rows relative to one row, cost[R] for R = 0..step rows
         # (spec/verify_cost.measure_row_costs); empty: 1 + verify_alpha * (R - 1)
         self.row_costs: list[float] = []
+        # Time of making one draft relative to a plain step (width.allocate_drafts); the engine
+        # measures it as its drafter drafts (Engine.draft_cost)
+        self.draft_cost = 0.0
         self._turn = 0                          # decode steps planned so far
         self._changes: list[SlotChange] = []
         self._preempted = 0
@@ -217,9 +224,14 @@ class Scheduler:
         return nxt
 
     def probe_due(self, seq: Sequence) -> bool:
-        """Whether `seq` has gone PROBE_EVERY plain steps without a draft (its next planned
+        """Whether `seq` has gone probe_every() plain steps without a draft (its next planned
         step tries one, whatever its acceptance says)."""
-        return seq.speculative and seq.steps_without_draft >= PROBE_EVERY
+        return seq.speculative and seq.steps_without_draft >= self.probe_every()
+
+    def probe_every(self) -> int:
+        """Plain steps between probes: PROBE_EVERY, or more for a drafter whose draft costs
+        more than PROBE_SHARE * PROBE_EVERY plain steps."""
+        return max(PROBE_EVERY, math.ceil(self.draft_cost / PROBE_SHARE))
 
     def _continues(self, seq: Sequence) -> bool:
         """Whether `seq` may still decode after the token in flight (not yet emitted)."""
@@ -236,7 +248,7 @@ class Scheduler:
             return room
         base = max(1, len(self.running))
         k = allocate_drafts([seq.depth_accept.rates(room)], [room], base, base,
-                            self._costs(base + room))[0]
+                            self._costs(base + room), self.draft_cost)[0]
         return self._probe(seq, k, room)
 
     def _draft_lengths(self, chosen: list[Sequence], reserve: int) -> list[int]:
@@ -252,7 +264,8 @@ class Scheduler:
             base = len(chosen) + reserve + sum(want)
             k = allocate_drafts([chosen[i].depth_accept.rates(rooms[i]) for i in chains],
                                 [rooms[i] for i in chains], base, len(chosen),
-                                self._costs(base + sum(rooms[i] for i in chains)))
+                                self._costs(base + sum(rooms[i] for i in chains)),
+                                self.draft_cost)
             for i, ki in zip(chains, k, strict=True):
                 want[i] = self._probe(chosen[i], ki, rooms[i])
         return want
@@ -268,7 +281,7 @@ class Scheduler:
     def _probe(self, seq: Sequence, k: int, room: int) -> int:
         """k, or one draft when `seq` went PROBE_EVERY plain steps without one (keep measuring:
         the text may turn repetitive)."""
-        if k == 0 and seq.steps_without_draft >= PROBE_EVERY:
+        if k == 0 and seq.steps_without_draft >= self.probe_every():
             return min(1, room)
         return k
 

@@ -7,6 +7,7 @@ t_1 and t_w the best of a few timings of a plain step and of a full-width verify
 
     alpha = clip((t_w / t_1 - 1) / (w - 1), 0, 1)
 
+measure_plain_step: the seconds of a plain step, the unit of the drafting cost the engine learns.
 measure_row_costs: on a backend that replays captured steps (their launch is cheap, the
 timings steady), the time of a step of every padded size up to the rows a step can hold, as
 cost[R] = t(padded(R)) / t(1) for R = 0..max_rows (a step of R rows runs padded(R) rows), so
@@ -53,6 +54,11 @@ def measure_row_costs(runner: ModelRunner, max_rows: int, reps: int = 3) -> list
              ms=[round(v * 1e3, 3) for v in t.values()],
              relative=[round(v / one, 3) for v in t.values()])
     return cost
+
+
+def measure_plain_step(runner: ModelRunner, reps: int = 3) -> float:
+    """Seconds of a plain one-row step (the best of `reps`; the drafting cost's unit)."""
+    return _best(runner, 1, reps)
 
 
 def alpha_of(relative: float, width: int) -> float:

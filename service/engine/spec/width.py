@@ -27,6 +27,12 @@ largest gains, m maximizing
 is taken only where it pays for the rows it adds at this batch size: on a step whose cost
 grows with every row (a compute-bound batch) drafting stops, on one where rows are nearly free
 it drafts in full. One sequence: best_draft_length with cost[k] = cost[R0 + k].
+
+Making a draft costs time too: a model drafter runs a forward per drafted token (the drafts of
+a step's sequences one after another), the n-gram lookup a few microseconds. With d the
+drafting time per drafted token in plain steps (the engine measures it as it drafts), m drafts
+cost cost[R0 + m] + d * m: a drafter nearly as dear as the target stops drafting unless its
+drafts are almost always accepted.
 """
 
 from __future__ import annotations
@@ -78,12 +84,14 @@ def expected_tokens(p: Sequence[float], k: int) -> float:
     return total
 
 
-def best_draft_length(p: Sequence[float], cost: Sequence[float], max_k: int) -> int:
-    """argmax_k E(k) / cost[k] over 0..min(max_k, len(p), len(cost) - 1); ties: smaller k."""
+def best_draft_length(p: Sequence[float], cost: Sequence[float], max_k: int,
+                      draft_cost: float = 0.0) -> int:
+    """argmax_k E(k) / (cost[k] + draft_cost * k) over 0..min(max_k, len(p), len(cost) - 1);
+    ties: smaller k."""
     top = min(max_k, len(p), len(cost) - 1)
     best_k, best = 0, 1.0 / cost[0]
     for k in range(1, top + 1):
-        value = expected_tokens(p, k) / cost[k]
+        value = expected_tokens(p, k) / (cost[k] + draft_cost * k)
         if value > best * (1.0 + 1e-9):
             best_k, best = k, value
     return best_k
@@ -99,11 +107,13 @@ def draft_gains(p: Sequence[float], k: int) -> list[float]:
 
 
 def allocate_drafts(rates: Sequence[Sequence[float]], rooms: Sequence[int], base_rows: int,
-                    base_tokens: float, cost: Sequence[float]) -> list[int]:
+                    base_tokens: float, cost: Sequence[float], draft_cost: float = 0.0
+                    ) -> list[int]:
     """Draft lengths of a step's speculating sequences (rates[i]: sequence i's acceptance per
     depth, rooms[i]: its most drafts) on top of `base_rows` rows committing `base_tokens`
-    tokens, cost[R] the time of a step of R rows: the m largest gains, m maximizing expected
-    tokens per unit of time (ties: the smaller m); rows past the table are not taken."""
+    tokens, cost[R] the time of a step of R rows and `draft_cost` the time of making one draft
+    (both in plain steps): the m largest gains, m maximizing expected tokens per unit of time
+    (ties: the smaller m); rows past the table are not taken."""
     items = sorted((-g, i, j) for i, (p, room) in enumerate(zip(rates, rooms, strict=True))
                    for j, g in enumerate(draft_gains(p, min(room, len(p)))))
     best_m, total = 0, base_tokens
@@ -112,7 +122,7 @@ def allocate_drafts(rates: Sequence[Sequence[float]], rooms: Sequence[int], base
         if base_rows + m >= len(cost):
             break
         total -= neg
-        value = total / cost[base_rows + m]
+        value = total / (cost[base_rows + m] + draft_cost * m)
         if value > best * (1.0 + 1e-9):
             best_m, best = m, value
     k = [0] * len(rooms)
