@@ -42,8 +42,9 @@ def running_engine(model: str | Path, *, start: bool = True, draft_in_full: bool
     or else engine_config(**overrides), started unless `start` is false, stopped on exit.
 
     draft_in_full: take verification and drafting as free (verify_alpha 0, which sets the
-    drafting cost to 0 too), so every speculating request drafts as much as its width allows. How much the engine drafts otherwise follows the verify
-    cost it measured at start, which depends on the machine's speed and load (on a loaded 2-core
+    drafting cost to 0 too), so every speculating request drafts as much as its width allows.
+    How much the engine drafts otherwise follows the verify cost it measured at start and the
+    drafting cost it learns, which depend on the machine's speed and load (on a loaded 2-core
     machine, wide verify steps cost enough that it almost stops drafting): a test that counts
     drafts must not depend on that."""
     eng = Engine.load(model_path(model, fetch=fetch), config or engine_config(**overrides))
