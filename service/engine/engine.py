@@ -168,6 +168,7 @@ class Engine:
         self._plain_step_s = 0.0
         self._draft_cost_set = False
         self._draft_samples = 0
+        self._probe_samples = 0
         self._drafted_last: set[int] = set()     # the sequences the last step drafted for
         self.overlapped = OverlappedDecode(self.runner, self.scheduler, self.speculator,
                                            self._lock, lambda: self.stats, self._release)
@@ -230,10 +231,11 @@ class Engine:
 
     @draft_cost.setter
     def draft_cost(self, cost: float | None) -> None:
-        """A fixed drafting cost from now on; None: learn it from the drafts again."""
+        """A fixed drafting cost from now on (per draft and per probe); None: learn both from
+        the drafts again."""
         self._draft_cost_set = cost is not None
         if cost is not None:
-            self.scheduler.draft_cost = cost
+            self.scheduler.draft_cost = self.scheduler.probe_cost = cost
 
     @property
     def row_costs(self) -> list[float]:
@@ -506,19 +508,26 @@ class Engine:
         self._lap(EMIT)
 
     def _learn_draft_cost(self, batch: list[tuple[Sequence, Draft]], seconds: float) -> None:
-        """Fold this step's drafting time per drafted token, in plain steps (at most
-        DRAFT_COST_MAX: a pause of the process is not the drafter's), into draft_cost. Only a
-        step whose drafting sequences all drafted in the step before counts: a model drafter's
-        first draft of a sequence, or its first after plain steps, also runs the tokens its
-        own model has not seen yet (the prompt, the tokens of the plain steps), a cost of
-        starting to draft and not of drafting on."""
+        """Fold this step's drafting time, in plain steps, into draft_cost (per drafted token,
+        at most DRAFT_COST_MAX: a pause of the process is not the drafter's) when every
+        sequence drafting in it also drafted in the step before, else into probe_cost (the
+        whole drafting time of the step): a model drafter's first draft of a sequence, or its
+        first after plain steps (a probe), also runs the tokens its own model has not seen yet
+        (the prompt, the tokens of the plain steps), a cost of starting to draft, not of
+        drafting on."""
         drafting = {id(seq) for seq, d in batch if n_rows(d) > 1}
         steady, self._drafted_last = drafting <= self._drafted_last, drafting
-        if self._draft_cost_set or self._plain_step_s <= 0.0 or not drafting or not steady:
+        if self._draft_cost_set or self._plain_step_s <= 0.0 or not drafting:
+            return
+        s = self.scheduler
+        if not steady:
+            sample = seconds / self._plain_step_s
+            s.probe_cost = sample if not self._probe_samples else (
+                (1.0 - DRAFT_COST_WEIGHT) * s.probe_cost + DRAFT_COST_WEIGHT * sample)
+            self._probe_samples += 1
             return
         drafted = sum(n_rows(d) - 1 for _, d in batch)
         sample = min(DRAFT_COST_MAX, seconds / drafted / self._plain_step_s)
-        s = self.scheduler
         s.draft_cost = sample if not self._draft_samples else (
             (1.0 - DRAFT_COST_WEIGHT) * s.draft_cost + DRAFT_COST_WEIGHT * sample)
         self._draft_samples += 1

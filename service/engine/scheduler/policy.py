@@ -67,8 +67,9 @@ from service.errors import CapacityError
 log = structlog.get_logger("specstream.engine")
 
 PROBE_EVERY = 8   # plain steps after which a sequence that stopped drafting tries one draft
-# ... at least: a probe whose draft costs d plain steps waits d / PROBE_SHARE steps, so probing
-# a dear drafter (a model drafter on a small target) costs about 2% of the time
+# ... at least: a probe whose drafting costs c plain steps waits c / PROBE_SHARE steps, so
+# probing a dear drafter (a model drafter catching up on the plain steps' tokens) costs about
+# 2% of the time
 PROBE_SHARE = 0.02
 MIX_ROWS = MAX_STEP_ROWS   # chunks up to this wide ride in the decode step (the invariant path)
 
@@ -90,6 +91,8 @@ class Scheduler:
         # Time of making one draft relative to a plain step (width.allocate_drafts); the engine
         # measures it as its drafter drafts (Engine.draft_cost)
         self.draft_cost = 0.0
+        # ... and of a sequence's first drafting step after plain steps (a probe), whole
+        self.probe_cost = 0.0
         self._turn = 0                          # decode steps planned so far
         self._changes: list[SlotChange] = []
         self._preempted = 0
@@ -229,9 +232,10 @@ class Scheduler:
         return seq.speculative and seq.steps_without_draft >= self.probe_every()
 
     def probe_every(self) -> int:
-        """Plain steps between probes: PROBE_EVERY, or more for a drafter whose draft costs
-        more than PROBE_SHARE * PROBE_EVERY plain steps."""
-        return max(PROBE_EVERY, math.ceil(self.draft_cost / PROBE_SHARE))
+        """Plain steps between probes: PROBE_EVERY, or more for a drafter whose probe (or
+        draft) costs more than PROBE_SHARE * PROBE_EVERY plain steps."""
+        return max(PROBE_EVERY,
+                   math.ceil(max(self.draft_cost, self.probe_cost) / PROBE_SHARE))
 
     def _continues(self, seq: Sequence) -> bool:
         """Whether `seq` may still decode after the token in flight (not yet emitted)."""
