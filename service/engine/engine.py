@@ -62,12 +62,7 @@ from service.engine.spec.decode import Draft, Speculator, advance_plain, choice,
 from service.engine.spec.drafters import Drafter, create_drafter
 from service.engine.spec.options import resolve as resolve_speculation
 from service.engine.spec.tree_verify import compact, n_rows
-from service.engine.spec.verify_cost import (
-    alpha_of,
-    measure_plain_step,
-    measure_row_costs,
-    measure_verify_alpha,
-)
+from service.engine.spec.verify_cost import alpha_of, measure_row_costs, measure_verify_alpha
 from service.engine.stepprofile import (
     DRAFTING,
     EMIT,
@@ -104,8 +99,14 @@ __all__ = ["Engine", "RequestHandle", "StepStats"]
 
 log = structlog.get_logger("specstream.engine")
 
-DRAFT_COST_WEIGHT = 0.3   # weight of each step's drafting time in the running draft_cost
-DRAFT_COST_MAX = 8.0      # plain steps per draft a sample counts at most
+DRAFT_COST_WEIGHT = 0.3   # weight of each step's drafting time in the running costs
+DRAFT_COST_MAX = 8.0      # plain steps per draft a draft_cost sample counts at most
+PROBE_COST_MAX = 100.0    # plain steps a probe_cost sample counts at most
+
+
+def _running(mean: float, sample: float, n: int) -> float:
+    """A running mean's next value: the first sample itself, then DRAFT_COST_WEIGHT of each."""
+    return sample if n == 0 else (1.0 - DRAFT_COST_WEIGHT) * mean + DRAFT_COST_WEIGHT * sample
 
 
 class RequestHandle:
@@ -373,12 +374,12 @@ class Engine:
                 if self.config.verify_width >= 2 and self.drafter is not None:
                     width = self.config.verify_width
                     if self.model.backend.captures_steps:   # replayed steps: every size
-                        cost = measure_row_costs(self.runner, rows)
+                        cost, plain_s = measure_row_costs(self.runner, rows)
                         self.verify_alpha = alpha_of(cost[min(width, len(cost) - 1)], width)
                         self.row_costs = cost
                     else:
-                        self.verify_alpha = measure_verify_alpha(self.runner, width)
-                    self._plain_step_s = measure_plain_step(self.runner)
+                        self.verify_alpha, plain_s = measure_verify_alpha(self.runner, width)
+                    self._plain_step_s = plain_s
                     self.draft_cost = None          # learned from the drafts
             finally:
                 self._ready.set()
@@ -508,29 +509,27 @@ class Engine:
         self._lap(EMIT)
 
     def _learn_draft_cost(self, batch: list[tuple[Sequence, Draft]], seconds: float) -> None:
-        """Fold this step's drafting time, in plain steps, into draft_cost (per drafted token,
-        at most DRAFT_COST_MAX: a pause of the process is not the drafter's) when every
-        sequence drafting in it also drafted in the step before, else into probe_cost (the
-        whole drafting time of the step): a model drafter's first draft of a sequence, or its
-        first after plain steps (a probe), also runs the tokens its own model has not seen yet
-        (the prompt, the tokens of the plain steps), a cost of starting to draft, not of
-        drafting on."""
+        """Fold this step's drafting time, in plain steps, into draft_cost (per drafted token)
+        when every sequence drafting in it also drafted in the step before, else into
+        probe_cost (the whole drafting time of the step): a model drafter's first draft of a
+        sequence, or its first after plain steps (a probe), also runs the tokens its own model
+        has not seen yet (the prompt, the tokens of the plain steps), a cost of starting to
+        draft, not of drafting on. Samples are capped (DRAFT_COST_MAX, PROBE_COST_MAX): a
+        pause of the process is not the drafter's."""
         drafting = {id(seq) for seq, d in batch if n_rows(d) > 1}
         steady, self._drafted_last = drafting <= self._drafted_last, drafting
         if self._draft_cost_set or self._plain_step_s <= 0.0 or not drafting:
             return
-        s = self.scheduler
-        if not steady:
-            sample = seconds / self._plain_step_s
-            s.probe_cost = sample if not self._probe_samples else (
-                (1.0 - DRAFT_COST_WEIGHT) * s.probe_cost + DRAFT_COST_WEIGHT * sample)
+        s, steps = self.scheduler, seconds / self._plain_step_s
+        if steady:
+            drafted = sum(n_rows(d) - 1 for _, d in batch)
+            s.draft_cost = _running(s.draft_cost, min(DRAFT_COST_MAX, steps / drafted),
+                                    self._draft_samples)
+            self._draft_samples += 1
+        else:
+            s.probe_cost = _running(s.probe_cost, min(PROBE_COST_MAX, steps),
+                                    self._probe_samples)
             self._probe_samples += 1
-            return
-        drafted = sum(n_rows(d) - 1 for _, d in batch)
-        sample = min(DRAFT_COST_MAX, seconds / drafted / self._plain_step_s)
-        s.draft_cost = sample if not self._draft_samples else (
-            (1.0 - DRAFT_COST_WEIGHT) * s.draft_cost + DRAFT_COST_WEIGHT * sample)
-        self._draft_samples += 1
 
     def _one_by_one(self, batch: list[tuple[Sequence, Draft]], chunks: list[PrefillChunk]
                     ) -> tuple[list[StepOutput | None], list]:

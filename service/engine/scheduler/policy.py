@@ -283,7 +283,7 @@ class Scheduler:
                           seq.request.stopping.max_new_tokens - len(seq.generated) - 1))
 
     def _probe(self, seq: Sequence, k: int, room: int) -> int:
-        """k, or one draft when `seq` went PROBE_EVERY plain steps without one (keep measuring:
+        """k, or one draft when `seq` went probe_every() plain steps without one (keep measuring:
         the text may turn repetitive)."""
         if k == 0 and seq.steps_without_draft >= self.probe_every():
             return min(1, room)

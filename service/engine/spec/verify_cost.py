@@ -7,7 +7,6 @@ t_1 and t_w the best of a few timings of a plain step and of a full-width verify
 
     alpha = clip((t_w / t_1 - 1) / (w - 1), 0, 1)
 
-measure_plain_step: the seconds of a plain step, the unit of the drafting cost the engine learns.
 measure_row_costs: on a backend that replays captured steps (their launch is cheap, the
 timings steady), the time of a step of every padded size up to the rows a step can hold, as
 cost[R] = t(padded(R)) / t(1) for R = 0..max_rows (a step of R rows runs padded(R) rows), so
@@ -37,10 +36,11 @@ def _best(runner: ModelRunner, t: int, reps: int) -> float:
     return min(times)
 
 
-def measure_row_costs(runner: ModelRunner, max_rows: int, reps: int = 3) -> list[float]:
+def measure_row_costs(runner: ModelRunner, max_rows: int, reps: int = 3
+                      ) -> tuple[list[float], float]:
     """cost[R] for R = 0..max_rows (cost[0] = cost[1] = 1; max_rows within what a step and
-    the context hold): per padded size, its widest step of at most max_rows rows run once
-    untimed, then the best of `reps`."""
+    the context hold) and the seconds of a one-row step (the drafting cost's unit): per padded
+    size, its widest step of at most max_rows rows run once untimed, then the best of `reps`."""
     max_rows = max(1, min(max_rows, runner.model.max_logits, runner.model.max_tokens,
                           runner.n_ctx))
     widest = {runner.padded(r): r for r in range(1, max_rows + 1)}     # padded size -> rows
@@ -53,12 +53,7 @@ def measure_row_costs(runner: ModelRunner, max_rows: int, reps: int = 3) -> list
     log.info("step_costs", rows=list(widest.values()),
              ms=[round(v * 1e3, 3) for v in t.values()],
              relative=[round(v / one, 3) for v in t.values()])
-    return cost
-
-
-def measure_plain_step(runner: ModelRunner, reps: int = 3) -> float:
-    """Seconds of a plain one-row step (the best of `reps`; the drafting cost's unit)."""
-    return _best(runner, 1, reps)
+    return cost, one
 
 
 def alpha_of(relative: float, width: int) -> float:
@@ -66,11 +61,13 @@ def alpha_of(relative: float, width: int) -> float:
     return min(1.0, max(0.0, (relative - 1.0) / (width - 1)))
 
 
-def measure_verify_alpha(runner: ModelRunner, width: int, reps: int = 3) -> float:
-    """alpha for verify steps of `width` >= 2 rows (one untimed full-width step first)."""
+def measure_verify_alpha(runner: ModelRunner, width: int, reps: int = 3
+                         ) -> tuple[float, float]:
+    """alpha for verify steps of `width` >= 2 rows (one untimed full-width step first) and the
+    seconds of a plain step (the drafting cost's unit)."""
     _best(runner, width, reps)
     t1, tw = _best(runner, 1, reps), _best(runner, width, reps)
     alpha = alpha_of(tw / t1, width)
     log.info("verify_cost", width=width, plain_ms=round(t1 * 1e3, 2),
              verify_ms=round(tw * 1e3, 2), alpha=round(alpha, 3))
-    return alpha
+    return alpha, t1
