@@ -17,7 +17,7 @@
 // depends neither on NC nor on the block's rows: a column gets the same bits from every tile.
 // accumulate = 1 adds the product to what out (C, ldo) f32 holds.
 //
-// One column (gemv_mma_<type>_c1[p]): the same sums in the same order from dp4a dot products,
+// One column (gemv_mma_<type>_c1[p][n]): the same sums in the same order from dp4a dot products,
 // one warp per row, block (32, GEMV_WARPS), grid ceil(N / GEMV_WARPS): see its section below.
 //
 // Launch (gemv_mma_<type>_c<NC>, NC = 8, 16, 32, 64; M = MMA_M_C<NC> m-tiles of 16 rows):
@@ -39,6 +39,7 @@
 //   slot 4 tid + i holds byte 16 e + 4 tid + i of half e.
 #include "pdl.cuh"
 #include "quant_types.cuh"
+#include "act_quant.cuh"
 
 // MMA_WARPS (8) and MMA_M_C<NC> (m-tiles of 16 rows per block of the NC-column tile: 2, 2, 2, 1)
 // come as -D defines (service/backends/cuda/kernels.py).
@@ -478,12 +479,14 @@ GEMV_MMA_KERNELS(q5_1, MmaQ5_1, MMA_BOUNDS)
 //   Q4_1, Q5_1   p = da,           q = fma(d, s, m * sa)
 // Launch (gemv_mma_<type>_c1[p]): block (32, GEMV_WARPS), grid ceil(N / GEMV_WARPS); warp w of
 // block b owns row n = GEMV_WARPS b + w. A round of the warp covers 32 consecutive groups, lane
-// l group g0 + l (as gemv.cu's one-column loop), i.e. R = 32 / UG units of UG groups (UG = 8
-// for the K-quants' super-blocks, MMA_U32 blocks for the 32-element types). Each lane leaves
-// its (p, q) in shared memory; the first lane of each unit adds its unit's UG terms in order to
-// the accumulator of the unit's warp slot (u mod MMA_WARPS), of which it holds MMA_WARPS / R.
-// The p variant (Q4_K, Q6_K: kernels.GEMV_PREFETCH_TYPES) loads the next round's weights and
-// activations before this round's dots.
+// l group g0 + l (as gemv.cu's one-column loop); units are UG consecutive groups (UG = 8 for the
+// K-quants' super-blocks, MMA_U32 blocks for the 32-element types), unit u belongs to the warp
+// slot u mod MMA_WARPS of the tiles. Each lane leaves its (p, q) in the warp's shared chunk of
+// MMA_ONE_CHUNK groups with no barrier between rounds (loads of later rounds overlap earlier
+// dots); at the end of a chunk lane s < MMA_WARPS adds, in order, the terms of slot s's units in
+// the chunk to its register accumulator (the tiles' per-warp chain), and the slots meet in slot
+// order by shuffles. The p variant (Q4_K, Q6_K: kernels.GEMV_PREFETCH_TYPES) loads the next
+// round's weights and activations before this round's dots.
 template <class QT>
 struct C1K45 {                  // Q4_K, Q5_K: w = d*sc * q - dmin*m
     using Q = QT;
@@ -550,14 +553,19 @@ using C1Q5_1 = C1Min<Q5_1>;
 #error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
 #endif
 
+constexpr int MMA_ONE_CHUNK = 256;     // groups per shared chunk of the one-column kernel
+
+// PF: round r + 1's loads are issued before round r's dot. Groups past G leave the term
+// (0, -0): fma(0, -0, acc) is acc exactly, so the slot chains run over whole units unchecked.
 template <class C, bool PF>
 __device__ __forceinline__ void gemv_mma_one(Planes P, int K, int N, const signed char* __restrict__ qa,
                                              const float2* __restrict__ ads,
                                              float* __restrict__ out, int accumulate) {
     using Q = typename C::Q;
-    constexpr int UG = C::UG, R = WARP / UG, NACC = MMA_WARPS / R, SUB = Q::QK / 32;
-    static_assert(WARP % UG == 0 && MMA_WARPS % R == 0, "a round must hold whole units");
-    __shared__ float2 terms[GEMV_WARPS][WARP];
+    constexpr int UG = C::UG, SUB = Q::QK / 32, CH = MMA_ONE_CHUNK;
+    static_assert(CH % WARP == 0 && CH % UG == 0 && UG % 2 == 0 && MMA_WARPS <= WARP,
+                  "whole units per chunk");
+    __shared__ __align__(16) float2 terms[GEMV_WARPS][CH];
     PDL_ENTRY();
     const int lane = threadIdx.x, n = blockIdx.x * GEMV_WARPS + threadIdx.y;
     if (n >= N) return;
@@ -565,10 +573,7 @@ __device__ __forceinline__ void gemv_mma_one(Planes P, int K, int N, const signe
     const size_t rb = (size_t)n * (K / Q::QK);
     const u8* ap = reinterpret_cast<const u8*>(qa);
     float2* tw = terms[threadIdx.y];
-    const bool owner = (lane & (UG - 1)) == 0;
-    float acc[NACC];
-#pragma unroll
-    for (int i = 0; i < NACC; i++) acc[i] = 0.0f;
+    float acc = 0.0f;           // lane s < MMA_WARPS: the running sum of warp slot s
     typename Q::G w;
     int a[8];
     float2 e;
@@ -578,50 +583,60 @@ __device__ __forceinline__ void gemv_mma_one(Planes P, int K, int N, const signe
         e = ads[lane];
         Q::load(P, rb + lane / SUB, lane % SUB, w);
     }
-    for (int g0 = 0, round = 0; g0 < G; g0 += WARP, round++) {
-        const int g = g0 + lane;
-        float2 t = make_float2(0.0f, 0.0f);
-        if constexpr (PF) {
-            typename Q::G wn;
-            int an[8];
-            float2 en;
-            const int gn = g + WARP;
-            if (gn < G) {
-                ld16(ap + 32 * gn, an);
-                ld16(ap + 32 * gn + 16, an + 4);
-                en = ads[gn];
-                Q::load(P, rb + gn / SUB, gn % SUB, wn);
+    for (int c0 = 0; c0 < G; c0 += CH) {
+        const int c1 = min(G, c0 + CH);
+        for (int g0 = c0; g0 < c1; g0 += WARP) {
+            const int g = g0 + lane;
+            float2 t = make_float2(0.0f, -0.0f);
+            if constexpr (PF) {
+                typename Q::G wn;
+                int an[8];
+                float2 en;
+                const int gn = g + WARP;
+                if (gn < G) {
+                    ld16(ap + 32 * gn, an);
+                    ld16(ap + 32 * gn + 16, an + 4);
+                    en = ads[gn];
+                    Q::load(P, rb + gn / SUB, gn % SUB, wn);
+                }
+                if (g < G) t = C::term(w, a, e);
+                w = wn;
+                e = en;
+#pragma unroll
+                for (int i = 0; i < 8; i++) a[i] = an[i];
+            } else if (g < G) {
+                ld16(ap + 32 * g, a);
+                ld16(ap + 32 * g + 16, a + 4);
+                e = ads[g];
+                Q::load(P, rb + g / SUB, g % SUB, w);
+                t = C::term(w, a, e);
             }
-            if (g < G) t = C::term(w, a, e);
-            w = wn;
-            e = en;
-#pragma unroll
-            for (int i = 0; i < 8; i++) a[i] = an[i];
-        } else if (g < G) {
-            ld16(ap + 32 * g, a);
-            ld16(ap + 32 * g + 16, a + 4);
-            e = ads[g];
-            Q::load(P, rb + g / SUB, g % SUB, w);
-            t = C::term(w, a, e);
+            tw[g - c0] = t;
         }
-        tw[lane] = t;
         __syncwarp();
-        if (owner) {
+        if (lane < MMA_WARPS) {
+            // the chunk's units u0 .. u1 - 1; slot lane's first is u0 + ((lane - u0) mod
+            // MMA_WARPS); a unit's terms are read as float4 pairs, then added in order
+            const int u0 = c0 / UG, u1 = (c1 + UG - 1) / UG;
+            for (int u = u0 + (lane - u0 % MMA_WARPS + MMA_WARPS) % MMA_WARPS; u < u1;
+                 u += MMA_WARPS) {
+                const float4* tu = reinterpret_cast<const float4*>(tw + (u * UG - c0));
+                float4 v[UG / 2];
 #pragma unroll
-            for (int i = 0; i < NACC; i++) {
-                if (i != round % NACC) continue;
+                for (int j = 0; j < UG / 2; j++) v[j] = tu[j];
 #pragma unroll
-                for (int j = 0; j < UG; j++)
-                    if (g + j < G) acc[i] = __fmaf_rn(tw[lane + j].x, tw[lane + j].y, acc[i]);
+                for (int j = 0; j < UG / 2; j++) {
+                    acc = __fmaf_rn(v[j].x, v[j].y, acc);
+                    acc = __fmaf_rn(v[j].z, v[j].w, acc);
+                }
             }
         }
         __syncwarp();
     }
-    // slot s = i R + q lives in acc[i] of the owner lane q UG
     float s = 0.0f;
 #pragma unroll
     for (int slot = 0; slot < MMA_WARPS; slot++)
-        s = __fadd_rn(s, __shfl_sync(0xFFFFFFFFu, acc[slot / R], (slot % R) * UG));
+        s = __fadd_rn(s, __shfl_sync(0xFFFFFFFFu, acc, slot));
     if (lane == 0) out[n] = accumulate ? __fadd_rn(out[n], s) : s;
 }
 
@@ -633,13 +648,46 @@ __device__ __forceinline__ void gemv_mma_one(Planes P, int K, int N, const signe
                             float* out, int ldo, int accumulate) {                          \
         gemv_mma_one<C, PF>(Planes{p0, p1, p2, p3}, K, N, qa, ads, out, accumulate);        \
     }
+// gemv_mma_<type>_c1[p]n: one column, residual add (out += W x), then the next RMSNorm, as
+// gemv.cu's gemv_<type>_c1r1[p]n: the last block of the grid to finish (a counter, reset by
+// that block) normalizes the whole output row into h with its 8-bit blocks (hqa, hads),
+// exactly as rms_norm_quant (act_quant.cuh norm_quant_row_128). The same launch geometry.
+template <class C, int S>
+__device__ __forceinline__ void gemv_mma_norm(Planes P, int K, int N, const signed char* qa,
+                                              const float2* ads, float* out, int* done,
+                                              const float* nw, float eps, int B, float* h,
+                                              signed char* hqa, float2* hads) {
+    gemv_mma_one<C, S>(P, K, N, qa, ads, out, 1);
+    __shared__ int last;
+    if (threadIdx.x == 0) __threadfence();     // the writers (lane 0 of each warp): outputs
+    __syncthreads();                           // before the block's count
+    if (threadIdx.x == 0 && threadIdx.y == 0)
+        last = atomicAdd(done, 1) == (int)(gridDim.x * gridDim.y) - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    norm_quant_row_128(out, N, B, nw, eps, h, hqa, hads);
+    if (threadIdx.x == 0 && threadIdx.y == 0) *done = 0;
+}
+static_assert(GEMV_WARPS == 4, "the norm epilogue (norm_quant_row_128) takes (32, 4) blocks");
+#define GEMV_MMA_NORM(name, C, V, PF)                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS)                           \
+    gemv_mma_##name##_c1##V##n(const u8* p0, const u8* p1, const u8* p2, const u8* p3,      \
+                               int K, int N, const signed char* qa, const float2* ads,      \
+                               float* out, int* done, const float* nw, float eps, int B,    \
+                               float* h, signed char* hqa, float2* hads) {                  \
+        gemv_mma_norm<C, PF>(Planes{p0, p1, p2, p3}, K, N, qa, ads,  \
+                                                   out, done, nw, eps, B, h, hqa, hads);    \
+    }
 // c1p for the types whose dp4a one-column GEMV prefetches (kernels.GEMV_PREFETCH_TYPES)
-#define GEMV_MMA_ONES(name, C) GEMV_MMA_ONE(name, C, , false) GEMV_MMA_ONE(name, C, p, true)
+#define GEMV_MMA_ONES(name, C) GEMV_MMA_ONE(name, C, , false) GEMV_MMA_ONE(name, C, p, true) \
+    GEMV_MMA_NORM(name, C, , false) GEMV_MMA_NORM(name, C, p, true)
+#define GEMV_MMA_ONE_N(name, C) GEMV_MMA_ONE(name, C, , false) GEMV_MMA_NORM(name, C, , false)
 GEMV_MMA_ONES(q4_k, C1Q4K)
 GEMV_MMA_ONES(q6_k, C1Q6K)
-GEMV_MMA_ONE(q5_k, C1Q5K, , false)
-GEMV_MMA_ONE(q8_0, C1Q8_0, , false)
-GEMV_MMA_ONE(q4_0, C1Q4_0, , false)
-GEMV_MMA_ONE(q4_1, C1Q4_1, , false)
-GEMV_MMA_ONE(q5_0, C1Q5_0, , false)
-GEMV_MMA_ONE(q5_1, C1Q5_1, , false)
+GEMV_MMA_ONE_N(q5_k, C1Q5K)
+GEMV_MMA_ONE_N(q8_0, C1Q8_0)
+GEMV_MMA_ONE_N(q4_0, C1Q4_0)
+GEMV_MMA_ONE_N(q4_1, C1Q4_1)
+GEMV_MMA_ONE_N(q5_0, C1Q5_0)
+GEMV_MMA_ONE_N(q5_1, C1Q5_1)

@@ -135,11 +135,21 @@ def test_matmul_add_equals_matmul_then_add(cuda, name):
 @pytest.mark.parametrize("name,n,k", [("Q4_K", 576, 768), ("Q6_K", 4096, 1024),
                                       ("Q8_0", 640, 512), ("Q4_1", 2048, 256),
                                       ("Q4_K", 8192, 256)])
-def test_matmul_add_norm_equals_the_two_ops(cuda, name, n, k):
+@pytest.mark.parametrize("mma", [False, True], ids=["dp4a", "mma"])
+def test_matmul_add_norm_equals_the_two_ops(cuda, name, n, k, mma):
     """The one-column residual GEMV whose last block normalizes the row (c1r1n, c1r1pn at
-    <= gemv_prefetch_rows rows) gives the bits of matmul_add then rms_norm_for_matmul, and
-    leaves the norm's 8-bit blocks for the next GEMV; the counter is back at 0 each time."""
-    assert not cuda.fuse_norm                                      # the default
+    <= gemv_prefetch_rows rows; with gemv_mma the tensor-core family's c1n / c1pn) gives the
+    bits of matmul_add then rms_norm_for_matmul in the same mode, and leaves the norm's 8-bit
+    blocks for the next GEMV; the counter is back at 0 each time."""
+    assert not cuda.fuse_norm and not cuda.gemv_mma                # the defaults
+    cuda.gemv_mma = mma
+    try:
+        _matmul_add_norm_case(cuda, name, n, k, mma)
+    finally:
+        cuda.gemv_mma = False
+
+
+def _matmul_add_norm_case(cuda, name, n, k, mma):
     w = cuda.load_matrix([random_tensor_info(name, n, k, seed=n + k)])
     nxt = cuda.load_matrix([random_tensor_info("Q8_0", 40, n, seed=3)])   # reads the norm blocks
     cuda.prepare(max_tokens=16, n_head=1, head_dim_v=32, n_ctx=256, n_embd=max(n, k))
@@ -165,7 +175,9 @@ def test_matmul_add_norm_equals_the_two_ops(cuda, name, n, k):
             del cuda._launch
             cuda.fuse_norm = False
         pf = "p" if n <= 4096 and name in ("Q4_K", "Q6_K") else ""
-        assert [k for k in names if k.startswith("gemv_")] == [f"gemv_{w.layout.kernel}_c1r1{pf}n"]
+        t = w.layout.kernel
+        want = f"gemv_mma_{t}_c1{pf}n" if mma else f"gemv_{t}_c1r1{pf}n"
+        assert [k for k in names if k.startswith("gemv_")] == [want]
         assert np.array_equal(cuda.to_host(got_x), cuda.to_host(want_x)), (name, rep)
         got = cuda.to_host(got_h)
         assert np.array_equal(got, cuda.to_host(want_h)), (name, rep)

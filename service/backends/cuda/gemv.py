@@ -21,10 +21,11 @@ next RMSNorm fused), and the tensor-core GEMVs of cuda/gemv_mma.cu.
   the tiles' order (the tiles' bits, read as the dp4a GEMV reads; the p loop by the
   prefetch_rows rule): a column's result depends on neither the step's width nor its
   neighbours, so batching and verify stay exact within the mode. Off by default: its sums
-  are rounded in another order than the dp4a kernels' (other last bits), and with the 8-column
-  tile at one column, one column cost ~1.6-2.0x the dp4a kernel's time while 8 / 16 cost
-  ~1.1x / ~1.2-1.3x of a column of the mode (H200, 4096 x 14336; docs/PERFORMANCE.md
-  section 9). The c1 kernels are not yet measured on a GPU.
+  are rounded in another order than the dp4a kernels' (other last bits), and its one column
+  still costs 1.03-1.17x the dp4a kernel's time on the 8B's Q4_K matrices (H100; one stream
+  end to end 0.90-0.94x; docs/PERFORMANCE.md section 20) while 8 / 16 columns cost
+  ~1.1x / ~1.2-1.3x of a column of the mode (section 9). With fuse_norm the one-column
+  residual GEMV and the next RMSNorm run as gemv_mma_<type>_c1[p]n.
 - fuse_norm: a one-column residual GEMV followed by an RMSNorm (matmul_add_norm) runs as one
   launch whose last block normalizes the row; False (the default) launches the two kernels.
   Both give the same bits. Off by default: measured slower on the H200 (0.89x / 0.94x of the
@@ -154,15 +155,15 @@ class GemvOps:
     def matmul_add_norm(self, x, w: CudaMatrix, out, norm_w, eps: float, h,
                         gemm: bool) -> bool:
         """One column: out += x W^T and, in the GEMV's last block, h = rms_norm(out) * norm_w
-        with h's 8-bit blocks (gemv.cu gemv_<type>_c1r1[p]n; the bits of the two launches).
-        False, launching nothing, for other shapes, float or tensor-core weights, a step that
-        takes the GEMM (`gemm`), or fuse_norm off: the caller runs the two ops."""
+        with h's 8-bit blocks (gemv.cu gemv_<type>_c1r1[p]n, or with gemv_mma
+        gemv_mma.cu gemv_mma_<type>_c1[p]n; the bits of the two launches). False, launching
+        nothing, for other shapes, float weights, a step that takes the GEMM (`gemm`), or
+        fuse_norm off: the caller runs the two ops."""
         T, _, _, _, K = view_rows(x)
         C, _, ldo, _, N = view_rows(out)
         fused = (self.fuse_norm and T == 1 and C == 1 and x.ndim == 2 and out.ndim == 2
                  and h.shape == out.shape and norm_w.shape == (N,) and w.layout.quantized
                  and K == w.k and N == w.n and not gemm and not self.early
-                 and not (self.mma and w.layout.kernel in GEMV_MMA_TYPES)
                  and self._blocks.room(1, N) and self._blocks.room(1, K)
                  and self.done is not None)
         if not fused:
@@ -170,8 +171,11 @@ class GemvOps:
         for a, what in ((x, "x"), (out, "out"), (norm_w, "norm_w"), (h, "h")):
             check_dtype(a, np.float32, f"matmul_add_norm {what}")
         qa, ads = self.quantize(x)           # read by every block before the last one writes
-        prefetch = N <= self.prefetch_rows and w.layout.kernel in GEMV_PREFETCH_TYPES
-        self._launcher.launch(f"gemv_{w.layout.kernel}_c1r1{'p' if prefetch else ''}n",
+        t = w.layout.kernel
+        p = "p" if N <= self.prefetch_rows and t in GEMV_PREFETCH_TYPES else ""
+        # the tensor-core family's one-column kernel (the tiles' order of additions) or dp4a's
+        name = f"gemv_mma_{t}_c1{p}n" if self.mma and t in GEMV_MMA_TYPES else f"gemv_{t}_c1r1{p}n"
+        self._launcher.launch(name,
                               (ceil_div(N, GEMV_WARPS), 1), (32, GEMV_WARPS),
                               [*w.args(), I32(K), I32(N), qa, ads, out, self.done, norm_w,
                                F32(eps), I32(norm_block(N)), h, *self._blocks.args(1, N)])

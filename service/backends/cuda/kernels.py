@@ -196,8 +196,8 @@ KV_TYPES = tuple(str(t) for t in BACKEND_KV_TYPES["cuda"])        # kv_quant.cuh
 # gemv.cu GEMV_VARIANTS: (columns, rows per warp)
 GEMV_VARIANTS = ((1, 1), (1, 2), (2, 2), (4, 2), (8, 2), (16, 2), (2, 4), (4, 4), (8, 4),
                  (16, 4))
-# gemv_mma.cu: gemv_mma_<type>_c<NC> (tiles of NC columns) and gemv_mma_<type>_c1[p] (one
-# column in the tiles' order of additions)
+# gemv_mma.cu: gemv_mma_<type>_c<NC> (tiles of NC columns) and gemv_mma_<type>_c1[p][n] (one
+# column in the tiles' order of additions; n: with the residual add and the next RMSNorm)
 GEMV_MMA_TYPES = ("q4_k", "q6_k", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q5_k")
 GEMV_MMA_NC = tuple(MMA_TILE_M)     # the tiles' columns
 # Types whose steps of 33..64 rows take the 64-column tile; the others (the K-quants, whose
@@ -243,6 +243,10 @@ FAMILIES = (
            _each(t=GEMV_MMA_TYPES, nc=GEMV_MMA_NC), keeps_blocks=True),
     Family("gemv_mma_{t}_c1{v}", "gemv_mma.cu",
            f"{_PLANES} K,N:i32 qa,ads:ptr n_cols:i32 out:ptr ldo,accumulate:i32",
+           (*_each(t=GEMV_MMA_TYPES, v=("",)), *_each(t=GEMV_PREFETCH_TYPES, v=("p",))),
+           keeps_blocks=True),
+    Family("gemv_mma_{t}_c1{v}n", "gemv_mma.cu",
+           f"{_PLANES} K,N:i32 qa,ads,out,done,nw:ptr eps:f32 B:i32 h,hqa,hads:ptr",
            (*_each(t=GEMV_MMA_TYPES, v=("",)), *_each(t=GEMV_PREFETCH_TYPES, v=("p",))),
            keeps_blocks=True),
     # quantize.cu
