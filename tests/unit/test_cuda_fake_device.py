@@ -78,6 +78,7 @@ MIXES = tuple(synth.MIXES)
 # the mixes whose base type has tensor-core GEMVs, run with them up to 64 rows (no GEMM)
 MMA_MIXES = tuple(m for m in MIXES if synth.MIXES[m].base.name.lower() in GEMV_MMA_TYPES)
 MMA = (("gemv_mma", True), ("invariant_tokens", 64))
+MMA_NORM = (("gemv_mma", True), ("fuse_norm", True))
 KV_PAIRS = tuple((k, v) for k in KV_TYPES for v in KV_TYPES)
 
 # Compiled kernels nothing in the backend launches, each pattern with the reason.
@@ -107,6 +108,10 @@ def all_scenarios() -> list[Scenario]:
                 Scenario(f"synth-{mix}", script="decode", options=(("gemv_early", True),)),
                 Scenario(f"synth-{mix}", script="decode", options=(("fuse_norm", True),))]
     out += [Scenario(f"synth-{mix}", script="mma", options=MMA) for mix in MMA_MIXES]
+    # the family's fused residual GEMV + RMSNorm (gemv_mma_<type>_c1[p]n)
+    out += [Scenario(f"synth-{mix}", script="decode", options=MMA_NORM) for mix in MMA_MIXES]
+    out += [Scenario(f"synth-{mix}", script="decode",
+                     options=(*MMA_NORM, ("gemv_prefetch_rows", 0))) for mix in ("Q4_K_M", "Q6_K")]
     out += [Scenario(m, kv=p, script="kv") for p in KV_PAIRS for m in ("qwen3", "gemma3")]
     out += [Scenario(m, script="hidden") for m in ("qwen3", "gemma3")]
     out += [Scenario("qwen3", script="hidden", options=(("fuse_norm", True),)),
