@@ -17,15 +17,19 @@ back (the row's KV, written by a step queued before any later owner's, is simply
 A cancel or a new request ends the overlap at the next step: the loop reads back what is in
 flight and the engine plans afresh, so a cancelled stream's slot is free within one step.
 
-Speculating sequences take part when their drafter is pure (a cheap function of the history on
-the host: the n-gram lookup), along chains: a step planned before its seed is known cannot
-carry drafts, so after committing each step the loop asks the drafter whether it would draft
-for the next one (with the scheduler's draft length), and the scheduler whether a probe is due
-(a sequence whose drafts stopped paying tries one every PROBE_EVERY plain steps); when either
-holds for any sequence, the overlap ends after the step in flight and the engine's next plan
-drafts with the history as it then is. Speculation stays exact (a plain step is what
+Speculating sequences take part when their drafter reads no target hidden states (the n-gram
+and suffix lookups, a draft model; not EAGLE-3 or DFlash, which must see every step's rows): a
+step planned before its seed is known cannot carry drafts, so after committing each step the
+loop asks the width policy whether a sequence would draft in the next one (its draft length,
+and for a pure drafter, a cheap function of the history on the host, whether it proposes
+anything), and the scheduler whether a probe is due (a sequence whose drafts stopped paying
+tries one every probe_every() plain steps); when either holds for any sequence, the overlap
+ends after the step in flight and the engine's next plan drafts with the history as it then
+is. A draft model catches up on the tokens of the overlapped steps when it next drafts, and
+gets each block table the loop takes. Speculation stays exact (a plain step is what
 speculation's output equals); drafts only start one step later than without the overlap, and
-a speculating sequence whose drafter finds nothing runs one step in PROBE_EVERY unoverlapped.
+a speculating sequence whose drafter finds nothing runs one step in probe_every()
+unoverlapped.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ class OverlappedDecode:
                 if nxt:
                     if table is not None:
                         runner.set_block_table(table)
+                        self.speculator.set_block_table(table)   # a draft model's KV too
                     at = {id(s): r for r, s in enumerate(seqs)}
                     ahead = runner.submit(fed_input(nxt), [at[id(s)] for s in nxt])
                     for seq in nxt:

@@ -32,8 +32,8 @@ from tests.support.batching import (
     smollm2_prompts,
     together,
 )
-from tests.support.engines import Result, running_engine, wait_idle
-from tests.support.models import build_model
+from tests.support.engines import Result, run, running_engine, wait_idle
+from tests.support.models import build_model, model_path
 
 
 class FedSteps:
@@ -321,3 +321,27 @@ def test_which_constrained_rows_overlap_and_the_refusal_backoff():
     for _ in range(20):
         s.kept_unmasked()
     assert s.mask_backoff == 4
+
+
+@pytest.mark.parametrize("overlap", ["on", "off"])
+def test_a_draft_model_overlaps_its_plain_steps_and_catches_up_at_probes(overlap):
+    """A draft model (not pure, no hidden states read) whose drafts do not pay (verify rows
+    priced at 5 plain steps each): its sequence's plain steps run overlapped, and every probe
+    (one draft each probe_every() steps) first catches the draft model up on the tokens of the
+    overlapped steps, in KV blocks the loop took for them: the same model drafting for itself
+    then proposes exactly the target's next token (every probe accepted), and the stream is
+    plain decoding's."""
+    target = model_path("tiny-qwen3")
+    ids, n_new = list(range(5, 21)), 64
+    with running_engine(target) as eng:
+        want = run(eng, ids, max_new_tokens=n_new, ignore_eos=True, speculative=False).token_ids
+    with running_engine(target, drafter="model", draft_model=str(target), verify_width=4,
+                        overlap=overlap) as eng:
+        eng.verify_alpha = 5.0                    # after it: drafts never pay, probes only
+        fed = FedSteps(eng)
+        out = run(eng, ids, max_new_tokens=n_new, ignore_eos=True)
+        assert out.token_ids == want
+        u = out.finished.usage
+        assert 2 <= u.draft_tokens <= n_new // eng.scheduler.probe_every() + 1, u
+        assert u.accepted_draft_tokens == u.draft_tokens, u
+        assert (fed.n >= n_new // 2) if overlap == "on" else fed.n == 0, fed.n

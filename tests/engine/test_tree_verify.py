@@ -127,3 +127,51 @@ def test_accepted_paths_off_the_leading_chain_are_compacted(plain, monkeypatch):
         outs = [run(eng, c["prompt_ids"], max_new_tokens=N_NEW, ignore_eos=True).token_ids
                 for c in cases(model)]
         assert outs != plain[model]
+
+
+class WrongDrafter(SecondBestDrafter):
+    """Ranks three wrong tokens at every depth: every tree is rejected at its first node."""
+
+    name = "wrong"
+
+    def propose(self, seq, k: int) -> list[int]:
+        return [(r + 1) % self.vocab for r in self._right(seq.history, k)]
+
+    def candidates(self, seq, k: int, n_top: int):
+        chain, ids, logp = super().candidates(seq, k, n_top)
+        return chain, np.where(ids == np.array(self._right(seq.history, k))[:, None],
+                               (ids + 3) % self.vocab, ids), logp
+
+
+def test_trees_stop_where_they_do_not_pay_and_probe_rarely(plain):
+    """The width policy prices a tree as it prices a chain: a sequence whose trees accept
+    nothing (tree_gain 0: one token per step of 8 rows) decodes plainly after its first tree
+    and tries a whole tree every probe_every() plain steps, and the next request does not
+    start with a tree; drafting in full, every step is a tree. The output is plain greedy
+    decoding's either way."""
+    model, n_new = "smollm2", 48
+    case = cases(model)[0]
+    with running_engine(model) as eng:
+        want = run(eng, case["prompt_ids"], max_new_tokens=n_new, ignore_eos=True,
+                   speculative=False).token_ids
+    for in_full in (False, True):
+        with running_engine(model, verify_width=16, drafter="ngram", tree_budget=8,
+                            draft_in_full=in_full) as eng:
+            eng.drafter = WrongDrafter({tuple(case["prompt_ids"]): want[1:]},
+                                       eng.spec.vocab_size)
+            if not in_full:
+                eng.verify_alpha, eng.draft_cost = 0.5, 0.0   # the price, not this machine's
+            out = run(eng, case["prompt_ids"], max_new_tokens=n_new, ignore_eos=True)
+            assert out.token_ids == want, in_full
+            u = out.finished.usage
+            assert u.accepted_draft_tokens == 0
+            trees = u.draft_tokens / 7                    # 7 drafted nodes a tree
+            if in_full:
+                assert trees >= n_new - 8, u          # (the last steps have less room)
+            else:
+                every = eng.scheduler.probe_every()
+                assert 1 <= trees <= 1 + n_new // every, (u, every)
+                # the next request starts from what the first one's trees showed: no first tree
+                again = run(eng, case["prompt_ids"], max_new_tokens=n_new, ignore_eos=True)
+                assert again.token_ids == want
+                assert again.finished.usage.draft_tokens / 7 <= n_new // every, again.finished

@@ -34,7 +34,10 @@ prefill_chunk):
      `allocate_drafts` (spec/width.py) for the step's chains together, from each one's
      per-depth acceptance, the measured cost of a step of each size (`row_costs`, else
      1 + verify_alpha * (rows - 1)) and of making a draft (`draft_cost`), so drafts are taken
-     only where they pay at this batch size; a tree uses its budget.
+     only where they pay at this batch size; a tree takes its budget while it pays (its
+     running accepted nodes per tree step, plus the bonus token, per the time of the step with
+     its rows and of drafting its nodes, against one token per plain step), else the
+     sequence decodes plainly and tries a whole tree every probe_every() steps.
    - then the prefill chunks: each prefilling (or recomputing) sequence's next chunk, in start
      order, that fits the rows left (a later, smaller chunk may fit where an earlier one did
      not; none is cut to fit). A chunk's size never depends on the load: prefill_chunk from
@@ -93,6 +96,9 @@ class Scheduler:
         self.draft_cost = 0.0
         # ... and of a sequence's first drafting step after plain steps (a probe), whole
         self.probe_cost = 0.0
+        # accepted nodes per tree step over the sequences seen (a new sequence's estimate
+        # until its own trees give one); None until a tree was verified
+        self.tree_gain: float | None = None
         self._turn = 0                          # decode steps planned so far
         self._changes: list[SlotChange] = []
         self._preempted = 0
@@ -248,9 +254,11 @@ class Scheduler:
         """How many tokens `seq` would like drafted this step (0: plain decoding), beside one
         row of every other running sequence."""
         room = self._draft_room(seq)
-        if not seq.speculative or seq.tree_budget:  # a tree uses its budget (spec/tree_verify.py)
-            return room
         base = max(1, len(self.running))
+        if not seq.speculative:
+            return room
+        if seq.tree_budget:                 # spec/tree_verify.py
+            return self._tree_nodes(seq, room, base)
         k = allocate_drafts([seq.depth_accept.rates(room)], [room], base, base,
                             self._costs(base + room), self.draft_cost)[0]
         return self._probe(seq, k, room)
@@ -261,9 +269,10 @@ class Scheduler:
         sequences' rows, the trees' and the `reserve` rows of prefill chunks)."""
         rooms = [self._draft_room(seq) for seq in chosen]
         chains = [i for i, seq in enumerate(chosen) if seq.speculative and not seq.tree_budget]
-        want = list(rooms)                  # trees: their budget; chains below
-        for i in chains:
-            want[i] = 0
+        want = [0] * len(chosen)            # trees: their budget while it pays; chains below
+        for i, seq in enumerate(chosen):
+            if seq.speculative and seq.tree_budget:
+                want[i] = self._tree_nodes(seq, rooms[i], len(chosen) + reserve)
         if chains:
             base = len(chosen) + reserve + sum(want)
             k = allocate_drafts([chosen[i].depth_accept.rates(rooms[i]) for i in chains],
@@ -281,6 +290,24 @@ class Scheduler:
             return 0
         return max(0, min((seq.tree_budget or seq.verify_width) - 1, self.n_ctx - seq.n_past - 1,
                           seq.request.stopping.max_new_tokens - len(seq.generated) - 1))
+
+    def _tree_nodes(self, seq: Sequence, room: int, base: int) -> int:
+        """A tree sequence's drafted nodes this step in a step of `base` other rows: its whole
+        room while the tree pays, (1 + g) / (cost[base + room] + draft_cost * room) at least
+        1 / cost[base] with g its tree_gain (a sequence without trees yet: the scheduler's,
+        folded from the sequences' own), else 0; the room again every probe_every() plain
+        steps (a probe of a tree is a whole tree: fewer nodes would measure something else).
+        The first tree the scheduler sees is always tried."""
+        if seq.tree_gain is not None:
+            g = self.tree_gain
+            self.tree_gain = seq.tree_gain if g is None else 0.9 * g + 0.1 * seq.tree_gain
+        gain = self.tree_gain if seq.tree_gain is None else seq.tree_gain
+        if room <= 0 or gain is None:
+            return room
+        cost = self._costs(base + room)
+        pays = ((1.0 + gain) * cost[base]     # a tie (free drafts) drafts
+                >= cost[base + room] + self.draft_cost * room)
+        return room if pays or seq.steps_without_draft >= self.probe_every() else 0
 
     def _probe(self, seq: Sequence, k: int, room: int) -> int:
         """k, or one draft when `seq` went probe_every() plain steps without one (keep measuring:

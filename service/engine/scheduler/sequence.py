@@ -56,6 +56,7 @@ class Sequence:
     accept_rate: float = 0.6              # running acceptance of this sequence's drafts
     steps_without_draft: int = 0
     depth_accept: DepthAcceptance = field(default_factory=DepthAcceptance)  # spec/width.py
+    tree_gain: float | None = None        # running accepted nodes per tree step (None: no tree yet)
     decode_steps: int = 0                 # target steps after the prompt that held it
     step_tokens: int = 0                  # tokens those steps committed (accepted drafts + 1)
     step_ms: list[float] = field(default_factory=lambda: [0.0] * 4)  # stepprofile.PARTS
@@ -163,6 +164,13 @@ class Sequence:
             self.accepted_draft_tokens += accepted
             self.accept_rate = 0.7 * self.accept_rate + 0.3 * (accepted / drafted)
             self.depth_accept.record(drafted, accepted)
+
+    def record_tree(self, nodes: int, accepted: int) -> None:
+        """A tree step of `nodes` drafted nodes accepted `accepted` of them (the path)."""
+        self.record_verify(nodes, accepted)
+        if nodes:
+            self.tree_gain = (float(accepted) if self.tree_gain is None
+                              else 0.7 * self.tree_gain + 0.3 * accepted)
 
     def count_step(self, committed: int) -> None:
         """One decode step committed `committed` KV rows (the seed and the accepted drafts)."""

@@ -71,20 +71,26 @@ class Speculator:
             self.drafter.release(seq)
 
     def overlaps(self, seqs: Seq[Sequence]) -> bool:
-        """Whether plain steps of `seqs` may run overlapped (engine/overlap.py): none of them
-        speculates, or they speculate with a pure drafter along chains (not trees); a
-        constrained one only when it does not speculate and a choice made without its mask is
-        its own wherever the mask allows it (Sequence.unmasked_exact; overlap.py checks)."""
+        """Whether plain steps of `seqs` (a plan that drafts nothing) may run overlapped
+        (engine/overlap.py): none of them speculates, or their drafter reads no target hidden
+        states (a tapping drafter must see every step's rows: `extend`); the loop asks the
+        width policy after each step whether a sequence would draft (and a pure drafter
+        whether it has drafts). A constrained one only when it does not speculate and a choice
+        made without its mask is its own wherever the mask allows it (Sequence.unmasked_exact;
+        overlap.py checks)."""
         if any(s.matcher is not None and (s.speculative or not s.unmasked_exact or s.mask_wait)
                for s in seqs):
             return False        # a constrained row's next mask needs its token on the host
         return all(not s.speculative for s in seqs) or (
-            self.drafter is not None and self.drafter.pure
-            and not any(s.tree_budget for s in seqs))
+            self.drafter is not None and self.drafter.tap is None)
 
     def would_draft(self, seq: Sequence, n: int) -> bool:
-        """Whether a pure drafter proposes anything for `seq`'s next step of n drafts."""
-        return n > 0 and self.drafter is not None and bool(self.drafter.propose(seq, n))
+        """Whether `seq`'s next step would carry drafts when the width policy wants n: n > 0
+        and, for a pure drafter (cheap to ask), it proposes something; a model drafter is not
+        asked here (drafting runs its model: the next plan does that)."""
+        if n <= 0 or self.drafter is None:
+            return False
+        return bool(self.drafter.propose(seq, n)) if self.drafter.pure else True
 
     def set_block_table(self, table: np.ndarray) -> None:
         if self.drafter is not None:
@@ -122,7 +128,8 @@ class Speculator:
         batch: list[tuple[Sequence, Draft]] = []
         for row in plan:
             seq, draft = row.seq, [row.seq.seed]
-            if seq.speculative:
+            # a tree sequence's plain step (its policy drafts nothing) is an ordinary row
+            if seq.speculative and not (seq.tree_budget and not row.n_draft):
                 if timer is not None:
                     timer.lap(OTHER)
                 draft = (draft_tree(self.drafter, seq, row.n_draft + 1) if seq.tree_budget

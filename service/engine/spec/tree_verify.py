@@ -112,7 +112,7 @@ def commit(seq: Sequence, tree: Tree, out: StepOutput) -> tuple[int, np.ndarray,
     seq.n_past += len(acc.nodes)
     seq.count_step(len(acc.nodes))
     if tree.n > 1:
-        seq.record_verify(tree.n - 1, len(acc.nodes) - 1)
+        seq.record_tree(tree.n - 1, len(acc.nodes) - 1)
     seq.emit(acc.emitted, [out.logprobs[i] for i in acc.nodes])
     return seq.slot, plan.src, plan.dst
 
