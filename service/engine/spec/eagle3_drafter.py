@@ -35,8 +35,10 @@ On a backend that captures its steps (the CUDA backend's graphs) the chain is ca
 (eagle3_chain.py): extend holds its last rows back (up to HELD_ROWS: the boundary, encoded but
 not decoded) and propose runs the boundary and the k - 1 chained steps as ONE backend step, one
 graph per (boundary rows, k), reading the k drafts once at the end; the same ops in the same
-order, so the same drafts. A held boundary is decoded eagerly (`_flush`) before anything else
-needs its rows: the next extend, tree candidates, a chain too long for the captured step. The
+order, so the same drafts. A held boundary is decoded eagerly before anything else needs its
+rows: for the next extend its KV rows alone (`_write_held`: no logits, no readback: what a
+sequence that is not drafting pays per step), for tree candidates or a chain too long for the
+captured step with its first draft too (`_flush`). The
 eager path stays on the CPU backend (graph_chain=False; a test may turn it on there) and for a
 boundary of more rows (a prompt's last prefill chunk): one eager first chain per request.
 """
@@ -115,7 +117,7 @@ class Eagle3Drafter(Drafter):
                              f"{len(h)} (consecutive positions with a next token expected)")
         st = self._slots.setdefault(seq.slot, _SlotState())
         if st.held is not None and not st.ran:
-            self._flush(seq.slot, st)             # its rows come before these
+            self._write_held(seq.slot, st)        # its rows come before these
         st.held, st.ran = None, False
         m, M = self.model, self.model.max_tokens
         for a in range(0, n, M):                  # at most M rows per decoder call
@@ -148,6 +150,18 @@ class Eagle3Drafter(Drafter):
         self.steps += 1
         m.backend.copy_rows(m.ws_y[T - 1:T], self._y[slot:slot + 1])   # (1, E)
         return self._argmax(logits)
+
+    def _write_held(self, slot: int, st: _SlotState) -> None:
+        """Decode slot's held boundary for its KV rows alone (the extend after it sets the next
+        boundary: its logits, argmax and y would be overwritten unread), so a sequence that
+        is not drafting costs no logits row and no readback per step."""
+        b = st.held
+        m, T = self.model, len(b.ids)
+        self._upload(b.ids, b.start, slot)
+        m.decode(self._ids[:T], self._pos[:T], self._slot_ids[:T], b.start + T,
+                 self.chain.held_rows(slot, T), 0)
+        self.steps += 1
+        st.held, st.ran = None, False
 
     def _flush(self, slot: int, st: _SlotState) -> None:
         """Decode slot's held boundary eagerly (its g rows where extend encoded them)."""
