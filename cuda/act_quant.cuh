@@ -9,7 +9,7 @@
 //   bits depend on D and blockDim.x only (callers use blockDim.x = norm_block(D));
 //   block_inv_rms_regs: the same sum over the row loaded into registers first (same bits);
 //   norm_quant_row_128: rms_norm_quant's row by a 128-thread block, same bits (the epilogue of
-//   gemv.cu's fused residual GEMV).
+//   the fused residual GEMVs, gemv.cu and gemv_mma.cu: last_block_norm_quant).
 #ifndef SPECSTREAM_ACT_QUANT_CUH
 #define SPECSTREAM_ACT_QUANT_CUH
 
@@ -134,6 +134,27 @@ __device__ __forceinline__ void norm_quant_row_128(const float* x, int D, int B,
             }
         }
     }
+}
+
+// The fused residual GEMVs' epilogue (gemv.cu gemv_<type>_c1r1[p]n, gemv_mma.cu
+// gemv_mma_<type>_c1[p]n), called by every thread of a (32, 4) block after the block wrote its
+// outputs: the last block of the grid to finish (the counter `done`, reset by that block)
+// normalizes the whole row out (N floats) into h with its 8-bit blocks (hqa, hads), as
+// rms_norm_quant with B threads.
+__device__ __forceinline__ void last_block_norm_quant(float* out, int N, int* done,
+                                                      const float* nw, float eps, int B,
+                                                      float* h, signed char* hqa,
+                                                      float2* hads) {
+    __shared__ int last;
+    if (threadIdx.x == 0) __threadfence();     // the writers (lane 0 of each warp): outputs
+    __syncthreads();                           // before the block's count
+    if (threadIdx.x == 0 && threadIdx.y == 0)
+        last = atomicAdd(done, 1) == (int)(gridDim.x * gridDim.y) - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    norm_quant_row_128(out, N, B, nw, eps, h, hqa, hads);
+    if (threadIdx.x == 0 && threadIdx.y == 0) *done = 0;
 }
 
 #endif  // SPECSTREAM_ACT_QUANT_CUH

@@ -234,7 +234,7 @@ __device__ __forceinline__ void gemv_float(const u8* __restrict__ W, int K, int 
 // gemv_<type>_c1r1[p]n: one column, residual add (out += W x), then the next RMSNorm: the
 // last block of the grid to finish (a counter, reset by that block) normalizes the whole
 // output row into h with its 8-bit blocks (hqa, hads), exactly as rms_norm_quant with B
-// threads (act_quant.cuh norm_quant_row_128): one launch instead of two.
+// threads (act_quant.cuh last_block_norm_quant): one launch instead of two.
 static_assert(GEMV_WARPS == 4, "gemv_norm's epilogue (norm_quant_row_128) takes (32, 4) blocks");
 template <class Q, bool PF>
 __device__ __forceinline__ void gemv_norm(Planes P, int K, int N, const signed char* qa,
@@ -242,16 +242,7 @@ __device__ __forceinline__ void gemv_norm(Planes P, int K, int N, const signed c
                                           const float* nw, float eps, int B, float* h,
                                           signed char* hqa, float2* hads) {
     gemv_quant<Q, 1, 1, false, PF>(P, K, N, qa, ads, 1, nullptr, 0, 1, out, N, 1);
-    __shared__ int last;
-    if (threadIdx.x == 0) __threadfence();     // the writers (lane 0 of each warp): outputs
-    __syncthreads();                           // before the block's count
-    if (threadIdx.x == 0 && threadIdx.y == 0)
-        last = atomicAdd(done, 1) == (int)(gridDim.x * gridDim.y) - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    norm_quant_row_128(out, N, B, nw, eps, h, hqa, hads);
-    if (threadIdx.x == 0 && threadIdx.y == 0) *done = 0;
+    last_block_norm_quant(out, N, done, nw, eps, B, h, hqa, hads);
 }
 #define GEMV_NORM_KERNEL(name, Q, SUFFIX, PF)                                               \
     extern "C" __global__ void __launch_bounds__(32 * GEMV_WARPS, 6)                       \

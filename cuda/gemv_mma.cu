@@ -651,23 +651,14 @@ __device__ __forceinline__ void gemv_mma_one(Planes P, int K, int N, const signe
 // gemv_mma_<type>_c1[p]n: one column, residual add (out += W x), then the next RMSNorm, as
 // gemv.cu's gemv_<type>_c1r1[p]n: the last block of the grid to finish (a counter, reset by
 // that block) normalizes the whole output row into h with its 8-bit blocks (hqa, hads),
-// exactly as rms_norm_quant (act_quant.cuh norm_quant_row_128). The same launch geometry.
-template <class C, int S>
+// exactly as rms_norm_quant (act_quant.cuh last_block_norm_quant). The same launch geometry.
+template <class C, bool PF>
 __device__ __forceinline__ void gemv_mma_norm(Planes P, int K, int N, const signed char* qa,
                                               const float2* ads, float* out, int* done,
                                               const float* nw, float eps, int B, float* h,
                                               signed char* hqa, float2* hads) {
-    gemv_mma_one<C, S>(P, K, N, qa, ads, out, 1);
-    __shared__ int last;
-    if (threadIdx.x == 0) __threadfence();     // the writers (lane 0 of each warp): outputs
-    __syncthreads();                           // before the block's count
-    if (threadIdx.x == 0 && threadIdx.y == 0)
-        last = atomicAdd(done, 1) == (int)(gridDim.x * gridDim.y) - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    norm_quant_row_128(out, N, B, nw, eps, h, hqa, hads);
-    if (threadIdx.x == 0 && threadIdx.y == 0) *done = 0;
+    gemv_mma_one<C, PF>(P, K, N, qa, ads, out, 1);
+    last_block_norm_quant(out, N, done, nw, eps, B, h, hqa, hads);
 }
 static_assert(GEMV_WARPS == 4, "the norm epilogue (norm_quant_row_128) takes (32, 4) blocks");
 #define GEMV_MMA_NORM(name, C, V, PF)                                                       \
