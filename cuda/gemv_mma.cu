@@ -17,8 +17,9 @@
 // depends neither on NC nor on the block's rows: a column gets the same bits from every tile.
 // accumulate = 1 adds the product to what out (C, ldo) f32 holds.
 //
-// One column (gemv_mma_<type>_c1[p][n]): the same sums in the same order from dp4a dot products,
-// one warp per row, block (32, GEMV_WARPS), grid ceil(N / GEMV_WARPS): see its section below.
+// One column (gemv_mma_<type>_c1[p][n]): the same sums in the same order from dp4a dot
+// products, one warp per row, block (32, GEMV_WARPS), grid ceil(N / GEMV_WARPS), 8 B x
+// MMA_ONE_CHUNK shared per warp: see its section below.
 //
 // Launch (gemv_mma_<type>_c<NC>, NC = 8, 16, 32, 64; M = MMA_M_C<NC> m-tiles of 16 rows):
 // block (32, MMA_WARPS), grid (ceil(N / (16 M)), ceil(C / NC)). A block owns 16 M rows and NC

@@ -499,6 +499,8 @@ class Engine:
         moves = [commit(seq, draft, out) for (seq, draft), out in zip(batch, outs, strict=True)
                  if out is not None and not seq.finished]
         self.stats.kv_moves += compact(self.runner, [m for m in moves if m is not None])
+        self.scheduler.trees_verified([seq for seq, d in batch
+                                       if seq.tree_budget and n_rows(d) > 1])
         for chunk, out in zip(chunks, chunk_outs, strict=True):
             if out is not False and not chunk.seq.finished:
                 self._prefilled(chunk, out)

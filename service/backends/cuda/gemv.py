@@ -22,7 +22,7 @@ next RMSNorm fused), and the tensor-core GEMVs of cuda/gemv_mma.cu.
   prefetch_rows rule): a column's result depends on neither the step's width nor its
   neighbours, so batching and verify stay exact within the mode. Off by default: its sums
   are rounded in another order than the dp4a kernels' (other last bits), and its one column
-  still costs 1.03-1.17x the dp4a kernel's time on the 8B's Q4_K matrices (H100; one stream
+  still costs 1.06-1.17x the dp4a kernel's time on the 8B's Q4_K matrices (H100; one stream
   end to end 0.90-0.94x; docs/PERFORMANCE.md section 20) while 8 / 16 columns cost
   ~1.1x / ~1.2-1.3x of a column of the mode (section 9). With fuse_norm the one-column
   residual GEMV and the next RMSNorm run as gemv_mma_<type>_c1[p]n.

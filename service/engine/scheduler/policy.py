@@ -295,12 +295,9 @@ class Scheduler:
         """A tree sequence's drafted nodes this step in a step of `base` other rows: its whole
         room while the tree pays, (1 + g) / (cost[base + room] + draft_cost * room) at least
         1 / cost[base] with g its tree_gain (a sequence without trees yet: the scheduler's,
-        folded from the sequences' own), else 0; the room again every probe_every() plain
+        trees_verified), else 0; the room again every probe_every() plain
         steps (a probe of a tree is a whole tree: fewer nodes would measure something else).
         The first tree the scheduler sees is always tried."""
-        if seq.tree_gain is not None:
-            g = self.tree_gain
-            self.tree_gain = seq.tree_gain if g is None else 0.9 * g + 0.1 * seq.tree_gain
         gain = self.tree_gain if seq.tree_gain is None else seq.tree_gain
         if room <= 0 or gain is None:
             return room
@@ -308,6 +305,14 @@ class Scheduler:
         pays = ((1.0 + gain) * cost[base]     # a tie (free drafts) drafts
                 >= cost[base + room] + self.draft_cost * room)
         return room if pays or seq.steps_without_draft >= self.probe_every() else 0
+
+    def trees_verified(self, seqs: list[Sequence]) -> None:
+        """After a step's commits: fold the tree_gain of each sequence whose tree it verified
+        into the scheduler's (weight 0.1 each), a new sequence's estimate."""
+        for seq in seqs:
+            if seq.tree_gain is not None:
+                g = self.tree_gain
+                self.tree_gain = seq.tree_gain if g is None else 0.9 * g + 0.1 * seq.tree_gain
 
     def _probe(self, seq: Sequence, k: int, room: int) -> int:
         """k, or one draft when `seq` went probe_every() plain steps without one (keep measuring:

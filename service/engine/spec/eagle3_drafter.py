@@ -119,7 +119,7 @@ class Eagle3Drafter(Drafter):
         if st.held is not None and not st.ran:
             self._write_held(seq.slot, st)        # its rows come before these
         st.held, st.ran = None, False
-        m, M = self.model, self.model.max_tokens
+        M = self.model.max_tokens
         for a in range(0, n, M):                  # at most M rows per decoder call
             b = min(n, a + M)
             pa = p0 + a
@@ -133,10 +133,7 @@ class Eagle3Drafter(Drafter):
             g = self._g[:b - a]
             self._encode(rows[a:b], hidden, g)
             if b < n:
-                self._upload(h[pa + 1:p0 + b + 1], pa, seq.slot)
-                m.decode(self._ids[:b - a], self._pos[:b - a], self._slot_ids[:b - a], p0 + b,
-                         g, 0)
-                self.steps += 1
+                self._decode(seq.slot, h[pa + 1:p0 + b + 1], pa, g, 0)
             else:
                 st.d1 = self._boundary(seq.slot, h[pa + 1:p0 + b + 1], pa, g)
         st.n_done = p0 + n
@@ -145,22 +142,26 @@ class Eagle3Drafter(Drafter):
         """Decode the last rows of an extend (target ids `ids` at positions start.., g rows
         (T, E)) and keep the last one's y for the chain; returns d1 (a target id)."""
         m, T = self.model, len(ids)
-        self._upload(ids, start, slot)
-        logits = m.decode(self._ids[:T], self._pos[:T], self._slot_ids[:T], start + T, g, 1)
-        self.steps += 1
+        logits = self._decode(slot, ids, start, g, 1)
         m.backend.copy_rows(m.ws_y[T - 1:T], self._y[slot:slot + 1])   # (1, E)
         return self._argmax(logits)
+
+    def _decode(self, slot: int, ids: Seq[int], start: int, g, n_logits: int):
+        """The head's decoder over rows g (T, E) of target ids `ids` at positions start.. of
+        slot (its KV rows written), with the logits of the last n_logits rows."""
+        T = len(ids)
+        self._upload(ids, start, slot)
+        out = self.model.decode(self._ids[:T], self._pos[:T], self._slot_ids[:T], start + T, g,
+                                n_logits)
+        self.steps += 1
+        return out
 
     def _write_held(self, slot: int, st: _SlotState) -> None:
         """Decode slot's held boundary for its KV rows alone (the extend after it sets the next
         boundary: its logits, argmax and y would be overwritten unread), so a sequence that
         is not drafting costs no logits row and no readback per step."""
         b = st.held
-        m, T = self.model, len(b.ids)
-        self._upload(b.ids, b.start, slot)
-        m.decode(self._ids[:T], self._pos[:T], self._slot_ids[:T], b.start + T,
-                 self.chain.held_rows(slot, T), 0)
-        self.steps += 1
+        self._decode(slot, b.ids, b.start, self.chain.held_rows(slot, len(b.ids)), 0)
         st.held, st.ran = None, False
 
     def _flush(self, slot: int, st: _SlotState) -> None:
@@ -246,9 +247,7 @@ class Eagle3Drafter(Drafter):
         else:
             ids = [st.d1]
         for i in range(1, k):
-            self._upload([ids[-1]], H - 2 + i, seq.slot)
-            logits = m.decode(self._ids[:1], self._pos[:1], self._slot_ids[:1], H - 1 + i, g, 1)
-            self.steps += 1
+            logits = self._decode(seq.slot, [ids[-1]], H - 2 + i, g, 1)
             ids.append(self._top(logits, n_top, tops, logps) if n_top else self._argmax(logits))
             be.copy_rows(m.ws_y[:1], g)                                  # (1, E) y_{i+1}
         return ids, tops, logps
