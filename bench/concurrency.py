@@ -89,6 +89,7 @@ class TokenRun(Run):
         super().__init__()
         self.sizes: list[int] = []
         self.cached = 0
+        self.prompt_tokens = 0
 
     def tokens_arrived(self, n: int) -> None:
         if n:
@@ -117,6 +118,7 @@ def stream(client: SpecstreamClient, kw: dict) -> TokenRun:
             run.tokens_arrived(len(r.delta.token_ids))
         elif r.HasField("finished"):
             run.cached = r.finished.usage.cached_prompt_tokens
+            run.prompt_tokens = r.finished.usage.prompt_tokens
     run.done()
     return run
 
@@ -194,10 +196,29 @@ def level(client: SpecstreamClient, reqs: list[dict], profile=None) -> dict[str,
     gaps = [g for r in runs for g in r.token_gaps_ms()]
     ttft = [r.first_token_s() * 1e3 for r in runs]
     return {"streams": len(reqs), "tokens": tokens, "wall_s": wall, "agg_tok_s": tokens / wall,
+            **steady(runs),
             "stream_tok_s": statistics.median(r.tokens / r.wall for r in runs),
             "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
             "itl_p50_ms": pct(gaps, 0.5), "itl_p99_ms": pct(gaps, 0.99),
             "cached": sum(r.cached for r in runs), "profile": where}
+
+
+def steady(runs: list[TokenRun]) -> dict[str, float]:
+    """Generation with every stream of the level decoding: the tokens that arrived after the
+    last stream's first token and up to the first stream's last one, over that window (what
+    llama-batched-bench's S_TG counts: decode steps of all the streams, no prompt in the
+    time); NaN when the window is empty (a stream ended before the last one started). And the
+    prompt phase: prompt tokens of all streams over the time until the last first token."""
+    starts = [r.stamps[0] for r in runs if r.stamps]
+    ends = [r.stamps[-1] for r in runs if r.stamps]
+    if len(starts) < len(runs):
+        return {"steady_tok_s": float("nan"), "steady_s": 0.0, "prompt_tok_s": float("nan")}
+    lo, hi = max(starts), min(ends)
+    got = sum(n for r in runs for t, n in zip(r.stamps, r.sizes, strict=True) if lo < t <= hi)
+    span = hi - lo
+    first = max(r.first_token_s() for r in runs)
+    return {"steady_tok_s": got / span if span > 0 else float("nan"), "steady_s": max(span, 0.0),
+            "prompt_tok_s": sum(r.prompt_tokens for r in runs) / first}
 
 
 def ordinary_ids(tok) -> np.ndarray:
@@ -242,7 +263,9 @@ def print_table(rows: list[dict]) -> None:
     base = int(rows[0]["streams"]) if rows else 1      # "ratio": against the first level run
     cols = [("streams", "streams", "{:>8.0f}"), ("tokens", "tokens", "{:>8.0f}"),
             ("wall_s", "wall s", "{:>8.2f}"), ("agg_tok_s", "agg tok/s", "{:>10.1f}"),
-            ("stream_tok_s", "tok/s/str", "{:>10.1f}"), ("ttft_p50_ms", "TTFT p50", "{:>10.0f}"),
+            ("stream_tok_s", "tok/s/str", "{:>10.1f}"), ("steady_tok_s", "steady", "{:>9.1f}"),
+            ("steady_s", "for s", "{:>7.2f}"), ("prompt_tok_s", "prompt/s", "{:>10.0f}"),
+            ("ttft_p50_ms", "TTFT p50", "{:>10.0f}"),
             ("ttft_p99_ms", "TTFT p99", "{:>10.0f}"), ("itl_p50_ms", "ITL p50", "{:>9.1f}"),
             ("itl_p99_ms", "ITL p99", "{:>9.1f}"), ("cached", "cached", "{:>8.0f}"),
             ("ratio", f"x {base} str", "{:>8.2f}")]

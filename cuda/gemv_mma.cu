@@ -27,8 +27,12 @@
 // (a K-quant super-block, or 4 blocks of 32 for Q8_0 / Q4_0; split-K inside the block: enough
 // warps in flight for short matrices), loads their weights for all m-tiles first, then per
 // group and n-tile loads the column's codes once and runs one MMA per m-tile, scaling the int32
-// results into float accumulators. The warps' partial sums meet in shared memory (two n-tiles
-// a round) and are added in warp order (deterministic). Rows >= N and columns >= C read row
+// results into float accumulators. The K-quant tiles and the 64-column ones first stage the
+// unit's (da, sa) of the block's columns in the warp's shared memory (UG x (NC + 2) float2:
+// 2.0 / 3.2 / 5.2 / 8.3 KiB a warp for Q4_K at 8 / 16 / 32 / 64 columns), read coalesced, so
+// a lane gets its two columns' pairs in one 16-byte shared read instead of two 8-byte loads
+// of separate lines. The warps' partial sums meet in shared memory (two n-tiles a round,
+// M x 2 x 4 x 32 floats a warp) and are added in warp order (deterministic). Rows >= N and columns >= C read row
 // N - 1 / column C - 1 (valid memory) and are not written.
 //
 // Fragments (PTX ISA, mma.m16n8k32 / m16n8k16 .s8; lane = 4 gid + tid):
@@ -75,19 +79,40 @@ __device__ __forceinline__ float exact_f(int v) {
 }
 
 // Where a lane reads its columns: n-tile t's B column (ca + 8 t: the lane's gid) codes, and the
-// (da, sa) of the two D columns it owns (cs + 8 t + i, i = 0, 1: 2 tid + i); columns past the
-// last read the last one (valid memory, never written).
+// (da, sa) of the two D columns it owns (8 t + 2 tid + i of the block, i = 0, 1); columns past
+// the last read the last one (valid memory, never written). STAGED: the scales from the warp's
+// unit of them staged in shared memory (stage_scales: row g - g0, SP = NC + 2 float2 a row, one
+// 16-byte read for both columns); else straight from global memory.
+template <bool STAGED>
 struct MmaCols {
     const signed char* qa;
-    const float2* ads;
-    int K, G, ca, cs, last;
+    const float2* ads;       // STAGED: the warp's staged scales, [group - g0][column - c0]
+    int K, G, ca, cs, tid, g0, sp, last;
     __device__ __forceinline__ const signed char* codes(int t, int grp) const {
         return qa + (size_t)min(ca + 8 * t, last) * K + 32 * grp;
     }
-    __device__ __forceinline__ float2 scale(int t, int i, int grp) const {
-        return ads[(size_t)min(cs + 8 * t + i, last) * G + grp];
+    // (da, sa) of the lane's columns 8 t + 2 tid (x, y) and 8 t + 2 tid + 1 (z, w)
+    __device__ __forceinline__ float4 scales(int t, int grp) const {
+        if (STAGED)
+            return *reinterpret_cast<const float4*>(ads + (grp - g0) * sp + 8 * t + 2 * tid);
+        const float2 a = ads[(size_t)min(cs + 8 * t, last) * G + grp];
+        const float2 b = ads[(size_t)min(cs + 8 * t + 1, last) * G + grp];
+        return make_float4(a.x, a.y, b.x, b.y);
     }
 };
+
+// The (da, sa) of groups g0 .. g0 + UG - 1 (clamped to G - 1) of the block's NC columns c0 ..
+// (clamped to last) into sm[g - g0][c - c0] (row stride NC + 2), read as each column's UG
+// consecutive pairs (UG lanes a column: 256 contiguous bytes an instruction for UG = 8).
+template <int UG, int NC>
+__device__ __forceinline__ void stage_scales(float2* sm, const float2* __restrict__ ads, int G,
+                                             int g0, int c0, int last, int lane) {
+#pragma unroll
+    for (int e = lane; e < UG * NC; e += WARP) {
+        const int c = e / UG, g = e % UG;
+        sm[g * (NC + 2) + c] = ads[(size_t)min(c0 + c, last) * G + min(g0 + g, G - 1)];
+    }
+}
 
 __device__ __forceinline__ u8 byte_of(const u32* w, int i) { return (w[i >> 2] >> (8 * (i & 3))) & 0xFF; }
 
@@ -125,8 +150,8 @@ struct MmaK45 {
         const int lo = (q >> (4 * (j & 1))) & 0x0F0F0F0F;
         return HB ? lo | (((qh >> j) & 0x01010101) << 4) : lo;
     }
-    template <int M, int NT>
-    __device__ static void mma(const W (&w)[M], int b, int, int tid, const MmaCols& cols,
+    template <int M, int NT, class C>
+    __device__ static void mma(const W (&w)[M], int b, int, int tid, const C& cols,
                                float (&acc)[M][NT][4]) {
 #pragma unroll
         for (int j = 0; j < 8; j++) {           // sub-block j: nibbles (j & 1) of pair j / 2
@@ -153,7 +178,8 @@ struct MmaK45 {
 #pragma unroll
             for (int t = 0; t < NT; t++) {
                 const int2 v = *reinterpret_cast<const int2*>(cols.codes(t, grp) + 8 * tid);
-                const float2 e[2] = {cols.scale(t, 0, grp), cols.scale(t, 1, grp)};
+                const float4 e4 = cols.scales(t, grp);
+                const float2 e[2] = {make_float2(e4.x, e4.y), make_float2(e4.z, e4.w)};
 #pragma unroll
                 for (int m = 0; m < M; m++) {
                     int d[4];
@@ -211,8 +237,8 @@ struct MmaQ6K {
                             | (((qh >> (2 * s)) & 0x03030303u) << 4));
         return __vsub4(c, 0x20202020);
     }
-    template <int M, int NT>
-    __device__ static void mma(const W (&w)[M], int b, int, int tid, const MmaCols& cols,
+    template <int M, int NT, class C>
+    __device__ static void mma(const W (&w)[M], int b, int, int tid, const C& cols,
                                float (&acc)[M][NT][4]) {
 #pragma unroll
         for (int j = 0; j < 8; j++) {           // sub-block j = 4 h + s
@@ -237,7 +263,8 @@ struct MmaQ6K {
                 const signed char* pa = cols.codes(t, grp) + 4 * tid;
                 const int b0 = *reinterpret_cast<const int*>(pa);
                 const int b1 = *reinterpret_cast<const int*>(pa + 16);
-                const float da[2] = {cols.scale(t, 0, grp).x, cols.scale(t, 1, grp).x};
+                const float4 e4 = cols.scales(t, grp);
+                const float da[2] = {e4.x, e4.z};
 #pragma unroll
                 for (int m = 0; m < M; m++) {
                     int d[2][4];
@@ -347,8 +374,8 @@ struct Mma32 {
             }
         }
     }
-    template <int M, int NT>
-    __device__ static void mma(const W (&w)[M], int b, int G, int tid, const MmaCols& cols,
+    template <int M, int NT, class C>
+    __device__ static void mma(const W (&w)[M], int b, int G, int tid, const C& cols,
                                float (&acc)[M][NT][4]) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
@@ -357,7 +384,8 @@ struct Mma32 {
 #pragma unroll
             for (int t = 0; t < NT; t++) {
                 const int2 v = *reinterpret_cast<const int2*>(cols.codes(t, grp) + 8 * tid);
-                const float2 e[2] = {cols.scale(t, 0, grp), cols.scale(t, 1, grp)};
+                const float4 e4 = cols.scales(t, grp);
+                const float2 e[2] = {make_float2(e4.x, e4.y), make_float2(e4.z, e4.w)};
 #pragma unroll
                 for (int m = 0; m < M; m++) {
                     int d[4];
@@ -401,7 +429,12 @@ __device__ __forceinline__ void gemv_mma(Planes P, int K, int N, const signed ch
     for (int m = 0; m < M; m++)
 #pragma unroll
         for (int r = 0; r < 2; r++) row[m][r] = (size_t)min(n0 + 16 * m + 8 * r + gid, N - 1) * bpr;
-    const MmaCols cols{qa, ads, K, G, c0 + gid, c0 + 2 * tid, n_cols - 1};
+    // Scales staged a unit at a time where it measured faster (the K-quants, 64-column tiles)
+    constexpr bool STAGED = T::QK == 256 || NT == 8;
+    constexpr int UG = T::QK == 256 ? 8 : MMA_U32, SP = 8 * NT + 2;
+    __shared__ __align__(16) float2 stage[STAGED ? MMA_WARPS : 1][STAGED ? UG * SP : 2];
+    MmaCols<STAGED> cols{qa, STAGED ? stage[warp] : ads, K, G, c0 + gid, c0 + 2 * tid, tid, 0, SP,
+                         n_cols - 1};
     float acc[M][NT][4];
 #pragma unroll
     for (int m = 0; m < M; m++)
@@ -413,6 +446,12 @@ __device__ __forceinline__ void gemv_mma(Planes P, int K, int N, const signed ch
         typename T::W w[M];                   // every m-tile's weights before any MMA
 #pragma unroll
         for (int m = 0; m < M; m++) T::load(P, row[m], b, G, tid, w[m]);
+        if (STAGED) {
+            cols.g0 = UG * b;
+            __syncwarp();                     // the last unit's scales are read
+            stage_scales<UG, 8 * NT>(stage[warp], ads, G, cols.g0, c0, n_cols - 1, lane);
+            __syncwarp();
+        }
         T::template mma<M, NT>(w, b, G, tid, cols, acc);
     }
     // The warps' partials meet in shared memory, RNT n-tiles a round; thread (lane, warp) adds
@@ -461,7 +500,9 @@ GEMV_MMA_KERNELS(q5_k, MmaQ5K, MMA_BOUNDS_1)
 GEMV_MMA_KERNELS(q6_k, MmaQ6K, MMA_BOUNDS)
 GEMV_MMA_KERNELS(q8_0, MmaQ8_0, MMA_BOUNDS)
 GEMV_MMA_KERNELS(q4_0, MmaQ4_0, MMA_BOUNDS)
-GEMV_MMA_KERNELS(q4_1, MmaQ4_1, MMA_BOUNDS)
+// Q4_1's 64-column tile spills at the 128 registers ptxas picks for two blocks an SM
+GEMV_MMA_KERNEL(q4_1, MmaQ4_1, 8, MMA_BOUNDS) GEMV_MMA_KERNEL(q4_1, MmaQ4_1, 16, MMA_BOUNDS)
+GEMV_MMA_KERNEL(q4_1, MmaQ4_1, 32, MMA_BOUNDS) GEMV_MMA_KERNEL(q4_1, MmaQ4_1, 64, MMA_BOUNDS_1)
 GEMV_MMA_KERNELS(q5_0, MmaQ5_0, MMA_BOUNDS)
 GEMV_MMA_KERNELS(q5_1, MmaQ5_1, MMA_BOUNDS)
 
