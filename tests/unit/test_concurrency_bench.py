@@ -96,3 +96,25 @@ def test_prompt_ids_are_ordinary_tokens(C, tmp_path):
     assert 0 < len(pool) < tok.vocab_size
     assert tok.bos_id not in pool and tok.eos_id not in pool
     assert all(tok.token_attr(int(i)) == TokenAttr.NORMAL for i in pool)
+
+
+def _run(C, t0: float, stamps: list[float], sizes: list[int], prompt: int = 10):
+    r = C.TokenRun()
+    r.t0, r.stamps, r.sizes, r.prompt_tokens = t0, stamps, sizes, prompt
+    r.tokens = sum(sizes)
+    return r
+
+
+def test_steady_counts_only_tokens_while_every_stream_decodes(C):
+    # stream a: first token at 1.0, b at 2.0 (the window opens), a ends at 5.0 (it closes)
+    a = _run(C, 0.0, [1.0, 2.0, 3.0, 4.0, 5.0], [1, 1, 1, 1, 1])
+    b = _run(C, 0.0, [2.0, 2.5, 3.5, 4.5, 6.0], [1, 2, 2, 1, 1])
+    s = C.steady([a, b])
+    # in (2, 5]: a's 3.0, 4.0, 5.0 (3 tokens) and b's 2.5, 3.5, 4.5 (5 tokens) over 3 s
+    assert s["steady_s"] == pytest.approx(3.0)
+    assert s["steady_tok_s"] == pytest.approx(8 / 3.0)
+    assert s["prompt_tok_s"] == pytest.approx(20 / 2.0)        # 2 prompts by the last first token
+    # a stream that ended before the last one started: no window
+    late = _run(C, 0.0, [7.0, 8.0], [1, 1])
+    assert C.steady([a, late])["steady_tok_s"] != C.steady([a, late])["steady_tok_s"]   # NaN
+    assert C.steady([a, late])["steady_s"] == 0.0
