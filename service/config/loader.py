@@ -113,6 +113,13 @@ _HELP = {
     "kv_block_size": "positions per KV cache block (a power of two, 8..256)",
     "prefix_cache": "reuse the KV blocks of identical prompt prefixes (false: compute every "
                     "prompt in full)",
+    "prefix_cache_exact": "reuse only cached KV rows computed the way this prompt's own prefill "
+                          "would compute them, so a request's tokens are the same with or "
+                          "without a cache hit (a hit ending inside a prefill chunk of more "
+                          "than 64 tokens recomputes that chunk: no hit at all for prompts of "
+                          "65 to prefill_chunk tokens); false: reuse every matching block "
+                          "(earlier first tokens; a near-tie may then resolve otherwise than "
+                          "in a fresh run)",
     "max_queue": "requests that may wait for a slot before RESOURCE_EXHAUSTED",
     "threads": "CPU backend threads (0 = all cores)",
     "cuda_graphs": "CUDA backend: replay each step shape from a captured CUDA graph (false: "

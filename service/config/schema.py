@@ -59,6 +59,7 @@ class EngineConfig:
     kv_cache_memory: str = ""        # KV pool: bytes ("8GiB"), a fraction ("0.5"); see pool_blocks
     kv_block_size: int = 16          # positions per KV block (a power of two, 8..256)
     prefix_cache: bool = True        # reuse the KV blocks of identical prompt prefixes
+    prefix_cache_exact: bool = False  # ... only those computed as the prompt's prefill would
     max_queue: int = 64              # requests waiting for a slot before RESOURCE_EXHAUSTED
     threads: int = 0                 # CPU backend threads; 0 = all cores
     cuda_graphs: bool = True         # CUDA backend: capture each step shape once and replay it

@@ -154,7 +154,8 @@ class Engine:
         cache = model.cache
         self.kv_events = KvEventLog(cache.block_size)   # the prefix cache's changes
         pool = BlockPool(cache.n_blocks, cache.block_size, config.n_slots, cache.max_blocks,
-                         config.prefix_cache, observer=self.kv_events)
+                         config.prefix_cache, observer=self.kv_events,
+                         exact_prefix=config.prefix_cache_exact)
         self.scheduler = Scheduler(KVManager(pool, config.n_slots), n_ctx=config.n_ctx,
                                    max_queue=config.max_queue, prefill_chunk=chunk,
                                    step_rows=min(rows, model.max_tokens, model.max_logits))
@@ -585,6 +586,7 @@ class Engine:
         else:
             out = self._forward(seq, chunk.tokens, chunk.start, [choice(seq)] if chunk.choose
                                 else [])
+            seq.computed(chunk.start, len(chunk.tokens), self.scheduler.chunks.wide_rows)
         self.stats.count_step(0, 0, 1, len(chunk.tokens))
         self._lap(STEP)
         self._prefilled(chunk, out if chunk.choose else None)
@@ -615,6 +617,7 @@ class Engine:
             out = self._forward(seq, toks, start, [
                 replace(GREEDY, n_top=k, score_id=prompt[p + 1]) if p + 1 < n else choice(seq)
                 for p in where])
+            seq.computed(start, len(toks), self.scheduler.chunks.wide_rows)
             if s + step < len(chunk.tokens):    # the last part's rows: after the first token
                 self._extend([seq])
             for r, p in enumerate(where):

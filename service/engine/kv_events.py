@@ -9,7 +9,8 @@ nothing is lost or repeated between the snapshot and the live events) and then e
 through its listener, which must not block (the server's schedules a callback on its loop).
 
 A block's hash here is the first 8 bytes of the pool's chained blake2b digest as a signed
-64-bit integer (the protocol's int64): equal hashes mean the same tokens after the same prefix.
+64-bit integer (the protocol's int64): equal hashes mean the same tokens after the same prefix
+(computed by the same prefill chunks, with `prefix_cache_exact`: scheduler/chunks.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 with the prefix cache on (their cached rows hold the bits a full prefill gives them: every
 chunk here is on the step-size-invariant path), a pool too small for the streams preempts and
 resumes them without changing a token, the prefix cache hits an identical system prompt and
-misses a changed one, and after random cancels and completions every block is back."""
+misses a changed one, with prefix_cache_exact a hit on rows of wide prefill chunks is taken
+only where the prompt would compute them alike (bit-identical log-probabilities), and after
+random cancels and completions every block is back."""
 
 from __future__ import annotations
 
@@ -93,6 +95,43 @@ def test_prefix_cache_hits_the_same_system_prompt_and_misses_a_changed_one():
         assert ask(long) == 32                      # its generated ones are not the same ids
         assert eng.pool.hits >= 3
         pool_whole(eng)
+
+
+LONG = [(7 * j) % 900 + 20 for j in range(300)]   # a 300-token shared prefix
+
+
+def _ask(eng: Engine, prompt: list[int], rid: str):
+    return alone(eng, GenerationRequest(rid, tuple(prompt), SamplingParams(temperature=0.0),
+                                        StoppingCriteria(max_new_tokens=6), top_logprobs=2))
+
+
+def test_hits_are_cut_back_to_rows_computed_as_the_prompt_computes_them():
+    """Chunks of 128 tokens: wider than 64 rows, so the CPU backend computes them on its wide
+    path (BLAS), where a row's bits depend on the chunk's shape. A hit is taken only where the
+    cached rows came from the same chunks the prompt's own prefill takes, and the tokens and
+    log-probabilities then equal a fresh run's bit for bit."""
+    wide = {"prefill_chunk": 128, "n_ctx": 512, "n_slots": 4}
+    x = LONG + [1 + j for j in range(50)]           # 350 tokens: chunks 128, 128, 94 (wide)
+    y = LONG + [60 + j for j in range(50)]
+    w1 = LONG + [200 + j for j in range(10)]        # 310 tokens: chunks 128, 128, 54
+    w2 = LONG + [300 + j for j in range(10)]
+    with engine(prefix_cache=False, **wide) as fresh:
+        ref = {k: _ask(fresh, p, k) for k, p in (("y", y), ("w2", w2))}
+    with engine(prefix_cache_exact=True, **wide) as eng:
+        assert _ask(eng, x, "x").finished.usage.cached_prompt_tokens == 0
+        got = _ask(eng, y, "y")
+        # y matches x's blocks up to 288, inside x's third chunk (256, 94): cut back to 256
+        assert got.finished.usage.cached_prompt_tokens == 256
+        assert same_output(got, ref["y"])
+        assert _ask(eng, w1, "w1").finished.usage.cached_prompt_tokens == 256
+        got = _ask(eng, w2, "w2")
+        # w1's rows 256..287 came from its narrow last chunk, as w2's do: all of them reused
+        assert got.finished.usage.cached_prompt_tokens == 288
+        assert same_output(got, ref["w2"])
+        pool_whole(eng)
+    with engine(**wide) as eng:                      # the default: every matching block
+        _ask(eng, x, "x")
+        assert _ask(eng, y, "y").finished.usage.cached_prompt_tokens == 288
 
 
 def test_no_prefix_cache_computes_every_prompt(plain):

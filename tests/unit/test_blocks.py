@@ -148,3 +148,30 @@ def test_random_mixes_lose_no_block():
     assert p.free_blocks + p.cached_blocks == 24 and not p.ref.any()
     assert p.hits > 0 and p.evictions > 0
     assert np.all(p.table == 0)
+
+
+def test_blocks_of_wide_steps_match_only_lookups_naming_the_same_steps():
+    from service.engine.scheduler.blocks import block_hash
+
+    toks = list(range(12))
+    p = BlockPool(16, BS, 4, 8, exact_prefix=True)
+    p.ensure(0, 12)
+    p.register(0, toks, 12, [(0, 10)])              # rows 0..9 from one wide step of 10 rows
+    p.release(0)
+    assert p.match(toks, 12) == []                  # the invariant path would not give them
+    assert p.match(toks, 12, [(0, 11)]) == []       # nor a wide step of another shape
+    assert len(p.match(toks, 12, [(0, 10)])) == 3   # blocks [0, 4), [4, 8), [8, 12)
+    # rows 10, 11 from another wide step: block [8, 12) was not computed that way
+    assert len(p.match(toks, 12, [(0, 10), (10, 100)])) == 2
+    # a block no wide step touched hashes as plainly as before
+    assert block_hash(b"x", toks, BS, 2, [(0, 8), (12, 9)]) == block_hash(b"x", toks, BS, 2)
+    assert block_hash(b"x", toks, BS, 1, [(0, 5)]) != block_hash(b"x", toks, BS, 1)
+
+
+def test_without_exact_prefixes_the_steps_do_not_matter():
+    toks = list(range(12))
+    p = pool()                                      # exact_prefix off: the default
+    p.ensure(0, 12)
+    p.register(0, toks, 12, [(0, 10)])
+    p.release(0)
+    assert len(p.match(toks, 12)) == 3 and len(p.match(toks, 12, [(0, 11)])) == 3

@@ -8,8 +8,9 @@ slot s finds position p at row table[s, p // block_size] * block_size + p % bloc
 - A sequence holds the blocks that cover its positions [0, n), allocated on demand
   (`ensure(slot, n)`) before each step that writes them; memory follows actual lengths.
 - Prefix cache: a FULL block whose KV rows are written is registered under a hash of its tokens
-  chained with the previous block's hash (blake2b of the previous digest and the block's token
-  ids), so equal hashes mean the same tokens at the same positions after the same prefix.
+  chained with the previous block's hash (blake2b of the previous digest, the block's token
+  ids and the wide steps that computed its rows: `span_tag`), so equal hashes mean the same
+  tokens at the same positions after the same prefix, computed the same way (chunks.py).
   `match(tokens)` returns the cached blocks of the longest registered prefix; a new sequence
   takes them by reference (`attach`) and computes only the rest. A block is written only by the
   sequence that allocated it, at positions it has not committed yet, and registered only once
@@ -38,33 +39,48 @@ import numpy as np
 ROOT_HASH = b"specstream-kv-root"
 
 
-def block_hash(prev: bytes, tokens: Sequence[int], block_size: int, i: int) -> bytes:
+def span_tag(spans: Sequence[tuple[int, int]], lo: int, hi: int) -> bytes:
+    """What computed positions [lo, hi), for a block's hash: the wide steps' spans (first
+    position, rows) that cover any of them (scheduler/chunks.py); empty when every row came
+    from the step-size-invariant path (such hashes are the plain ones)."""
+    hit = [(s, n) for s, n in spans if s < hi and s + n > lo]
+    return b"" if not hit else b"wide" + np.asarray(hit, np.int64).tobytes()
+
+
+def block_hash(prev: bytes, tokens: Sequence[int], block_size: int, i: int,
+               spans: Sequence[tuple[int, int]] = ()) -> bytes:
     """The hash of full block i of `tokens`, chained with `prev` (the hash of block i - 1, or
-    ROOT_HASH for block 0)."""
+    ROOT_HASH for block 0), and of the wide steps among `spans` that computed its rows."""
     ids = np.asarray(tokens[i * block_size:(i + 1) * block_size], np.int64)      # (bs,)
     if len(ids) != block_size:
         raise ValueError(f"block {i}: {len(ids)} tokens, not {block_size}")
-    return hashlib.blake2b(prev + ids.tobytes(), digest_size=16).digest()
+    tag = span_tag(spans, i * block_size, (i + 1) * block_size)
+    return hashlib.blake2b(prev + ids.tobytes() + tag, digest_size=16).digest()
 
 
 def block_hashes(tokens: Sequence[int], block_size: int, n_blocks: int,
-                 start: list[bytes] | None = None) -> list[bytes]:
+                 start: list[bytes] | None = None,
+                 spans: Sequence[tuple[int, int]] = ()) -> list[bytes]:
     """The chained hashes of the first n_blocks full blocks of `tokens` (`start`: hashes of
     a leading run already known, extended rather than recomputed)."""
     out = list(start or [])
     for i in range(len(out), n_blocks):
-        out.append(block_hash(out[-1] if out else ROOT_HASH, tokens, block_size, i))
+        out.append(block_hash(out[-1] if out else ROOT_HASH, tokens, block_size, i, spans))
     return out
 
 
 class BlockPool:
     def __init__(self, n_blocks: int, block_size: int, n_slots: int, max_blocks: int,
-                 prefix_cache: bool = True, observer: Any = None):
+                 prefix_cache: bool = True, observer: Any = None, exact_prefix: bool = False):
+        """exact_prefix: a block's hash includes the wide steps that computed it, and a lookup
+        names the ones it would take (chunks.py); False: tokens alone (every matching block
+        is reused, whatever computed it)."""
         if n_blocks < max_blocks:
             raise ValueError(f"{n_blocks} KV blocks cannot hold one full context "
                              f"({max_blocks} blocks of {block_size})")
         self.n_blocks, self.block_size = n_blocks, block_size
         self.max_blocks, self.prefix_cache = max_blocks, prefix_cache
+        self.exact_prefix = exact_prefix
         self.table = np.zeros((n_slots, max_blocks), np.int32)      # (n_slots, max_blocks)
         self._dirty = True
         self.ref = np.zeros(n_blocks, np.int32)                      # (n_blocks,) references
@@ -106,16 +122,20 @@ class BlockPool:
         return max(0, self.blocks_for(n_positions) - len(self.owned.get(slot, ())))
 
     # ---------------------------------------------------------------- prefix cache
-    def match(self, tokens: Sequence[int], limit: int) -> list[int]:
+    def match(self, tokens: Sequence[int], limit: int,
+              spans: Sequence[tuple[int, int]] = ()) -> list[int]:
         """Cached blocks holding the longest registered prefix of `tokens`, at most `limit`
-        positions (whole blocks only)."""
+        positions (whole blocks only), computed by the wide steps `spans` (those a cold
+        prefill of `tokens` would take; scheduler/chunks.py) and otherwise on the invariant
+        path."""
         if not self.prefix_cache:
             return []
         self.lookups += 1
+        spans = spans if self.exact_prefix else ()
         out: list[int] = []
         prev = ROOT_HASH
         for i in range(limit // self.block_size):
-            prev = block_hash(prev, tokens, self.block_size, i)
+            prev = block_hash(prev, tokens, self.block_size, i, spans)
             b = self._by_hash.get(prev)
             if b is None:
                 break
@@ -137,10 +157,12 @@ class BlockPool:
         self.table[slot, :len(blocks)] = blocks
         self._dirty = True
 
-    def register(self, slot: int, tokens: Sequence[int], n_committed: int) -> None:
+    def register(self, slot: int, tokens: Sequence[int], n_committed: int,
+                 spans: Sequence[tuple[int, int]] = ()) -> None:
         """Enter the slot's full blocks whose rows [0, n_committed) are all committed, with
-        `tokens` the sequence's tokens at those positions. A block whose hash another block
-        already holds stays private (it is freed, not cached, when released)."""
+        `tokens` the sequence's tokens at those positions and `spans` the wide steps that
+        computed any of them. A block whose hash another block already holds stays private (it
+        is freed, not cached, when released)."""
         if not self.prefix_cache:
             return
         blocks = self.owned.get(slot, [])
@@ -148,7 +170,8 @@ class BlockPool:
         known = self._hashes.setdefault(slot, [])
         if n_full <= len(known):
             return
-        hashes = block_hashes(tokens, self.block_size, n_full, known)
+        spans = spans if self.exact_prefix else ()
+        hashes = block_hashes(tokens, self.block_size, n_full, known, spans)
         for i in range(len(known), n_full):
             b, h = blocks[i], hashes[i]
             if h not in self._by_hash and b not in self._hash_of:

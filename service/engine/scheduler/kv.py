@@ -7,6 +7,7 @@ blocks back when the pool runs out is the policy's (policy.py)."""
 from __future__ import annotations
 
 from service.engine.scheduler.blocks import BlockPool
+from service.engine.scheduler.chunks import PromptChunks
 from service.engine.scheduler.sequence import Sequence
 
 
@@ -15,10 +16,11 @@ class KVManager:
         self.pool = pool
         self.free_slots = list(range(n_slots - 1, -1, -1))    # taken from the end: 0 first
 
-    def admit(self, seq: Sequence) -> int | None:
+    def admit(self, seq: Sequence, chunks: PromptChunks) -> int | None:
         """Start `seq` in a free slot when the pool has the blocks for its whole context plus
         one token, counting the blocks a cached prefix gives it; returns the positions taken
-        from the prefix cache, or None (nothing taken: it keeps waiting)."""
+        from the prefix cache, or None (nothing taken: it keeps waiting). The prefix taken is
+        one computed as `seq`'s own prefill in `chunks` would compute it (chunks.py)."""
         if not self.free_slots:
             return None
         ctx = seq.context_ids
@@ -28,7 +30,11 @@ class KVManager:
                                                         or not seq.t_start):
             limit = 0               # every prompt position computes its logits
 
-        cached = self.pool.match(ctx, limit)
+        n_prompt = len(seq.request.prompt_ids)
+        cached = self.pool.match(ctx, limit, chunks.cold_spans(n_prompt))
+        bs = self.pool.block_size
+        if self.pool.exact_prefix:
+            cached = cached[:chunks.reusable(len(cached) * bs, n_prompt, bs) // bs]
         idle = sum(1 for b in cached if self.pool.ref[b] == 0)   # cached, counted as available
         if self.pool.blocks_for(len(ctx) + 1) - len(cached) > self.pool.available - idle:
             return None
@@ -45,7 +51,7 @@ class KVManager:
 
     def committed(self, seq: Sequence, n: int) -> None:
         """Positions [0, n) of `seq` are written: its full blocks there enter the prefix cache."""
-        self.pool.register(seq.slot, seq.history, n)
+        self.pool.register(seq.slot, seq.history, n, seq.wide)
 
     def release(self, seq: Sequence) -> None:
         """Return `seq`'s slot and blocks (its full committed blocks stay cached)."""

@@ -40,8 +40,9 @@ prefill_chunk):
      sequence decodes plainly and tries a whole tree every probe_every() steps.
    - then the prefill chunks: each prefilling (or recomputing) sequence's next chunk, in start
      order, that fits the rows left (a later, smaller chunk may fit where an earlier one did
-     not; none is cut to fit). A chunk's size never depends on the load: prefill_chunk from
-     where its prefill began, so a prompt's chunk boundaries are the same alone or among many.
+     not; none is cut to fit). A chunk's size never depends on the load: the prompt in chunks
+     of prefill_chunk from position 0 (chunks.py, also after a prefix-cache hit), so a
+     prompt's chunk boundaries are the same alone, among many and with a cached prefix.
      A chunk is a run of one sequence's consecutive positions; only a prompt's final chunk
      chooses a token (its last row: the first token).
 2. then at most ONE chunk as its own step: the oldest prefilling sequence's, when it did not
@@ -61,6 +62,7 @@ import math
 import structlog
 
 from service.config import MAX_STEP_ROWS
+from service.engine.scheduler.chunks import PromptChunks
 from service.engine.scheduler.kv import KVManager
 from service.engine.scheduler.plan import DecodeRow, PrefillChunk, SlotChange, StepPlan
 from service.engine.scheduler.sequence import Sequence
@@ -83,6 +85,7 @@ class Scheduler:
         self.kv = kv
         self.n_ctx, self.max_queue = n_ctx, max_queue
         self.step_rows, self.prefill_chunk = step_rows, prefill_chunk
+        self.chunks = PromptChunks(prefill_chunk, MIX_ROWS)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []       # in start order (FIFO admission)
         # Cost of each extra verified token relative to a plain step (draft_length); the
@@ -182,7 +185,7 @@ class Scheduler:
         """FIFO admission; returns the positions taken from the prefix cache."""
         cached = 0
         while self.waiting:
-            n = self.kv.admit(self.waiting[0])
+            n = self.kv.admit(self.waiting[0], self.chunks)
             if n is None:
                 break
             seq = self.waiting.popleft()
@@ -360,12 +363,13 @@ class Scheduler:
         return mixed, alone if alone is not None and alone.seq.slot >= 0 else None
 
     def _chunk_rows(self, seq: Sequence) -> int:
-        """The size of `seq`'s next chunk, whatever the load: prefill_chunk from where its
-        prefill began (the prompt), or a preempted sequence's generated tokens in
-        decode-sized steps, so their KV rows get the bits decoding gave them."""
+        """The size of `seq`'s next chunk, whatever the load: the prompt in chunks of
+        prefill_chunk from position 0 (after a cached prefix too: chunks.py), or a preempted
+        sequence's generated tokens in decode-sized steps, so their KV rows get the bits
+        decoding gave them."""
         n_prompt = len(seq.request.prompt_ids)
         if seq.n_past < n_prompt:
-            return min(self.prefill_chunk, n_prompt - seq.n_past)
+            return self.chunks.next_rows(seq.n_past, n_prompt)
         return min(self.step_rows, seq.prefill_left)
 
     def _prefill_chunk(self, seq: Sequence, n: int) -> PrefillChunk | None:

@@ -63,7 +63,9 @@ class Sequence:
     last_turn: int = -1                   # the decode step that last held this sequence
     cached_prompt_tokens: int = 0         # prompt positions taken from the prefix cache
     preemptions: int = 0                  # times its KV blocks were taken back (recomputed)
-    prefill_start: int = 0                # where its last prefill began (chunks align to it)
+    # (first position, rows) of each wide step (more than MAX_STEP_ROWS rows: another numeric
+    # path) that computed its KV rows: what its blocks' prefix-cache hashes say (chunks.py)
+    wide: list[tuple[int, int]] = field(default_factory=list)
     ticket: int = 0                       # arrival order in the scheduler's queue
     cancelled: bool = False
     finished: bool = False
@@ -200,7 +202,9 @@ class Sequence:
         """Take `slot` with its first `n_cached` positions' KV rows already in place (prefix
         cache). The first start sends Started (with prompt log-probabilities: once they are
         computed, `scored`); a resumption after a preemption sends nothing."""
-        self.slot, self.n_past, self.prefill_start = slot, n_cached, n_cached
+        self.slot, self.n_past = slot, n_cached
+        # rows from n_cached on are computed again: spans reaching them no longer describe them
+        self.wide = [(s, n) for s, n in self.wide if s + n <= n_cached]
         if self.t_start:
             return
         self.cached_prompt_tokens = n_cached
@@ -215,6 +219,12 @@ class Sequence:
         scores, self.prompt_scores = self.prompt_scores or {}, None
         self.send(Started(prompt_tokens=len(self.request.prompt_ids), seed=self.seed_value,
                           prompt_logprobs=tuple(scores[p] for p in sorted(scores))))
+
+    def computed(self, start: int, rows: int, wide_rows: int) -> None:
+        """A step computed its KV rows [start, start + rows): a wide one (more than wide_rows
+        rows) is remembered for its blocks' hashes."""
+        if rows > wide_rows:
+            self.wide.append((start, rows))
 
     def preempt(self) -> None:
         """Its KV blocks were taken back: it waits again and recomputes its context."""
