@@ -299,6 +299,72 @@ def met(ok: bool) -> str:
     return "met" if ok else "missed"
 
 
+# ---------------------------------------------------------------- llama.cpp, same file
+def parse_batched_bench(text: str) -> dict[int, dict[str, float]]:
+    """llama-batched-bench's markdown table: streams (B) -> its columns (PP, TG, N_KV, T_PP,
+    S_PP, T_TG, S_TG, T, S; seconds and tok/s)."""
+    rows: dict[int, dict[str, float]] = {}
+    head: list[str] = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.lstrip().startswith("|") or len(cells) < 2:
+            continue
+        if "S_TG t/s" in cells:
+            head = [c.split()[0] for c in cells]
+        elif head and len(cells) == len(head) and not cells[0].startswith("-"):
+            try:
+                vals = dict(zip(head, map(float, cells), strict=True))
+            except ValueError:
+                continue
+            rows[int(vals["B"])] = vals
+    return rows
+
+
+def llamacpp_batched(binary: str, path: str, a, levels: list[int]) -> dict[int, dict]:
+    """llama-batched-bench on the same file: prompts of --prompt-tokens, --tokens generated,
+    the same levels (flash attention on, every layer on the GPU)."""
+    import subprocess
+
+    ctx = max(levels) * (a.prompt_tokens + a.tokens) + 256
+    out = subprocess.run([binary, "-m", str(path), "-npp", str(a.prompt_tokens), "-ntg",
+                          str(a.tokens), "-npl", ",".join(map(str, levels)), "-fa", "1",
+                          "-c", str(ctx), "-ngl", "99"], capture_output=True, text=True,
+                         timeout=1200)
+    if out.returncode != 0:
+        print(f"llama-batched-bench failed: {out.stderr[-300:]}")
+        return {}
+    return parse_batched_bench(out.stdout)
+
+
+def llamacpp_goals(rows: list[dict], llama: dict[int, dict]) -> list[dict]:
+    """Issue 20's goal against llama.cpp: 64 streams' generation >= 1.5x its S_TG (this run's
+    steady rate: every stream decoding, as S_TG counts)."""
+    out = []
+    for r in rows:
+        ref = llama.get(int(r["streams"]))
+        if r["streams"] == 64 and ref and ref.get("S_TG"):
+            v = r["steady_tok_s"] / ref["S_TG"]
+            out.append({"goal": "64 streams: steady generation >= 1.5x llama.cpp's S_TG",
+                        "value": v, "met": v >= 1.5})
+    return out
+
+
+def print_llamacpp(rows: list[dict], llama: dict[int, dict], prompt_tokens: int) -> None:
+    print("\nagainst llama-batched-bench on the same file (S_TG: generation with every stream "
+          "decoding, against this run's steady rate; S: prompt + generated tokens over the "
+          "whole run, against this run's (prompt + generated tokens) / wall)")
+    print(f"{'streams':>8}{'S_TG':>10}{'steady':>10}{'ratio':>8}{'S':>10}{'ours':>10}"
+          f"{'ratio':>8}{'S_PP':>10}{'prompt/s':>10}")
+    for r in rows:
+        ref = llama.get(int(r["streams"]))
+        if not ref:
+            continue
+        ours = (r["tokens"] + r["streams"] * prompt_tokens) / r["wall_s"]
+        print(f"{r['streams']:>8.0f}{ref['S_TG']:>10.1f}{r['steady_tok_s']:>10.1f}"
+              f"{r['steady_tok_s'] / ref['S_TG']:>8.2f}{ref['S']:>10.1f}{ours:>10.1f}"
+              f"{ours / ref['S']:>8.2f}{ref['S_PP']:>10.1f}{r['prompt_tok_s']:>10.1f}")
+
+
 # ---------------------------------------------------------------- prefix cache
 def prefix_part(client: SpecstreamClient, pool: np.ndarray, a) -> dict:
     """TTFT of a request on a fresh random prefix (A) and of one on the same prefix (B), median
@@ -353,6 +419,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("synthetic models")
     g.add_argument("--synth-dir", default=DEFAULT_DIR)
     g.add_argument("--seed", type=int, default=0, help="synthetic weights and random prompts")
+    p.add_argument("--llama-batched-bench", default="", metavar="BINARY",
+                   help="llama.cpp's llama-batched-bench: run on the same file with the same "
+                        "prompt length, tokens and levels (--prompts ids), ratios and issue "
+                        "20's goal printed")
     p.add_argument("--json", metavar="PATH", help="write rows, goals, prefix figures, config")
     p.add_argument("--plot", metavar="PNG", help="draw the plot (needs matplotlib)")
     a = p.parse_args(argv)
@@ -467,7 +537,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{PREFIX_ROUNDS}: TTFT uncached {prefix['ttft_a_ms']:.1f} ms (cached prompt "
               f"tokens {prefix['cached_a']:.0f}), cached {prefix['ttft_b_ms']:.1f} ms (cached "
               f"prompt tokens {prefix['cached_b']:.0f}); ratio {prefix['ratio']:.3f}")
-    gl = goals(rows, backend) + ([prefix["goal"]] if prefix else [])
+    llama = {}
+    if a.llama_batched_bench:
+        if kind != "ids":
+            print("\nllama-batched-bench skipped: it needs --prompts ids (prompts of "
+                  "--prompt-tokens)")
+        else:
+            llama = llamacpp_batched(a.llama_batched_bench, path, a, levels)
+            print_llamacpp(rows, llama, a.prompt_tokens)
+    gl = goals(rows, backend) + llamacpp_goals(rows, llama) + ([prefix["goal"]] if prefix
+                                                               else [])
     print("\ngoals (this run):")
     for g in gl:
         unit = "" if g["goal"].startswith("cached") else " ms" if "TTFT p99" in g["goal"] else "x"
@@ -479,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
                           "rounds": a.rounds, "speculative": a.speculative,
                           "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
                "rows": rows, "goals": gl, "prefix": prefix, "engine_stats": stats,
+               "llamacpp_batched": {str(k): v for k, v in llama.items()},
                "seconds": time.perf_counter() - t0}
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))

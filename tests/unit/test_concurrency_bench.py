@@ -118,3 +118,26 @@ def test_steady_counts_only_tokens_while_every_stream_decodes(C):
     late = _run(C, 0.0, [7.0, 8.0], [1, 1])
     assert C.steady([a, late])["steady_tok_s"] != C.steady([a, late])["steady_tok_s"]   # NaN
     assert C.steady([a, late])["steady_s"] == 0.0
+
+
+BATCHED = """
+main: n_kv_max = 20000, n_batch = 2048, n_ubatch = 512, flash_attn = 1
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|   128 |    128 |    1 |    256 |    0.039 |  3241.82 |    0.485 |   263.77 |    0.525 |   487.85 |
+|   128 |    128 |   64 |  16384 |    0.800 | 10240.17 |    1.857 |  4412.15 |    2.657 |  6167.10 |
+
+llama_perf_context_print:        load time =    1234.56 ms
+"""
+
+
+def test_llama_batched_bench_table_and_the_goal_against_it(C):
+    got = C.parse_batched_bench(BATCHED)
+    assert sorted(got) == [1, 64]
+    assert got[64]["S_TG"] == 4412.15 and got[64]["S_PP"] == 10240.17 and got[1]["T"] == 0.525
+    rows = [{"streams": 1, "steady_tok_s": 300.0}, {"streams": 64, "steady_tok_s": 6618.3}]
+    goal = C.llamacpp_goals(rows, got)
+    assert len(goal) == 1 and goal[0]["met"]                        # 1.5000x
+    rows[1]["steady_tok_s"] = 6600.0
+    assert not C.llamacpp_goals(rows, got)[0]["met"]
+    assert C.llamacpp_goals(rows, {}) == [] and C.parse_batched_bench("no table") == {}
