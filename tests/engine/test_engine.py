@@ -337,7 +337,8 @@ def test_engine_thread_death_fails_requests_and_reports_unhealthy():
         streams = Streams(eng)
         req = GenerationRequest("w", (1, 2, 3), GREEDY,
                                 StoppingCriteria(max_new_tokens=10_000, ignore_eos=True))
-        streams.submit(req)
+        res = streams.submit(req)
+        assert streams.wait_until(lambda: res.started is not None)   # running when it dies
 
         def broken():
             raise RuntimeError("scheduler bug")

@@ -73,8 +73,10 @@ class Streams:
 
         def sink(ev) -> None:
             with self._changed:
-                result.add(ev)
-                self._changed.notify_all()
+                try:
+                    result.add(ev)
+                finally:        # a failed check must not leave the waiters asleep
+                    self._changed.notify_all()
 
         self.handles.append(self.engine.submit(req, sink))
         return result
