@@ -522,13 +522,15 @@ def main(argv: list[str] | None = None) -> int:
     graphs = getattr(engine.model.backend, "n_graphs", 0)
     stats = {"decode_steps": s.decode_steps, "decode_rows": s.decode_rows,
              "prefill_steps": s.prefill_steps, "mixed_steps": s.mixed_steps,
+             "segmented_steps": s.segmented_steps,
              "prefill_chunks": s.prefill_chunks, "max_sequences": s.max_sequences,
              "preemptions": s.preemptions, "cached_tokens": s.cached_tokens,
              "graphs": graphs, "kv_blocks": engine.pool.n_blocks,
              "kv_block_size": engine.pool.block_size}
     print(f"engine: {s.decode_steps} decode steps for {s.decode_rows} rows, "
           f"{s.prefill_chunks} prompt chunks ({s.mixed_steps} steps beside decode rows, "
-          f"{s.prefill_steps} prefill-only steps), at most {s.max_sequences} sequences in a step, "
+          f"{s.prefill_steps} prefill-only steps, {s.segmented_steps} of them segmented: "
+          f"several prompts' chunks), at most {s.max_sequences} sequences in a step, "
           f"{s.preemptions} preemptions, {s.cached_tokens} prompt tokens from the prefix "
           f"cache, {graphs} CUDA graphs captured; KV pool {engine.pool.n_blocks} blocks of "
           f"{engine.pool.block_size}")

@@ -25,6 +25,11 @@ Design rules (they are what lets the CUDA backend capture one step as one CUDA g
   written (kv_write, rope_kv), read (attention: keys and values) and moved (kv_move).
   `set_block_table` replaces the table between steps; the buffer itself never moves, so a
   captured step reads the table of the step it replays. Any valid table gives the same bits.
+- A step may hold several prompts' chunks, each a run of rows padded alone (the runner's
+  segmented steps): the matmuls then take `segments`, the row ranges [a, b) of those runs, and
+  compute each run's rows exactly as a matmul over those rows alone would (the same algorithm,
+  order of additions and bits), while sharing what does not depend on the rows (a quantized
+  weight tile dequantized once for every run). None: the step's rows are one run.
 - Token choice happens on the backend (`sample`), so only int32 ids (and log-probabilities when
   asked) come back, with one copy (`download_step`).
 - Arrays are the backend's own (numpy for CPU, CuPy for CUDA); the model layer only slices,
@@ -44,7 +49,25 @@ import numpy as np
 from service.gguf.reader import TensorInfo
 
 Array = Any   # numpy.ndarray or cupy.ndarray, by backend
+# the row ranges [a, b) of a segmented step's runs, in order, covering its rows; None: one run
+Segments = tuple[tuple[int, int], ...] | None
 SMALL_STEPS = (1, 2, 4, 8, 16)   # decode and verify step sizes
+
+
+def segment_rows(segments: Segments, T: int) -> tuple[tuple[int, int], ...]:
+    """`segments` checked against a step of T rows (consecutive, non-empty, covering [0, T));
+    None reads as the one run [0, T)."""
+    if segments is None:
+        return ((0, T),)
+    at = 0
+    for a, b in segments:
+        if a != at or b <= a:
+            break
+        at = b
+    else:
+        if at == T:
+            return tuple(segments)
+    raise ValueError(f"segments {list(segments)} do not cover the step's {T} rows in order")
 
 
 def capture_sizes(max_tokens: int) -> tuple[int, ...]:
@@ -227,8 +250,9 @@ class Backend(abc.ABC):
         """out = x / sqrt(mean(x^2, -1) + eps) * w over the last axis."""
 
     @abc.abstractmethod
-    def matmul(self, x: Array, w: Any, out: Array) -> None:
-        """out (T, N) = x (T, K) @ W^T."""
+    def matmul(self, x: Array, w: Any, out: Array, segments: Segments = None) -> None:
+        """out (T, N) = x (T, K) @ W^T; with `segments` (module docstring) each range of rows
+        as a matmul of its own."""
 
     @abc.abstractmethod
     def add(self, a: Array, b: Array, out: Array) -> None:
@@ -339,18 +363,19 @@ class Backend(abc.ABC):
         self.kv_write(cache, layer, k, v, slots,
                       positions if kv_positions is None else kv_positions)
 
-    def matmul_add(self, x: Array, w: Any, out: Array, tmp: Array) -> None:
+    def matmul_add(self, x: Array, w: Any, out: Array, tmp: Array,
+                   segments: Segments = None) -> None:
         """out (T, N) += x (T, K) @ W^T, rounded as matmul into tmp then add(out, tmp, out).
         tmp (T, N) is scratch the backend may use; its contents are unspecified afterwards."""
-        self.matmul(x, w, tmp)
+        self.matmul(x, w, tmp, segments)
         self.add(out, tmp, out)
 
     def matmul_add_norm(self, x: Array, w: Any, out: Array, tmp: Array, norm_w: Array,
-                        eps: float, h: Array) -> None:
+                        eps: float, h: Array, segments: Segments = None) -> None:
         """matmul_add(x, w, out, tmp), then rms_norm_for_matmul(out, norm_w, eps, h): a residual
         add and the next layer's input norm, rounded as the two ops (a backend may run them as
         one launch)."""
-        self.matmul_add(x, w, out, tmp)
+        self.matmul_add(x, w, out, tmp, segments)
         self.rms_norm_for_matmul(out, norm_w, eps, h)
 
     def rms_norm_add(self, o: Array, w: Array, eps: float, x: Array) -> None:

@@ -102,10 +102,11 @@ _HELP = {
                 "more; results differ from the default kernels' in the last bits, and stay "
                 "batch-invariant and exact for speculation within the mode)",
     "n_slots": "sequences running at once (each holds KV blocks; more wait in the queue)",
-    "prefill_chunk": "prompt tokens per prefill step",
+    "prefill_chunk": "prompt tokens per prefill chunk; also the padded rows of one wide step, "
+                     "which holds several prompts' chunks of more than 64 tokens at once",
     "max_step_tokens": "tokens one engine iteration computes: a decode step of up to "
-                       "min(64, N - 16) rows, then a prefill chunk of min(prefill_chunk, N - "
-                       "rows) (0 = prefill_chunk + 64)",
+                       "min(64, N - 16) rows, then a wide step of min(prefill_chunk, N - "
+                       "rows) rows (0 = prefill_chunk + 64)",
     "kv_cache_memory": "KV cache pool size: bytes (8GiB, 512MiB, 2000000000) or a fraction "
                        "(0.5) of the memory free after loading the model; '' = a full context "
                        "(n_ctx) for every slot, within 0.8 of that free memory on a GPU, 0.25 "

@@ -54,7 +54,7 @@ class EngineConfig:
     backend: str = "auto"
     n_ctx: int = 4096                # context per sequence; capped at the model's trained length
     n_slots: int = 64                # sequences running at once (each holds KV blocks)
-    prefill_chunk: int = 256         # prompt tokens per prefill step
+    prefill_chunk: int = 256         # prompt tokens per chunk; a wide step's padded rows
     max_step_tokens: int = 0         # tokens one engine iteration computes; 0 = chunk + 64
     kv_cache_memory: str = ""        # KV pool: bytes ("8GiB"), a fraction ("0.5"); see pool_blocks
     kv_block_size: int = 16          # positions per KV block (a power of two, 8..256)

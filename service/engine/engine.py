@@ -9,14 +9,15 @@ Its parts, each owning its state:
 One iteration of the engine thread, under its lock until the plan is made:
 
     cancelled requests leave -> plan = scheduler.schedule() (admission, the decode rows and
-    their draft lengths, the prefill chunks riding with them and at most one chunk alone, KV
+    their draft lengths, the prefill chunks riding with them and the wide step's chunks, KV
     blocks and preemptions) -> the plan's slot changes reach the drafter -> [lock released] the
     changed block table goes to the target's and the draft model's runners -> the speculator
     drafts each decode row, ONE runner step verifies every decode row and computes the riding
     chunks (mixed.py), each sequence commits what it accepted (tree paths' KV rows compacted
     with one runner.move_kv) and each chunk what it computed (a prompt's last chunk emits the
-    first token) -> the chunk alone, as its own runner step -> finished sequences give their
-    slot back.
+    first token) -> the wide step: one chunk as its own runner step, or several prompts' chunks
+    as ONE segmented step (each computed as in a step of its own) -> finished sequences give
+    their slot back.
 
 When every row of the step is a plain decode row (nothing drafted, no chunk riding),
 OverlappedDecode (overlap.py) runs it and the steps after it, each submitted before the
@@ -158,7 +159,9 @@ class Engine:
                          exact_prefix=config.prefix_cache_exact)
         self.scheduler = Scheduler(KVManager(pool, config.n_slots), n_ctx=config.n_ctx,
                                    max_queue=config.max_queue, prefill_chunk=chunk,
-                                   step_rows=min(rows, model.max_tokens, model.max_logits))
+                                   step_rows=min(rows, model.max_tokens, model.max_logits),
+                                   wide_rows=min(chunk, model.max_tokens),
+                                   padded=self.runner.padded)
         self.stats = StepStats()
         # the overlap pays where steps run asynchronously (a GPU); "on" forces it (tests)
         self.overlap = config.overlap == "on" or (config.overlap == "auto"
@@ -436,8 +439,14 @@ class Engine:
             except Exception as exc:   # drafting or committing failed: fail the step's requests
                 for seq in [r.seq for r in plan.decode] + [c.seq for c in chunks]:
                     self._fail(seq, exc)
-        chunk = plan.alone
-        if chunk is not None and not chunk.seq.cancelled:
+        wide = [c for c in plan.wide if not c.seq.cancelled]
+        seqs = [c.seq for c in wide]
+        if len(wide) > 1 and not any(s.scoring_prompt for s in seqs) \
+                and not self.speculator.taps(seqs) and self._prefill_segmented(wide):
+            wide = []
+        # one chunk, chunks whose steps tap hidden states, or a segmented step that failed
+        # before anything was committed: each chunk as a step of its own
+        for chunk in wide:
             try:
                 self._prefill(chunk)
             except Exception as exc:   # one request's failure must not stop the engine
@@ -592,6 +601,47 @@ class Engine:
         self._prefilled(chunk, out if chunk.choose else None)
         self._extend([seq])
         self._lap(EMIT)
+
+    def _prefill_segmented(self, chunks: list[PrefillChunk]) -> bool:
+        """Several prompts' chunks as ONE segmented step (runner/step.py StepInput.segments):
+        each chunk's rows, KV rows and first token as in a step of its own (_prefill), each
+        weight tile dequantized once for all of them. False when the step failed (nothing
+        committed: the caller runs the chunks one at a time, so a fault fails only its
+        request)."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        for c in chunks:
+            ids += c.tokens
+            pos += range(c.start, c.start + len(c.tokens))
+            slots += [c.seq.slot] * len(c.tokens)
+            if c.choose:
+                rows.append(len(ids) - 1)
+        self._tapped = None
+        try:
+            out = self.runner.step(StepInput(ids, pos, slots, rows,
+                                             [choice(c.seq) for c in chunks if c.choose],
+                                             segments=[len(c.tokens) for c in chunks]))
+        except Exception as exc:
+            log.warning("segmented_step_failed", chunks=len(chunks), error=str(exc))
+            return False
+        for c in chunks:
+            c.seq.computed(c.start, len(c.tokens), self.scheduler.chunks.wide_rows)
+        self.stats.count_step(0, 0, len(chunks), len(ids))
+        self.stats.segmented_steps += 1
+        self._lap(STEP)
+        k = 0
+        for c in chunks:
+            part = None
+            if c.choose:
+                part, k = StepOutput(out.token_ids[k:k + 1], out.logprobs[k:k + 1]), k + 1
+            try:
+                self._prefilled(c, part)
+            except Exception as exc:   # one request's failure must not stop the engine
+                self._fail(c.seq, exc)
+        self._lap(EMIT)
+        return True
 
     def _prefilled(self, chunk: PrefillChunk, out: StepOutput | None) -> None:
         """Commit a computed chunk; the prompt's last chunk emits its first token (`out`)."""

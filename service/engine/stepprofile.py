@@ -38,6 +38,7 @@ class StepStats:
         self.prefill_steps = 0          # steps holding prefill chunks only
         self.mixed_steps = 0            # steps holding decode rows and prefill chunks
         self.prefill_chunks = 0         # chunks computed, in either kind of step
+        self.segmented_steps = 0        # steps of several wide chunks (each as its own step)
         self.decode_rows = 0
         self.max_sequences = 0          # most sequences one decode step held
         self.kv_moves = 0               # KV rows moved by tree compaction

@@ -25,10 +25,11 @@ into the output and down projections (post-norm + add as one op where there are 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
-from service.backends.base import Backend
+from service.backends.base import Backend, segment_rows
 from service.gguf.reader import GGUFFile
 from service.model.hidden import HiddenOut
 from service.model.spec import ModelSpec, RopeMode
@@ -98,13 +99,13 @@ class Transformer:
         the steps after this call."""
         self.backend.set_block_table(self.cache, host)
 
-    def _matmuls(self, x, parts, out) -> None:
+    def _matmuls(self, x, parts, out, segments=None) -> None:
         for w, c0, c1 in parts:
-            self.backend.matmul(x, w, out[:, c0:c1])
+            self.backend.matmul(x, w, out[:, c0:c1], segments)
 
     def forward(self, ids, positions, slots, kv_len: int, n_logits: int = 1, epilogue=None,
                 kv_positions=None, attn_lo=None, attn_mask=None,
-                hidden: HiddenOut | None = None):
+                hidden: HiddenOut | None = None, segments: Segmented | None = None):
         """Run one step; return logits (n_logits, V) for the last n_logits tokens.
 
         ids, positions, slots: (T,) int32 backend arrays; padding rows have slot -1.
@@ -118,6 +119,9 @@ class Transformer:
         from ids, positions, slots and the cache.
         `hidden`: also copy the residual rows at the tap's points into hidden.buf (hidden.py);
         such a step is keyed apart, so steps without a tap run exactly the ops they did.
+        `segments`: the step is several runs of rows (prompts' chunks, each padded alone),
+        each computed as a step of its own rows would compute it (Segmented); the logits are
+        then those of the rows segments.logit_rows names, in that order.
         """
         T = len(ids)
         if not 1 <= T <= self.max_tokens or not 0 <= n_logits <= min(T, self.max_logits):
@@ -129,14 +133,21 @@ class Transformer:
             raise ValueError("kv_positions, attn_lo and attn_mask come together")
 
         taps = self._taps(hidden, T, n_logits)
+        if segments is not None:
+            segments.check(T, n_logits)
+            if hidden is not None:
+                raise ValueError("a segmented step copies no hidden states")
 
         def step():
-            logits = self._forward(ids, positions, slots, kv_len, n_logits, *tree, taps=taps)
+            logits = self._forward(ids, positions, slots, kv_len, n_logits, *tree, taps=taps,
+                                   segments=segments)
             if epilogue is not None:
                 epilogue(logits)
             return logits
 
         inputs = (ids, positions, slots, *(a for a in tree if a is not None))
+        if segments is not None:
+            return self.backend.run_step((T, n_logits, "segments", segments), inputs, step)
         if hidden is None:
             return self.backend.run_step((T, n_logits), inputs, step)
         return self.backend.run_step((T, n_logits, "hidden", hidden.tap),
@@ -183,9 +194,11 @@ class Transformer:
         self.backend.run_step((1, 1, "chain", n), (ids, positions, slots), chain)
 
     def _forward(self, ids, positions, slots, kv_len: int, n_logits: int, kv_positions=None,
-                 attn_lo=None, attn_mask=None, taps=None):
+                 attn_lo=None, attn_mask=None, taps=None, segments: Segmented | None = None):
         s, be, W = self.spec, self.backend, self.weights
         T = len(ids)
+        mm = None if segments is None else segments.ranges     # the matmuls' runs
+        runs = () if segments is None else segments.runs
         eps, neox = s.rms_eps, s.traits.rope_mode is RopeMode.NEOX
         x, h, o = self.ws_x[:T], self.ws_h[:T], self.ws_o[:T]
         K, V, hd, hv = self.k_dim, self.v_dim, s.head_dim, s.head_dim_v
@@ -202,7 +215,7 @@ class Transformer:
             attn = self._rows(self.ws_attn, T, H * hv)                  # (T, H*Dv)
             if not normed:
                 be.rms_norm_for_matmul(x, L.attn_norm, eps, h)          # (T, E)
-            self._matmuls(h, L.qkv, qkv)                                # (T, Q+K+V+G)
+            self._matmuls(h, L.qkv, qkv, mm)                            # (T, Q+K+V+G)
             if L.qkv_bias is not None:
                 be.add(qkv, L.qkv_bias, qkv)
             q = qkv[:, :Q].reshape(T, H, hd)                            # (T, H, hd)
@@ -211,61 +224,73 @@ class Transformer:
             be.rope_kv(q, k, v, L.q_norm, L.k_norm, eps, positions, slots, self.rope_tables[i],
                        neox, self.cache, i, kv_positions)
             a = attn.reshape(T, H, hv)                                  # (T, H, hv)
+            attend = be.attention if G else be.attention_for_matmul
+            if segments is None:
+                attend(q, self.cache, i, slots, positions, kv_len, lay.window, s.attn_scale,
+                       a, attn_lo, attn_mask)
+            for r0, r1, kv in runs:
+                cut = slice(r0, r1)       # a segmented step: each run's rows as a step's
+                attend(q[cut], self.cache, i, slots[cut], positions[cut], kv, lay.window,
+                       s.attn_scale, a[cut], *(t if t is None else t[cut]
+                                               for t in (attn_lo, attn_mask)))
             if G:
-                be.attention(q, self.cache, i, slots, positions, kv_len, lay.window,
-                             s.attn_scale, a, attn_lo, attn_mask)
                 g = qkv[:, Q + K + V:].reshape(T, H, lay.attn_gate)     # (T, H, 1 | hv)
                 be.softplus_gate(a, g)
-            else:
-                be.attention_for_matmul(q, self.cache, i, slots, positions, kv_len, lay.window,
-                                        s.attn_scale, a, attn_lo, attn_mask)
-            if not self._residual(attn, L.wo, L.post_attn_norm, o, x, L.ffn_norm, h):
+            if not self._residual(attn, L.wo, L.post_attn_norm, o, x, L.ffn_norm, h, mm):
                 be.rms_norm_for_matmul(x, L.ffn_norm, eps, h)           # (T, E)
             if lay.moe:
                 m = s.moe
-                be.moe(h, L.router, L.gate_exps, L.up_exps, L.down_exps, m.n_expert_used,
-                       m.normalize_top_k, s.traits.activation.value, o, gating=m.router.value,
-                       bias=L.router_bias, scale=m.weights_scale)
+                # a segmented step: each run's rows as a step's
+                for hr, orow in ([(h, o)] if segments is None
+                                 else [(h[a:b], o[a:b]) for a, b, _ in runs]):
+                    be.moe(hr, L.router, L.gate_exps, L.up_exps, L.down_exps,
+                           m.n_expert_used, m.normalize_top_k, s.traits.activation.value,
+                           orow, gating=m.router.value, bias=L.router_bias,
+                           scale=m.weights_scale)
                 if L.shared_gate_up is not None:    # o += the shared expert's output
                     ff = m.n_ff_shared
                     gu, act = self._rows(self.ws_gu, T, 2 * ff), self._rows(self.ws_act, T, ff)
-                    self._matmuls(h, L.shared_gate_up, gu)              # (T, 2Fs)
+                    self._matmuls(h, L.shared_gate_up, gu, mm)          # (T, 2Fs)
                     be.glu_for_matmul(gu[:, :ff], gu[:, ff:], s.traits.activation.value, act)
-                    be.matmul_add(act, L.shared_down, o, self.ws_o2[:T])
+                    be.matmul_add(act, L.shared_down, o, self.ws_o2[:T], mm)
                 self._post(o, L.post_ffw_norm, x)
                 normed = False
             else:
                 ff = s.n_ff
                 gu, act = self._rows(self.ws_gu, T, 2 * ff), self._rows(self.ws_act, T, ff)
-                self._matmuls(h, L.gate_up, gu)                         # (T, 2F)
+                self._matmuls(h, L.gate_up, gu, mm)                     # (T, 2F)
                 be.glu_for_matmul(gu[:, :ff], gu[:, ff:], s.traits.activation.value, act)
                 # the next layer's input norm, or the output norm when every row has logits
                 nxt = (W.layers[i + 1].attn_norm if i + 1 < n
-                       else W.output_norm if n_logits == T else None)
-                normed = self._residual(act, L.down, L.post_ffw_norm, o, x, nxt, h)
+                       else W.output_norm if n_logits == T and mm is None else None)
+                normed = self._residual(act, L.down, L.post_ffw_norm, o, x, nxt, h, mm)
         if n in taps:                     # the final residual, before the output norm
             be.copy_rows(*taps[n])
         if n_logits == 0:
             return self.ws_logits[:0]
         xs, hs = x[T - n_logits:], h[:n_logits]
+        if segments is not None:          # the named rows, gathered: o is free by now
+            for j, r in enumerate(segments.logit_rows):
+                be.copy_rows(x[r:r + 1], o[j:j + 1])
+            xs = o[:n_logits]
         if not normed:                    # (normed here: the output norm, every row has logits)
             be.rms_norm_for_matmul(xs, W.output_norm, eps, hs)
         logits = self.ws_logits[:n_logits]
         be.matmul(hs, W.output, logits)                                 # (n, V)
         return logits
 
-    def _residual(self, a, w, post_norm, o, x, norm=None, h=None) -> bool:
+    def _residual(self, a, w, post_norm, o, x, norm=None, h=None, mm=None) -> bool:
         """x += post_norm(a @ W^T) (Gemma-3's post-norms) or x += a @ W^T; o (T, E) scratch.
         With `norm` (and no post-norm) also h = rms_norm(x) * norm, prepared for a matmul, in
-        the same backend op; returns whether h was written."""
+        the same backend op; returns whether h was written. mm: the matmuls' runs."""
         eps = self.spec.rms_eps
         if post_norm is None and norm is not None:
-            self.backend.matmul_add_norm(a, w, x, o, norm, eps, h)     # (T, E), (T, E)
+            self.backend.matmul_add_norm(a, w, x, o, norm, eps, h, mm)  # (T, E), (T, E)
             return True
         if post_norm is None:
-            self.backend.matmul_add(a, w, x, o)                         # (T, E)
+            self.backend.matmul_add(a, w, x, o, mm)                     # (T, E)
         else:
-            self.backend.matmul(a, w, o)                                # (T, E)
+            self.backend.matmul(a, w, o, mm)                            # (T, E)
             self.backend.rms_norm_add(o, post_norm, eps, x)
         return False
 
@@ -275,6 +300,34 @@ class Transformer:
             self.backend.add(x, o, x)
         else:
             self.backend.rms_norm_add(o, post_norm, self.spec.rms_eps, x)
+
+
+@dataclass(frozen=True)
+class Segmented:
+    """A step of several runs of rows (the runner's segmented steps: prompts' chunks, each
+    padded alone, its padding rows first): runs[j] = (first row, end row, kv_len of the run)
+    over the padded step, consecutive and covering it; logit_rows, the rows whose logits the
+    step returns, in order (each run's last row at most). Every op of the step either treats
+    rows alone (norms, RoPE, the KV write, GLU, adds) or runs per run: attention per run with
+    the run's kv_len, the matmuls with the runs as segments (base.py) and the mixture of
+    experts per run, so a run's rows, its KV rows and its logits row get the bits of a step of
+    that run alone; the logits rows are gathered and go through the output norm and matmul as
+    a mixed step's last rows do (the step-size-invariant path)."""
+
+    runs: tuple[tuple[int, int, int], ...]
+    logit_rows: tuple[int, ...]
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        return tuple((a, b) for a, b, _ in self.runs)
+
+    def check(self, T: int, n_logits: int) -> None:
+        segment_rows(self.ranges, T)
+        ends = {b - 1 for _, b, _ in self.runs}
+        if len(self.logit_rows) != n_logits or not set(self.logit_rows) <= ends \
+                or list(self.logit_rows) != sorted(set(self.logit_rows)):
+            raise ValueError(f"logits rows {list(self.logit_rows)} of a segmented step: "
+                             f"{n_logits} runs' last rows, in order, wanted")
 
 
 def positions_for(start: int, n: int) -> np.ndarray:

@@ -77,7 +77,8 @@ def test_packed_records_equal_each_rows_record(kind):
     inp = StepInput(list(range(1, T + 1)), [10 + 2 * i for i in range(T)],
                     [i % N_SLOTS for i in range(T)], range(T - L, T), rows)
     h = runner._hosts[0]
-    runner._pack(inp, runner.padded(T), h, None)
+    T_pad, where, _ = runner._layout(inp)
+    runner._pack(inp, T_pad, where, h, None)
     got = h[runner._o_par:runner._o_par + L * N_PARAMS].reshape(L, N_PARAMS)
     want = expected_records(inp, kind.history)
     assert (got == want).all(), np.argwhere(got != want)

@@ -53,7 +53,7 @@ def test_joining_prompts_share_steps_fifo_within_the_row_limit():
         sch.add(s)
     plan = sch.schedule()
     took = [c.seq for c in plan.prefill]
-    assert took == seqs[:len(took)] and plan.alone is None and not plan.decode
+    assert took == seqs[:len(took)] and plan.wide == () and not plan.decode
     rows = sum(len(c.tokens) for c in plan.prefill)
     assert rows <= 64 < rows + len(seqs[len(took)].request.prompt_ids)
     assert all(c.choose and c.start == 0 and c.tokens == list(c.seq.request.prompt_ids)
@@ -72,10 +72,11 @@ def test_a_wide_chunk_runs_alone_and_short_ones_ride_past_it():
     for s in (long, *short):
         sch.add(s)
     plan = sch.schedule()
-    assert plan.alone.seq is long and len(plan.alone.tokens) == 100 and not plan.alone.choose
+    (own,) = plan.wide
+    assert own.seq is long and len(own.tokens) == 100 and not own.choose
     assert [c.seq for c in plan.prefill] == short
     long.n_past = 100                                       # the same chunk boundaries next
-    assert len(sch.schedule().alone.tokens) == 100
+    assert [len(c.tokens) for c in sch.schedule().wide] == [100]
 
 
 def test_chunks_keep_their_size_whatever_the_room():
@@ -94,7 +95,7 @@ def test_chunks_keep_their_size_whatever_the_room():
     sch.add(b)
     plan = sch.schedule()
     assert len(plan.decode) == 10                           # 6 rows of room
-    assert plan.alone.seq is a and len(plan.alone.tokens) == 12     # the oldest: alone
+    assert [(c.seq, len(c.tokens)) for c in plan.wide] == [(a, 12)]    # the oldest: alone
     assert [c.seq for c in plan.prefill] == [b] and len(plan.prefill[0].tokens) == 5
 
 
@@ -104,7 +105,7 @@ def test_a_chunk_that_does_not_fit_waits_unless_it_is_the_oldest():
     for s in (a, b, c):
         sch.add(s)
     plan = sch.schedule()
-    assert [x.seq for x in plan.prefill] == [a, c] and plan.alone is None     # b waits
+    assert [x.seq for x in plan.prefill] == [a, c] and plan.wide == ()     # b waits
     decoded(a)
     decoded(c)
     plan = sch.schedule()
@@ -131,7 +132,7 @@ def test_drafts_shrink_before_a_waiting_chunk_is_left_out():
     late = seq(5, 60)
     sch.add(late)
     plan = sch.schedule()
-    assert [c.seq for c in plan.prefill] == [late] and plan.alone is None
+    assert [c.seq for c in plan.prefill] == [late] and plan.wide == ()
     assert plan.mixed_rows == 64 and sum(r.n_draft for r in plan.decode) == 2
 
 

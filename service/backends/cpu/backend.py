@@ -100,8 +100,8 @@ class CpuBackend(Backend):
     def rms_norm(self, x, w, eps, out):
         ops.rms_norm(x, w, eps, out)
 
-    def matmul(self, x, w: CpuMatrix, out):
-        self.matmuls.matmul(x, w, out)
+    def matmul(self, x, w: CpuMatrix, out, segments=None):
+        self.matmuls.matmul(x, w, out, segments)
 
     def add(self, a, b, out):
         np.add(a, b, out=out)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from service.backends import act_quant
+from service.backends.base import Segments, segment_rows
 from service.backends.cpu import kernels as K
 from service.backends.cpu import ops
 from service.backends.cpu.threads import ThreadBudget
@@ -101,38 +102,53 @@ class CpuMatmul:
                 for e in range(n_expert)]
 
     # ---------------------------------------------------------------- products
-    def matmul(self, x, w: CpuMatrix, out) -> None:
-        invariant = x.shape[0] <= self.invariant_tokens
-        self.threads.enter(x.shape[0])
+    def matmul(self, x, w: CpuMatrix, out, segments: Segments = None) -> None:
+        """out = x @ W^T; each of `segments` (base.py) as a matmul of its own rows: its row
+        count alone picks the path (invariant or tiled) and the thread budget, and the tiled
+        runs share each dequantized tile."""
+        runs = segment_rows(segments, x.shape[0])
         if self.act_quant == "gpu":
             if w.fmt == "q8":
                 x = act_quant.gpu_round_trip(x)                          # (T, K) f32
         elif self.act_quant:
             x = act_quant.llamacpp_round_trip(x, w.src)                  # (T, K) f32
-        if w.fmt == "f32":
-            if invariant:
-                for t in range(x.shape[0]):   # one row at a time: the same BLAS call for any T
-                    np.matmul(x[t:t + 1], w.data, out=out[t:t + 1])
-            else:
-                np.matmul(x, w.data, out=out)
+        if w.fmt == "q8":
+            x = np.ascontiguousarray(x, dtype=np.float32)
+        wide = [(a, b) for a, b in runs if b - a > self.invariant_tokens]
+        for a, b in runs:
+            if b - a <= self.invariant_tokens:
+                self._matmul_rows(x[a:b], w, out[a:b])
+        if not wide:
             return
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if not invariant:
-            self._matmul_tiles(x, w, out)
+        self.threads.enter(max(b - a for a, b in wide))
+        if w.fmt == "f32":
+            for a, b in wide:
+                np.matmul(x[a:b], w.data, out=out[a:b])
+        else:
+            self._matmul_tiles(x, w, out, wide)
+
+    def _matmul_rows(self, x, w: CpuMatrix, out) -> None:
+        """out = x @ W^T, every row computed as a single-token step computes it."""
+        self.threads.enter(x.shape[0])
+        if w.fmt == "f32":
+            for t in range(x.shape[0]):   # one row at a time: the same BLAS call for any T
+                np.matmul(x[t:t + 1], w.data, out=out[t:t + 1])
             return
         xsum = np.empty((x.shape[0], w.k // w.group), np.float32)       # (T, K/group) f32
         K.group_sums(x, w.group, xsum)
         K.matmul_q8(x, xsum, w.data, w.scale, w.offset, w.group, out)
 
-    def _matmul_tiles(self, x, w: CpuMatrix, out) -> None:
-        """out = x @ W^T, W dequantized TILE_ROWS rows at a time into a reused scratch buffer."""
+    def _matmul_tiles(self, x, w: CpuMatrix, out, runs) -> None:
+        """out[a:b] = x[a:b] @ W^T for each run, W dequantized TILE_ROWS rows at a time into a
+        reused scratch buffer (each tile once for every run)."""
         if self._tile is None or self._tile.shape[1] < w.k:
             self._tile = np.empty((TILE_ROWS, w.k), np.float32)
         for r0 in range(0, w.n, TILE_ROWS):
             r1 = min(w.n, r0 + TILE_ROWS)
             tile = self._tile[: r1 - r0, : w.k]                             # (rows, K) f32
             K.dequantize_rows(w.data, w.scale, w.offset, w.group, r0, tile)
-            np.matmul(x, tile.T, out=out[:, r0:r1])
+            for a, b in runs:
+                np.matmul(x[a:b], tile.T, out=out[a:b, r0:r1])
 
     def moe(self, x, router: CpuMatrix, gate, up, down, n_used, normalize, activation,
             out, *, gating="softmax", bias=None, scale=1.0) -> None:

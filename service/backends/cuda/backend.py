@@ -18,7 +18,7 @@ from typing import Any
 
 import cupy as cp
 
-from service.backends.base import Backend
+from service.backends.base import Backend, segment_rows
 from service.backends.cuda.attention import PREFILL_ATTENTION_MIN_TOKENS, AttentionOps
 from service.backends.cuda.elementwise import ElementwiseOps
 from service.backends.cuda.gemm import PREFILL_GEMM_MIN_TOKENS, GemmOps
@@ -208,21 +208,29 @@ class CudaBackend(Backend):
         self._attn.attention(q, cache, layer, slots, positions, window, scale, out, True,
                              attn_lo, attn_mask)
 
-    def matmul(self, x, w: CudaMatrix, out): self._matmul(x, w, out, False)
+    def matmul(self, x, w: CudaMatrix, out, segments=None):
+        self._matmul(x, w, out, False, segments)
 
-    def matmul_add(self, x, w: CudaMatrix, out, tmp):
+    def matmul_add(self, x, w: CudaMatrix, out, tmp, segments=None):
         del tmp                               # the GEMV (or GEMM, beta = 1) adds into out
-        self._matmul(x, w, out, True)
+        self._matmul(x, w, out, True, segments)
 
-    def _matmul(self, x, w: CudaMatrix, out, accumulate: bool) -> None:
-        if self._gemm.wanted(x):
-            self._gemm.matmul(x, w, out, accumulate)
-        else:
-            self._gemv.matmul(x, w, out, accumulate=accumulate)
+    def _matmul(self, x, w: CudaMatrix, out, accumulate: bool, segments=None) -> None:
+        """Each run of `segments` (base.py) on the path its own row count picks: the runs wide
+        enough for the GEMM in one GemmOps.matmul (each dequantized tile once for all), the
+        others on the GEMV, one call per run."""
+        runs = segment_rows(segments, x.shape[0])
+        wide = tuple(r for r in runs if self._gemm.wanted(x[r[0]:r[1]]))
+        for a, b in runs:
+            if (a, b) not in wide:
+                self._gemv.matmul(x[a:b], w, out[a:b], accumulate=accumulate)
+        if wide:
+            self._gemm.matmul(x, w, out, accumulate, wide)
 
-    def matmul_add_norm(self, x, w: CudaMatrix, out, tmp, norm_w, eps, h):
-        if not self._gemv.matmul_add_norm(x, w, out, norm_w, eps, h, self._gemm.wanted(x)):
-            super().matmul_add_norm(x, w, out, tmp, norm_w, eps, h)
+    def matmul_add_norm(self, x, w: CudaMatrix, out, tmp, norm_w, eps, h, segments=None):
+        if segments is not None or not self._gemv.matmul_add_norm(
+                x, w, out, norm_w, eps, h, self._gemm.wanted(x)):
+            super().matmul_add_norm(x, w, out, tmp, norm_w, eps, h, segments)
 
     def moe(self, x, router, gate, up, down, n_used, normalize, activation, out, *,
             gating="softmax", bias=None, scale=1.0):

@@ -6,6 +6,8 @@ tile by tile into a scratch (cuda/dequant.cu), and out[:, tile rows] (+)= x W_ti
 with f16 inputs and f32 accumulation and output, written straight into out's columns (beta = 1
 adds into out: the residual add of matmul_add). F16 weights go to cuBLAS as they are. In
 cuBLAS's column-major terms: C (rows, T; ldc = ldo) = op_T(W tile stored (K, rows)) x (K, T).
+A segmented step (several prompts' chunks, base.py) dequantizes each tile once and runs one
+GEMM per chunk on it, each with the chunk's own T, as the chunk's step alone would.
 `GemmOps` owns the threshold (`CudaBackend.prefill_gemm_min_tokens`: None keeps every matmul on
 the GEMV; it becomes None when cuBLAS cannot be loaded), the cuBLAS handle and the scratch.
 """
@@ -107,7 +109,13 @@ class GemmOps:
         self._launcher.launch(f"dequant_{w.layout.kernel}", (ceil_div(ceil_div(n, 8), 256),),
                               (256,), [*w.args(), I32(w.k), np.int64(r0), np.int64(n), out])
 
-    def matmul(self, x, w: CudaMatrix, out, accumulate: bool = False) -> None:
+    def matmul(self, x, w: CudaMatrix, out, accumulate: bool = False,
+               runs: tuple[tuple[int, int], ...] | None = None) -> None:
+        """out = x W^T (+ out with `accumulate`) for the rows of each run [a, b) (None: all
+        rows as one run): x's rows rounded to f16 once, each tile of W dequantized once, then
+        one cuBLAS GEMM per run and tile with the run's own column count and the run's
+        columns' pointers, so a run's products are the calls, and the bits, of a matmul over
+        its rows alone (the same tiles: their size depends on N, K and the scratch only)."""
         T, _, _, _, K = view_rows(x)
         C, _, ldo, _, N = view_rows(out)
         g = self.scratch
@@ -117,6 +125,7 @@ class GemmOps:
         check_dtype(out, np.float32, "matmul out")
         if g.xh is None or T * K > g.xh.size:
             raise ValueError(f"GEMM of {T}x{K} exceeds the prepared buffers")
+        runs = ((0, T),) if runs is None else runs
         xh = g.xh[: T * K]
         self.round_f16(x, xh)
         direct = w.layout.kernel == "f16"
@@ -135,8 +144,10 @@ class GemmOps:
                     self.dequant_rows(w, r0, n, g.wh)
                     a = g.wh.data.ptr
                 g.lib.setStream(g.blas, self.stream.ptr)
-                g.lib.gemmEx(g.blas, _BLAS_OP_T, _BLAS_OP_N, n, T, K, g.one.ctypes.data,
-                             a, _R_16F, K, xh.data.ptr, _R_16F, K, beta.ctypes.data,
-                             out.data.ptr + r0 * 4, _R_32F, ldo, _BLAS_COMPUTE_32F,
-                             _BLAS_GEMM_DEFAULT)
+                for t0, t1 in runs:       # run rows t0..t1: columns of x^T and of out^T
+                    g.lib.gemmEx(g.blas, _BLAS_OP_T, _BLAS_OP_N, n, t1 - t0, K,
+                                 g.one.ctypes.data, a, _R_16F, K, xh.data.ptr + t0 * K * 2,
+                                 _R_16F, K, beta.ctypes.data,
+                                 out.data.ptr + (t0 * ldo + r0) * 4, _R_32F, ldo,
+                                 _BLAS_COMPUTE_32F, _BLAS_GEMM_DEFAULT)
         self._blocks.forget()             # cuBLAS wrote out behind the launcher's bookkeeping

@@ -70,7 +70,7 @@ import numpy as np
 from service.backends.step_format import ADJ_ROW_MAX, N_PARAMS, OUT_WORDS, Param, mask_words
 from service.engine.runner.step import GREEDY, RowSampling, StepInput, StepOutput
 from service.model.hidden import HiddenOut, HiddenRows, HiddenTap
-from service.model.transformer import Transformer
+from service.model.transformer import Segmented, Transformer
 
 
 @dataclass(frozen=True)
@@ -155,33 +155,54 @@ class ModelRunner:
     def _explicit(self, inp: StepInput) -> bool:
         return self.kind.explicit_rows or inp.kv_positions is not None
 
-    def _pack(self, inp: StepInput, T: int, h, feed: Sequence[int] | None) -> None:
-        n, M = len(inp.token_ids), self.model.max_tokens
-        pad = T - n
+    def _layout(self, inp: StepInput) -> tuple[int, Any, Segmented | None]:
+        """The padded step's size T, where its rows go (a slice of the padded rows, or their
+        indices in a segmented step) and, for a segmented step, its runs: each run padded to
+        its own step size with its padding rows first, as a step of that run alone is."""
+        n = len(inp.token_ids)
+        if inp.segments is None:
+            T = self.padded(n)
+            return T, slice(T - n, T), None
+        where, runs, T, r = [], [], 0, 0
+        kv = np.asarray(inp.positions)
+        for k in inp.segments:
+            size = self.padded(k)
+            where.extend(range(T + size - k, T + size))
+            runs.append((T, T + size, int(kv[r:r + k].max()) + 1))
+            T, r = T + size, r + k
+        where = np.asarray(where, np.int64)                               # (n,) padded rows
+        return T, where, Segmented(tuple(runs), tuple(int(where[i]) for i in inp.logit_rows))
+
+    def _pack(self, inp: StepInput, T: int, rows, h, feed: Sequence[int] | None) -> None:
+        """The step into host buffer h: its rows at `rows` of the padded T (_layout), the
+        padding rows' words around them."""
+        M = self.model.max_tokens
         h[:T] = 0
-        h[pad:T] = inp.token_ids
+        h[:T][rows] = inp.token_ids
         h[M:M + T] = 0
-        h[M + pad:M + T] = inp.positions
+        h[M:M + T][rows] = inp.positions
         h[2 * M:2 * M + T] = -1
-        h[2 * M + pad:2 * M + T] = inp.slots
+        h[2 * M:2 * M + T][rows] = inp.slots
         if self._explicit(inp):
             h[3 * M:3 * M + T] = 0                                # padding: position 0 rows
             h[4 * M:4 * M + T] = 1
             h[5 * M:5 * M + T] = 0
         if inp.kv_positions is None and self.kind.explicit_rows:
-            h[3 * M + pad:3 * M + T] = inp.positions
-            h[4 * M + pad:4 * M + T] = h[M + pad:M + T] + 1
+            h[3 * M:3 * M + T][rows] = inp.positions
+            h[4 * M:4 * M + T][rows] = h[M:M + T][rows] + 1
         elif inp.kv_positions is not None:
-            h[3 * M + pad:3 * M + T] = inp.kv_positions
-            h[4 * M + pad:4 * M + T] = inp.attn_lo
-            h[5 * M + pad:5 * M + T] = np.asarray(inp.attn_mask, np.int64).astype(np.int32)
+            h[3 * M:3 * M + T][rows] = inp.kv_positions
+            h[4 * M:4 * M + T][rows] = inp.attn_lo
+            h[5 * M:5 * M + T][rows] = np.asarray(inp.attn_mask, np.int64).astype(np.int32)
         L = len(inp.logit_rows)
-        h[self._o_rows:self._o_rows + L] = np.asarray(inp.logit_rows, np.int32) + pad
+        at = np.asarray(inp.logit_rows, np.int64)
+        h[self._o_rows:self._o_rows + L] = at + rows.start if isinstance(rows, slice) \
+            else rows[at]
         self._pack_records(inp, h[self._o_par:self._o_par + L * N_PARAMS].reshape(L, N_PARAMS))
         if feed is not None:
             f = self._o_feed
             h[f:f + T] = -1
-            h[f + pad:f + T] = feed
+            h[f:f + T][rows] = feed
 
     def _pack_records(self, inp: StepInput, rec: np.ndarray) -> None:
         """The logits rows' parameter records into `rec` (L, N_PARAMS) int32, as arrays over the
@@ -310,8 +331,11 @@ class ModelRunner:
         model, be = self.model, self.model.backend
         M = model.max_tokens
         inp.check(M, model.max_logits)
-        T, L = self.padded(len(inp.token_ids)), len(inp.logit_rows)
-        self._pack(inp, T, h, feed)
+        T, rows, segments = self._layout(inp)
+        L = len(inp.logit_rows)
+        if T > M:
+            raise ValueError(f"a segmented step of {T} padded rows exceeds the model's {M}")
+        self._pack(inp, T, rows, h, feed)
         be.upload_step(h, self._dev)
         if self.on_packed is not None:
             self.on_packed()
@@ -336,7 +360,7 @@ class ModelRunner:
         kv_rows = inp.kv_positions if inp.kv_positions is not None else inp.positions
         kv_len = max(max(inp.positions), max(kv_rows)) + 1
         model.forward(ids, pos, slots, kv_len, L, choose if history or L else None, *tree,
-                      hidden=self._tap(inp))
+                      hidden=self._tap(inp), segments=segments)
 
     def _tap(self, inp: StepInput) -> HiddenOut | None:
         if not inp.hidden:

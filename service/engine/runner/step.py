@@ -135,7 +135,12 @@ class StepInput:
     logit_rows must be the last rows, in order (the transformer computes logits for the last
     rows of a step); sampling holds one RowSampling per logits row. kv_positions, attn_lo and
     attn_mask (all three or none) describe tree verify rows (service/engine/spec/
-    tree_verify.py); None: ordinary causal rows."""
+    tree_verify.py); None: ordinary causal rows.
+
+    segments: the step is several runs of consecutive rows (segments[j] rows each, in order:
+    prompts' chunks) that the runner pads and the model computes each as a step of its own
+    (model/transformer.Segmented); logit_rows are then runs' last rows, in order, at most one
+    per run. Ordinary rows only; None: one run."""
 
     token_ids: Sequence[int]
     positions: Sequence[int]
@@ -146,6 +151,7 @@ class StepInput:
     attn_lo: Sequence[int] | None = None          # sees rows [0, attn_lo) (default: position+1)
     attn_mask: Sequence[int] | None = None        # ... and attn_lo + bit for each set bit
     hidden: bool = False          # copy the runner's hidden-state tap rows (model/hidden.py)
+    segments: Sequence[int] | None = None         # rows of each run of a segmented step
 
     def check(self, max_tokens: int, max_logits: int) -> None:
         n = len(self.token_ids)
@@ -153,7 +159,9 @@ class StepInput:
             raise ValueError(f"step of {n} ids / {len(self.positions)} positions / "
                              f"{len(self.slots)} slots (max {max_tokens})")
         L = len(self.logit_rows)
-        if L > max_logits or list(self.logit_rows) != list(range(n - L, n)):
+        if self.segments is not None:
+            self._check_segments(n, L, max_logits)
+        elif L > max_logits or list(self.logit_rows) != list(range(n - L, n)):
             raise ValueError(f"logits rows {list(self.logit_rows)} must be the last rows of "
                              f"the step (at most {max_logits})")
         if len(self.sampling) != L:
@@ -161,6 +169,18 @@ class StepInput:
         tree = (self.kv_positions, self.attn_lo, self.attn_mask)
         if any(a is not None for a in tree) and any(a is None or len(a) != n for a in tree):
             raise ValueError("kv_positions, attn_lo and attn_mask: all three, one per row")
+
+    def _check_segments(self, n: int, L: int, max_logits: int) -> None:
+        runs = list(self.segments)
+        if not runs or min(runs) < 1 or sum(runs) != n:
+            raise ValueError(f"segments {runs} must be positive row counts adding up to {n}")
+        ends = set(np.cumsum(runs) - 1)
+        rows = list(self.logit_rows)
+        if L > max_logits or not set(rows) <= ends or rows != sorted(set(rows)):
+            raise ValueError(f"logits rows {rows} of a segmented step must be runs' last rows, "
+                             f"in order (at most {max_logits})")
+        if self.kv_positions is not None or self.hidden:
+            raise ValueError("a segmented step holds ordinary rows and copies no hidden states")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ The scheduler (policy.py) decides it; the engine executes it in order: it upload
 block table, tells the drafter about slots taken and given back (and writes the token history
 of cached prefixes), runs ONE step holding the decode rows (each row's drafts, then their
 verify rows) and the prefill chunks that ride along (service/engine/mixed.py packs them), then
-a wider prefill chunk as a step of its own, and commits what came back.
+the wide step: chunks too wide to ride (one, or several prompts' chunks as one segmented step,
+each computed as in a step of its own), and commits what came back.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class SlotChange:
 class StepPlan:
     decode: tuple[DecodeRow, ...]         # ONE step: these decode rows, in this order ...
     prefill: tuple[PrefillChunk, ...]     # ... and these chunks (<= 64 rows each), FIFO
-    alone: PrefillChunk | None            # then at most one chunk as its own step
+    wide: tuple[PrefillChunk, ...]        # then these chunks in one (segmented) step
     block_table: np.ndarray | None        # (n_slots, max_blocks) i32 to upload; None: unchanged
     slot_changes: tuple[SlotChange, ...]  # in the order they happened
     preempted: int = 0                    # sequences preempted for this plan's blocks
@@ -60,7 +61,7 @@ class StepPlan:
     def sequences(self) -> list[Sequence]:
         """The sequences this plan steps (decode rows, then the prefill chunks')."""
         return ([r.seq for r in self.decode] + [c.seq for c in self.prefill]
-                + ([self.alone.seq] if self.alone else []))
+                + [c.seq for c in self.wide])
 
     @property
     def mixed_rows(self) -> int:

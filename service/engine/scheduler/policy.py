@@ -45,12 +45,17 @@ prefill_chunk):
      prompt's chunk boundaries are the same alone, among many and with a cached prefix.
      A chunk is a run of one sequence's consecutive positions; only a prompt's final chunk
      chooses a token (its last row: the first token).
-2. then at most ONE chunk as its own step: the oldest prefilling sequence's, when it did not
-   ride in the step (wider than 64 rows, MIX_ROWS: such a step takes another numeric path, or
-   wider than the rows left). A long prompt therefore delays running streams by at most one
-   chunk per token they receive, and running streams never starve a waiting prompt. Chunks
-   take their blocks after the decode rows' (one may preempt a decode row's sequence, which
-   then sits this step out).
+2. then at most ONE wide step: the oldest prefilling sequence's chunk, when it did not ride
+   in the step (wider than 64 rows, MIX_ROWS: such a step takes another numeric path, or
+   wider than the rows left), and after it the chunks wider than MIX_ROWS of later
+   prefilling sequences, FIFO, while the wide step's rows, each chunk padded as a step of its
+   own, stay within `wide_rows` (the engine's prefill chunk). The runner computes such a step
+   as segments (runner/step.py StepInput.segments), each chunk exactly as in a step of its
+   own, sharing each weight tile's dequantization, so joining prompts are prefilled several
+   at a time without changing any chunk's bits. A long prompt therefore delays running
+   streams by at most one wide step per token they receive, and running streams never
+   starve a waiting prompt. Chunks take their blocks after the decode rows' (one may preempt
+   a decode row's sequence, which then sits this step out).
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from __future__ import annotations
 import bisect
 import collections
 import math
+from collections.abc import Callable
 
 import structlog
 
@@ -81,10 +87,14 @@ MIX_ROWS = MAX_STEP_ROWS   # chunks up to this wide ride in the decode step (the
 
 class Scheduler:
     def __init__(self, kv: KVManager, *, n_ctx: int, max_queue: int, step_rows: int,
-                 prefill_chunk: int):
+                 prefill_chunk: int, wide_rows: int = 0,
+                 padded: Callable[[int], int] = lambda n: n):
         self.kv = kv
         self.n_ctx, self.max_queue = n_ctx, max_queue
         self.step_rows, self.prefill_chunk = step_rows, prefill_chunk
+        # the wide step: its chunks' rows, each padded as the runner pads a step (`padded`),
+        # add up to at most wide_rows (0: one chunk a step)
+        self.wide_rows, self._padded = wide_rows, padded
         self.chunks = PromptChunks(prefill_chunk, MIX_ROWS)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []       # in start order (FIFO admission)
@@ -167,16 +177,17 @@ class Scheduler:
         wanted = [n for n in map(self._chunk_rows, prefilling) if n <= MIX_ROWS]
         rows = self._decode_rows(decoding, sum(wanted)) if decoding else []
         room = self.step_rows - sum(r.n_draft + 1 for r in rows)
-        chunks, alone = self._prefill_chunks(prefilling, room) if prefilling else ([], None)
+        chunks, wide = self._prefill_chunks(prefilling, room) if prefilling else ([], [])
         # none preempted for a later chunk's blocks
         rows = [r for r in rows if r.seq.slot >= 0]
         chunks = [c for c in chunks if c.seq.slot >= 0]
+        wide = [c for c in wide if c.seq.slot >= 0]
         for r in rows:
             if r.seq.speculative:
                 r.seq.steps_without_draft = 0 if r.n_draft else r.seq.steps_without_draft + 1
         if rows:
             self._turn += 1
-        plan = StepPlan(tuple(rows), tuple(chunks), alone, self.kv.take_table(),
+        plan = StepPlan(tuple(rows), tuple(chunks), tuple(wide), self.kv.take_table(),
                         tuple(self._changes), self._preempted, cached)
         self._changes, self._preempted = [], 0
         return plan
@@ -334,14 +345,16 @@ class Scheduler:
         return cost
 
     def _prefill_chunks(self, prefilling: list[Sequence], room: int
-                        ) -> tuple[list[PrefillChunk], PrefillChunk | None]:
+                        ) -> tuple[list[PrefillChunk], list[PrefillChunk]]:
         """The next chunk of each prefilling sequence, in start order, that fits the `room`
         the decode rows left in the step (FIFO; a later, smaller chunk may still fit), and the
-        oldest sequence's chunk as a step of its own when it does not fit (wider than the
-        room, or than MIX_ROWS, or scoring its prompt), so running streams never starve a
-        waiting prompt."""
+        wide step: the oldest sequence's chunk when it does not ride (wider than the room, or
+        than MIX_ROWS, or scoring its prompt), so running streams never starve a waiting
+        prompt, then later sequences' chunks wider than MIX_ROWS while the wide step's padded
+        rows stay within wide_rows (a scoring chunk runs alone)."""
         mixed: list[PrefillChunk] = []
-        alone: PrefillChunk | None = None
+        wide: list[PrefillChunk] = []
+        left = self.wide_rows
         oldest = True
         for seq in prefilling:
             if seq.slot < 0:            # preempted for an earlier chunk's blocks
@@ -349,7 +362,9 @@ class Scheduler:
             n = self._chunk_rows(seq)
             # a prompt whose rows all report log-probabilities (prompt_logprobs) runs alone
             fits = n <= min(room, MIX_ROWS) and not seq.scoring_prompt
-            if not fits and not oldest:
+            if not fits and not oldest and not (
+                    wide and n > MIX_ROWS and not seq.scoring_prompt
+                    and not wide[0].seq.scoring_prompt and self._padded(n) <= left):
                 continue
             oldest = False
             chunk = self._prefill_chunk(seq, n)
@@ -359,8 +374,9 @@ class Scheduler:
                 mixed.append(chunk)
                 room -= n
             else:
-                alone = chunk
-        return mixed, alone if alone is not None and alone.seq.slot >= 0 else None
+                wide.append(chunk)
+                left -= self._padded(n)
+        return mixed, [c for c in wide if c.seq.slot >= 0]
 
     def _chunk_rows(self, seq: Sequence) -> int:
         """The size of `seq`'s next chunk, whatever the load: the prompt in chunks of
