@@ -11,7 +11,10 @@ mask and the host checks it against the mask, filled meanwhile: docs/structured-
 table also gives how many overlapped choices the masks refused.
 
     python bench/structured.py [--backend cpu|cuda] [--model smollm2-135m|synth-8b|PATH]
-        [--tokens 64] [--rounds 2] [--regex R] [--constraints regex,json]
+        [--tokens 64] [--rounds 2] [--regex R] [--constraints regex,json] [--sampled]
+
+--sampled: seeded sampling; constrained rows then run overlapped with their masks filled while
+the model runs, sampled after it (masks_later).
 
 The synthetic 8B (llama3-8b shapes, Q4_K_M, seeded, generated into --synth-dir and reused)
 carries a real tokenizer, so its masks are as large as a real model's; its text is noise, so
@@ -54,13 +57,14 @@ NOTE = Constraint("json_schema", json.dumps({
     "additionalProperties": False}))
 
 
-def per_token_ms(eng: Engine, streams: int, tokens: int, constraint: Constraint | None
-                 ) -> tuple[float, int]:
+def per_token_ms(eng: Engine, streams: int, tokens: int, constraint: Constraint | None,
+                 sampled: bool = False) -> tuple[float, int]:
     """ms per token of one stream after its first (the decode steps' cost, whatever the
     prompt's and however many tokens a constraint lets through before it ends), the mean over
     the streams, and the overlapped choices the masks refused."""
     ids = tuple(eng.text_prompt_ids(PROMPT))
-    reqs = [GenerationRequest(f"r{i}", ids, SamplingParams(temperature=0.0),
+    reqs = [GenerationRequest(f"r{i}", ids, SamplingParams(temperature=0.8, seed=i)
+                              if sampled else SamplingParams(temperature=0.0),
                               StoppingCriteria(max_new_tokens=tokens, ignore_eos=True),
                               speculative=False, constraint=constraint)
             for i in range(streams)]
@@ -112,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                          "far more per mask than + : bench/maskfill.py)")
     ap.add_argument("--constraints", default="regex,json",
                     help="which constraints to time: regex (--regex), json (a one-field schema)")
+    ap.add_argument("--sampled", action="store_true",
+                    help="seeded sampling (temperature 0.8) instead of greedy: constrained rows "
+                         "then sample once their masks are filled, overlapped")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     configure_logging("warning")
@@ -131,12 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         kinds = {"regex": Constraint("regex", args.regex), "json": NOTE}
         cases = [(k, kinds[k]) for k in args.constraints.split(",")]
         for _, c in cases:
-            per_token_ms(eng, 1, 4, c)                 # xgrammar's import and compile
+            per_token_ms(eng, 1, 4, c, args.sampled)   # xgrammar's import and compile
         for n in counts:
             per_token_ms(eng, n, 4, None)              # this batch size's first steps
             for kind, c in cases:
-                runs = [(per_token_ms(eng, n, args.tokens, None),
-                         per_token_ms(eng, n, args.tokens, c)) for _ in range(args.rounds)]
+                runs = [(per_token_ms(eng, n, args.tokens, None, args.sampled),
+                         per_token_ms(eng, n, args.tokens, c, args.sampled))
+                        for _ in range(args.rounds)]
                 plain = min(p for (p, _), _ in runs)                    # interleaved
                 cons, refused = min(c for _, c in runs)
                 rows.append({"constraint": kind, "streams": n, "plain_ms": plain,
@@ -144,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                              "refused": refused})
     finally:
         eng.stop()
-    print(f"structured output, {args.backend}, overlap {args.overlap}, {args.model}, {args.tokens} "
+    print(f"structured output, {args.backend}, overlap {args.overlap}, {args.model}, "
+          f"{'sampled' if args.sampled else 'greedy'}, {args.tokens} "
           f"tokens, best of {args.rounds} (ms per token per stream after its first; goal ratio "
           f"<= 1.05); regex {args.regex!r}, json {NOTE.text}")
     print(f"{'constraint':>10} {'streams':>8} {'plain':>9} {'constrained':>12} {'ratio':>7} "

@@ -37,6 +37,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
+from service.backends.step_format import mask_words
 from service.engine.constraint import allowed
 from service.engine.runner.model_runner import ModelRunner
 from service.engine.runner.step import StepInput, StepOutput
@@ -62,6 +65,7 @@ class OverlappedDecode:
         lap(STEP)
         drafting = False
         self._void: set[int] = set()        # sequences whose row in flight was fed a refusal
+        masked: set[int] = set()            # sequences whose row being read chose masked later
         try:
             for seq in seqs:
                 seq.n_past += 1
@@ -70,24 +74,29 @@ class OverlappedDecode:
                     nxt = None if drafting else self.scheduler.continuing(seqs)
                     table = self.scheduler.kv.take_table() if nxt else None
                 lap(SCHEDULE, iteration=bool(nxt))   # a step planned here
+                later: list[int] = []           # rows of nxt sampled once their masks come
                 if nxt:
                     if table is not None:
                         runner.set_block_table(table)
                         self.speculator.set_block_table(table)   # a draft model's KV too
                     at = {id(s): r for r, s in enumerate(seqs)}
-                    ahead = runner.submit(fed_input(nxt), [at[id(s)] for s in nxt])
+                    later = [r for r, s in enumerate(nxt) if masks_later(s)]
+                    ahead = runner.submit(fed_input(nxt), [at[id(s)] for s in nxt], later)
                     for seq in nxt:
                         seq.n_past += 1
                     lap(STEP)
                 out = runner.collect(pending)
                 lap(READBACK)
                 self._stats().count_decode(len(seqs), len(seqs))
-                refused = self._commit(seqs, out, nxt or [])
+                nxt_masked = {id(nxt[r]) for r in later}
+                refused = self._commit(seqs, out, nxt or [], masked, nxt_masked)
+                if later:               # the masks after step k's tokens: step k + 1 samples
+                    runner.sample(ahead, [self._next_mask(nxt[r]) for r in later])
                 lap(EMIT)
                 if not nxt:
                     return
                 drafting = refused or self._would_draft(nxt)
-                seqs, pending = nxt, ahead
+                seqs, pending, masked = nxt, ahead, nxt_masked
         except Exception:
             runner.abandon()
             raise
@@ -107,13 +116,25 @@ class OverlappedDecode:
                         or self.speculator.would_draft(s, self.scheduler.draft_length(s)))
                    for s in seqs)
 
-    def _commit(self, seqs: list[Sequence], out: StepOutput, ahead: list[Sequence]) -> bool:
+    def _next_mask(self, seq: Sequence):
+        """The token mask of `seq`'s row in flight, sampled once the mask is known (after the
+        commit of the token before it); every token for a row that will be dropped (its
+        sequence ended, or it was fed a refused token), so the sample op always has a choice."""
+        if seq.finished or id(seq) in self._void:
+            return np.full(mask_words(self.runner.model.spec.vocab_size), -1, np.int32)
+        return seq.row_mask(0)
+
+    def _commit(self, seqs: list[Sequence], out: StepOutput, ahead: list[Sequence],
+                masked: set[int] = frozenset(), ahead_masked: set[int] = frozenset()) -> bool:
         """Each sequence's token of a plain step (its row already counted in n_past); a
         sequence that ends here while a later row of it is in flight gives that row back.
-        A constrained row chose without its mask (fed_input): a token its mask refuses is
-        dropped with the row in flight after it (fed that token), and True says so: the loop
-        ends after the step in flight and the next plan runs the row again with its mask (and
-        its next few, Sequence.refused_unmasked)."""
+        A constrained row in `masked` (ids) chose with its mask, sampled after this loop
+        filled it (masks_later). Any other constrained row chose without its mask (fed_input):
+        a token its mask refuses is dropped with the row in flight after it (fed that token),
+        and True says so: the loop ends after the step in flight and the next plan runs the row
+        again with its mask (and its next few, Sequence.refused_unmasked). The sequences of
+        `ahead_masked` get their next masks filled now (their rows in flight wait for them);
+        the other constrained rows in flight are checked when committed instead."""
         later = {id(s) for s in ahead}
         tokens = [int(t) for t in out.token_ids[:len(seqs)]]
         refused = False
@@ -125,7 +146,7 @@ class OverlappedDecode:
                 self._void.discard(id(seq))
                 seq.n_past -= 1
                 continue
-            if seq.matcher is not None:
+            if seq.matcher is not None and id(seq) not in masked:
                 ok, end = _check_unmasked(seq, tok)
                 if end is not None:     # the previous token ended the constraint (lazy check)
                     seq.n_past -= 1 + (id(seq) in later)    # this row and the one after it
@@ -142,9 +163,9 @@ class OverlappedDecode:
                     continue
                 seq.kept_unmasked()
             live.append((r, seq, tok))
-        # next masks in one batch; a sequence whose next row is in flight skips its fill: that
-        # row's choice is checked by accepting it (_check_unmasked)
-        advance_constrained([(seq, tok) for _, seq, tok in live], later)
+        # next masks in one batch; a sequence whose next row is in flight unmasked skips its
+        # fill: that row's choice is checked by accepting it (_check_unmasked)
+        advance_constrained([(seq, tok) for _, seq, tok in live], later - ahead_masked)
         for r, seq, tok in live:
             seq.count_step(1)
             seq.emit([tok], out.logprobs[r:r + 1])
@@ -175,6 +196,14 @@ def _check_unmasked(seq: Sequence, tok: int) -> tuple[bool, FinishReason | None]
     if end is not None:
         return False, end
     return allowed(mask, tok), None
+
+
+def masks_later(seq: Sequence) -> bool:
+    """Whether `seq`'s fed row samples once its mask is filled (ModelRunner.submit's
+    masks_later) rather than choosing without it and being checked: a constrained row whose
+    unmasked choice could differ from the masked one (sampled, or with log-probabilities), or
+    one whose unmasked choices were refused lately (Sequence.mask_wait)."""
+    return seq.matcher is not None and (not seq.unmasked_exact or seq.mask_wait > 0)
 
 
 def fed_input(seqs: list[Sequence]) -> StepInput:

@@ -105,7 +105,8 @@ class Transformer:
 
     def forward(self, ids, positions, slots, kv_len: int, n_logits: int = 1, epilogue=None,
                 kv_positions=None, attn_lo=None, attn_mask=None,
-                hidden: HiddenOut | None = None, segments: Segmented | None = None):
+                hidden: HiddenOut | None = None, segments: Segmented | None = None,
+                tag: str | None = None):
         """Run one step; return logits (n_logits, V) for the last n_logits tokens.
 
         ids, positions, slots: (T,) int32 backend arrays; padding rows have slot -1.
@@ -122,6 +123,8 @@ class Transformer:
         `segments`: the step is several runs of rows (prompts' chunks, each padded alone),
         each computed as a step of its own rows would compute it (Segmented); the logits are
         then those of the rows segments.logit_rows names, in that order.
+        `tag`: a caller's name for an epilogue that differs from its other steps' of the same
+        shape (the runner's steps that sample later): such steps are keyed apart.
         """
         T = len(ids)
         if not 1 <= T <= self.max_tokens or not 0 <= n_logits <= min(T, self.max_logits):
@@ -146,11 +149,13 @@ class Transformer:
             return logits
 
         inputs = (ids, positions, slots, *(a for a in tree if a is not None))
+        tagged = () if tag is None else (tag,)
         if segments is not None:
-            return self.backend.run_step((T, n_logits, "segments", segments), inputs, step)
+            return self.backend.run_step((T, n_logits, "segments", segments, *tagged), inputs,
+                                         step)
         if hidden is None:
-            return self.backend.run_step((T, n_logits), inputs, step)
-        return self.backend.run_step((T, n_logits, "hidden", hidden.tap),
+            return self.backend.run_step((T, n_logits, *tagged), inputs, step)
+        return self.backend.run_step((T, n_logits, "hidden", hidden.tap, *tagged),
                                      (*inputs, hidden.buf), step)
 
     def _taps(self, hidden: HiddenOut | None, T: int, n_logits: int) -> dict:

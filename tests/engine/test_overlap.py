@@ -37,15 +37,18 @@ from tests.support.models import build_model, model_path
 
 
 class FedSteps:
-    """Counts the runner's steps submitted with fed ids (wrapping `submit`)."""
+    """Counts the runner's steps submitted with fed ids (wrapping `submit`), and those of them
+    whose rows sampled once their masks came (`later`: steps, `later_rows`: rows)."""
 
     def __init__(self, engine) -> None:
-        self.n = 0
+        self.n = self.later = self.later_rows = 0
         runner, inner = engine.runner, engine.runner.submit
 
-        def submit(inp, feed=None):
+        def submit(inp, feed=None, masks_later=()):
             self.n += feed is not None
-            return inner(inp, feed)
+            self.later += bool(masks_later)
+            self.later_rows += len(masks_later)
+            return inner(inp, feed, masks_later)
 
         runner.submit = submit
 
@@ -280,9 +283,11 @@ def test_constrained_greedy_streams_overlap_and_equal_the_one_step_loop(engines)
 
 
 def test_which_constrained_rows_overlap_and_the_refusal_backoff():
-    """Greedy constrained rows without log-probabilities overlap (sampled ones, or with
-    log-probabilities, do not); a refusal sends the row to masked steps for 4 tokens, the next
-    for 8, and kept unmasked choices ease the wait back to 4."""
+    """Constrained rows overlap unless they speculate: greedy ones without log-probabilities
+    choose without their masks, sampled ones and ones with log-probabilities sample once their
+    masks are filled (masks_later); a refusal sends a greedy row to masked sampling for 4
+    tokens, the next for 8, and kept unmasked choices ease the wait back to 4."""
+    from service.engine.overlap import masks_later
     from service.engine.scheduler.sequence import Sequence
     from service.engine.spec.decode import Speculator
 
@@ -307,20 +312,45 @@ def test_which_constrained_rows_overlap_and_the_refusal_backoff():
                         eog_ids=frozenset(), n_ctx=512, speculative=False, matcher=Matcher())
 
     sp = Speculator(None)
-    s = seq()
-    assert sp.overlaps([s]) and not sp.overlaps([s, seq(sampled(1))])
-    assert not sp.overlaps([seq(top_logprobs=2)])
+    s, other, scored = seq(), seq(sampled(1)), seq(top_logprobs=2)
+    assert sp.overlaps([s, other, scored])
+    assert not masks_later(s) and masks_later(other) and masks_later(scored)
+    speculating = seq()
+    speculating.speculative = True
+    assert not sp.overlaps([s, speculating])
     s.refused_unmasked()
-    assert s.mask_wait == 4 and not sp.overlaps([s])
+    assert s.mask_wait == 4 and sp.overlaps([s])
     for _ in range(4):
-        assert not sp.overlaps([s])
+        assert masks_later(s)
         s._advance(7)
-    assert sp.overlaps([s])
+    assert not masks_later(s)
     s.refused_unmasked()
     assert s.mask_wait == 8 and s.mask_backoff == 16
     for _ in range(20):
         s.kept_unmasked()
     assert s.mask_backoff == 4
+
+
+def test_sampled_constrained_streams_overlap_masked_and_equal_the_one_step_loop(engines):
+    """Sampled constrained rows, and greedy ones asking for log-probabilities, run overlapped:
+    each fed row's step runs the model, the host commits the token before it and fills its
+    mask meanwhile, then the step samples with that mask (runner.sample). Nothing is refused,
+    and the streams equal the one-step loop's (which samples every row with its mask), among
+    greedy rows that choose unmasked."""
+    on, off = engines
+    reqs = constrained_requests()
+    reqs = [r if i % 3 == 2 else GenerationRequest(
+                r.request_id, r.prompt_ids, sampled(i) if i % 3 == 0 else GREEDY, r.stopping,
+                top_logprobs=0 if i % 3 == 0 else 2, constraint=r.constraint)
+            for i, r in enumerate(reqs)]
+    fed = FedSteps(on)
+    got, stats = together(on, reqs)
+    ref, _ = together(off, reqs)
+    assert not mismatches(got, ref)
+    assert fed.n >= 5 and fed.later >= 5 and fed.later_rows >= 10, fed.__dict__
+    assert any(r.logprobs for r in got)
+    solo = [alone(on, r) for r in reqs[:4]]
+    assert all(same_output(a, b) for a, b in zip(solo, ref[:4], strict=True))
 
 
 @pytest.mark.parametrize("overlap", ["on", "off"])
@@ -345,3 +375,44 @@ def test_a_draft_model_overlaps_its_plain_steps_and_catches_up_at_probes(overlap
         assert 2 <= u.draft_tokens <= n_new // eng.scheduler.probe_every() + 1, u
         assert u.accepted_draft_tokens == u.draft_tokens, u
         assert (fed.n >= n_new // 2) if overlap == "on" else fed.n == 0, fed.n
+
+
+def test_a_step_sampled_later_on_the_fake_device(compiled):
+    """On the CUDA backend (fake device): a fed step submitted with masks_later runs the model
+    without the sample op (its own graph, keyed "sample later"), `sample` uploads the mask and
+    runs the sample op as a graph of its own per logits count; three rounds capture and replay
+    both, and the step's readback is queued only after the sample op."""
+    from service.backends import create_backend
+    from service.backends.step_format import mask_words
+    from tests.support.fake_cupy import install
+
+    with install(compiled) as dev:
+        tr = build_model("tiny-qwen3", create_backend("cuda"), n_ctx=64, n_slots=2,
+                         max_tokens=16, max_logits=8)
+        from service.engine.runner import ModelRunner
+
+        runner = ModelRunner(tr, 2, 64)
+        mask = np.zeros(mask_words(tr.spec.vocab_size), np.int32)
+        mask[0] = 0b110                                  # tokens 1 and 2
+        pending = runner.submit(StepInput([5, 6], [0, 0], [0, 1], [0, 1], [GREEDY] * 2))
+        for k in range(3):
+            ahead = runner.submit(StepInput([0, 0], [k + 1] * 2, [0, 1], [0, 1], [GREEDY] * 2),
+                                  feed=[0, 1], masks_later=[1])
+            runner.collect(pending)
+            with pytest.raises(RuntimeError, match="after `sample`"):
+                runner.collect(ahead)
+            runner.sample(ahead, [mask])
+            pending = ahead
+        runner.collect(pending)
+        keys = tr.backend.graph_keys
+        assert (2, 2, "sample later") in {k[:3] for k in keys}
+        assert (2, "sample") in {k[:2] for k in keys}
+
+        def kernels(g) -> list[str]:
+            return [getattr(n, "kernel", "") for n in g.nodes]
+
+        later = [g for g in dev.graphs if "sample_rows" not in kernels(g)
+                 and any(k.startswith("gemv") for k in kernels(g))]
+        alone = [g for g in dev.graphs if "sample_rows" in kernels(g)
+                 and not any(k.startswith("gemv") for k in kernels(g))]
+        assert later and alone and all(g.replays for g in later + alone)

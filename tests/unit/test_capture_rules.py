@@ -157,10 +157,10 @@ def test_tiny_models_obey_the_rules(name):
 class TemporaryInLayer(Transformer):
     """A model layer that computes each matmul into a numpy temporary and copies it out."""
 
-    def _matmuls(self, x, parts, out) -> None:
+    def _matmuls(self, x, parts, out, segments=None) -> None:
         for w, c0, c1 in parts:
             tmp = np.empty((x.shape[0], c1 - c0), np.float32)                 # (T, c) f32
-            self.backend.matmul(x, w, tmp)
+            self.backend.matmul(x, w, tmp, segments)
             out[:, c0:c1] = tmp
 
 

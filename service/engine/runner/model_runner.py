@@ -21,7 +21,12 @@ readback right behind it and returns at once, so step k + 1 can be submitted bef
 collected, its rows' ids fed on the device from step k's choices (`feed`: the output record
 each row reads its id from, backends' feed_ids, before the step runs). At most two submitted
 steps are outstanding; they alternate between two host input buffers and two host output
-buffers, so the host never rewrites a buffer a queued copy still reads.
+buffers, so the host never rewrites a buffer a queued copy still reads. A step submitted with
+`masks_later` (logits rows whose structured-output masks depend on the token of the step before
+it, still in flight) runs the model without the sample op (its own graph per shape, keyed
+"sample later"); `sample(pending, masks)` then uploads those rows' masks and runs the sample op
+over the step's logits (a graph per logits count) and queues the readback, while the device
+may still be running the step's model: the host fills the masks meanwhile.
 
 Layout of the packed step buffer (int32 words; M = max tokens, L = max logits rows):
     [0, M) ids | [M, 2M) positions | [2M, 3M) slots | [3M, 4M) KV rows written | [4M, 5M)
@@ -86,13 +91,18 @@ TARGET = RunnerKind()
 DRAFT = RunnerKind(history=False, explicit_rows=False, chains=True)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Pending:
-    """A submitted step whose choices are on their way to the host (`collect` them)."""
+    """A submitted step whose choices are on their way to the host (`collect` them); one
+    submitted with `masks_later` is sampled by `sample` first."""
 
     rows: tuple[RowSampling, ...]
     host: np.ndarray          # its output words (whole records, or the chosen ids)
-    ticket: Any               # the backend's queued download
+    src: Any                  # the device words they come from
+    ticket: Any = None        # the backend's queued download (once sampled)
+    masks_later: tuple[int, ...] = ()   # logits rows whose token masks `sample` brings
+    sampled: bool = True      # False until `sample` ran (a step with masks_later)
+    n_rows: int = 0           # the padded step's rows (the logits hook reads their ids)
 
 
 class ModelRunner:
@@ -290,28 +300,68 @@ class ModelRunner:
         self._run(inp, self._hosts[self._flip], None)
         self._launched = True
 
-    def submit(self, inp: StepInput, feed: Sequence[int] | None = None) -> Pending:
+    def submit(self, inp: StepInput, feed: Sequence[int] | None = None,
+               masks_later: Sequence[int] = ()) -> Pending:
         """Run one step and queue its readback; returns at once (`collect` waits). feed[r] >= 0:
         row r's id is the choice of output record feed[r] of the step submitted just before
-        (still uncollected or not), taken on the device; -1: inp.token_ids[r]."""
+        (still uncollected or not), taken on the device; -1: inp.token_ids[r]. masks_later:
+        logits rows (their RowSampling without a mask) whose token masks `sample` brings: the
+        step then runs without its sample op until `sample`."""
         if self._launched:
             raise RuntimeError("submit after a launched step that was not read")
         if len(self._pending) > 1:
             raise RuntimeError("two submitted steps are already outstanding: collect one")
         if feed is not None and len(feed) != len(inp.token_ids):
             raise ValueError(f"{len(feed)} fed rows for a step of {len(inp.token_ids)}")
+        later = tuple(masks_later)
+        if later and (list(later) != sorted(set(later)) or later[0] < 0
+                      or later[-1] >= len(inp.sampling)
+                      or any(inp.sampling[r].mask is not None for r in later)):
+            raise ValueError(f"masks_later {list(later)}: distinct logits rows in order, "
+                             "whose rows carry no mask")
         self._flip ^= 1
-        self._run(inp, self._hosts[self._flip], feed)
+        T = self._run(inp, self._hosts[self._flip], feed, later)
         rows = tuple(inp.sampling)
         src, host = self._readback(rows)
-        pending = Pending(rows, host, self.model.backend.queue_download(src, host))
+        pending = Pending(rows, host, src, masks_later=later, n_rows=T, sampled=not later)
+        if not later:
+            pending.ticket = self.model.backend.queue_download(src, host)
         self._pending.append(pending)
         return pending
+
+    def sample(self, pending: Pending, masks: Sequence[Any]) -> None:
+        """The sample op of a step submitted with masks_later, the newest submitted one:
+        masks[i] ((MASK_WORDS,) int32) is logits row masks_later[i]'s token mask; then its
+        readback is queued."""
+        if not self._pending or self._pending[-1] is not pending or pending.sampled:
+            raise RuntimeError("sample the newest submitted step, once, when it waits for masks")
+        if len(masks) != len(pending.masks_later):
+            raise ValueError(f"{len(masks)} masks for rows {list(pending.masks_later)}")
+        be, W, h = self.model.backend, self._mask_w, self._mask_hosts[self._flip]
+        for r, m in zip(pending.masks_later, masks, strict=True):
+            h[r * W:(r + 1) * W] = m
+        top = (pending.masks_later[-1] + 1) * W
+        be.upload_step(h[:top], self._mask_dev[:top])
+        L, T = len(pending.rows), pending.n_rows
+        logits, ids = self.model.ws_logits[:L], self._dev[:T]             # (L, V), (T,)
+        params, out, hook = self._params[:L], self._out[:L], self.logits_hook
+
+        def choose() -> None:
+            if hook is not None:
+                hook(ids, logits)
+            be.sample(logits, params, self.hist, self._adj, out, self._masks)
+
+        be.run_step((L, "sample"), (logits, params, out, self.hist, self._adj, self._masks),
+                    choose)
+        pending.ticket = be.queue_download(pending.src, pending.host)
+        pending.sampled = True
 
     def collect(self, pending: Pending) -> StepOutput:
         """Wait for the oldest submitted step (`pending`) and return its choices."""
         if not self._pending or self._pending[0] is not pending:
             raise RuntimeError("collect the submitted steps in the order they were submitted")
+        if not pending.sampled:
+            raise RuntimeError("a step submitted with masks_later is collected after `sample`")
         self._pending.popleft()
         self.model.backend.wait_download(pending.ticket)
         return self._output(pending.host, pending.rows)
@@ -319,15 +369,22 @@ class ModelRunner:
     def abandon(self) -> None:
         """Forget the submitted steps (a step failed): wait for the queued work, read nothing."""
         while self._pending:
-            self.model.backend.wait_download(self._pending.popleft().ticket)
+            p = self._pending.popleft()
+            if p.sampled:
+                self.model.backend.wait_download(p.ticket)
+            else:                     # never sampled: wait for the queued work itself
+                self.model.backend.synchronize()
 
     @property
     def outstanding(self) -> int:
         """Submitted steps not collected yet."""
         return len(self._pending)
 
-    def _run(self, inp: StepInput, h, feed: Sequence[int] | None) -> None:
-        """Pack `inp` into host buffer h, upload it, feed its ids, run the model and sample."""
+    def _run(self, inp: StepInput, h, feed: Sequence[int] | None,
+             masks_later: tuple[int, ...] = ()) -> int:
+        """Pack `inp` into host buffer h, upload it, feed its ids, run the model and sample
+        (not the rows' sample op with masks_later: `sample` runs it). Returns the padded
+        step's rows."""
         model, be = self.model, self.model.backend
         M = model.max_tokens
         inp.check(M, model.max_logits)
@@ -336,6 +393,8 @@ class ModelRunner:
         if T > M:
             raise ValueError(f"a segmented step of {T} padded rows exceeds the model's {M}")
         self._pack(inp, T, rows, h, feed)
+        for r in masks_later:           # their masks come with `sample`, at their own rows
+            h[self._o_par + r * N_PARAMS + Param.MASK] = r
         be.upload_step(h, self._dev)
         if self.on_packed is not None:
             self.on_packed()
@@ -348,19 +407,22 @@ class ModelRunner:
         params, out, hist, adj = self._params[:L], self._out[:L], self.hist, self._adj
         masks = self._masks      # always passed (a captured graph keeps its arguments)
         history, hook = self.kind.history, self.logits_hook
+        sampled = L and not masks_later
 
         def choose(logits) -> None:                                   # logits (L, V) f32
             if history:
                 be.record_tokens(ids, slots, pos, hist)
-            if L:
+            if sampled:
                 if hook is not None:
                     hook(ids, logits)
                 be.sample(logits, params, hist, adj, out, masks)
 
         kv_rows = inp.kv_positions if inp.kv_positions is not None else inp.positions
         kv_len = max(max(inp.positions), max(kv_rows)) + 1
-        model.forward(ids, pos, slots, kv_len, L, choose if history or L else None, *tree,
-                      hidden=self._tap(inp), segments=segments)
+        model.forward(ids, pos, slots, kv_len, L, choose if history or sampled else None,
+                      *tree, hidden=self._tap(inp), segments=segments,
+                      tag="sample later" if masks_later else None)
+        return T
 
     def _tap(self, inp: StepInput) -> HiddenOut | None:
         if not inp.hidden:

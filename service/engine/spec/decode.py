@@ -75,12 +75,11 @@ class Speculator:
         (engine/overlap.py): none of them speculates, or their drafter reads no target hidden
         states (a tapping drafter must see every step's rows: `extend`); the loop asks the
         width policy after each step whether a sequence would draft (and a pure drafter
-        whether it has drafts). A constrained one only when it does not speculate and a choice
-        made without its mask is its own wherever the mask allows it (Sequence.unmasked_exact;
-        overlap.py checks)."""
-        if any(s.matcher is not None and (s.speculative or not s.unmasked_exact or s.mask_wait)
-               for s in seqs):
-            return False        # a constrained row's next mask needs its token on the host
+        whether it has drafts). A constrained one when it does not speculate: its fed rows
+        either choose without the mask and are checked (greedy, Sequence.unmasked_exact) or
+        sample once the host has filled the mask (overlap.masks_later)."""
+        if any(s.matcher is not None and s.speculative for s in seqs):
+            return False        # its drafts are walked through the matcher by the full plan
         return all(not s.speculative for s in seqs) or (
             self.drafter is not None and self.drafter.tap is None)
 
