@@ -98,3 +98,26 @@ def test_constrained_greedy_overlapped_equals_the_one_step_loop_on_cuda():
     # only 3 fed steps here (the CPU: >= 5): how often CUDA feeds these rows is not explained.
     assert fed.n > 0, "no fed step"
     print(f"\nfed steps {fed.n}, mask refusals {stats.mask_refusals} on CUDA")
+
+
+def test_constrained_rows_sampled_later_equal_the_one_step_loop_on_cuda():
+    """Sampled constrained rows and greedy ones with log-probabilities overlapped on CUDA: each
+    fed step runs its model graph without the sample op, the host fills the masks meanwhile,
+    then the sample graph runs with them (ModelRunner.sample); the streams equal the one-step
+    loop's and nothing is refused."""
+    from service.engine.types import GenerationRequest
+    from tests.engine.test_overlap import FedSteps, constrained_requests
+    from tests.support.batching import sampled as sampled_params
+
+    reqs = [GenerationRequest(r.request_id, r.prompt_ids,
+                              sampled_params(i) if i % 2 else r.sampling, r.stopping,
+                              top_logprobs=0 if i % 2 else 2, constraint=r.constraint)
+            for i, r in enumerate(constrained_requests())]
+    with cuda_engine("smollm2", n_slots=8, overlap="on") as on, \
+            cuda_engine("smollm2", n_slots=8, overlap="off") as off:
+        fed = FedSteps(on)
+        got, stats = together(on, reqs)
+        ref, _ = together(off, reqs)
+    for a, b in zip(got, ref, strict=True):
+        assert same_output(a, b), (a.text, b.text)
+    assert fed.later > 0 and stats.mask_refusals == 0, (fed.__dict__, stats.mask_refusals)
