@@ -149,6 +149,25 @@ def test_a_scoring_chunk_runs_alone_and_no_budget_means_one_chunk():
     assert len(one.schedule().wide) == 1
 
 
+def test_a_narrow_oldest_chunk_runs_alone():
+    """The oldest prompt's chunk of up to 64 rows that found no room beside the decode rows
+    runs as a step of its own: wide chunks join a segmented step only behind a wide one."""
+    from tests.engine.test_mixed_steps import scheduler
+    sch = scheduler(step_rows=16, prefill_chunk=256)
+    sch.wide_rows = 1024
+    running = [seq(i, 4) for i in range(12)]
+    for s in running:
+        sch.add(s)
+    sch.schedule()
+    for s in running:
+        decoded(s)
+    small, big = seq(20, 10), seq(21, 100)
+    sch.add(small)
+    sch.add(big)
+    plan = sch.schedule()
+    assert len(plan.decode) == 12 and [c.seq for c in plan.wide] == [small]
+
+
 # ---------------------------------------------------------------- through the engine
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
 def test_prompts_prefilled_together_give_their_solo_tokens(mode):

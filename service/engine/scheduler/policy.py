@@ -350,8 +350,9 @@ class Scheduler:
         the decode rows left in the step (FIFO; a later, smaller chunk may still fit), and the
         wide step: the oldest sequence's chunk when it does not ride (wider than the room, or
         than MIX_ROWS, or scoring its prompt), so running streams never starve a waiting
-        prompt, then later sequences' chunks wider than MIX_ROWS while the wide step's padded
-        rows stay within wide_rows (a scoring chunk runs alone)."""
+        prompt, then, when that chunk is wider than MIX_ROWS, later sequences' chunks wider
+        than MIX_ROWS while the wide step's padded rows stay within wide_rows (a scoring chunk
+        runs alone; so every chunk of a segmented step takes the wide path)."""
         mixed: list[PrefillChunk] = []
         wide: list[PrefillChunk] = []
         left = self.wide_rows
@@ -363,8 +364,9 @@ class Scheduler:
             # a prompt whose rows all report log-probabilities (prompt_logprobs) runs alone
             fits = n <= min(room, MIX_ROWS) and not seq.scoring_prompt
             if not fits and not oldest and not (
-                    wide and n > MIX_ROWS and not seq.scoring_prompt
-                    and not wide[0].seq.scoring_prompt and self._padded(n) <= left):
+                    wide and n > MIX_ROWS and len(wide[0].tokens) > MIX_ROWS
+                    and not seq.scoring_prompt and not wide[0].seq.scoring_prompt
+                    and self._padded(n) <= left):
                 continue
             oldest = False
             chunk = self._prefill_chunk(seq, n)
