@@ -47,9 +47,9 @@ prefill_chunk):
      chooses a token (its last row: the first token).
 2. then at most ONE wide step: the oldest prefilling sequence's chunk, when it did not ride
    in the step (wider than 64 rows, MIX_ROWS: such a step takes another numeric path, or
-   wider than the rows left), and after it the chunks wider than MIX_ROWS of later
-   prefilling sequences, FIFO, while the wide step's rows, each chunk padded as a step of its
-   own, stay within `wide_rows` (the engine's prefill chunk). The runner computes such a step
+   wider than the rows left), and after it, when it is wider than MIX_ROWS itself, the chunks
+   wider than MIX_ROWS of later prefilling sequences, FIFO, while the wide step's rows, each
+   chunk padded as a step of its own, stay within `wide_rows` (the engine's prefill chunk). The runner computes such a step
    as segments (runner/step.py StepInput.segments), each chunk exactly as in a step of its
    own, sharing each weight tile's dequantization, so joining prompts are prefilled several
    at a time without changing any chunk's bits. A long prompt therefore delays running
