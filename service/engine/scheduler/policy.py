@@ -49,13 +49,13 @@ prefill_chunk):
    in the step (wider than 64 rows, MIX_ROWS: such a step takes another numeric path, or
    wider than the rows left), and after it, when it is wider than MIX_ROWS itself, the chunks
    wider than MIX_ROWS of later prefilling sequences, FIFO, while the wide step's rows, each
-   chunk padded as a step of its own, stay within `wide_rows` (the engine's prefill chunk). The runner computes such a step
-   as segments (runner/step.py StepInput.segments), each chunk exactly as in a step of its
-   own, sharing each weight tile's dequantization, so joining prompts are prefilled several
-   at a time without changing any chunk's bits. A long prompt therefore delays running
-   streams by at most one wide step per token they receive, and running streams never
-   starve a waiting prompt. Chunks take their blocks after the decode rows' (one may preempt
-   a decode row's sequence, which then sits this step out).
+   chunk padded as a step of its own, stay within `wide_rows` (the engine's prefill chunk).
+   The runner computes such a step as segments (runner/step.py StepInput.segments), each
+   chunk exactly as in a step of its own, sharing each weight tile's dequantization, so
+   joining prompts are prefilled several at a time without changing any chunk's bits. A long
+   prompt therefore delays running streams by at most one wide step per token they receive,
+   and running streams never starve a waiting prompt. Chunks take their blocks after the
+   decode rows' (one may preempt a decode row's sequence, which then sits this step out).
 """
 
 from __future__ import annotations
