@@ -416,6 +416,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--no-overlap", action="store_true",
                    help="EngineConfig.overlap='off' (plain decode steps one at a time)")
     g.add_argument("--threads", type=int, default=0, help="CPU backend threads (0 = all)")
+    g.add_argument("--one-prompt-a-step", action="store_true",
+                   help="the scheduler's wide step holds one prompt chunk, as before segmented "
+                        "steps (the baseline of their A/B in one lease)")
     g = p.add_argument_group("synthetic models")
     g.add_argument("--synth-dir", default=DEFAULT_DIR)
     g.add_argument("--seed", type=int, default=0, help="synthetic weights and random prompts")
@@ -474,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         path = resolve_model(a.model, models_dir_from_env())
     engine = Engine.load(path, EngineConfig(**fields))
+    if a.one_prompt_a_step:
+        engine.scheduler.wide_rows = 0      # one chunk a wide step (policy.py)
     engine.start()
     engine.warmup()
     tok = engine.tokenizer
@@ -489,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"model {engine.info.name} backend {engine.info.backend}; streams of {a.tokens} "
           f"tokens, {'sampled' if a.sampled else 'greedy'}, {kind} prompts, speculation "
-          f"{'on' if a.speculative else 'off'}, best of {a.rounds}; engine {fields}", flush=True)
+          f"{'on' if a.speculative else 'off'}, best of {a.rounds}; engine {fields}"
+          f"{'; one prompt a wide step' if a.one_prompt_a_step else ''}", flush=True)
     rows, prefix = [], None
     server_cfg = ServerConfig(host="127.0.0.1", port=0, metrics_port=-1)
     t0 = time.perf_counter()

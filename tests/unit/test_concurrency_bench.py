@@ -54,6 +54,9 @@ def test_engine_fields_hold_only_the_options_given(C):
     assert f == {"backend": "cuda", "n_ctx": 4096, "n_slots": 3, "threads": 0,
                  "kv_cache_memory": "0.5", "max_step_tokens": 512, "prefill_chunk": 64,
                  "prefix_cache": False}
+    # the segmented steps' A/B baseline is the scheduler's, not a config field
+    a = C.parse_args(["--one-prompt-a-step"])
+    assert a.one_prompt_a_step and "one_prompt_a_step" not in C.engine_fields(a, "cpu", [1])
 
 
 def test_short_run_on_a_tiny_synthetic_model(C, tmp_path):

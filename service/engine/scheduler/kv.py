@@ -31,9 +31,9 @@ class KVManager:
             limit = 0               # every prompt position computes its logits
 
         n_prompt = len(seq.request.prompt_ids)
-        cached = self.pool.match(ctx, limit, chunks.cold_spans(n_prompt))
-        bs = self.pool.block_size
-        if self.pool.exact_prefix:
+        bs, exact = self.pool.block_size, self.pool.exact_prefix
+        cached = self.pool.match(ctx, limit, chunks.cold_spans(n_prompt) if exact else ())
+        if exact:
             cached = cached[:chunks.reusable(len(cached) * bs, n_prompt, bs) // bs]
         idle = sum(1 for b in cached if self.pool.ref[b] == 0)   # cached, counted as available
         if self.pool.blocks_for(len(ctx) + 1) - len(cached) > self.pool.available - idle:
