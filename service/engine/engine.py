@@ -49,7 +49,7 @@ import structlog
 from service.config import MAX_STEP_ROWS, EngineConfig, step_budget
 from service.engine.kv_events import KvEventLog
 from service.engine.loader import ModelInfo, load_model, phase
-from service.engine.mixed import mixed_input, split_mixed
+from service.engine.mixed import chunk_choices, mixed_input, segmented_input, split_mixed
 from service.engine.overlap import OverlappedDecode
 from service.engine.runner.model_runner import ModelRunner
 from service.engine.runner.step import GREEDY, RowSampling, StepInput, StepOutput
@@ -608,34 +608,19 @@ class Engine:
         weight tile dequantized once for all of them. False when the step failed (nothing
         committed: the caller runs the chunks one at a time, so a fault fails only its
         request)."""
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        rows: list[int] = []
-        for c in chunks:
-            ids += c.tokens
-            pos += range(c.start, c.start + len(c.tokens))
-            slots += [c.seq.slot] * len(c.tokens)
-            if c.choose:
-                rows.append(len(ids) - 1)
         self._tapped = None
+        inp = segmented_input(chunks)
         try:
-            out = self.runner.step(StepInput(ids, pos, slots, rows,
-                                             [choice(c.seq) for c in chunks if c.choose],
-                                             segments=[len(c.tokens) for c in chunks]))
+            out = self.runner.step(inp)
         except Exception as exc:
             log.warning("segmented_step_failed", chunks=len(chunks), error=str(exc))
             return False
         for c in chunks:
             c.seq.computed(c.start, len(c.tokens), self.scheduler.chunks.wide_rows)
-        self.stats.count_step(0, 0, len(chunks), len(ids))
+        self.stats.count_step(0, 0, len(chunks), len(inp.token_ids))
         self.stats.segmented_steps += 1
         self._lap(STEP)
-        k = 0
-        for c in chunks:
-            part = None
-            if c.choose:
-                part, k = StepOutput(out.token_ids[k:k + 1], out.logprobs[k:k + 1]), k + 1
+        for c, part in zip(chunks, chunk_choices(chunks, out), strict=True):
             try:
                 self._prefilled(c, part)
             except Exception as exc:   # one request's failure must not stop the engine

@@ -1,5 +1,6 @@
 """A mixed step: the decode rows of a plan and the prefill chunks riding with them, as ONE
-StepInput, and its output cut back into each part.
+StepInput, and its output cut back into each part; and a segmented step of wide chunks
+(`segmented_input`), whose choices `chunk_choices` cuts the same way.
 
 A chunk's rows are a run of one sequence like a chain verify run: consecutive positions, each
 row writing its KV row and seeing its sequence's rows up to its own position (the runner's
@@ -68,11 +69,36 @@ def split_mixed(batch: list[tuple[Sequence, Draft]], chunks: Seq[PrefillChunk],
     chunk's choice (None for a chunk that chooses nothing)."""
     n = len(out.token_ids) - sum(1 for c in chunks if c.choose)
     decode = split(batch, StepOutput(out.token_ids[:n], out.logprobs[:n])) if batch else []
+    return decode, chunk_choices(chunks, out, n)
+
+
+def chunk_choices(chunks: Seq[PrefillChunk], out: StepOutput, first: int = 0
+                  ) -> list[StepOutput | None]:
+    """Each chunk's choice from `out`, whose records from `first` on are the choosing chunks'
+    in order (None for a chunk that chooses nothing)."""
     parts: list[StepOutput | None] = []
     for c in chunks:
         if c.choose:
-            parts.append(StepOutput(out.token_ids[n:n + 1], out.logprobs[n:n + 1]))
-            n += 1
+            parts.append(StepOutput(out.token_ids[first:first + 1],
+                                    out.logprobs[first:first + 1]))
+            first += 1
         else:
             parts.append(None)
-    return decode, parts
+    return parts
+
+
+def segmented_input(chunks: Seq[PrefillChunk]) -> StepInput:
+    """Several prompts' chunks as ONE segmented step (runner/step.py StepInput.segments), each
+    chunk a run of its own, its last row choosing where the chunk is a prompt's final one."""
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    rows: list[int] = []
+    for c in chunks:
+        ids += c.tokens
+        pos += range(c.start, c.start + len(c.tokens))
+        slots += [c.seq.slot] * len(c.tokens)
+        if c.choose:
+            rows.append(len(ids) - 1)
+    return StepInput(ids, pos, slots, rows, [choice(c.seq) for c in chunks if c.choose],
+                     segments=[len(c.tokens) for c in chunks])

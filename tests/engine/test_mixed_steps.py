@@ -14,6 +14,7 @@ from service.engine.mixed import mixed_input, split_mixed
 from service.engine.runner.step import StepOutput
 from service.engine.scheduler.blocks import BlockPool
 from service.engine.scheduler.kv import KVManager
+from service.engine.scheduler.plan import StepPlan
 from service.engine.scheduler.policy import Scheduler
 from service.engine.scheduler.sequence import Sequence
 from service.engine.types import GenerationRequest, SamplingParams, StoppingCriteria
@@ -43,6 +44,18 @@ def decoded(s: Sequence, token: int = 7) -> None:
     s.generated.append(token)
     s.history.append(token)
     s.seed = token
+
+
+def decoding(sch: Scheduler, n: int) -> tuple[list[Sequence], StepPlan]:
+    """n sequences of 4-token prompts added and scheduled once (the first plan), then all
+    taken as decoding, as the engine leaves them once their prompts chose."""
+    seqs = [seq(i, 4) for i in range(n)]
+    for s in seqs:
+        sch.add(s)
+    first = sch.schedule()
+    for s in seqs:
+        decoded(s)
+    return seqs, first
 
 
 # ---------------------------------------------------------------- the plan
@@ -83,13 +96,8 @@ def test_chunks_keep_their_size_whatever_the_room():
     """A chunk is never cut to the room left: it waits for a step with room (or, the oldest,
     runs alone), so its rows and boundaries are the same under any load."""
     sch = scheduler(step_rows=16, prefill_chunk=12)
-    running = [seq(i, 4) for i in range(10)]
-    for s in running:
-        sch.add(s)
-    first = sch.schedule()
+    running, first = decoding(sch, 10)
     assert [c.seq for c in first.prefill] == running[:4]    # 4 x 4 rows fill the step
-    for s in running:
-        decoded(s)
     a, b = seq(20, 30), seq(21, 5)
     sch.add(a)
     sch.add(b)

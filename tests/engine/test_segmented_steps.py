@@ -152,15 +152,10 @@ def test_a_scoring_chunk_runs_alone_and_no_budget_means_one_chunk():
 def test_a_narrow_oldest_chunk_runs_alone():
     """The oldest prompt's chunk of up to 64 rows that found no room beside the decode rows
     runs as a step of its own: wide chunks join a segmented step only behind a wide one."""
-    from tests.engine.test_mixed_steps import scheduler
+    from tests.engine.test_mixed_steps import decoding, scheduler
     sch = scheduler(step_rows=16, prefill_chunk=256)
     sch.wide_rows = 1024
-    running = [seq(i, 4) for i in range(12)]
-    for s in running:
-        sch.add(s)
-    sch.schedule()
-    for s in running:
-        decoded(s)
+    decoding(sch, 12)
     small, big = seq(20, 10), seq(21, 100)
     sch.add(small)
     sch.add(big)
