@@ -407,7 +407,10 @@ struct Mma32 {
         }
     }
 };
-constexpr int MMA_U32 = 4;      // 32-element blocks per unit of a warp's split-K (and of c1)
+// MMA_U32 (-D define, kernels.py): 32-element blocks per unit of a warp's split-K (and of c1)
+#if !defined(MMA_U32)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
 using MmaQ8_0 = Mma32<MMA_U32, BlkQ8_0>;
 using MmaQ4_0 = Mma32<MMA_U32, BlkQ4_0>;
 using MmaQ4_1 = Mma32<MMA_U32, BlkQ4_1>;
@@ -690,6 +693,116 @@ __device__ __forceinline__ void gemv_mma_one(Planes P, int K, int N, const signe
                             float* out, int ldo, int accumulate) {                          \
         gemv_mma_one<C, PF>(Planes{p0, p1, p2, p3}, K, N, qa, ads, out, accumulate);        \
     }
+// ------------------------------------------------------------------ one column split over K: _c1s[p]
+// The tiles' decomposition with dp4a dot products instead of MMAs, so each slot's chain lives in
+// one lane's register: warp w of a block takes the units u = w, w + MMA_WARPS, ... (the tile's
+// warp slot w) of the block's RW = 32 / UG rows; lane (r, j) = (lane / UG, lane % UG) computes
+// the term (p, q) of group j of unit u of row n0 + r (C::term, as the kernels above); the UG
+// terms of a row's unit meet in the warp's shared slice (two slices alternating, one
+// __syncwarp a unit) and lane (r, 0) adds them to its accumulator in order, acc = fma(p, q,
+// acc): the tile's per-warp chain. The slots then meet in shared memory, added in warp order
+// by lane r of warp 0: out[n0 + r] = (((0 + acc_0) + acc_1) + ...) + acc_{MMA_WARPS-1}, the
+// tiles' bits. A warp's 8 lanes of a row read the unit's 128 contiguous weight bytes (Q4_K) and
+// its rows share each activation load; there are MMA_WARPS times more warps than rows / RW, so
+// a short matrix still fills the SMs. The p variant loads the warp's next unit before this
+// unit's dots.
+// Launch (gemv_mma_<type>_c1s[p]): block (32, MMA_WARPS), grid ceil(N / (32 / UG)); shared
+// MMA_WARPS x 2 x 32 float2 (4 KiB) + MMA_WARPS x RW floats. Rows >= N read row N - 1 and are
+// not written.
+template <class C, bool PF>
+__device__ __forceinline__ void gemv_mma_split(Planes P, int K, int N,
+                                               const signed char* __restrict__ qa,
+                                               const float2* __restrict__ ads,
+                                               float* __restrict__ out, int accumulate) {
+    using Q = typename C::Q;
+    constexpr int UG = C::UG, SUB = Q::QK / 32, RW = WARP / UG;
+    static_assert(WARP % UG == 0 && UG % 2 == 0, "whole rows per warp, float4 term pairs");
+    __shared__ __align__(16) float2 terms[MMA_WARPS][2][WARP];
+    __shared__ float slots[MMA_WARPS][RW];
+    PDL_ENTRY();
+    const int lane = threadIdx.x, warp = threadIdx.y, r = lane / UG, j = lane % UG;
+    const int n0 = blockIdx.x * RW;
+    const int G = K / 32, units = (G + UG - 1) / UG;
+    const size_t rb = (size_t)min(n0 + r, N - 1) * (K / Q::QK);
+    const u8* ap = reinterpret_cast<const u8*>(qa);
+    float acc = 0.0f;           // lane (r, 0): the running sum of slot `warp` for row n0 + r
+    typename Q::G w;
+    int a[8];
+    float2 e;
+    if (PF && warp * UG + j < G) {
+        const int g = warp * UG + j;
+        ld16(ap + 32 * g, a);
+        ld16(ap + 32 * g + 16, a + 4);
+        e = ads[g];
+        Q::load(P, rb + g / SUB, g % SUB, w);
+    }
+    int buf = 0;
+    for (int u = warp; u < units; u += MMA_WARPS) {
+        const int g = u * UG + j;
+        float2 t = make_float2(0.0f, -0.0f);     // past K: fma(0, -0, acc) is acc exactly
+        if constexpr (PF) {
+            typename Q::G wn;
+            int an[8];
+            float2 en;
+            const int gn = g + MMA_WARPS * UG;
+            if (gn < G) {
+                ld16(ap + 32 * gn, an);
+                ld16(ap + 32 * gn + 16, an + 4);
+                en = ads[gn];
+                Q::load(P, rb + gn / SUB, gn % SUB, wn);
+            }
+            if (g < G) t = C::term(w, a, e);
+            w = wn;
+            e = en;
+#pragma unroll
+            for (int i = 0; i < 8; i++) a[i] = an[i];
+        } else if (g < G) {
+            ld16(ap + 32 * g, a);
+            ld16(ap + 32 * g + 16, a + 4);
+            e = ads[g];
+            Q::load(P, rb + g / SUB, g % SUB, w);
+            t = C::term(w, a, e);
+        }
+        float2* tb = terms[warp][buf];
+        tb[lane] = t;
+        __syncwarp();
+        if (j == 0) {
+            const float4* tu = reinterpret_cast<const float4*>(tb + r * UG);
+            float4 v[UG / 2];
+#pragma unroll
+            for (int i = 0; i < UG / 2; i++) v[i] = tu[i];
+#pragma unroll
+            for (int i = 0; i < UG / 2; i++) {
+                acc = __fmaf_rn(v[i].x, v[i].y, acc);
+                acc = __fmaf_rn(v[i].z, v[i].w, acc);
+            }
+        }
+        buf ^= 1;               // the next unit writes the other slice while this one is read
+    }
+    if (j == 0) slots[warp][r] = acc;
+    __syncthreads();
+    if (warp == 0 && lane < RW && n0 + lane < N) {
+        float s = 0.0f;
+#pragma unroll
+        for (int v = 0; v < MMA_WARPS; v++) s = __fadd_rn(s, slots[v][lane]);
+        float* o = out + n0 + lane;
+        *o = accumulate ? __fadd_rn(*o, s) : s;
+    }
+}
+#define GEMV_MMA_SPLIT(name, C)                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)                            \
+    gemv_mma_##name##_c1s(const u8* p0, const u8* p1, const u8* p2, const u8* p3, int K,    \
+                          int N, const signed char* qa, const float2* ads, int n_cols,      \
+                          float* out, int ldo, int accumulate) {                            \
+        gemv_mma_split<C, false>(Planes{p0, p1, p2, p3}, K, N, qa, ads, out, accumulate);   \
+    }                                                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)                            \
+    gemv_mma_##name##_c1sp(const u8* p0, const u8* p1, const u8* p2, const u8* p3, int K,   \
+                           int N, const signed char* qa, const float2* ads, int n_cols,     \
+                           float* out, int ldo, int accumulate) {                           \
+        gemv_mma_split<C, true>(Planes{p0, p1, p2, p3}, K, N, qa, ads, out, accumulate);    \
+    }
+
 // gemv_mma_<type>_c1[p]n: one column, residual add (out += W x), then the next RMSNorm, as
 // gemv.cu's gemv_<type>_c1r1[p]n: the last block of the grid to finish (a counter, reset by
 // that block) normalizes the whole output row into h with its 8-bit blocks (hqa, hads),
@@ -724,3 +837,11 @@ GEMV_MMA_ONE_N(q4_0, C1Q4_0)
 GEMV_MMA_ONE_N(q4_1, C1Q4_1)
 GEMV_MMA_ONE_N(q5_0, C1Q5_0)
 GEMV_MMA_ONE_N(q5_1, C1Q5_1)
+GEMV_MMA_SPLIT(q4_k, C1Q4K)
+GEMV_MMA_SPLIT(q6_k, C1Q6K)
+GEMV_MMA_SPLIT(q5_k, C1Q5K)
+GEMV_MMA_SPLIT(q8_0, C1Q8_0)
+GEMV_MMA_SPLIT(q4_0, C1Q4_0)
+GEMV_MMA_SPLIT(q4_1, C1Q4_1)
+GEMV_MMA_SPLIT(q5_0, C1Q5_0)
+GEMV_MMA_SPLIT(q5_1, C1Q5_1)

@@ -152,19 +152,23 @@ def test_a_column_gets_the_same_bits_at_every_width(mma, name):
 @pytest.mark.parametrize("name", TYPES)
 def test_one_column_kernels_give_the_tiles_bits(mma, name):
     """gemv_mma_<type>_c1 and _c1p (one warp per row, dp4a dot products added in the tiles'
-    order) against column 0 of a 2-column step (the 8-column tile) and each other, bit for
-    bit, on matrices of 3 to 17 super-blocks / 18 to 72 blocks per row (units fewer and more
-    than the tiles' warps, a short last unit)."""
+    order) and _c1s / _c1sp (the tiles' split of K over a block's warps) against column 0 of a
+    2-column step (the 8-column tile) and each other, bit for bit, on matrices of 3 to 17
+    super-blocks / 18 to 72 blocks per row (units fewer and more than the tiles' warps, a short
+    last unit; row counts not a multiple of a split block's rows)."""
     from service.backends.cuda.backend import CudaBackend
 
     plain = CudaBackend(graphs=False, prefill_gemm_min_tokens=None, gemv_mma=True,
                         gemv_prefetch_rows=0)
+    split = {one: CudaBackend(graphs=False, prefill_gemm_min_tokens=None, gemv_mma=True,
+                              gemv_mma_one=one) for one in ("split", "split-p")}
     for n, k in shapes(name):
         t = random_tensor_info(name, n, k, seed=n * k)
         rng = np.random.default_rng(n)
         x = rng.normal(0, 1, (2, k)).astype(np.float32)
         got = {}
-        for label, be in (("c1p", mma), ("c1", plain)):
+        for label, be in (("c1p", mma), ("c1", plain), ("c1s", split["split"]),
+                          ("c1sp", split["split-p"])):
             w = be.load_matrix([t])
             be.prepare(max_tokens=64, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
             got[label] = on(be, gpu_matmul, be, w, x[:1], n)[0]

@@ -65,7 +65,8 @@ class CudaBackend(Backend):
                  prefill_scratch_mib: int = 128, pdl: bool = True, gemv_early: bool = False,
                  gemv_mma: bool = False, gemv_prefetch_rows: int = GEMV_PREFETCH_ROWS,
                  prefill_attention_min_tokens: int | None = PREFILL_ATTENTION_MIN_TOKENS,
-                 fuse_norm: bool = False, moe_group_min_tokens: int | None = 2):
+                 fuse_norm: bool = False, moe_group_min_tokens: int | None = 2,
+                 gemv_mma_one: str = "warp"):
         """graphs: capture each step shape once and replay it (graphs.py). upload: "pinned" (a
         ring of `staging_buffers` pinned buffers of `staging_mib` MiB, copies overlapped with
         reading the file) or "pageable" (one synchronous copy per plane). pdl: launch captured
@@ -98,7 +99,7 @@ class CudaBackend(Backend):
         self._gemm = GemmOps(self.stream, launcher, blocks, gemm_min, prefill_scratch_mib << 20)
         self._gemv = GemvOps(launcher, blocks, rows=gemv_rows, early=gemv_early,
                              prefetch_rows=gemv_prefetch_rows, mma=gemv_mma,
-                             fuse_norm=fuse_norm)
+                             fuse_norm=fuse_norm, mma_one=gemv_mma_one)
         self._norm = NormOps(launcher, blocks)
         self._ew = ElementwiseOps(launcher, blocks)
         self._moe = MoeOps(launcher, self._gemv, self._ew,
@@ -116,6 +117,7 @@ class CudaBackend(Backend):
     gemv_early = _Of("_gemv", "early")
     gemv_prefetch_rows = _Of("_gemv", "prefetch_rows")
     gemv_mma = _Of("_gemv", "mma")
+    gemv_mma_one = _Of("_gemv", "mma_one")
     fuse_norm = _Of("_gemv", "fuse_norm")
     moe_group_min_tokens = _Of("_moe", "group_min_tokens")
     prefill_gemm_min_tokens = _Of("_gemm", "min_tokens")

@@ -26,6 +26,11 @@ next RMSNorm fused), and the tensor-core GEMVs of cuda/gemv_mma.cu.
   end to end 0.90-0.94x; docs/PERFORMANCE.md section 20) while 8 / 16 columns cost
   ~1.1x / ~1.2-1.3x of a column of the mode (section 9). With fuse_norm the one-column
   residual GEMV and the next RMSNorm run as gemv_mma_<type>_c1[p]n.
+- mma_one: the tensor-core family's one-column kernel (same bits either way): "warp" (one warp
+  per row, gemv_mma_<type>_c1[p], the p loop by the prefetch_rows rule), "split" / "split-p"
+  (gemv_mma_<type>_c1s / c1sp: the tiles' split of K over a block's MMA_WARPS warps, each
+  slot's chain in one lane, RW = 32 / UG rows a block; split-p loads a warp's next unit before
+  this unit's dots).
 - fuse_norm: a one-column residual GEMV followed by an RMSNorm (matmul_add_norm) runs as one
   launch whose last block normalizes the row; False (the default) launches the two kernels.
   Both give the same bits. Off by default: measured slower on the H200 (0.89x / 0.94x of the
@@ -46,6 +51,7 @@ from service.backends.cuda.kernels import (
     MMA_WARPS,
     QUANT_WARPS,
     mma_rows,
+    mma_unit_groups,
 )
 from service.backends.cuda.launcher import ActivationBlocks, Launcher
 from service.backends.cuda.memory import DeviceMemory
@@ -64,12 +70,18 @@ from service.backends.cuda.types import (
     view_rows,
 )
 
+# GemvOps.mma_one's values (the CudaBackend option gemv_mma_one)
+MMA_ONE = ("warp", "split", "split-p")
+
 
 class GemvOps:
     def __init__(self, launcher: Launcher, blocks: ActivationBlocks, *, rows: int, early: bool,
-                 prefetch_rows: int, mma: bool, fuse_norm: bool) -> None:
+                 prefetch_rows: int, mma: bool, fuse_norm: bool, mma_one: str = "warp") -> None:
         if rows not in (1, 2):
             raise ValueError(f"gemv_rows must be 1 or 2, not {rows}")
+        if mma_one not in MMA_ONE:
+            raise ValueError(f"gemv_mma_one must be one of {', '.join(MMA_ONE)}, not {mma_one!r}")
+        self.mma_one = mma_one
         self.rows, self.early, self.prefetch_rows = rows, early, prefetch_rows
         self.mma, self.fuse_norm = mma, fuse_norm
         self.done: Any = None         # (1,) int32 blocks of a fused-norm GEMV done, 0 between
@@ -142,7 +154,10 @@ class GemvOps:
             raise ValueError(f"gemv_mma: blocks {qa.size} / {ads.shape} for {C} x {w.k}")
         t = w.layout.kernel
         name = gemv_mma_kernel(C, t, w.n <= self.prefetch_rows and t in GEMV_PREFETCH_TYPES)
-        if C == 1:                            # one warp per row, the tiles' order of additions
+        if C == 1 and self.mma_one != "warp":  # the tiles' split of K, a slot's chain a lane
+            name = f"gemv_mma_{t}_c1s{'p' if self.mma_one == 'split-p' else ''}"
+            grid, block = (ceil_div(w.n, 32 // mma_unit_groups(t)), 1), (32, MMA_WARPS)
+        elif C == 1:                          # one warp per row, the tiles' order of additions
             grid, block = (ceil_div(w.n, GEMV_WARPS), 1), (32, GEMV_WARPS)
         else:
             nc = gemv_mma_nc(C, t)

@@ -127,6 +127,7 @@ def _each(**axes: Sequence[Any]) -> tuple[dict[str, Any], ...]:
 # ---------------------------------------------------------------- numbers the kernels share
 GEMV_WARPS = 4            # gemv.cu: warps per block (32, GEMV_WARPS), a row (or R) per warp
 MMA_WARPS = 8             # gemv_mma.cu: warps per block (32, MMA_WARPS), split-K over them
+MMA_U32 = 4               # gemv_mma.cu: 32-element blocks per unit of the split-K (K-quants: 8)
 # gemv_mma.cu: m-tiles of 16 rows per block by the tile's columns (NC): the 64-column tile
 # holds 64 x 16 rows of accumulators per warp (32 rows spill registers); the rows of a block
 # change no sum, so every tile gives a column the same bits
@@ -171,10 +172,17 @@ def mma_rows(nc: int) -> int:
     return 16 * MMA_TILE_M[nc]
 
 
+def mma_unit_groups(kernel: str) -> int:
+    """32-element groups per unit of the tensor-core family's split of K over warps: a K-quant
+    super-block (8), else MMA_U32 blocks; the one-column split kernel (gemv_mma_<type>_c1s)
+    holds 32 / this many rows a block."""
+    return 8 if kernel.endswith("_k") else MMA_U32
+
+
 def cuda_defines() -> dict[str, int | str]:
     """The shared numbers by their names in the kernels (sources.OPTIONS: -DNAME=value); a
     table goes as its comma-separated values (an array initializer's body)."""
-    return {"GEMV_WARPS": GEMV_WARPS, "MMA_WARPS": MMA_WARPS,
+    return {"GEMV_WARPS": GEMV_WARPS, "MMA_WARPS": MMA_WARPS, "MMA_U32": MMA_U32,
             **{f"MMA_M_C{nc}": m for nc, m in MMA_TILE_M.items()}, "QUANT_WARPS": QUANT_WARPS,
             "ROW_THREADS": ROW_THREADS,
             "MOE_ROUTE_THREADS": MOE_ROUTE_THREADS, "MOE_GROUP_THREADS": MOE_GROUP_THREADS,
@@ -196,8 +204,9 @@ KV_TYPES = tuple(str(t) for t in BACKEND_KV_TYPES["cuda"])        # kv_quant.cuh
 # gemv.cu GEMV_VARIANTS: (columns, rows per warp)
 GEMV_VARIANTS = ((1, 1), (1, 2), (2, 2), (4, 2), (8, 2), (16, 2), (2, 4), (4, 4), (8, 4),
                  (16, 4))
-# gemv_mma.cu: gemv_mma_<type>_c<NC> (tiles of NC columns) and gemv_mma_<type>_c1[p][n] (one
-# column in the tiles' order of additions; n: with the residual add and the next RMSNorm)
+# gemv_mma.cu: gemv_mma_<type>_c<NC> (tiles of NC columns), gemv_mma_<type>_c1[p][n] (one
+# column in the tiles' order of additions, a warp per row; n: with the residual add and the next
+# RMSNorm) and gemv_mma_<type>_c1s[p] (the same bits, the tiles' split of K over a block's warps)
 GEMV_MMA_TYPES = ("q4_k", "q6_k", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q5_k")
 GEMV_MMA_NC = tuple(MMA_TILE_M)     # the tiles' columns
 # Types whose steps of 33..64 rows take the 64-column tile; the others (the K-quants, whose
@@ -245,6 +254,9 @@ FAMILIES = (
            f"{_PLANES} K,N:i32 qa,ads:ptr n_cols:i32 out:ptr ldo,accumulate:i32",
            (*_each(t=GEMV_MMA_TYPES, v=("",)), *_each(t=GEMV_PREFETCH_TYPES, v=("p",))),
            keeps_blocks=True),
+    Family("gemv_mma_{t}_c1s{v}", "gemv_mma.cu",
+           f"{_PLANES} K,N:i32 qa,ads:ptr n_cols:i32 out:ptr ldo,accumulate:i32",
+           _each(t=GEMV_MMA_TYPES, v=("", "p")), keeps_blocks=True),
     Family("gemv_mma_{t}_c1{v}n", "gemv_mma.cu",
            f"{_PLANES} K,N:i32 qa,ads,out,done,nw:ptr eps:f32 B:i32 h,hqa,hads:ptr",
            (*_each(t=GEMV_MMA_TYPES, v=("",)), *_each(t=GEMV_PREFETCH_TYPES, v=("p",))),
