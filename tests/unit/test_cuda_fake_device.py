@@ -29,6 +29,7 @@ from service.backends.cuda.kernels import (
     MOEG_GLU_ROWS,
     MOEG_ROWS,
     mma_rows,
+    mma_unit_groups,
 )
 from service.backends.cuda.types import (
     MOEG_NC,
@@ -79,6 +80,7 @@ MIXES = tuple(synth.MIXES)
 MMA_MIXES = tuple(m for m in MIXES if synth.MIXES[m].base.name.lower() in GEMV_MMA_TYPES)
 MMA = (("gemv_mma", True), ("invariant_tokens", 64))
 MMA_NORM = (("gemv_mma", True), ("fuse_norm", True))
+MMA_SPLIT = {one: (("gemv_mma", True), ("gemv_mma_one", one)) for one in ("split", "split-p")}
 KV_PAIRS = tuple((k, v) for k in KV_TYPES for v in KV_TYPES)
 
 # Compiled kernels nothing in the backend launches, each pattern with the reason.
@@ -110,6 +112,9 @@ def all_scenarios() -> list[Scenario]:
     out += [Scenario(f"synth-{mix}", script="mma", options=MMA) for mix in MMA_MIXES]
     # the family's fused residual GEMV + RMSNorm (gemv_mma_<type>_c1[p]n)
     out += [Scenario(f"synth-{mix}", script="decode", options=MMA_NORM) for mix in MMA_MIXES]
+    # the family's one column split over K (gemv_mma_<type>_c1s[p])
+    out += [Scenario(f"synth-{mix}", script="decode", options=o) for mix in MMA_MIXES
+            for o in MMA_SPLIT.values()]
     out += [Scenario(f"synth-{mix}", script="decode",
                      options=(*MMA_NORM, ("gemv_prefetch_rows", 0))) for mix in ("Q4_K_M", "Q6_K")]
     out += [Scenario(m, kv=p, script="kv") for p in KV_PAIRS for m in ("qwen3", "gemma3")]
@@ -397,6 +402,24 @@ def test_tensor_core_gemv_takes_the_smallest_tile_that_holds_the_step(results, m
     assert 1 in widths                              # the sampled row's logits, one column
     assert {gemv_mma_nc(C, t) for C in widths - {1}} == tiles, sorted(widths)
     assert {f"gemv_mma_{t}_c{nc}" for nc in tiles} <= r.kernels
+
+
+@pytest.mark.parametrize("one", MMA_SPLIT)
+@pytest.mark.parametrize("mix", MMA_MIXES)
+def test_tensor_core_one_column_split_over_k(results, mix, one):
+    """gemv_mma_one="split" / "split-p": every one-column GEMV over the type's weights launches
+    gemv_mma_<type>_c1s / c1sp with blocks (32, MMA_WARPS) of 32 / unit-groups rows (grid
+    ceil(N / rows)); none launches the warp-per-row c1[p] or a dp4a GEMV of the type."""
+    t = synth.MIXES[mix].base.name.lower()
+    r = results(Scenario(f"synth-{mix}", script="decode", options=MMA_SPLIT[one]))
+    want = f"gemv_mma_{t}_c1s{'p' if one == 'split-p' else ''}"
+    ones = [x for x in r.dev.launches if x.kernel.startswith(f"gemv_mma_{t}_c1")]
+    assert ones and {x.kernel for x in ones} == {want}, {x.kernel for x in ones}
+    assert not names(r, f"gemv_{t}_")
+    for x in ones:
+        N = int(x.args[5].value)
+        assert x.grid[:2] == (ceil_div(N, 32 // mma_unit_groups(t)), 1), x
+        assert x.block[:2] == (32, MMA_WARPS)
 
 
 @pytest.mark.parametrize("mix", MIXES)
