@@ -706,9 +706,9 @@ __device__ __forceinline__ void gemv_mma_one(Planes P, int K, int N, const signe
 // its rows share each activation load; there are MMA_WARPS times more warps than rows / RW, so
 // a short matrix still fills the SMs. The p variant loads the warp's next unit before this
 // unit's dots.
-// Launch (gemv_mma_<type>_c1s[p]): block (32, MMA_WARPS), grid ceil(N / (32 / UG)); shared
-// MMA_WARPS x 2 x 32 float2 (4 KiB) + MMA_WARPS x RW floats. Rows >= N read row N - 1 and are
-// not written.
+// Launch (gemv_mma_<type>_c1s[p]): block (32, MMA_WARPS), grid ceil(N / RW), RW = 32 / UG, or
+// fewer blocks (each then takes row groups blockIdx.x, + gridDim.x, ...); shared MMA_WARPS x 2
+// x 32 float2 (4 KiB) + MMA_WARPS x RW floats. Rows >= N read row N - 1 and are not written.
 template <class C, bool PF>
 __device__ __forceinline__ void gemv_mma_split(Planes P, int K, int N,
                                                const signed char* __restrict__ qa,
@@ -721,72 +721,75 @@ __device__ __forceinline__ void gemv_mma_split(Planes P, int K, int N,
     __shared__ float slots[MMA_WARPS][RW];
     PDL_ENTRY();
     const int lane = threadIdx.x, warp = threadIdx.y, r = lane / UG, j = lane % UG;
-    const int n0 = blockIdx.x * RW;
     const int G = K / 32, units = (G + UG - 1) / UG;
-    const size_t rb = (size_t)min(n0 + r, N - 1) * (K / Q::QK);
     const u8* ap = reinterpret_cast<const u8*>(qa);
-    float acc = 0.0f;           // lane (r, 0): the running sum of slot `warp` for row n0 + r
-    typename Q::G w;
-    int a[8];
-    float2 e;
-    if (PF && warp * UG + j < G) {
-        const int g = warp * UG + j;
-        ld16(ap + 32 * g, a);
-        ld16(ap + 32 * g + 16, a + 4);
-        e = ads[g];
-        Q::load(P, rb + g / SUB, g % SUB, w);
-    }
     int buf = 0;
-    for (int u = warp; u < units; u += MMA_WARPS) {
-        const int g = u * UG + j;
-        float2 t = make_float2(0.0f, -0.0f);     // past K: fma(0, -0, acc) is acc exactly
-        if constexpr (PF) {
-            typename Q::G wn;
-            int an[8];
-            float2 en;
-            const int gn = g + MMA_WARPS * UG;
-            if (gn < G) {
-                ld16(ap + 32 * gn, an);
-                ld16(ap + 32 * gn + 16, an + 4);
-                en = ads[gn];
-                Q::load(P, rb + gn / SUB, gn % SUB, wn);
-            }
-            if (g < G) t = C::term(w, a, e);
-            w = wn;
-            e = en;
-#pragma unroll
-            for (int i = 0; i < 8; i++) a[i] = an[i];
-        } else if (g < G) {
+    // grid-stride over the row groups (a grid of fewer blocks than N / RW loops)
+    for (int n0 = blockIdx.x * RW; n0 < N; n0 += gridDim.x * RW) {
+        const size_t rb = (size_t)min(n0 + r, N - 1) * (K / Q::QK);
+        float acc = 0.0f;       // lane (r, 0): the running sum of slot `warp` for row n0 + r
+        typename Q::G w;
+        int a[8];
+        float2 e;
+        if (PF && warp * UG + j < G) {
+            const int g = warp * UG + j;
             ld16(ap + 32 * g, a);
             ld16(ap + 32 * g + 16, a + 4);
             e = ads[g];
             Q::load(P, rb + g / SUB, g % SUB, w);
-            t = C::term(w, a, e);
         }
-        float2* tb = terms[warp][buf];
-        tb[lane] = t;
-        __syncwarp();
-        if (j == 0) {
-            const float4* tu = reinterpret_cast<const float4*>(tb + r * UG);
-            float4 v[UG / 2];
+        for (int u = warp; u < units; u += MMA_WARPS) {
+            const int g = u * UG + j;
+            float2 t = make_float2(0.0f, -0.0f);     // past K: fma(0, -0, acc) is acc exactly
+            if constexpr (PF) {
+                typename Q::G wn;
+                int an[8];
+                float2 en;
+                const int gn = g + MMA_WARPS * UG;
+                if (gn < G) {
+                    ld16(ap + 32 * gn, an);
+                    ld16(ap + 32 * gn + 16, an + 4);
+                    en = ads[gn];
+                    Q::load(P, rb + gn / SUB, gn % SUB, wn);
+                }
+                if (g < G) t = C::term(w, a, e);
+                w = wn;
+                e = en;
 #pragma unroll
-            for (int i = 0; i < UG / 2; i++) v[i] = tu[i];
-#pragma unroll
-            for (int i = 0; i < UG / 2; i++) {
-                acc = __fmaf_rn(v[i].x, v[i].y, acc);
-                acc = __fmaf_rn(v[i].z, v[i].w, acc);
+                for (int i = 0; i < 8; i++) a[i] = an[i];
+            } else if (g < G) {
+                ld16(ap + 32 * g, a);
+                ld16(ap + 32 * g + 16, a + 4);
+                e = ads[g];
+                Q::load(P, rb + g / SUB, g % SUB, w);
+                t = C::term(w, a, e);
             }
-        }
-        buf ^= 1;               // the next unit writes the other slice while this one is read
-    }
-    if (j == 0) slots[warp][r] = acc;
-    __syncthreads();
-    if (warp == 0 && lane < RW && n0 + lane < N) {
-        float s = 0.0f;
+            float2* tb = terms[warp][buf];
+            tb[lane] = t;
+            __syncwarp();
+            if (j == 0) {
+                const float4* tu = reinterpret_cast<const float4*>(tb + r * UG);
+                float4 v[UG / 2];
 #pragma unroll
-        for (int v = 0; v < MMA_WARPS; v++) s = __fadd_rn(s, slots[v][lane]);
-        float* o = out + n0 + lane;
-        *o = accumulate ? __fadd_rn(*o, s) : s;
+                for (int i = 0; i < UG / 2; i++) v[i] = tu[i];
+#pragma unroll
+                for (int i = 0; i < UG / 2; i++) {
+                    acc = __fmaf_rn(v[i].x, v[i].y, acc);
+                    acc = __fmaf_rn(v[i].z, v[i].w, acc);
+                }
+            }
+            buf ^= 1;           // the next unit writes the other slice while this one is read
+        }
+        if (j == 0) slots[warp][r] = acc;
+        __syncthreads();
+        if (warp == 0 && lane < RW && n0 + lane < N) {
+            float s = 0.0f;
+#pragma unroll
+            for (int v = 0; v < MMA_WARPS; v++) s = __fadd_rn(s, slots[v][lane]);
+            float* o = out + n0 + lane;
+            *o = accumulate ? __fadd_rn(*o, s) : s;
+        }
+        __syncthreads();        // slots are read before the next row group writes them
     }
 }
 #define GEMV_MMA_SPLIT(name, C)                                                             \

@@ -161,14 +161,16 @@ def test_one_column_kernels_give_the_tiles_bits(mma, name):
     plain = CudaBackend(graphs=False, prefill_gemm_min_tokens=None, gemv_mma=True,
                         gemv_prefetch_rows=0)
     split = {one: CudaBackend(graphs=False, prefill_gemm_min_tokens=None, gemv_mma=True,
-                              gemv_mma_one=one) for one in ("split", "split-p")}
+                              gemv_mma_one=one.replace("loop", "split-p"))
+             for one in ("split", "split-p", "loop")}
+    split["loop"].gemv_split_blocks = 2           # each block loops over row groups
     for n, k in shapes(name):
         t = random_tensor_info(name, n, k, seed=n * k)
         rng = np.random.default_rng(n)
         x = rng.normal(0, 1, (2, k)).astype(np.float32)
         got = {}
         for label, be in (("c1p", mma), ("c1", plain), ("c1s", split["split"]),
-                          ("c1sp", split["split-p"])):
+                          ("c1sp", split["split-p"]), ("c1sp, 2 blocks", split["loop"])):
             w = be.load_matrix([t])
             be.prepare(max_tokens=64, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
             got[label] = on(be, gpu_matmul, be, w, x[:1], n)[0]

@@ -118,6 +118,7 @@ class CudaBackend(Backend):
     gemv_prefetch_rows = _Of("_gemv", "prefetch_rows")
     gemv_mma = _Of("_gemv", "mma")
     gemv_mma_one = _Of("_gemv", "mma_one")
+    gemv_split_blocks = _Of("_gemv", "split_blocks")
     fuse_norm = _Of("_gemv", "fuse_norm")
     moe_group_min_tokens = _Of("_moe", "group_min_tokens")
     prefill_gemm_min_tokens = _Of("_gemm", "min_tokens")

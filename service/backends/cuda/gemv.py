@@ -82,6 +82,8 @@ class GemvOps:
         if mma_one not in MMA_ONE:
             raise ValueError(f"gemv_mma_one must be one of {', '.join(MMA_ONE)}, not {mma_one!r}")
         self.mma_one = mma_one
+        self.split_blocks = 0         # > 0: at most this many blocks of the split kernel (each
+        #                               then loops over row groups); 0: one per row group
         self.rows, self.early, self.prefetch_rows = rows, early, prefetch_rows
         self.mma, self.fuse_norm = mma, fuse_norm
         self.done: Any = None         # (1,) int32 blocks of a fused-norm GEMV done, 0 between
@@ -156,7 +158,9 @@ class GemvOps:
         name = gemv_mma_kernel(C, t, w.n <= self.prefetch_rows and t in GEMV_PREFETCH_TYPES)
         if C == 1 and self.mma_one != "warp":  # the tiles' split of K, a slot's chain a lane
             name = f"gemv_mma_{t}_c1s{'p' if self.mma_one == 'split-p' else ''}"
-            grid, block = (ceil_div(w.n, 32 // mma_unit_groups(t)), 1), (32, MMA_WARPS)
+            groups = ceil_div(w.n, 32 // mma_unit_groups(t))
+            grid = (min(groups, self.split_blocks) if self.split_blocks > 0 else groups, 1)
+            block = (32, MMA_WARPS)
         elif C == 1:                          # one warp per row, the tiles' order of additions
             grid, block = (ceil_div(w.n, GEMV_WARPS), 1), (32, GEMV_WARPS)
         else:
