@@ -21,15 +21,21 @@
 #error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
 #endif
 
-__device__ __forceinline__ void quant_group(float v, signed char* __restrict__ qa,
-                                            float2* __restrict__ ads) {
-    const int lane = threadIdx.x & 31;
+struct QGroup { int q; float2 ds; };        // a lane's code, the group's (d, s)
+__device__ __forceinline__ QGroup quant_group_of(float v) {
     const float amax = warp_max(fabsf(v));
     const float d = amax / 127.0f;
     const int q = amax == 0.0f ? 0 : (int)rintf(v / d);
     const int s = warp_sum_int(q);
-    qa[lane] = (signed char)q;
-    if (lane == 0) *ads = make_float2(d, (float)s);
+    return {q, make_float2(d, (float)s)};
+}
+
+__device__ __forceinline__ void quant_group(float v, signed char* __restrict__ qa,
+                                            float2* __restrict__ ads) {
+    const int lane = threadIdx.x & 31;
+    const QGroup g = quant_group_of(v);
+    qa[lane] = (signed char)g.q;
+    if (lane == 0) *ads = g.ds;
 }
 
 // The block sum of per-thread partial sums s (butterfly per warp, then the warps in order) as
@@ -57,7 +63,10 @@ __device__ __forceinline__ float block_inv_rms(const float* xr, int D, float eps
 // The same value with the row's elements k = tid + blockDim.x i (i < NORM_REGS) loaded into
 // registers first, all loads in flight at once (one load latency instead of D / blockDim.x);
 // xv[i] = 0 past D. For D <= NORM_REGS * blockDim.x (callers check; else block_inv_rms).
-#define NORM_REGS 32
+// NORM_REGS comes as a -D define (kernels.py)
+#if !defined(NORM_REGS)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
 __device__ __forceinline__ float block_inv_rms_regs(const float* xr, int D, float eps,
                                                     float (&xv)[NORM_REGS]) {
 #pragma unroll

@@ -197,3 +197,46 @@ def same_bits_at_every_width(mma, name: str, n: int, k: int) -> None:
         assert np.array_equal(got, alone[0]), (name, n, k, T)
     tail = x[40:].copy()                                  # columns 40.. at positions 0..
     assert np.array_equal(on(mma, gpu_matmul, mma, wm, tail, n), alone[40:])
+
+
+@pytest.mark.parametrize("name", ("Q4_K", "Q6_K", "Q8_0", "Q4_0"))
+def test_the_norm_fused_ahead_of_the_split_kernel_gives_the_two_launches_bits(name):
+    """GemvOps.norm_matmul (gemv_mma_<type>_c1shp: every block computes the RMSNorm, keeps its
+    8-bit blocks in shared memory and writes its share of h and of the blocks) against
+    rms_norm_for_matmul then the split kernel: out, h, and the blocks a second matmul of h
+    reads, bit for bit; with one block per row group and with 3 blocks looping."""
+    from service.backends.cuda.backend import CudaBackend
+
+    be = CudaBackend(graphs=False, prefill_gemm_min_tokens=None, gemv_mma=True,
+                     gemv_mma_one="split-p")
+    rng = np.random.default_rng(3)
+    for n, k in ((37, 768), (70, 2304), (45, 4352)):
+        w = be.load_matrix([random_tensor_info(name, n, k, seed=n + k)])
+        w2 = be.load_matrix([random_tensor_info("Q6_K", 29, k, seed=n + k + 1)])
+        be.prepare(max_tokens=2, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
+        x = cp.asarray(rng.normal(0, 3, (1, k)).astype(np.float32))
+        nw = cp.asarray(rng.normal(1, 0.2, k).astype(np.float32))
+        want = norm_then_matmuls(be, x, nw, w, w2, fused=False)
+        for blocks in (0, 3):
+            be.gemv_split_blocks = blocks
+            got = norm_then_matmuls(be, x, nw, w, w2, fused=True)
+            for a, b, what in zip(got, want, ("out", "h", "second matmul"), strict=True):
+                assert np.array_equal(a, b), (name, n, k, blocks, what)
+        be.gemv_split_blocks = 0
+
+
+def norm_then_matmuls(be, x, nw, w, w2, fused: bool) -> list[np.ndarray]:
+    """(out = h W^T, h = rms_norm(x) * nw, h W2^T) with the norm in its own launch or fused."""
+    k = x.shape[1]
+    h, out, out2 = be.zeros((1, k)), be.zeros((1, w.n)), be.zeros((1, w2.n))
+
+    def run():
+        if fused:
+            assert be._gemv.norm_matmul(x, nw, 1e-5, h, w, out)
+        else:
+            be.rms_norm_for_matmul(x, nw, 1e-5, h)
+            be.matmul(h, w, out)
+        be.matmul(h, w2, out2)            # reads the blocks the first launch left
+
+    on(be, run)
+    return [cp.asnumpy(a) for a in (out, h, out2)]

@@ -96,6 +96,10 @@ NEVER_LAUNCHED = {
         "types.gemv_mma_nc runs 33..64 columns over K-quant weights as two 32-column tiles "
         "(measured faster, kernels.GEMV_MMA_C64_TYPES); compiled for bench/gpu_bench.py's "
         "c64 column, which times them side by side",
+    r"gemv_mma_\w+_c1shp":
+        "the RMSNorm fused ahead of the split one-column kernel (GemvOps.norm_matmul) is "
+        "timed and compared bit for bit against the two launches on the GPU; no model op "
+        "calls it yet",
     r"dequant_f16":
         "the prefill GEMM hands F16 weights to cuBLAS as stored; tests/gpu/"
         "test_prefill_gemm.py launches it through dequant_rows",

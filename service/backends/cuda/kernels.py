@@ -141,6 +141,7 @@ MOE_MAX_EXPERTS = 512     # elementwise.cu moe_route: experts a warp holds (16 a
 MOE_GROUP_THREADS = 1024  # moe.cu moe_group: threads of its one block (a warp per expert)
 MOE_GROUP_CHUNK = 4096    # moe.cu moe_group: expert ids staged in shared memory at a time
 NORM_MAX_THREADS = 256    # act_quant.cuh: the largest norm block (types.norm_block)
+NORM_REGS = 32            # act_quant.cuh: row elements a norm thread holds in registers
 ROPE_KV_MAX_D = 512       # rope_kv.cu: the head size its shared row holds
 ATT_WARPS = 4             # attention.cu: block (32, ATT_WARPS)
 ATT_MAX_D, ATT_MAX_DV = 512, 256   # attention.cu: head sizes (K, V) its shared memory holds
@@ -187,7 +188,7 @@ def cuda_defines() -> dict[str, int | str]:
             "ROW_THREADS": ROW_THREADS,
             "MOE_ROUTE_THREADS": MOE_ROUTE_THREADS, "MOE_GROUP_THREADS": MOE_GROUP_THREADS,
             "MOE_GROUP_CHUNK": MOE_GROUP_CHUNK, "MOE_MAX_EXPERTS": MOE_MAX_EXPERTS,
-            "NORM_MAX_THREADS": NORM_MAX_THREADS,
+            "NORM_MAX_THREADS": NORM_MAX_THREADS, "NORM_REGS": NORM_REGS,
             "ROPE_KV_MAX_D": ROPE_KV_MAX_D, "ATT_WARPS": ATT_WARPS, "ATT_MAX_D": ATT_MAX_D,
             "ATT_MAX_DV": ATT_MAX_DV, "AT_ROWS": AT_ROWS, "AT_KEYS": AT_KEYS,
             "AT_WARPS": AT_WARPS, "ARGMAX_THREADS": ARGMAX_THREADS,
@@ -206,7 +207,8 @@ GEMV_VARIANTS = ((1, 1), (1, 2), (2, 2), (4, 2), (8, 2), (16, 2), (2, 4), (4, 4)
                  (16, 4))
 # gemv_mma.cu: gemv_mma_<type>_c<NC> (tiles of NC columns), gemv_mma_<type>_c1[p][n] (one
 # column in the tiles' order of additions, a warp per row; n: with the residual add and the next
-# RMSNorm) and gemv_mma_<type>_c1s[p] (the same bits, the tiles' split of K over a block's warps)
+# RMSNorm), gemv_mma_<type>_c1s[p] (the same bits, the tiles' split of K over a block's warps)
+# and gemv_mma_<type>_c1shp (c1sp with the RMSNorm ahead of it computed in every block)
 GEMV_MMA_TYPES = ("q4_k", "q6_k", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q5_k")
 GEMV_MMA_NC = tuple(MMA_TILE_M)     # the tiles' columns
 # Types whose steps of 33..64 rows take the 64-column tile; the others (the K-quants, whose
@@ -257,6 +259,9 @@ FAMILIES = (
     Family("gemv_mma_{t}_c1s{v}", "gemv_mma.cu",
            f"{_PLANES} K,N:i32 qa,ads:ptr n_cols:i32 out:ptr ldo,accumulate:i32",
            _each(t=GEMV_MMA_TYPES, v=("", "p")), keeps_blocks=True),
+    Family("gemv_mma_{t}_c1shp", "gemv_mma.cu",
+           f"{_PLANES} K,N:i32 x,nw:ptr eps:f32 h,hqa,hads,out:ptr accumulate:i32",
+           _each(t=GEMV_MMA_TYPES)),
     Family("gemv_mma_{t}_c1{v}n", "gemv_mma.cu",
            f"{_PLANES} K,N:i32 qa,ads,out,done,nw:ptr eps:f32 B:i32 h,hqa,hads:ptr",
            (*_each(t=GEMV_MMA_TYPES, v=("",)), *_each(t=GEMV_PREFETCH_TYPES, v=("p",))),
