@@ -240,3 +240,36 @@ def norm_then_matmuls(be, x, nw, w, w2, fused: bool) -> list[np.ndarray]:
 
     on(be, run)
     return [cp.asnumpy(a) for a in (out, h, out2)]
+
+
+@pytest.mark.parametrize("model", ["tiny-llama-mixq", "tiny-qwen3", "tiny-qwen3moe", "smollm2"])
+def test_decode_with_the_split_kernels_and_the_norm_ahead_gives_the_warp_kernels_bits(model):
+    """A model's prefill and 6 decode steps with gemv_mma_one="split-p" (one-row GEMVs split
+    over K, every dense-matmul RMSNorm computed in the GEMV after it: Backend.norm_ahead)
+    against the warp-per-row one-column kernels of the same mode: every step's logits bit for
+    bit (the mode's bits are one order of additions, whichever kernel computes them). The
+    tiny models' rows are too short for the fused norm (a norm block of fewer than 256
+    threads): they check the split kernels; SmolLM2's 576 checks both."""
+    from service.backends.cuda.backend import CudaBackend
+    from service.model.transformer import positions_for
+    from tests.support.models import build_model, model_path
+
+    model_path(model, fetch=False)        # skips the test when a real model is not in place
+    got = {}
+    for one in ("warp", "split-p"):
+        be = CudaBackend(graphs=False, gemv_mma=True, gemv_mma_one=one)
+        assert be.norm_ahead == (one != "warp")
+        tr = build_model(model, be, n_ctx=64, max_tokens=16, fetch=False)
+        slots = np.zeros(1, np.int32)
+        prompt = np.array([11, 29, 7, 301, 45, 8, 19, 3], np.int32) % tr.spec.vocab_size
+        rows = [be.to_host(tr.forward(prompt, positions_for(0, 8), np.zeros(8, np.int32), 8,
+                                      1)).copy()]
+        tok = int(rows[-1].argmax())
+        for p in range(8, 14):
+            logits = be.to_host(tr.forward(np.array([tok], np.int32), positions_for(p, 1),
+                                           slots, p + 1, 1)).copy()
+            rows.append(logits)
+            tok = int(logits.argmax())
+        got[one] = rows
+    for i, (a, b) in enumerate(zip(got["split-p"], got["warp"], strict=True)):
+        assert np.array_equal(a, b), (model, i)

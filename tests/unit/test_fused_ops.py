@@ -159,3 +159,43 @@ def test_decode_layer_is_written_with_the_fused_ops():
     assert top[0] == "embed" and top[-2:] == ["rms_norm_for_matmul", "matmul"]
     body = top[1:-2]
     assert body == layer * spec.n_layer, body[:len(layer) + 2]
+
+
+class NormAheadCpu(RecordingCpu):
+    """The recording CPU reference claiming that matmuls compute the RMSNorm ahead of them best
+    (Backend.norm_ahead, the CUDA backend's split tensor-core mode), its rms_norm_matmul noted
+    as one op."""
+
+    norm_ahead = True
+
+
+NormAheadCpu.rms_norm_matmul = _recorded("rms_norm_matmul")
+
+
+@pytest.mark.parametrize("model", ["tiny-llama-mixq", "tiny-qwen3", "tiny-qwen3moe"])
+def test_with_norm_ahead_each_norm_rides_in_the_matmul_after_it_with_the_same_bits(model):
+    """Backend.norm_ahead: every RMSNorm that feeds a dense matmul (attention input, FFN input,
+    output norm) is asked of that matmul (rms_norm_matmul), none of the residual adds computes
+    one (matmul_add_norm would), a mixture-of-experts layer's input norm stays its own op; the
+    logits and the KV rows a decode step leaves equal the default sequence's bit for bit."""
+    plain, ahead = RecordingCpu(), NormAheadCpu()
+    got = {}
+    for be in (plain, ahead):
+        tr = build_model(model, be, n_ctx=16, max_tokens=4)
+        ids, pos, slots = np.array([5], np.int32), positions_for(3, 1), np.zeros(1, np.int32)
+        tr.forward(np.array([7, 9, 11], np.int32), positions_for(0, 3), np.zeros(3, np.int32),
+                   3, 1)
+        be.calls.clear()
+        logits = be.to_host(tr.forward(ids, pos, slots, 4, 1)).copy()
+        got[be is ahead] = (logits, [be.to_host(a).copy() for a in tr.cache.k + tr.cache.v],
+                            list(be.calls), tr)
+    assert np.array_equal(got[True][0], got[False][0])
+    for a, b in zip(got[True][1], got[False][1], strict=True):
+        assert np.array_equal(a, b)
+    calls, tr = got[True][2], got[True][3]
+    assert "rms_norm_for_matmul" not in calls or any(lay.moe for lay in tr.spec.layers)
+    dense = sum(not lay.moe for lay in tr.spec.layers)
+    # per layer: the attention input; per dense layer: the FFN input; then the output norm
+    assert calls.count("rms_norm_matmul") == tr.spec.n_layer + dense + 1, calls
+    assert calls[-1] == "rms_norm_matmul"
+    assert calls.count("rms_norm_for_matmul") == tr.spec.n_layer - dense

@@ -172,6 +172,12 @@ class GemvOps:
                                I32(1 if accumulate else 0)])
         self._blocks.wrote(out)
 
+    @property
+    def norm_ahead(self) -> bool:
+        """One-row matmuls after an RMSNorm compute it themselves (norm_matmul): the split
+        tensor-core mode without fuse_norm (which puts the norm in the residual GEMV instead)."""
+        return self.mma and self.mma_one != "warp" and not self.fuse_norm
+
     def norm_matmul(self, x, norm_w, eps: float, h, w: CudaMatrix, out) -> bool:
         """One row: h = rms_norm(x) * norm_w with its 8-bit blocks, and out = h W^T, in one
         launch (gemv_mma_<type>_c1shp: every block computes the norm, the bits of
