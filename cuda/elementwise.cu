@@ -46,9 +46,12 @@
 #include "rope.cuh"
 #include "glu.cuh"
 
-// ROW_THREADS (256), MOE_ROUTE_THREADS (64) and MOE_MAX_EXPERTS (512) come as -D defines
-// (service/backends/cuda/kernels.py).
+// ROW_THREADS (256), MOE_ROUTE_THREADS (64), MOE_MAX_EXPERTS (512) and NORM_REGS (32) come as
+// -D defines (service/backends/cuda/kernels.py).
 #if !defined(ROW_THREADS) || !defined(MOE_ROUTE_THREADS) || !defined(MOE_MAX_EXPERTS)
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
+#if !defined(NORM_REGS)
 #error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
 #endif
 

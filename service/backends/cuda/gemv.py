@@ -201,7 +201,7 @@ class GemvOps:
         self._launcher.launch(f"gemv_mma_{t}_c1shp", grid, (32, MMA_WARPS),
                               [*w.args(), I32(D), I32(w.n), x, norm_w, F32(eps), h, qa, ads,
                                out, I32(0)], shared_mem=D + D // 32 * 8)
-        self._blocks.made(matrix_key(h))
+        self._blocks.made(matrix_key(h))      # the blocks it wrote are h's (out is not h)
         return True
 
     def matmul_add_norm(self, x, w: CudaMatrix, out, norm_w, eps: float, h,

@@ -261,7 +261,7 @@ FAMILIES = (
            _each(t=GEMV_MMA_TYPES, v=("", "p")), keeps_blocks=True),
     Family("gemv_mma_{t}_c1shp", "gemv_mma.cu",
            f"{_PLANES} K,N:i32 x,nw:ptr eps:f32 h,hqa,hads,out:ptr accumulate:i32",
-           _each(t=GEMV_MMA_TYPES)),
+           _each(t=GEMV_MMA_TYPES), keeps_blocks=True),
     Family("gemv_mma_{t}_c1{v}n", "gemv_mma.cu",
            f"{_PLANES} K,N:i32 qa,ads,out,done,nw:ptr eps:f32 B:i32 h,hqa,hads:ptr",
            (*_each(t=GEMV_MMA_TYPES, v=("",)), *_each(t=GEMV_PREFETCH_TYPES, v=("p",))),
