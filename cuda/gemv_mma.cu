@@ -411,6 +411,9 @@ struct Mma32 {
 #if !defined(MMA_U32)
 #error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
 #endif
+#if !defined(NORM_REGS)       // (32) the norm ahead of the split kernel, as act_quant.cuh's
+#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
+#endif
 using MmaQ8_0 = Mma32<MMA_U32, BlkQ8_0>;
 using MmaQ4_0 = Mma32<MMA_U32, BlkQ4_0>;
 using MmaQ4_1 = Mma32<MMA_U32, BlkQ4_1>;
