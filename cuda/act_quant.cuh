@@ -21,21 +21,15 @@
 #error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
 #endif
 
-struct QGroup { int q; float2 ds; };        // a lane's code, the group's (d, s)
-__device__ __forceinline__ QGroup quant_group_of(float v) {
+__device__ __forceinline__ void quant_group(float v, signed char* __restrict__ qa,
+                                            float2* __restrict__ ads) {
+    const int lane = threadIdx.x & 31;
     const float amax = warp_max(fabsf(v));
     const float d = amax / 127.0f;
     const int q = amax == 0.0f ? 0 : (int)rintf(v / d);
     const int s = warp_sum_int(q);
-    return {q, make_float2(d, (float)s)};
-}
-
-__device__ __forceinline__ void quant_group(float v, signed char* __restrict__ qa,
-                                            float2* __restrict__ ads) {
-    const int lane = threadIdx.x & 31;
-    const QGroup g = quant_group_of(v);
-    qa[lane] = (signed char)g.q;
-    if (lane == 0) *ads = g.ds;
+    qa[lane] = (signed char)q;
+    if (lane == 0) *ads = make_float2(d, (float)s);
 }
 
 // The block sum of per-thread partial sums s (butterfly per warp, then the warps in order) as

@@ -411,9 +411,6 @@ struct Mma32 {
 #if !defined(MMA_U32)
 #error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
 #endif
-#if !defined(NORM_REGS)       // (32) the norm ahead of the split kernel, as act_quant.cuh's
-#error "compile with the shared -D defines (service/backends/cuda/sources.py OPTIONS)"
-#endif
 using MmaQ8_0 = Mma32<MMA_U32, BlkQ8_0>;
 using MmaQ4_0 = Mma32<MMA_U32, BlkQ4_0>;
 using MmaQ4_1 = Mma32<MMA_U32, BlkQ4_1>;
@@ -803,70 +800,6 @@ __device__ __forceinline__ void gemv_mma_split(Planes P, int K, int N,
     gemv_mma_split_rows<C, PF>(P, K, N, qa, ads, out, accumulate);
 }
 
-// gemv_mma_<type>_c1sh[p]: the RMSNorm ahead of the split kernel, in every block. Each block
-// computes h = rms_norm(x) * nw and its 8-bit blocks exactly as rms_norm_quant's register path
-// with B = 32 MMA_WARPS threads (thread (lane, warp) is that kernel's thread 32 warp + lane:
-// the same partial sums, butterflies, warp order and 32-groups), keeps the blocks in shared
-// memory for its own GEMV, and writes h and the blocks of the groups g with g mod gridDim.x ==
-// blockIdx.x to global memory (h may be null) for the matmuls after it. Needs
-// norm_block(K) == B and K <= NORM_REGS * B (GemvOps.norm_matmul checks). Dynamic shared
-// memory: K bytes of codes + K / 32 float2. Launch as c1s[p]; a grid of fewer blocks than row
-// groups amortizes the norm (each block loops over row groups).
-template <class C, bool PF>
-__device__ __forceinline__ void gemv_mma_split_normed(Planes P, int K, int N,
-                                                      const float* __restrict__ x,
-                                                      const float* __restrict__ nw, float eps,
-                                                      float* __restrict__ h,
-                                                      signed char* __restrict__ hqa,
-                                                      float2* __restrict__ hads,
-                                                      float* __restrict__ out, int accumulate) {
-    constexpr int B = WARP * MMA_WARPS;
-    extern __shared__ __align__(16) unsigned char dyn[];
-    signed char* sqa = reinterpret_cast<signed char*>(dyn);
-    float2* sads = reinterpret_cast<float2*>(dyn + K);
-    __shared__ float part[MMA_WARPS];
-    const int lane = threadIdx.x, warp = threadIdx.y, tid = WARP * warp + lane;
-    float xv[NORM_REGS], wv[NORM_REGS];
-#pragma unroll
-    for (int i = 0; i < NORM_REGS; i++) {          // the norm weights do not wait
-        const int k = tid + B * i;
-        wv[i] = k < K ? nw[k] : 0.0f;
-    }
-    PDL_ENTRY();
-#pragma unroll
-    for (int i = 0; i < NORM_REGS; i++) {
-        const int k = tid + B * i;
-        xv[i] = k < K ? __ldcg(x + k) : 0.0f;
-    }
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NORM_REGS; i++)
-        if (tid + B * i < K) s = __fadd_rn(s, __fmul_rn(xv[i], xv[i]));
-    s = warp_sum(s);                                 // block_inv_rms_of with B threads
-    if (lane == 0) part[warp] = s;
-    __syncthreads();
-    float tot = 0.0f;
-    for (int k = 0; k < MMA_WARPS; k++) tot += part[k];
-    const float rr = 1.0f / sqrtf(__fadd_rn(tot / (float)K, eps));
-#pragma unroll
-    for (int i = 0; i < NORM_REGS; i++) {
-        const int k = tid + B * i, k0 = k - lane;
-        if (k0 < K) {                                // warp-uniform: a whole 32-group
-            const float v = __fmul_rn(__fmul_rn(xv[i], rr), wv[i]);
-            const QGroup g = quant_group_of(v);
-            sqa[k] = (signed char)g.q;
-            if (lane == 0) sads[k0 / 32] = g.ds;
-            if ((k0 / 32) % gridDim.x == blockIdx.x) {
-                if (h != nullptr) h[k] = v;
-                hqa[k] = (signed char)g.q;
-                if (lane == 0) hads[k0 / 32] = g.ds;
-            }
-        }
-    }
-    __syncthreads();
-    gemv_mma_split_rows<C, PF>(P, K, N, sqa, sads, out, accumulate);
-}
-
 #define GEMV_MMA_SPLIT(name, C)                                                             \
     extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)                            \
     gemv_mma_##name##_c1s(const u8* p0, const u8* p1, const u8* p2, const u8* p3, int K,    \
@@ -879,13 +812,6 @@ __device__ __forceinline__ void gemv_mma_split_normed(Planes P, int K, int N,
                            int N, const signed char* qa, const float2* ads, int n_cols,     \
                            float* out, int ldo, int accumulate) {                           \
         gemv_mma_split<C, true>(Planes{p0, p1, p2, p3}, K, N, qa, ads, out, accumulate);    \
-    }                                                                                       \
-    extern "C" __global__ void __launch_bounds__(32 * MMA_WARPS)                            \
-    gemv_mma_##name##_c1shp(const u8* p0, const u8* p1, const u8* p2, const u8* p3, int K,  \
-                            int N, const float* x, const float* nw, float eps, float* h,    \
-                            signed char* hqa, float2* hads, float* out, int accumulate) {   \
-        gemv_mma_split_normed<C, true>(Planes{p0, p1, p2, p3}, K, N, x, nw, eps, h, hqa,     \
-                                       hads, out, accumulate);                              \
     }
 
 // gemv_mma_<type>_c1[p]n: one column, residual add (out += W x), then the next RMSNorm, as

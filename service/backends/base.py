@@ -140,9 +140,6 @@ class Backend(abc.ABC):
     # is shared with everything else on the machine, and the prefix cache fills whatever pool
     # it is given over time, so a quarter of it.
     kv_pool_share: float = 0.25
-    # the matmul after an RMSNorm computes it best (rms_norm_matmul): the model then leaves the
-    # norm out of the residual op before it (matmul_add_norm) and asks for rms_norm_matmul
-    norm_ahead: bool = False
 
     # ---------------------------------------------------------------- memory
     @abc.abstractmethod
@@ -372,14 +369,6 @@ class Backend(abc.ABC):
         tmp (T, N) is scratch the backend may use; its contents are unspecified afterwards."""
         self.matmul(x, w, tmp, segments)
         self.add(out, tmp, out)
-
-    def rms_norm_matmul(self, x: Array, norm_w: Array, eps: float, h: Array, w: Any,
-                        out: Array, segments: Segments = None) -> None:
-        """rms_norm_for_matmul(x, norm_w, eps, h), then matmul(h, w, out, segments), rounded as
-        the two ops (a backend may run them as one launch, the matmul computing the norm ahead
-        of itself: see `norm_ahead`); h stays prepared for matmuls."""
-        self.rms_norm_for_matmul(x, norm_w, eps, h)
-        self.matmul(h, w, out, segments)
 
     def matmul_add_norm(self, x: Array, w: Any, out: Array, tmp: Array, norm_w: Array,
                         eps: float, h: Array, segments: Segments = None) -> None:

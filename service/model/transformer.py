@@ -103,13 +103,6 @@ class Transformer:
         for w, c0, c1 in parts:
             self.backend.matmul(x, w, out[:, c0:c1], segments)
 
-    def _norm_matmuls(self, x, norm, h, parts, out, segments=None) -> None:
-        """h = rms_norm(x) * norm for the matmuls of `parts` into out; the first one may compute
-        the norm ahead of itself (Backend.rms_norm_matmul)."""
-        (w, c0, c1), rest = parts[0], parts[1:]
-        self.backend.rms_norm_matmul(x, norm, self.spec.rms_eps, h, w, out[:, c0:c1], segments)
-        self._matmuls(h, rest, out, segments)
-
     def forward(self, ids, positions, slots, kv_len: int, n_logits: int = 1, epilogue=None,
                 kv_positions=None, attn_lo=None, attn_mask=None,
                 hidden: HiddenOut | None = None, segments: Segmented | None = None,
@@ -225,10 +218,9 @@ class Transformer:
             H, Q, G = lay.n_head, lay.n_head * hd, lay.n_head * lay.attn_gate
             qkv = self._rows(self.ws_qkv, T, Q + K + V + G)             # (T, Q+K+V+G)
             attn = self._rows(self.ws_attn, T, H * hv)                  # (T, H*Dv)
-            if normed:
-                self._matmuls(h, L.qkv, qkv, mm)                        # (T, Q+K+V+G)
-            else:                         # h = rms_norm(x), (T, E), then the same
-                self._norm_matmuls(x, L.attn_norm, h, L.qkv, qkv, mm)
+            if not normed:
+                be.rms_norm_for_matmul(x, L.attn_norm, eps, h)          # (T, E)
+            self._matmuls(h, L.qkv, qkv, mm)                            # (T, Q+K+V+G)
             if L.qkv_bias is not None:
                 be.add(qkv, L.qkv_bias, qkv)
             q = qkv[:, :Q].reshape(T, H, hd)                            # (T, H, hd)
@@ -249,10 +241,7 @@ class Transformer:
             if G:
                 g = qkv[:, Q + K + V:].reshape(T, H, lay.attn_gate)     # (T, H, 1 | hv)
                 be.softplus_gate(a, g)
-            ahead = be.norm_ahead and not lay.moe     # the gate|up matmul computes the norm
-            normed = self._residual(attn, L.wo, L.post_attn_norm, o, x,
-                                    None if ahead else L.ffn_norm, h, mm)
-            if not normed and not ahead:
+            if not self._residual(attn, L.wo, L.post_attn_norm, o, x, L.ffn_norm, h, mm):
                 be.rms_norm_for_matmul(x, L.ffn_norm, eps, h)           # (T, E)
             if lay.moe:
                 m = s.moe
@@ -274,14 +263,10 @@ class Transformer:
             else:
                 ff = s.n_ff
                 gu, act = self._rows(self.ws_gu, T, 2 * ff), self._rows(self.ws_act, T, ff)
-                if ahead and not normed:  # h = rms_norm(x) in the first gate|up matmul
-                    self._norm_matmuls(x, L.ffn_norm, h, L.gate_up, gu, mm)
-                else:
-                    self._matmuls(h, L.gate_up, gu, mm)                 # (T, 2F)
+                self._matmuls(h, L.gate_up, gu, mm)                     # (T, 2F)
                 be.glu_for_matmul(gu[:, :ff], gu[:, ff:], s.traits.activation.value, act)
                 # the next layer's input norm, or the output norm when every row has logits
-                # (none when the next matmul computes the norm ahead of itself)
-                nxt = (None if be.norm_ahead else W.layers[i + 1].attn_norm if i + 1 < n
+                nxt = (W.layers[i + 1].attn_norm if i + 1 < n
                        else W.output_norm if n_logits == T and mm is None else None)
                 normed = self._residual(act, L.down, L.post_ffw_norm, o, x, nxt, h, mm)
         if n in taps:                     # the final residual, before the output norm
@@ -293,11 +278,10 @@ class Transformer:
             for j, r in enumerate(segments.logit_rows):
                 be.copy_rows(x[r:r + 1], o[j:j + 1])
             xs = o[:n_logits]
+        if not normed:                    # (normed here: the output norm, every row has logits)
+            be.rms_norm_for_matmul(xs, W.output_norm, eps, hs)
         logits = self.ws_logits[:n_logits]
-        if normed:                        # the output norm, every row has logits
-            be.matmul(hs, W.output, logits)                             # (n, V)
-        else:
-            be.rms_norm_matmul(xs, W.output_norm, eps, hs, W.output, logits)
+        be.matmul(hs, W.output, logits)                                 # (n, V)
         return logits
 
     def _residual(self, a, w, post_norm, o, x, norm=None, h=None, mm=None) -> bool:

@@ -199,57 +199,11 @@ def same_bits_at_every_width(mma, name: str, n: int, k: int) -> None:
     assert np.array_equal(on(mma, gpu_matmul, mma, wm, tail, n), alone[40:])
 
 
-@pytest.mark.parametrize("name", ("Q4_K", "Q6_K", "Q8_0", "Q4_0"))
-def test_the_norm_fused_ahead_of_the_split_kernel_gives_the_two_launches_bits(name):
-    """GemvOps.norm_matmul (gemv_mma_<type>_c1shp: every block computes the RMSNorm, keeps its
-    8-bit blocks in shared memory and writes its share of h and of the blocks) against
-    rms_norm_for_matmul then the split kernel: out, h, and the blocks a second matmul of h
-    reads, bit for bit; with one block per row group and with 3 blocks looping."""
-    from service.backends.cuda.backend import CudaBackend
-
-    be = CudaBackend(graphs=False, prefill_gemm_min_tokens=None, gemv_mma=True,
-                     gemv_mma_one="split-p")
-    rng = np.random.default_rng(3)
-    for n, k in ((37, 768), (70, 2304), (45, 4352)):
-        w = be.load_matrix([random_tensor_info(name, n, k, seed=n + k)])
-        w2 = be.load_matrix([random_tensor_info("Q6_K", 29, k, seed=n + k + 1)])
-        be.prepare(max_tokens=2, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
-        x = cp.asarray(rng.normal(0, 3, (1, k)).astype(np.float32))
-        nw = cp.asarray(rng.normal(1, 0.2, k).astype(np.float32))
-        want = norm_then_matmuls(be, x, nw, w, w2, fused=False)
-        for blocks in (0, 3):
-            be.gemv_split_blocks = blocks
-            got = norm_then_matmuls(be, x, nw, w, w2, fused=True)
-            for a, b, what in zip(got, want, ("out", "h", "second matmul"), strict=True):
-                assert np.array_equal(a, b), (name, n, k, blocks, what)
-        be.gemv_split_blocks = 0
-
-
-def norm_then_matmuls(be, x, nw, w, w2, fused: bool) -> list[np.ndarray]:
-    """(out = h W^T, h = rms_norm(x) * nw, h W2^T) with the norm in its own launch or fused."""
-    k = x.shape[1]
-    h, out, out2 = be.zeros((1, k)), be.zeros((1, w.n)), be.zeros((1, w2.n))
-
-    def run():
-        if fused:
-            assert be._gemv.norm_matmul(x, nw, 1e-5, h, w, out)
-        else:
-            be.rms_norm_for_matmul(x, nw, 1e-5, h)
-            be.matmul(h, w, out)
-        be.matmul(h, w2, out2)            # reads the blocks the first launch left
-
-    on(be, run)
-    return [cp.asnumpy(a) for a in (out, h, out2)]
-
-
 @pytest.mark.parametrize("model", ["tiny-llama-mixq", "tiny-qwen3", "tiny-qwen3moe", "smollm2"])
-def test_decode_with_the_split_kernels_and_the_norm_ahead_gives_the_warp_kernels_bits(model):
-    """A model's prefill and 6 decode steps with gemv_mma_one="split-p" (one-row GEMVs split
-    over K, every dense-matmul RMSNorm computed in the GEMV after it: Backend.norm_ahead)
-    against the warp-per-row one-column kernels of the same mode: every step's logits bit for
-    bit (the mode's bits are one order of additions, whichever kernel computes them). The
-    tiny models' rows are too short for the fused norm (a norm block of fewer than 256
-    threads): they check the split kernels; SmolLM2's 576 checks both."""
+def test_decode_with_the_split_one_column_kernel_gives_the_warp_kernels_bits(model):
+    """A model's 8-token prefill and 6 decode steps with gemv_mma_one="split-p" (one-row GEMVs
+    split over K as the tiles split it) against the warp-per-row one-column kernels of the same
+    mode: every step's logits bit for bit (one order of additions, whichever kernel)."""
     from service.backends.cuda.backend import CudaBackend
     from service.model.transformer import positions_for
     from tests.support.models import build_model, model_path
@@ -258,18 +212,19 @@ def test_decode_with_the_split_kernels_and_the_norm_ahead_gives_the_warp_kernels
     got = {}
     for one in ("warp", "split-p"):
         be = CudaBackend(graphs=False, gemv_mma=True, gemv_mma_one=one)
-        assert be.norm_ahead == (one != "warp")
         tr = build_model(model, be, n_ctx=64, max_tokens=16, fetch=False)
-        slots = np.zeros(1, np.int32)
-        prompt = np.array([11, 29, 7, 301, 45, 8, 19, 3], np.int32) % tr.spec.vocab_size
-        rows = [be.to_host(tr.forward(prompt, positions_for(0, 8), np.zeros(8, np.int32), 8,
-                                      1)).copy()]
-        tok = int(rows[-1].argmax())
+        dev = [be.zeros((16,), "int32") for _ in range(3)]
+
+        def run(tokens, start, tr=tr, be=be, dev=dev):
+            n = len(tokens)
+            be.upload_ints(np.asarray(tokens, np.int32) % tr.spec.vocab_size, dev[0])
+            be.upload_ints(positions_for(start, n), dev[1])
+            be.upload_ints(np.zeros(n, np.int32), dev[2])
+            return be.to_host(tr.forward(dev[0][:n], dev[1][:n], dev[2][:n], start + n, 1))
+
+        rows = [run([11, 29, 7, 301, 45, 8, 19, 3], 0)]
         for p in range(8, 14):
-            logits = be.to_host(tr.forward(np.array([tok], np.int32), positions_for(p, 1),
-                                           slots, p + 1, 1)).copy()
-            rows.append(logits)
-            tok = int(logits.argmax())
+            rows.append(run([int(rows[-1].argmax())], p))
         got[one] = rows
     for i, (a, b) in enumerate(zip(got["split-p"], got["warp"], strict=True)):
         assert np.array_equal(a, b), (model, i)

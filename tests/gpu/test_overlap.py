@@ -34,10 +34,10 @@ def test_overlapped_loop_streams_what_the_one_step_loop_streams_on_cuda(model):
         fed = 0
         inner = on.runner.submit
 
-        def submit(inp, feed=None):
+        def submit(inp, feed=None, *rest, **kw):
             nonlocal fed
             fed += feed is not None
-            return inner(inp, feed)
+            return inner(inp, feed, *rest, **kw)
 
         on.runner.submit = submit
         free, _ = together(off, requests())

@@ -35,7 +35,7 @@ def test_tensor_core_gemv_takes_the_smallest_tile_that_holds_the_columns():
     at 32 (33..64 columns: two 32-column tiles); each tile registered for every type, and the
     one-column kernel (c1; c1p for the prefetching types) that gemv_mma_kernel picks at 1, its
     residual GEMV + RMSNorm forms (c1n, c1pn), and for every type the one column split over K
-    (c1s, c1sp) and its form with the RMSNorm ahead (c1shp)."""
+    (c1s, c1sp)."""
     widths = (1, 8, 9, 16, 17, 32, 33, 64, 65, 200)
     got = {t: gemv_mma_nc(t, "q8_0") for t in widths}
     assert got == {1: 8, 8: 8, 9: 16, 16: 16, 17: 32, 32: 32, 33: 64, 64: 64, 65: 64, 200: 64}
@@ -49,7 +49,7 @@ def test_tensor_core_gemv_takes_the_smallest_tile_that_holds_the_columns():
     names = {k for k in registry() if k.startswith("gemv_mma_")}
     types = {n.rsplit("_c", 1)[0][len("gemv_mma_"):] for n in names}
     assert types == set(GEMV_MMA_TYPES)
-    split = {f"gemv_mma_{t}_c1{v}" for t in types for v in ("s", "sp", "shp")}
+    split = {f"gemv_mma_{t}_c1{v}" for t in types for v in ("s", "sp")}
     assert names == {f"gemv_mma_{t}_c{nc}" for t in types for nc in (*GEMV_MMA_NC, 1)} | {
         f"gemv_mma_{t}_c1p" for t in GEMV_PREFETCH_TYPES} | {      # and the fused-norm ones
         f"gemv_mma_{t}_c1n" for t in types} | {

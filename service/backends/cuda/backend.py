@@ -214,15 +214,6 @@ class CudaBackend(Backend):
     def matmul(self, x, w: CudaMatrix, out, segments=None):
         self._matmul(x, w, out, False, segments)
 
-    @property
-    def norm_ahead(self) -> bool:
-        return self._gemv.norm_ahead
-
-    def rms_norm_matmul(self, x, norm_w, eps, h, w, out, segments=None):
-        if segments is None and self._gemv.norm_matmul(x, norm_w, eps, h, w, out):
-            return
-        super().rms_norm_matmul(x, norm_w, eps, h, w, out, segments)
-
     def matmul_add(self, x, w: CudaMatrix, out, tmp, segments=None):
         del tmp                               # the GEMV (or GEMM, beta = 1) adds into out
         self._matmul(x, w, out, True, segments)

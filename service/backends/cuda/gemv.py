@@ -49,7 +49,6 @@ from service.backends.cuda.kernels import (
     GEMV_PREFETCH_TYPES,
     GEMV_WARPS,
     MMA_WARPS,
-    NORM_REGS,
     QUANT_WARPS,
     mma_rows,
     mma_unit_groups,
@@ -171,38 +170,6 @@ class GemvOps:
                               [*w.args(), I32(w.k), I32(w.n), qa, ads, I32(C), out, I32(ldo),
                                I32(1 if accumulate else 0)])
         self._blocks.wrote(out)
-
-    @property
-    def norm_ahead(self) -> bool:
-        """One-row matmuls after an RMSNorm compute it themselves (norm_matmul): the split
-        tensor-core mode without fuse_norm (which puts the norm in the residual GEMV instead)."""
-        return self.mma and self.mma_one != "warp" and not self.fuse_norm
-
-    def norm_matmul(self, x, norm_w, eps: float, h, w: CudaMatrix, out) -> bool:
-        """One row: h = rms_norm(x) * norm_w with its 8-bit blocks, and out = h W^T, in one
-        launch (gemv_mma_<type>_c1shp: every block computes the norm, the bits of
-        rms_norm_quant then gemv_mma_<type>_c1sp). False, launching nothing, where it does not
-        apply (not the split tensor-core mode, not one row of a quantized type of the family, a
-        row length whose norm block is not 32 MMA_WARPS threads or past NORM_REGS of them)."""
-        T, _, _, _, D = view_rows(x)
-        t = w.layout.kernel
-        fused = (self.mma and self.mma_one != "warp" and T == 1 and x.ndim == 2
-                 and w.layout.quantized and t in GEMV_MMA_TYPES and w.k == D
-                 and h.shape == x.shape and norm_w.shape == (D,) and out.shape == (1, w.n)
-                 and norm_block(D) == 32 * MMA_WARPS and D <= NORM_REGS * 32 * MMA_WARPS
-                 and self._blocks.room(1, D))
-        if not fused:
-            return False
-        for a, what in ((x, "x"), (norm_w, "norm_w"), (h, "h"), (out, "out")):
-            check_dtype(a, np.float32, f"norm_matmul {what}")
-        groups = ceil_div(w.n, 32 // mma_unit_groups(t))
-        grid = (min(groups, self.split_blocks) if self.split_blocks > 0 else groups, 1)
-        qa, ads = self._blocks.args(1, D)
-        self._launcher.launch(f"gemv_mma_{t}_c1shp", grid, (32, MMA_WARPS),
-                              [*w.args(), I32(D), I32(w.n), x, norm_w, F32(eps), h, qa, ads,
-                               out, I32(0)], shared_mem=D + D // 32 * 8)
-        self._blocks.made(matrix_key(h))      # the blocks it wrote are h's (out is not h)
-        return True
 
     def matmul_add_norm(self, x, w: CudaMatrix, out, norm_w, eps: float, h,
                         gemm: bool) -> bool:

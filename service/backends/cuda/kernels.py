@@ -207,8 +207,7 @@ GEMV_VARIANTS = ((1, 1), (1, 2), (2, 2), (4, 2), (8, 2), (16, 2), (2, 4), (4, 4)
                  (16, 4))
 # gemv_mma.cu: gemv_mma_<type>_c<NC> (tiles of NC columns), gemv_mma_<type>_c1[p][n] (one
 # column in the tiles' order of additions, a warp per row; n: with the residual add and the next
-# RMSNorm), gemv_mma_<type>_c1s[p] (the same bits, the tiles' split of K over a block's warps)
-# and gemv_mma_<type>_c1shp (c1sp with the RMSNorm ahead of it computed in every block)
+# RMSNorm) and gemv_mma_<type>_c1s[p] (the same bits, the tiles' split of K over a block's warps)
 GEMV_MMA_TYPES = ("q4_k", "q6_k", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q5_k")
 GEMV_MMA_NC = tuple(MMA_TILE_M)     # the tiles' columns
 # Types whose steps of 33..64 rows take the 64-column tile; the others (the K-quants, whose
@@ -259,9 +258,6 @@ FAMILIES = (
     Family("gemv_mma_{t}_c1s{v}", "gemv_mma.cu",
            f"{_PLANES} K,N:i32 qa,ads:ptr n_cols:i32 out:ptr ldo,accumulate:i32",
            _each(t=GEMV_MMA_TYPES, v=("", "p")), keeps_blocks=True),
-    Family("gemv_mma_{t}_c1shp", "gemv_mma.cu",
-           f"{_PLANES} K,N:i32 x,nw:ptr eps:f32 h,hqa,hads,out:ptr accumulate:i32",
-           _each(t=GEMV_MMA_TYPES), keeps_blocks=True),
     Family("gemv_mma_{t}_c1{v}n", "gemv_mma.cu",
            f"{_PLANES} K,N:i32 qa,ads,out,done,nw:ptr eps:f32 B:i32 h,hqa,hads:ptr",
            (*_each(t=GEMV_MMA_TYPES, v=("",)), *_each(t=GEMV_PREFETCH_TYPES, v=("p",))),
