@@ -31,23 +31,15 @@ VARIANTS = (("dp4a c1", False, "warp"), ("mma c1 (warp)", True, "warp"),
 
 def row(cp, G, be, ro, rng, name: str, n: int, k: int) -> str:
     """One matrix's table row."""
-    import gpu_tables as T
-    from gpu_bench import _random_raw
+    from gpu_bench import _random_raw, rotating_copies
 
-    from service.backends.cuda.types import CudaMatrix
     from service.gguf.quants import QuantType
     from service.gguf.reader import TensorInfo
 
     t = TensorInfo(f"b.{name}.{n}x{k}", QuantType[name], (n, k), _random_raw(name, n, k, rng))
-    w0 = be.load_matrix([t])
-    be._shared.pop(t.name, None)          # the backend keeps named tensors for tied weights
-    nbytes = sum(int(p.size) for p in w0.planes)
-    copies = T.copies_for(nbytes)
-    with be.stream:
-        ws = [w0] + [CudaMatrix(w0.layout, w0.rows, w0.k, [p.copy() for p in w0.planes])
-                     for _ in range(copies - 1)]
-        flat = [cp.concatenate(w.planes) for w in ws]
-        sink = cp.zeros(1, cp.int32)
+    w0, ws, flat, nbytes = rotating_copies(cp, be, t)
+    copies = len(ws)
+    sink = cp.zeros(1, cp.int32)
     be.prepare(max_tokens=2, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
     x, out = be.zeros((1, k)), be.zeros((1, n))
     with be.stream:

@@ -72,6 +72,21 @@ def _random_raw(name: str, n: int, k: int, rng) -> np.ndarray:
     return np.resize(small, n * (small.size // m))                     # (n * row_bytes,) u8
 
 
+def rotating_copies(cp, be, t):
+    """Matrix t loaded on backend be, and enough copies of it to rotate past the L2: (the
+    first, all copies, each copy's planes as one flat array for the read-only kernel, bytes)."""
+    from service.backends.cuda.types import CudaMatrix
+
+    w0 = be.load_matrix([t])
+    be._shared.pop(t.name, None)          # the backend keeps named tensors for tied weights
+    nbytes = sum(int(p.size) for p in w0.planes)
+    with be.stream:
+        ws = [w0] + [CudaMatrix(w0.layout, w0.rows, w0.k, [p.copy() for p in w0.planes])
+                     for _ in range(T.copies_for(nbytes) - 1)]
+        flat = [cp.concatenate(w.planes) for w in ws]                  # the same bytes, one each
+    return w0, ws, flat, nbytes
+
+
 def _gemv_row(cp, G, be, ro, rng, name: str, n: int, k: int, columns,
               mma_columns=()) -> list[dict]:
     """The row of the default (dp4a) GEMV; for types with a tensor-core GEMV (CudaBackend's
@@ -79,21 +94,14 @@ def _gemv_row(cp, G, be, ro, rng, name: str, n: int, k: int, columns,
     (its ratios against its own one column; the dp4a row above has the default's), timed
     also at `mma_columns` (its 32- and 64-column tiles, the GEMM kept off)."""
     from service.backends.cuda.kernels import GEMV_MMA_TYPES
-    from service.backends.cuda.types import CudaMatrix
     from service.gguf.quants import QuantType
     from service.gguf.reader import TensorInfo
 
     t = TensorInfo(f"bench.{name}.{n}x{k}", QuantType[name], (n, k),
                    _random_raw(name, n, k, rng))
-    w0 = be.load_matrix([t])
-    be._shared.pop(t.name, None)          # the backend keeps named tensors for tied weights
-    nbytes = sum(int(p.size) for p in w0.planes)
-    copies = T.copies_for(nbytes)
-    with be.stream:
-        ws = [w0] + [CudaMatrix(w0.layout, w0.rows, w0.k, [p.copy() for p in w0.planes])
-                     for _ in range(copies - 1)]
-        flat = [cp.concatenate(w.planes) for w in ws]                  # the same bytes, one each
-        sink = cp.zeros(1, cp.int32)
+    w0, ws, flat, nbytes = rotating_copies(cp, be, t)
+    copies = len(ws)
+    sink = cp.zeros(1, cp.int32)
     c_max = max((*columns, *mma_columns))
     be.prepare(max_tokens=c_max, n_head=1, head_dim_v=32, n_ctx=256, n_embd=k)
     x = be.zeros((c_max, k))                                           # (C, K) f32
