@@ -19,7 +19,10 @@
 //
 // One column (gemv_mma_<type>_c1[p][n]): the same sums in the same order from dp4a dot
 // products, one warp per row, block (32, GEMV_WARPS), grid ceil(N / GEMV_WARPS), 8 B x
-// MMA_ONE_CHUNK shared per warp: see its section below.
+// MMA_ONE_CHUNK shared per warp: see its section below. One column split over K
+// (gemv_mma_<type>_c1s[p]): the same sums again, K split over a block's MMA_WARPS warps as the
+// tiles split it, block (32, MMA_WARPS) of 32 / UG rows, grid ceil(N / (32 / UG)) or fewer
+// blocks looping over row groups: see its section.
 //
 // Launch (gemv_mma_<type>_c<NC>, NC = 8, 16, 32, 64; M = MMA_M_C<NC> m-tiles of 16 rows):
 // block (32, MMA_WARPS), grid (ceil(N / (16 M)), ceil(C / NC)). A block owns 16 M rows and NC
