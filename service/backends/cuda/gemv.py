@@ -30,7 +30,8 @@ next RMSNorm fused), and the tensor-core GEMVs of cuda/gemv_mma.cu.
   per row, gemv_mma_<type>_c1[p], the p loop by the prefetch_rows rule), "split" / "split-p"
   (gemv_mma_<type>_c1s / c1sp: the tiles' split of K over a block's MMA_WARPS warps, each
   slot's chain in one lane, RW = 32 / UG rows a block; split-p loads a warp's next unit before
-  this unit's dots).
+  this unit's dots). "warp" is the default: the split kernels lose on the 8B's large Q4_K /
+  Q6_K matrices (docs/PERFORMANCE.md section 23, bench/gpu_gemv_one_column.py).
 - fuse_norm: a one-column residual GEMV followed by an RMSNorm (matmul_add_norm) runs as one
   launch whose last block normalizes the row; False (the default) launches the two kernels.
   Both give the same bits. Off by default: measured slower on the H200 (0.89x / 0.94x of the

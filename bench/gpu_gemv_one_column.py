@@ -4,7 +4,7 @@ included), for the dp4a default and the tensor-core family's one-column kernels 
 "warp", "split", "split-p"), with the read-only kernel over the same bytes, and whether the
 family's kernels agree bit for bit (they must).
 
-    python3 bench/gemv_one_column.py [--only N]
+    python3 bench/gpu_gemv_one_column.py [--only N]
 
 docs/PERFORMANCE.md section 23 holds a run of it.
 """
