@@ -11,7 +11,10 @@
 //               fixed-order
 //               block sum
 // rms_norm_quant  rows t of (T, D): rms_norm into out, plus out's 8-bit blocks (qa, ads) as
-//               quantize.cu makes them; grid T, block as rms_norm (D % 32 == 0)
+//               quantize.cu makes them; grid (T, S), block as rms_norm (D % 32 == 0): each of
+//               a row's S slices sums the whole row (the same order, so the same r) and
+//               writes the groups of its own register passes (pass i of slice i % S), which
+//               splits the serial quantization shuffles of one block over S blocks
 // rms_norm_add  x[t, :] += rms_norm(o[t, :]) * w (a post-norm fused with the residual add)
 //               grid T, block as rms_norm
 // add_rows      out[t, n] = a[t, n] + b[t, n] (b's row stride 0 = a broadcast vector)
@@ -131,7 +134,7 @@ extern "C" __global__ void rms_norm_quant(const float* __restrict__ x, int ldx, 
                                           int ldo, signed char* __restrict__ qa,
                                           float2* __restrict__ ads) {
     PDL_ENTRY();
-    const int t = blockIdx.x;
+    const int t = blockIdx.x, slice = blockIdx.y, S = gridDim.y;
     const float* xr = x + (size_t)t * ldx;
     float* orow = out + (size_t)t * ldo;
     // warp-uniform: at each step a warp holds one whole 32-group (D % 32 == 0)
@@ -140,13 +143,13 @@ extern "C" __global__ void rms_norm_quant(const float* __restrict__ x, int ldx, 
 #pragma unroll
         for (int i = 0; i < NORM_REGS; i++) {
             const int k = threadIdx.x + blockDim.x * i;
-            wv[i] = k < D ? w[k] : 0.0f;
+            wv[i] = k < D && i % S == slice ? w[k] : 0.0f;
         }
         const float r = block_inv_rms_regs(xr, D, eps, xv);
 #pragma unroll
         for (int i = 0; i < NORM_REGS; i++) {
             const int k = threadIdx.x + blockDim.x * i, k0 = k - (threadIdx.x & 31);
-            if (k0 < D) {
+            if (k0 < D && i % S == slice) {
                 const float v = __fmul_rn(__fmul_rn(xv[i], r), wv[i]);
                 orow[k] = v;
                 quant_group(v, qa + (size_t)t * D + k0, ads + (size_t)t * (D / 32) + k0 / 32);
@@ -155,7 +158,7 @@ extern "C" __global__ void rms_norm_quant(const float* __restrict__ x, int ldx, 
         return;
     }
     const float r = block_inv_rms(xr, D, eps);
-    for (int k0 = (threadIdx.x / 32) * 32; k0 < D; k0 += blockDim.x) {
+    for (int k0 = (threadIdx.x / 32) * 32 + slice * blockDim.x; k0 < D; k0 += blockDim.x * S) {
         const int k = k0 + (threadIdx.x & 31);
         const float v = __fmul_rn(__fmul_rn(xr[k], r), w[k]);
         orow[k] = v;

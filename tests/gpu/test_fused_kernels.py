@@ -84,6 +84,32 @@ def test_rms_norm_for_matmul(cuda):
     np.testing.assert_allclose(got, cpu, rtol=2e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("D", [576, 2048, 4096, 8448])    # 8448: past the registers' row
+def test_rms_norm_for_matmul_slices(cuda, D):
+    """A row's norm split over 2..16 blocks (NormOps.slices) writes the bits of one block:
+    the normalized rows and their 8-bit blocks, one row and several."""
+    prepared(cuda, D)
+    x, nw = cp.asarray(normal(3, D, scale=2.0)), cp.asarray(normal(D, scale=0.1) + 1)
+    saved = cuda.norm_slices
+    try:
+        outs = {}
+        for slices in (1, 2, 5, 8, 16):
+            cuda.norm_slices = slices
+            for T in (1, 3):
+                out = poisoned(cuda, (T, D))
+                poison_blocks(cuda)
+                cuda.rms_norm_for_matmul(x[:T], nw, 1e-6, out)
+                assert cuda._blocks is not None
+                got = cuda.to_host(out)
+                assert_blocks_of(cuda, got)
+                outs[slices, T] = got
+        for (slices, T), got in outs.items():
+            assert np.array_equal(got, outs[1, T]), (slices, T)
+    finally:
+        cuda.norm_slices = saved
+    assert cuda._norm.slices_for(1, D) == min(saved, -(-D // min(256, D)))
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_glu_for_matmul(cuda, act):
     F = 320

@@ -51,10 +51,12 @@ def test_moe_models_match_llamacpp_and_the_cpu(name):
     clear = np.array([top2_gap(r) for r in ref]) >= CLEAR_GAP
     clear &= np.array([top2_gap(r) for r in ours]) >= CLEAR_GAP
     np.testing.assert_array_equal(ours.argmax(1)[clear], ref.argmax(1)[clear])
-    # 1%, or 1.5x the model's own floor where a sharp softmax amplifies last-bit differences
-    # (tiny-laguna-q8: the CPU against itself in another order is at 1.2%); a wrong op moves
-    # the logits by tens of percent
-    assert np.median(rel_cpu) <= max(0.01, 1.5 * np.median(rel_floor)), rel_cpu
+    # 1.5%, or 1.5x the model's own floor where a sharp softmax amplifies last-bit differences
+    # further: tiny-laguna-q8's CPU against itself in another order is at 1.04% (2-core host)
+    # to 1.2% (16 cores), and came out 0 under pytest-xdist on the GPU host (both orders took
+    # the same path there), so the floor alone cannot set the bound; a wrong op moves the
+    # logits by tens of percent
+    assert np.median(rel_cpu) <= max(0.015, 1.5 * np.median(rel_floor)), rel_cpu
 
 
 @pytest.mark.parametrize("name", ["tiny-laguna-q8", "tiny-laguna-elem-q5", "tiny-qwen3moe-s-q8"])

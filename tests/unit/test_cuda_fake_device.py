@@ -866,3 +866,26 @@ def test_kernels_warm_compiles_every_source_as_the_launcher_does(gpu, capsys):
     assert [ln.split()[0] for ln in lines] == [*sources.SOURCES, "all"]
     with pytest.raises(ValueError, match="not CUDA sources of the backend: \\['nope.cu'\\]"):
         compile_sources(["nope.cu"], processes=1)
+
+
+def test_the_norm_before_a_gemv_splits_its_rows_over_blocks(gpu):
+    """rms_norm_quant gets (T, S) blocks: S = norm_slices, at most one per register pass of
+    the row and none past 1024 blocks in all; norm_slices below 1 is refused."""
+    from service.backends.cuda.norm import NORM_SLICES
+    from tests.support.blocks import random_tensor_info
+    be = create_backend("cuda", graphs=False)
+    be.load_matrix([random_tensor_info("Q8_0", 32, 4096, seed=1)])
+    be.prepare(max_tokens=512, n_head=4, head_dim_v=64, n_ctx=600, n_embd=4096)
+    grids = {}
+    for T, D, slices in ((1, 4096, NORM_SLICES), (1, 4096, 64), (3, 576, 8), (1, 256, 8),
+                         (256, 4096, 8), (2048 // 4, 4096, 8), (1, 4096, 1)):
+        be.norm_slices = slices
+        n = len(gpu.launches)
+        be.rms_norm_for_matmul(be.zeros((T, D)), be.zeros((D,)), 1e-6, be.zeros((T, D)))
+        (x,) = [x for x in gpu.launches[n:] if x.kernel == "rms_norm_quant"]
+        grids[T, D, slices] = x.grid[:2]
+    assert grids == {(1, 4096, NORM_SLICES): (1, min(NORM_SLICES, 16)), (1, 4096, 64): (1, 16),
+                     (3, 576, 8): (3, 3), (1, 256, 8): (1, 1), (256, 4096, 8): (256, 4),
+                     (512, 4096, 8): (512, 2), (1, 4096, 1): (1, 1)}
+    with pytest.raises(ValueError, match="norm_slices"):
+        create_backend("cuda", graphs=False, norm_slices=0)

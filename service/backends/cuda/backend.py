@@ -29,7 +29,7 @@ from service.backends.cuda.kv import KVOps
 from service.backends.cuda.launcher import ActivationBlocks, Launcher
 from service.backends.cuda.memory import DeviceMemory
 from service.backends.cuda.moe import MoeOps
-from service.backends.cuda.norm import NormOps
+from service.backends.cuda.norm import NORM_SLICES, NormOps
 from service.backends.cuda.rope import RopeOps
 from service.backends.cuda.sampling import SamplingOps
 from service.backends.cuda.types import KV_TYPES, CudaKVCache, CudaMatrix
@@ -66,7 +66,7 @@ class CudaBackend(Backend):
                  gemv_mma: bool = False, gemv_prefetch_rows: int = GEMV_PREFETCH_ROWS,
                  prefill_attention_min_tokens: int | None = PREFILL_ATTENTION_MIN_TOKENS,
                  fuse_norm: bool = False, moe_group_min_tokens: int | None = 2,
-                 gemv_mma_one: str = "warp"):
+                 gemv_mma_one: str = "warp", norm_slices: int = NORM_SLICES):
         """graphs: capture each step shape once and replay it (graphs.py). upload: "pinned" (a
         ring of `staging_buffers` pinned buffers of `staging_mib` MiB, copies overlapped with
         reading the file) or "pageable" (one synchronous copy per plane). pdl: launch captured
@@ -76,7 +76,8 @@ class CudaBackend(Backend):
         thresholds of wide steps, raised past `invariant_tokens`; None: never. Every choice
         but gemv_mma and the prefill thresholds gives the same bits.
         moe_group_min_tokens: MoE steps of at least this many tokens group the (token, expert)
-        pairs by expert (moe.py); None: the gathered expert GEMVs always."""
+        pairs by expert (moe.py); None: the gathered expert GEMVs always. norm_slices: blocks
+        per row of the RMSNorm before a GEMV (norm.py; the same bits at any count)."""
         # CPU threads do not apply; every GEMV column and attention query is computed the same
         # way at any step size, so steps up to invariant_tokens are invariant here.
         del threads
@@ -100,7 +101,7 @@ class CudaBackend(Backend):
         self._gemv = GemvOps(launcher, blocks, rows=gemv_rows, early=gemv_early,
                              prefetch_rows=gemv_prefetch_rows, mma=gemv_mma,
                              fuse_norm=fuse_norm, mma_one=gemv_mma_one)
-        self._norm = NormOps(launcher, blocks)
+        self._norm = NormOps(launcher, blocks, norm_slices)
         self._ew = ElementwiseOps(launcher, blocks)
         self._moe = MoeOps(launcher, self._gemv, self._ew,
                            group_min_tokens=moe_group_min_tokens)
@@ -119,6 +120,7 @@ class CudaBackend(Backend):
     gemv_mma = _Of("_gemv", "mma")
     gemv_mma_one = _Of("_gemv", "mma_one")
     gemv_split_blocks = _Of("_gemv", "split_blocks")
+    norm_slices = _Of("_norm", "slices")
     fuse_norm = _Of("_gemv", "fuse_norm")
     moe_group_min_tokens = _Of("_moe", "group_min_tokens")
     prefill_gemm_min_tokens = _Of("_gemm", "min_tokens")
