@@ -40,6 +40,12 @@ for sum in .gpu*/*.sha256 "$SPECSTREAM_MODELS_DIR"/*.sha256; do
     rm -f "$out.tmp"; echo "$name: pieces incomplete so far"
   fi
 done
+# xgrammar imports the host's transformers where the host has one, and that one pins its own
+# huggingface-hub: the carried one (nothing here imports it) steps aside when they disagree
+if [ -d /tmp/site/huggingface_hub ] && ! python3 -c "import xgrammar" >/dev/null 2>&1; then
+  mkdir -p /tmp/site-aside && mv /tmp/site/huggingface_hub* /tmp/site-aside/ \
+    && echo "carried huggingface_hub moved aside: the host's transformers pins its own"
+fi
 python3 -m service.proto_build >/dev/null || exit 1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 status=0
