@@ -43,7 +43,7 @@ done
 # xgrammar imports the host's transformers where the host has one, and that one pins its own
 # huggingface-hub: the carried one (nothing here imports it) steps aside when they disagree
 if [ -d /tmp/site/huggingface_hub ] && ! python3 -c "import xgrammar" >/dev/null 2>&1; then
-  mkdir -p /tmp/site-aside && mv /tmp/site/huggingface_hub* /tmp/site-aside/ \
+  rm -rf /tmp/site-aside && mkdir /tmp/site-aside && mv /tmp/site/huggingface_hub* /tmp/site-aside/ \
     && echo "carried huggingface_hub moved aside: the host's transformers pins its own"
 fi
 python3 -m service.proto_build >/dev/null || exit 1
