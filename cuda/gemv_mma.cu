@@ -603,14 +603,58 @@ using C1Q5_1 = C1Min<Q5_1>;
 
 constexpr int MMA_ONE_CHUNK = 256;     // groups per shared chunk of the one-column kernel
 
-// PF: round r + 1's loads are issued before round r's dot. Groups past G leave the term
-// (0, -0): fma(0, -0, acc) is acc exactly, so the slot chains run over whole units unchecked.
+// One lane's walk over the weight groups of one row, one group per round (group g, then
+// g + step, ...): the activation group's 32 bytes and (d, sum), the weight group, and its
+// term C::term. PF: the next round's loads are issued before this round's dot. Groups past G
+// give the term (0, -0): fma(0, -0, acc) is acc exactly, so slot chains run over whole units
+// unchecked. Used by both one-column kernels (c1[p] and c1s[p]).
+template <class C, bool PF>
+struct GroupWalk {
+    using Q = typename C::Q;
+    static constexpr int SUB = Q::QK / 32;
+    typename Q::G w;
+    int a[8];
+    float2 e;
+
+    __device__ __forceinline__ void load(Planes P, const u8* ap, const float2* __restrict__ ads,
+                                         size_t rb, int g) {
+        ld16(ap + 32 * g, a);
+        ld16(ap + 32 * g + 16, a + 4);
+        e = ads[g];
+        Q::load(P, rb + g / SUB, g % SUB, w);
+    }
+    // before the first round (PF): group g's loads
+    __device__ __forceinline__ void start(Planes P, const u8* ap, const float2* ads, size_t rb,
+                                          int g, int G) {
+        if (PF && g < G) load(P, ap, ads, rb, g);
+    }
+    // group g's term; PF: group g + step's loads go out first
+    __device__ __forceinline__ float2 term(Planes P, const u8* ap, const float2* ads, size_t rb,
+                                           int g, int step, int G) {
+        float2 t = make_float2(0.0f, -0.0f);
+        if constexpr (PF) {
+            GroupWalk nx;
+            if (g + step < G) nx.load(P, ap, ads, rb, g + step);
+            if (g < G) t = C::term(w, a, e);
+            w = nx.w;
+            e = nx.e;
+#pragma unroll
+            for (int i = 0; i < 8; i++) a[i] = nx.a[i];
+        } else if (g < G) {
+            load(P, ap, ads, rb, g);
+            t = C::term(w, a, e);
+        }
+        return t;
+    }
+};
+
+// PF: round r + 1's loads are issued before round r's dot (GroupWalk).
 template <class C, bool PF>
 __device__ __forceinline__ void gemv_mma_one(Planes P, int K, int N, const signed char* __restrict__ qa,
                                              const float2* __restrict__ ads,
                                              float* __restrict__ out, int accumulate) {
     using Q = typename C::Q;
-    constexpr int UG = C::UG, SUB = Q::QK / 32, CH = MMA_ONE_CHUNK;
+    constexpr int UG = C::UG, CH = MMA_ONE_CHUNK;
     static_assert(CH % WARP == 0 && CH % UG == 0 && UG % 2 == 0 && MMA_WARPS <= WARP,
                   "whole units per chunk");
     __shared__ __align__(16) float2 terms[GEMV_WARPS][CH];
@@ -622,44 +666,13 @@ __device__ __forceinline__ void gemv_mma_one(Planes P, int K, int N, const signe
     const u8* ap = reinterpret_cast<const u8*>(qa);
     float2* tw = terms[threadIdx.y];
     float acc = 0.0f;           // lane s < MMA_WARPS: the running sum of warp slot s
-    typename Q::G w;
-    int a[8];
-    float2 e;
-    if (PF && lane < G) {
-        ld16(ap + 32 * lane, a);
-        ld16(ap + 32 * lane + 16, a + 4);
-        e = ads[lane];
-        Q::load(P, rb + lane / SUB, lane % SUB, w);
-    }
+    GroupWalk<C, PF> walk;
+    walk.start(P, ap, ads, rb, lane, G);
     for (int c0 = 0; c0 < G; c0 += CH) {
         const int c1 = min(G, c0 + CH);
         for (int g0 = c0; g0 < c1; g0 += WARP) {
             const int g = g0 + lane;
-            float2 t = make_float2(0.0f, -0.0f);
-            if constexpr (PF) {
-                typename Q::G wn;
-                int an[8];
-                float2 en;
-                const int gn = g + WARP;
-                if (gn < G) {
-                    ld16(ap + 32 * gn, an);
-                    ld16(ap + 32 * gn + 16, an + 4);
-                    en = ads[gn];
-                    Q::load(P, rb + gn / SUB, gn % SUB, wn);
-                }
-                if (g < G) t = C::term(w, a, e);
-                w = wn;
-                e = en;
-#pragma unroll
-                for (int i = 0; i < 8; i++) a[i] = an[i];
-            } else if (g < G) {
-                ld16(ap + 32 * g, a);
-                ld16(ap + 32 * g + 16, a + 4);
-                e = ads[g];
-                Q::load(P, rb + g / SUB, g % SUB, w);
-                t = C::term(w, a, e);
-            }
-            tw[g - c0] = t;
+            tw[g - c0] = walk.term(P, ap, ads, rb, g, WARP, G);
         }
         __syncwarp();
         if (lane < MMA_WARPS) {
@@ -718,7 +731,7 @@ __device__ __forceinline__ void gemv_mma_split_rows(Planes P, int K, int N,
                                                const float2* __restrict__ ads,
                                                float* __restrict__ out, int accumulate) {
     using Q = typename C::Q;
-    constexpr int UG = C::UG, SUB = Q::QK / 32, RW = WARP / UG;
+    constexpr int UG = C::UG, RW = WARP / UG;
     static_assert(WARP % UG == 0 && UG % 2 == 0, "whole rows per warp, float4 term pairs");
     __shared__ __align__(16) float2 terms[MMA_WARPS][2][WARP];
     __shared__ float slots[MMA_WARPS][RW];
@@ -730,44 +743,11 @@ __device__ __forceinline__ void gemv_mma_split_rows(Planes P, int K, int N,
     for (int n0 = blockIdx.x * RW; n0 < N; n0 += gridDim.x * RW) {
         const size_t rb = (size_t)min(n0 + r, N - 1) * (K / Q::QK);
         float acc = 0.0f;       // lane (r, 0): the running sum of slot `warp` for row n0 + r
-        typename Q::G w;
-        int a[8];
-        float2 e;
-        if (PF && warp * UG + j < G) {
-            const int g = warp * UG + j;
-            ld16(ap + 32 * g, a);
-            ld16(ap + 32 * g + 16, a + 4);
-            e = ads[g];
-            Q::load(P, rb + g / SUB, g % SUB, w);
-        }
+        GroupWalk<C, PF> walk;
+        walk.start(P, ap, ads, rb, warp * UG + j, G);
         for (int u = warp; u < units; u += MMA_WARPS) {
-            const int g = u * UG + j;
-            float2 t = make_float2(0.0f, -0.0f);     // past K: fma(0, -0, acc) is acc exactly
-            if constexpr (PF) {
-                typename Q::G wn;
-                int an[8];
-                float2 en;
-                const int gn = g + MMA_WARPS * UG;
-                if (gn < G) {
-                    ld16(ap + 32 * gn, an);
-                    ld16(ap + 32 * gn + 16, an + 4);
-                    en = ads[gn];
-                    Q::load(P, rb + gn / SUB, gn % SUB, wn);
-                }
-                if (g < G) t = C::term(w, a, e);
-                w = wn;
-                e = en;
-#pragma unroll
-                for (int i = 0; i < 8; i++) a[i] = an[i];
-            } else if (g < G) {
-                ld16(ap + 32 * g, a);
-                ld16(ap + 32 * g + 16, a + 4);
-                e = ads[g];
-                Q::load(P, rb + g / SUB, g % SUB, w);
-                t = C::term(w, a, e);
-            }
             float2* tb = terms[warp][buf];
-            tb[lane] = t;
+            tb[lane] = walk.term(P, ap, ads, rb, u * UG + j, MMA_WARPS * UG, G);
             __syncwarp();
             if (j == 0) {
                 const float4* tu = reinterpret_cast<const float4*>(tb + r * UG);
