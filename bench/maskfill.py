@@ -63,7 +63,7 @@ def one_by_one(ms: list[C.Matcher], tokens: list[int], host: np.ndarray) -> None
 
 
 def batched(ms: list[C.Matcher], tokens: list[int], host: np.ndarray) -> None:
-    masks = C.advance_rows(ms, tokens)
+    masks, _ = C.advance_rows(ms, tokens)
     for r, m in enumerate(ms):
         m.done(masks[r])
         m.ahead = None
