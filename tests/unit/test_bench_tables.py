@@ -343,3 +343,16 @@ def test_variants_table_shows_each_version_against_the_default(gt):
     assert "900/s (0.90x)" in out[3] and out[3].rstrip().endswith("-")
     assert len(out) == 4                                  # the error row has no versions
     assert gt.variants_table([{"model": "x", "graph_tok_s": 1.0}]) == ""
+
+
+def test_maskfill_bench_runs_and_prints_both_paths(capsys):
+    """bench/maskfill.py end to end on SmolLM2's vocabulary (one round, 1 and 4 rows): it
+    calls constraint.advance_rows as the engine does, so a change of that API shows here."""
+    from tests.support.models import model_path
+    model_path("smollm2")                          # fetched (or skipped) as the tests fetch it
+    assert _load("maskfill").main(["--rows", "1,4", "--rounds", "1"]) in (0, None)
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("loose", "json"))]
+    assert [(r[0], r[-4]) for r in rows] == [("loose", "1"), ("loose", "4"), ("json", "1"),
+                                             ("json", "4")], out
+    assert all(float(r[-3]) > 0 and float(r[-2]) > 0 for r in rows), out
