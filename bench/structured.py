@@ -38,7 +38,7 @@ from synth_model import DEFAULT_DIR, synth_model  # noqa: E402
 
 from service.config import EngineConfig, models_dir_from_env  # noqa: E402
 from service.engine.engine import Engine  # noqa: E402
-from service.engine.stepprofile import StepStats  # noqa: E402
+from service.engine.stepprofile import IterationProfile, StepStats  # noqa: E402
 from service.engine.types import (  # noqa: E402
     Collected,
     Constraint,
@@ -58,10 +58,11 @@ NOTE = Constraint("json_schema", json.dumps({
 
 
 def per_token_ms(eng: Engine, streams: int, tokens: int, constraint: Constraint | None,
-                 sampled: bool = False) -> tuple[float, int]:
+                 sampled: bool = False, profile: dict | None = None) -> tuple[float, int]:
     """ms per token of one stream after its first (the decode steps' cost, whatever the
     prompt's and however many tokens a constraint lets through before it ends), the mean over
-    the streams, and the overlapped choices the masks refused."""
+    the streams, and the overlapped choices the masks refused. `profile`: filled with the
+    engine thread's ms per iteration by part (stepprofile.IterationProfile.summary)."""
     ids = tuple(eng.text_prompt_ids(PROMPT))
     reqs = [GenerationRequest(f"r{i}", ids, SamplingParams(temperature=0.8, seed=i)
                               if sampled else SamplingParams(temperature=0.0),
@@ -88,10 +89,14 @@ def per_token_ms(eng: Engine, streams: int, tokens: int, constraint: Constraint 
 
     with eng._lock:
         eng.stats = StepStats()
+        eng.stats.profile = IterationProfile()
     for i, req in enumerate(reqs):
         eng.submit(req, sink(i))
     for _ in reqs:
         left.acquire()
+    if profile is not None:
+        with eng._lock:
+            profile.update(eng.stats.profile.summary())
     per = [1000 * (last[i] - first[i]) / (len(r.token_ids) - 1)
            for i, r in enumerate(results) if len(r.token_ids) > 1]
     if not per:
@@ -142,14 +147,18 @@ def main(argv: list[str] | None = None) -> int:
         for n in counts:
             per_token_ms(eng, n, 4, None)              # this batch size's first steps
             for kind, c in cases:
-                runs = [(per_token_ms(eng, n, args.tokens, None, args.sampled),
-                         per_token_ms(eng, n, args.tokens, c, args.sampled))
-                        for _ in range(args.rounds)]
+                profs = [({}, {}) for _ in range(args.rounds)]
+                runs = [(per_token_ms(eng, n, args.tokens, None, args.sampled, pp),
+                         per_token_ms(eng, n, args.tokens, c, args.sampled, pc))
+                        for pp, pc in profs]
                 plain = min(p for (p, _), _ in runs)                    # interleaved
                 cons, refused = min(c for _, c in runs)
+                best_p = min(range(len(runs)), key=lambda i: runs[i][0][0])
+                best_c = min(range(len(runs)), key=lambda i: runs[i][1][0])
                 rows.append({"constraint": kind, "streams": n, "plain_ms": plain,
                              "constrained_ms": cons, "ratio": cons / plain,
-                             "refused": refused})
+                             "refused": refused, "plain_profile": profs[best_p][0],
+                             "constrained_profile": profs[best_c][1]})
     finally:
         eng.stop()
     print(f"structured output, {args.backend}, overlap {args.overlap}, {args.model}, "
@@ -161,6 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['constraint']:>10} {r['streams']:>8} {r['plain_ms']:>9.2f} "
               f"{r['constrained_ms']:>12.2f} {r['ratio']:>6.3f}x {r['refused']:>8}")
+    print("\nwhere an iteration goes (the engine thread, ms per iteration of the best run; on an "
+          "asynchronous backend `step` is the launch and `readback` the wait for the device)")
+    parts = ("schedule", "pack", "step", "readback", "emit", "other")
+    print(f"{'constraint':>10} {'streams':>8} {'side':>12} {'iters':>6} "
+          + " ".join(f"{p:>8}" for p in parts) + f" {'host':>8}")
+    for r in rows:
+        for side in ("plain", "constrained"):
+            p = r[f"{side}_profile"]
+            print(f"{r['constraint']:>10} {r['streams']:>8} {side:>12} {p['iterations']:>6} "
+                  + " ".join(f"{p[k]:>8.3f}" for k in parts) + f" {p['host']:>8.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
