@@ -10,7 +10,7 @@ from its per-state cache. Greedy constrained rows run overlapped (a fed row choo
 mask and the host checks it against the mask, filled meanwhile: docs/structured-output.md); the
 table also gives how many overlapped choices the masks refused.
 
-    python bench/structured.py [--backend cpu|cuda] [--model smollm2-135m|synth-8b|PATH]
+    python bench/structured.py [--backend cpu|cuda] [--model smollm2-135m|synth-8b|synth-1b|PATH]
         [--tokens 64] [--rounds 2] [--regex R] [--constraints regex,json] [--sampled]
 
 --sampled: seeded sampling; constrained rows then run overlapped with their masks filled while
@@ -49,6 +49,7 @@ from service.engine.types import (  # noqa: E402
 from service.gguf.fetch import fetch_model  # noqa: E402
 from service.logging import configure_logging  # noqa: E402
 
+SYNTH = {"synth-8b": "llama3-8b", "synth-1b": "llama3.2-1b"}    # synthetic Q4_K_M, seed 0
 PROMPT = "Write a few sentences about the sea, the wind and the boats:"
 LOOSE = Constraint("regex", r"[A-Za-z ,.;'\-]{1,4000}")
 # one free string field: the model writes its sentences inside the JSON string
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--model", default="smollm2-135m",
-                    help="smollm2-135m, synth-8b (llama3-8b shapes, Q4_K_M) or a GGUF path")
+                    help="smollm2-135m, synth-8b / synth-1b (llama3-8b / llama3.2-1b shapes, "
+                         "Q4_K_M) or a GGUF path")
     ap.add_argument("--synth-dir", default=DEFAULT_DIR)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="best of this many runs each")
@@ -128,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     configure_logging("warning")
     counts = [int(s) for s in args.streams.split(",")]
-    if args.model == "synth-8b":
-        path, _ = synth_model(args.synth_dir, "llama3-8b", "Q4_K_M", 0)
+    if args.model in SYNTH:
+        path, _ = synth_model(args.synth_dir, SYNTH[args.model], "Q4_K_M", 0)
     elif Path(args.model).is_file():
         path = Path(args.model)
     else:

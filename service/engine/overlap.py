@@ -35,6 +35,7 @@ unoverlapped.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -89,9 +90,10 @@ class OverlappedDecode:
                 lap(READBACK)
                 self._stats().count_decode(len(seqs), len(seqs))
                 nxt_masked = {id(nxt[r]) for r in later}
-                refused = self._commit(seqs, out, nxt or [], masked, nxt_masked)
-                if later:               # the masks after step k's tokens: step k + 1 samples
-                    runner.sample(ahead, [self._next_mask(nxt[r]) for r in later])
+                # the masks after step k's tokens, once filled: step k + 1 samples with them
+                sample_later = (partial(self._sample_later, ahead, [nxt[r] for r in later])
+                                if later else None)
+                refused = self._commit(seqs, out, nxt or [], masked, nxt_masked, sample_later)
                 lap(EMIT)
                 if not nxt:
                     return
@@ -116,16 +118,23 @@ class OverlappedDecode:
                         or self.speculator.would_draft(s, self.scheduler.draft_length(s)))
                    for s in seqs)
 
+    def _sample_later(self, pending, seqs: list[Sequence]) -> None:
+        """The sample op of the step in flight (`pending`), for its rows of `seqs` (masks_later)
+        with their masks, now filled."""
+        self.runner.sample(pending, [self._next_mask(s) for s in seqs])
+
     def _next_mask(self, seq: Sequence):
         """The token mask of `seq`'s row in flight, sampled once the mask is known (after the
         commit of the token before it); every token for a row that will be dropped (its
         sequence ended, or it was fed a refused token), so the sample op always has a choice."""
-        if seq.finished or id(seq) in self._void:
+        mask = None if seq.finished or id(seq) in self._void else seq.row_mask(0)
+        if mask is None or not mask.any():      # a dead end's empty mask: the row is dropped
             return np.full(mask_words(self.runner.model.spec.vocab_size), -1, np.int32)
-        return seq.row_mask(0)
+        return mask
 
     def _commit(self, seqs: list[Sequence], out: StepOutput, ahead: list[Sequence],
-                masked: set[int] = frozenset(), ahead_masked: set[int] = frozenset()) -> bool:
+                masked: set[int] = frozenset(), ahead_masked: set[int] = frozenset(),
+                filled: Callable[[], None] | None = None) -> bool:
         """Each sequence's token of a plain step (its row already counted in n_past); a
         sequence that ends here while a later row of it is in flight gives that row back.
         A constrained row in `masked` (ids) chose with its mask, sampled after this loop
@@ -134,7 +143,9 @@ class OverlappedDecode:
         and True says so: the loop ends after the step in flight and the next plan runs the row
         again with its mask (and its next few, Sequence.refused_unmasked). The sequences of
         `ahead_masked` get their next masks filled now (their rows in flight wait for them);
-        the other constrained rows in flight are checked when committed instead."""
+        the other constrained rows in flight are checked when committed instead. `filled`
+        runs once those masks are filled and before the tokens are emitted (the rows in flight
+        sample without waiting for the detokenization and the streams' events)."""
         later = {id(s) for s in ahead}
         tokens = [int(t) for t in out.token_ids[:len(seqs)]]
         refused = False
@@ -166,6 +177,8 @@ class OverlappedDecode:
         # next masks in one batch; a sequence whose next row is in flight unmasked skips its
         # fill: that row's choice is checked by accepting it (_check_unmasked)
         advance_constrained([(seq, tok) for _, seq, tok in live], later - ahead_masked)
+        if filled is not None:
+            filled()
         for r, seq, tok in live:
             seq.count_step(1)
             seq.emit([tok], out.logprobs[r:r + 1])
