@@ -4,7 +4,7 @@ the path of a row that commits alone) against one batch per step (constraint.adv
 xgrammar's batch accept and threaded batch fill + done), in the same run. No model runs: the
 rows write fixed real texts (an English passage, a JSON object), as a model would.
 
-    python bench/maskfill.py [--rows 1,16] [--threaded-rows 4] [--rounds 3]
+    python bench/maskfill.py [--rows 1,16] [--threaded-rows 4] [--fill-threads N] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,16")
     ap.add_argument("--threaded-rows", type=int, default=C.THREADED_ROWS)
+    ap.add_argument("--fill-threads", type=int, default=C.FILL_THREADS,
+                    help="threads of a batch fill (default: the engine's, every core)")
     ap.add_argument("--rounds", type=int, default=3, help="best of this many runs each")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: the process's CPU time (a shared, loaded host's wall time is "
@@ -97,11 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
-    C.THREADED_ROWS = args.threaded_rows
+    C.THREADED_ROWS, C.FILL_THREADS = args.threaded_rows, args.fill_threads
     tok = Tokenizer.from_metadata(
         GGUFFile(fetch_model("smollm2-135m", models_dir_from_env())).metadata)
     print(f"host ms per constrained step, {args.clock} time (SmolLM2 vocabulary, median step, "
-          f"best of {args.rounds}; threads from {args.threaded_rows} rows)")
+          f"best of {args.rounds}; {args.fill_threads} threads from {args.threaded_rows} rows)")
     print(f"{'constraint':>12} {'rows':>5} {'one by one':>11} {'batch':>8} {'ratio':>7}")
     for name, (c, text) in CASES.items():
         compiled = C.compile_constraint(tok, c, tok.vocab_size)

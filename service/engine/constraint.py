@@ -19,6 +19,7 @@ token's mask, which every sequence of the request (n samples) starts from.
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -219,14 +220,18 @@ class Matcher:
 
 # Rows a step's batch fill spreads over host threads from (fewer: one thread, no hand-off)
 THREADED_ROWS = 4
-_batchers: dict[bool, Any] = {}
+# Threads of a threaded batch fill: every core (the engine thread waits for the fill; xgrammar's
+# "auto" would take half of them)
+FILL_THREADS = os.cpu_count() or 1
+_batchers: dict[tuple[bool, int], Any] = {}
 
 
 def _batcher(threaded: bool) -> Any:
+    key = (threaded, FILL_THREADS if threaded else 1)
     with _lock:
-        b = _batchers.get(threaded)
+        b = _batchers.get(key)
         if b is None:
-            b = _batchers[threaded] = xgr().BatchGrammarMatcher("auto" if threaded else 1)
+            b = _batchers[key] = xgr().BatchGrammarMatcher(key[1])
         return b
 
 
