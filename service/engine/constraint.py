@@ -223,15 +223,15 @@ THREADED_ROWS = 4
 # Threads of a threaded batch fill: every core (the engine thread waits for the fill; xgrammar's
 # "auto" would take half of them)
 FILL_THREADS = os.cpu_count() or 1
-_batchers: dict[tuple[bool, int], Any] = {}
+_batchers: dict[int, Any] = {}           # by thread count
 
 
 def _batcher(threaded: bool) -> Any:
-    key = (threaded, FILL_THREADS if threaded else 1)
+    n = FILL_THREADS if threaded else 1
     with _lock:
-        b = _batchers.get(key)
+        b = _batchers.get(n)
         if b is None:
-            b = _batchers[key] = xgr().BatchGrammarMatcher(key[1])
+            b = _batchers[n] = xgr().BatchGrammarMatcher(n)
         return b
 
 
