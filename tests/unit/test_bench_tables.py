@@ -356,3 +356,18 @@ def test_maskfill_bench_runs_and_prints_both_paths(capsys):
     assert [(r[0], r[-4]) for r in rows] == [("loose", "1"), ("loose", "4"), ("json", "1"),
                                              ("json", "4")], out
     assert all(float(r[-3]) > 0 and float(r[-2]) > 0 for r in rows), out
+
+
+def test_backend_defaults_replace_named_keywords_by_their_types():
+    """bench/gpu_backend_defaults.py sets keyword defaults by name, typed like the old ones,
+    and refuses a name the function does not take."""
+    mod = _load("gpu_backend_defaults")
+
+    def f(a, n: int = 2, flag: bool = False, mode: str = "warp", opt=None):
+        return n, flag, mode, opt
+
+    got = mod.replace_defaults(f, "n=16,flag=true,mode=split,opt=3")
+    assert got == {"n": 16, "flag": True, "mode": "split", "opt": 3}
+    assert f(0) == (16, True, "split", 3)
+    with pytest.raises(SystemExit, match="'m' is not a keyword parameter"):
+        mod.replace_defaults(f, "m=1")

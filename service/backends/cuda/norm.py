@@ -27,8 +27,8 @@ from service.backends.cuda.types import (
 )
 
 # blocks per row of rms_norm_quant (CudaBackend(norm_slices)): one register pass per block up
-# to 4096-wide rows (16 passes of 256 threads); 8B decode 272 -> 303 tok/s on an H100 against
-# one block (8 slices: 299, 4: 280; docs/PERFORMANCE.md section 24)
+# to 4096-wide rows (16 passes of 256 threads); 8B one stream through the engine 274 -> 300
+# tok/s on an H100 against one block (8 slices: 297, 4: 292; docs/PERFORMANCE.md section 24)
 NORM_SLICES = 16
 # blocks of a step's rms_norm_quant launch beyond which rows get no more slices (a prefill
 # chunk's rows fill the device alone)
