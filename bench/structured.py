@@ -98,6 +98,9 @@ def per_token_ms(eng: Engine, streams: int, tokens: int, constraint: Constraint 
     if profile is not None:
         with eng._lock:
             profile.update(eng.stats.profile.summary())
+    failed = [r.finished.error for r in results if r.finished.error]
+    if failed:      # a failed stream's time would be timed as if it had decoded
+        raise RuntimeError(f"{len(failed)} of {streams} streams failed: {failed[0]}")
     per = [1000 * (last[i] - first[i]) / (len(r.token_ids) - 1)
            for i, r in enumerate(results) if len(r.token_ids) > 1]
     if not per:

@@ -179,7 +179,11 @@ class Matcher:
         self.ahead: int | None = None     # a committed token already accepted (advance_rows)
 
     def fill(self, out: np.ndarray) -> None:
-        """Write the next token's mask (int32 words) into `out` (W,) i32 contiguous."""
+        """Write the next token's mask (int32 words) into `out` (W,) i32 contiguous; past the
+        stop token (an end token taken under ignore_eos) nothing is allowed."""
+        if self._m.is_terminated():     # xgrammar refuses to fill a terminated matcher
+            out[:] = 0
+            return
         self._m.fill_next_token_bitmask(out.reshape(1, -1), 0)
 
     def mask(self) -> np.ndarray:
@@ -241,7 +245,7 @@ def advance_rows(matchers: list[Matcher], tokens: list[int],
     (xgrammar's BatchGrammarMatcher: accept, then fill on its threads from THREADED_ROWS rows
     up) into one array: (masks (n, W) i32, which rows were filled). A matcher whose `ahead` is
     already its token accepted it before (it is not accepted twice); `fill[i]` False skips
-    row i's fill (its mask is filled when asked for). Each matcher's `ahead` records its
+    row i's fill (its mask is filled when asked for), as does a matcher past its stop token. Each matcher's `ahead` records its
     token. A token a matcher refuses leaves it unchanged with `ahead` None (its row of the
     array is garbage): the per-token path then refuses it as before."""
     x, n = xgr(), len(matchers)
@@ -255,7 +259,10 @@ def advance_rows(matchers: list[Matcher], tokens: list[int],
                                                        [int(tokens[i]) for i in todo])
         for i, g in zip(todo, got, strict=True):
             ok[i] = bool(g)
-    filled = [ok[i] and (fill is None or fill[i]) for i in range(n)]
+    # a matcher that took its stop token (an end token under ignore_eos) has no next mask:
+    # unfilled, its sequence ends with the constraint (Sequence._advance)
+    filled = [ok[i] and (fill is None or fill[i]) and not matchers[i].terminated
+              for i in range(n)]
     keep = [i for i in range(n) if filled[i]]
     if keep:
         _batcher(len(keep) >= THREADED_ROWS).batch_fill_next_token_bitmask(

@@ -416,3 +416,27 @@ def test_a_step_sampled_later_on_the_fake_device(compiled):
         alone = [g for g in dev.graphs if "sample_rows" in kernels(g)
                  and not any(k.startswith("gemv") for k in kernels(g))]
         assert later and alone and all(g.replays for g in later + alone)
+
+
+def test_an_end_token_under_ignore_eos_ends_constrained_rows_as_the_one_step_loop_does(engines):
+    """Constrained rows whose end token (made likely by logit_bias, ignore_eos on) is taken
+    where the constraint allows more text: the matcher takes it as its stop token and the
+    stream ends with CONSTRAINT after it, overlapped (greedy unmasked, sampled masked later)
+    as in the one-step loop; a fill past the stop token failed the whole step before."""
+    on, off = engines
+    eos = on.tokenizer.eos_id
+    bias = ((eos, 30.0),)
+    kinds = [SamplingParams(temperature=0.0, logit_bias=bias),
+             SamplingParams(temperature=0.8, seed=3, logit_bias=bias), GREEDY]
+    reqs = [GenerationRequest(f"x{i}", tuple(smollm2_prompts()[i % 4]) + (i + 5,), p,
+                              StoppingCriteria(max_new_tokens=20, ignore_eos=True),
+                              constraint=Constraint("regex", r"[0-9a-z ]{1,40}"))
+            for i, p in enumerate(kinds)]
+    fed = FedSteps(on)
+    got, _ = together(on, reqs)
+    ref, _ = together(off, reqs)
+    assert not mismatches(got, ref)
+    assert all(r.finished.error is None for r in got)
+    for r in got[:2]:
+        assert r.finished.reason is FinishReason.CONSTRAINT and r.token_ids[-1] == eos, r.finished
+    assert fed.n >= 1, fed.__dict__

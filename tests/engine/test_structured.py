@@ -191,3 +191,33 @@ def test_a_dead_end_after_a_draft_ends_the_stream_under_speculation(smol, monkey
         assert on.finished.reason is FinishReason.CONSTRAINT_DEAD_END, on.finished
         assert same_output(on, off) and re.fullmatch(r"( ?la){10}", on.text), (on.text, off.text)
         assert on.finished.usage.draft_tokens > 0
+
+
+def test_an_end_token_taken_under_ignore_eos_ends_the_constraint(smol):
+    """With ignore_eos, an end token is an ordinary committed token, and the constraint's
+    matcher takes it as its stop token: the constraint is over (CONSTRAINT after that token).
+    Filling the next mask of a matcher past its stop token raised in xgrammar, which failed
+    the step: every request in the batch ended with an error. The end token made likely
+    (logit_bias) where the regex allows it, greedy and sampled, alone and with others."""
+    eos = smol.tokenizer.eos_id
+    pull = (GREEDY, SamplingParams(temperature=0.0, logit_bias=((eos, 30.0),)),
+            SamplingParams(temperature=0.8, seed=5, logit_bias=((eos, 30.0),)))
+    reqs = [GenerationRequest(f"e{i}", ids(smol, "Phone:"), p,
+                              StoppingCriteria(max_new_tokens=24, ignore_eos=True),
+                              speculative=False, constraint=Constraint("regex", r"[0-9]{1,12}"))
+            for i, p in enumerate(pull)]
+    other = request(smol, "js", PROMPTS[0], Constraint("json_schema", json.dumps(SCHEMAS[0])),
+                    sampled(3))
+    ref = alone(smol, other)
+    for r in [alone(smol, q) for q in reqs[1:]]:
+        assert r.finished.error is None and r.finished.reason is FinishReason.CONSTRAINT, \
+            r.finished
+        digits = smol.tokenizer.decode(r.token_ids[:-1])    # the end token's text follows
+        assert r.token_ids[-1] == eos and re.fullmatch(r"[0-9]{1,12}", digits), r.text
+    batched, _ = together(smol, [*reqs, other])
+    for r in batched[1:3]:
+        assert r.finished.reason is FinishReason.CONSTRAINT and r.token_ids[-1] == eos, \
+            r.finished
+    assert same_output(batched[-1], ref), (batched[-1].text, ref.text)
+    wait_idle(smol)
+    assert smol.pool.used_blocks == 0
