@@ -67,6 +67,7 @@ class OverlappedDecode:
         drafting = False
         self._void: set[int] = set()        # sequences whose row in flight was fed a refusal
         masked: set[int] = set()            # sequences whose row being read chose masked later
+        redo: set[int] = set()              # sequences whose last row's choice was refused
         try:
             for seq in seqs:
                 seq.n_past += 1
@@ -81,23 +82,27 @@ class OverlappedDecode:
                         runner.set_block_table(table)
                         self.speculator.set_block_table(table)   # a draft model's KV too
                     at = {id(s): r for r, s in enumerate(seqs)}
-                    later = [r for r, s in enumerate(nxt) if masks_later(s)]
-                    ahead = runner.submit(fed_input(nxt), [at[id(s)] for s in nxt], later)
+                    later = [r for r, s in enumerate(nxt)
+                             if masks_later(s) and id(s) not in redo]
+                    ahead = runner.submit(fed_input(nxt, redo, self._void),
+                                          [-1 if id(s) in redo else at[id(s)] for s in nxt],
+                                          later)
                     for seq in nxt:
                         seq.n_past += 1
                     lap(STEP)
                 out = runner.collect(pending)
                 lap(READBACK)
                 self._stats().count_decode(len(seqs), len(seqs))
-                nxt_masked = {id(nxt[r]) for r in later}
+                nxt_masked = {id(nxt[r]) for r in later} | {id(s) for s in nxt or []
+                                                           if id(s) in redo}
                 # the masks after step k's tokens, once filled: step k + 1 samples with them
                 sample_later = (partial(self._sample_later, ahead, [nxt[r] for r in later])
                                 if later else None)
-                refused = self._commit(seqs, out, nxt or [], masked, nxt_masked, sample_later)
+                redo = self._commit(seqs, out, nxt or [], masked, nxt_masked, sample_later)
                 lap(EMIT)
                 if not nxt:
                     return
-                drafting = refused or self._would_draft(nxt)
+                drafting = self._would_draft(nxt)
                 seqs, pending, masked = nxt, ahead, nxt_masked
         except Exception:
             runner.abandon()
@@ -134,21 +139,22 @@ class OverlappedDecode:
 
     def _commit(self, seqs: list[Sequence], out: StepOutput, ahead: list[Sequence],
                 masked: set[int] = frozenset(), ahead_masked: set[int] = frozenset(),
-                filled: Callable[[], None] | None = None) -> bool:
+                filled: Callable[[], None] | None = None) -> set[int]:
         """Each sequence's token of a plain step (its row already counted in n_past); a
         sequence that ends here while a later row of it is in flight gives that row back.
-        A constrained row in `masked` (ids) chose with its mask, sampled after this loop
-        filled it (masks_later). Any other constrained row chose without its mask (fed_input):
-        a token its mask refuses is dropped with the row in flight after it (fed that token),
-        and True says so: the loop ends after the step in flight and the next plan runs the row
-        again with its mask (and its next few, Sequence.refused_unmasked). The sequences of
+        A constrained row in `masked` (ids) chose with its mask (sampled after this loop filled
+        it, masks_later, or a row run again with it). Any other constrained row chose without
+        its mask (fed_input): a token its mask refuses is dropped with the row in flight after
+        it (fed that token, void), and the returned ids name those sequences: the next step
+        runs the refused row again, at the same position with its committed token and its
+        mask (then its next few rows masked, Sequence.refused_unmasked). The sequences of
         `ahead_masked` get their next masks filled now (their rows in flight wait for them);
         the other constrained rows in flight are checked when committed instead. `filled`
         runs once those masks are filled and before the tokens are emitted (the rows in flight
         sample without waiting for the detokenization and the streams' events)."""
         later = {id(s) for s in ahead}
         tokens = [int(t) for t in out.token_ids[:len(seqs)]]
-        refused = False
+        refused: set[int] = set()
         live: list[tuple[int, Sequence, int]] = []
         for r, (seq, tok) in enumerate(zip(seqs, tokens, strict=True)):
             if seq.finished:            # cancelled or failed while its row was in flight
@@ -168,7 +174,7 @@ class OverlappedDecode:
                     seq.n_past -= 1     # computed its KV row, but chose without its mask
                     if id(seq) in later:
                         self._void.add(id(seq))
-                    refused = True
+                    refused.add(id(seq))
                     self._stats().mask_refusals += 1
                     seq.refused_unmasked()
                     continue
@@ -219,9 +225,24 @@ def masks_later(seq: Sequence) -> bool:
     return seq.matcher is not None and (not seq.unmasked_exact or seq.mask_wait > 0)
 
 
-def fed_input(seqs: list[Sequence]) -> StepInput:
+def fed_input(seqs: list[Sequence], redo: set[int] = frozenset(),
+              void: set[int] = frozenset()) -> StepInput:
     """A plain step whose ids the previous step chooses on the device (fed): each sequence's
     row at its next position, choosing the token after the one still in flight; a constrained
-    row without its mask (it needs that token on the host), checked when committed."""
-    return StepInput([0] * len(seqs), [s.n_past for s in seqs], [s.slot for s in seqs],
-                     range(len(seqs)), [choice(s, 1, masked=False) for s in seqs])
+    row without its mask (it needs that token on the host), checked when committed. A
+    sequence in `redo` (ids) whose last choice its mask refused runs that row again instead:
+    its committed last token (the host's id, not fed) at the refused row's position (its
+    n_past, less the void row fed the refusal while that is in flight: the refused row was
+    taken off at its commit, the void one is at its own), choosing with the mask its commit
+    filled."""
+    ids, pos, rows = [], [], []
+    for s in seqs:
+        if id(s) in redo:
+            ids.append(s.seed)
+            pos.append(s.n_past - (id(s) in void))
+            rows.append(choice(s, 0))
+        else:
+            ids.append(0)
+            pos.append(s.n_past)
+            rows.append(choice(s, 1, masked=False))
+    return StepInput(ids, pos, [s.slot for s in seqs], range(len(seqs)), rows)

@@ -37,15 +37,17 @@ from tests.support.models import build_model, model_path
 
 
 class FedSteps:
-    """Counts the runner's steps submitted with fed ids (wrapping `submit`), and those of them
-    whose rows sampled once their masks came (`later`: steps, `later_rows`: rows)."""
+    """Counts the runner's steps submitted with fed ids (wrapping `submit`), those of them
+    whose rows sampled once their masks came (`later`: steps, `later_rows`: rows), and the rows
+    of fed steps that were not fed (`redo`: a refused row run again with its mask)."""
 
     def __init__(self, engine) -> None:
-        self.n = self.later = self.later_rows = 0
+        self.n = self.later = self.later_rows = self.redo = 0
         runner, inner = engine.runner, engine.runner.submit
 
         def submit(inp, feed=None, masks_later=()):
             self.n += feed is not None
+            self.redo += sum(f < 0 for f in feed or ())
             self.later += bool(masks_later)
             self.later_rows += len(masks_later)
             return inner(inp, feed, masks_later)
@@ -260,13 +262,20 @@ def constrained_requests() -> list[GenerationRequest]:
                               StoppingCriteria(max_new_tokens=20), constraint=dead),
             GenerationRequest("eos", tuple(smollm2_prompts()[2]), GREEDY,
                               StoppingCriteria(max_new_tokens=20, ignore_eos=True),
-                              constraint=Constraint("choice", options=("yes", "no")))]
+                              constraint=Constraint("choice", options=("yes", "no"))),
+            # "7" (SmolLM2's id 39) biased far above the rest where only letters may come:
+            # every unmasked choice of this row is refused, whatever the backend's logits
+            GenerationRequest("refused", tuple(smollm2_prompts()[3]),
+                              SamplingParams(temperature=0.0, logit_bias=((39, 40.0),)),
+                              StoppingCriteria(max_new_tokens=24),
+                              constraint=Constraint("regex", r"[a-z ]{1,60}"))]
 
 
 def test_constrained_greedy_streams_overlap_and_equal_the_one_step_loop(engines):
     """Constrained greedy rows run overlapped: a fed row chooses without its mask (the mask
     needs the token still in flight) and the host checks the choice against the mask once it
-    has it; a refused choice is dropped with the row fed from it and runs again masked. The
+    has it; a refused choice is dropped with the row fed from it and runs again masked, in the
+    loop's next step (its committed token from the host, not fed). The
     streams equal the one-step loop's, batched and alone, and refusals really happened."""
     on, off = engines
     reqs = constrained_requests()
@@ -278,6 +287,7 @@ def test_constrained_greedy_streams_overlap_and_equal_the_one_step_loop(engines)
     assert {FinishReason.CONSTRAINT, FinishReason.CONSTRAINT_DEAD_END} <= reasons, reasons
     assert fed.n >= 5, f"only {fed.n} fed steps"      # refusals send rows to masked steps
     assert stats.mask_refusals > 0, "no unmasked choice was refused: recovery did not run"
+    assert fed.redo > 0, "no refused row ran again inside the overlapped loop"
     solo = [alone(on, r) for r in (*reqs[:3], *reqs[-2:])]
     assert all(same_output(a, b) for a, b in zip(solo, (*ref[:3], *ref[-2:]), strict=True))
 
