@@ -246,8 +246,9 @@ def advance_rows(matchers: list[Matcher], tokens: list[int],
     up) into one array: (masks (n, W) i32, which rows were filled). A matcher whose `ahead` is
     already its token accepted it before (it is not accepted twice); `fill[i]` False skips
     row i's fill (its mask is filled when asked for), as does a matcher past its stop token.
-    Each matcher's `ahead` records its token. A token a matcher refuses leaves it unchanged with `ahead` None (its row of the
-    array is garbage): the per-token path then refuses it as before."""
+    Each matcher's `ahead` records its token. A token a matcher refuses leaves it unchanged
+    with `ahead` None (its row of the array is garbage): the per-token path then refuses it as
+    before."""
     x, n = xgr(), len(matchers)
     masks = np.empty((n, mask_words(matchers[0].vocab_size) if n else 1), np.int32)   # (n, W)
     if not n:
