@@ -295,8 +295,9 @@ def test_constrained_greedy_streams_overlap_and_equal_the_one_step_loop(engines)
 def test_which_constrained_rows_overlap_and_the_refusal_backoff():
     """Constrained rows overlap unless they speculate: greedy ones without log-probabilities
     choose without their masks, sampled ones and ones with log-probabilities sample once their
-    masks are filled (masks_later); a refusal sends a greedy row to masked sampling for 4
-    tokens, the next for 8, and kept unmasked choices ease the wait back to 4."""
+    masks are filled (masks_later); a refusal sends a greedy row to masked sampling for 8
+    tokens, the next for 32 (4 times as long, up to 1024), and kept unmasked choices ease the
+    wait back to 8."""
     from service.engine.overlap import masks_later
     from service.engine.scheduler.sequence import Sequence
     from service.engine.spec.decode import Speculator
@@ -329,16 +330,19 @@ def test_which_constrained_rows_overlap_and_the_refusal_backoff():
     speculating.speculative = True
     assert not sp.overlaps([s, speculating])
     s.refused_unmasked()
-    assert s.mask_wait == 4 and sp.overlaps([s])
-    for _ in range(4):
+    assert s.mask_wait == 8 and sp.overlaps([s])
+    for _ in range(8):
         assert masks_later(s)
         s._advance(7)
     assert not masks_later(s)
     s.refused_unmasked()
-    assert s.mask_wait == 8 and s.mask_backoff == 16
-    for _ in range(20):
+    assert s.mask_wait == 32 and s.mask_backoff == 128
+    for _ in range(5):
+        s.refused_unmasked()
+    assert s.mask_backoff == 1024
+    for _ in range(2000):
         s.kept_unmasked()
-    assert s.mask_backoff == 4
+    assert s.mask_backoff == 8
 
 
 def test_sampled_constrained_streams_overlap_masked_and_equal_the_one_step_loop(engines):

@@ -27,7 +27,11 @@ from service.engine.types import (
     Usage,
 )
 
-MIN_MASK_BACKOFF, MAX_MASK_BACKOFF = 4, 64
+# A refused unmasked choice costs two rows (the refused one and the void one fed from it), a
+# masked row a few percent of a step: after a refusal a sequence commits MIN_MASK_BACKOFF
+# tokens from masked rows, each further refusal multiplies that wait by MASK_BACKOFF_GROWTH (up
+# to MAX_MASK_BACKOFF), and each kept unmasked choice eases it back by one.
+MIN_MASK_BACKOFF, MAX_MASK_BACKOFF, MASK_BACKOFF_GROWTH = 8, 1024, 4
 
 
 @dataclass
@@ -43,9 +47,9 @@ class Sequence:
     tree_budget: int = 0                  # > 0: tree verify with this many nodes per step
     matcher: Any = None                   # engine/constraint.Matcher of a constrained request
     # after its mask refused an overlapped unmasked choice (engine/overlap.py): tokens to commit
-    # from masked (non-overlapped) steps first, and the next such wait (doubles per refusal)
+    # from masked rows first, and the next such wait (MASK_BACKOFF_GROWTH times per refusal)
     mask_wait: int = 0
-    mask_backoff: int = 4
+    mask_backoff: int = MIN_MASK_BACKOFF
     slot: int = -1
     n_past: int = 0                       # committed KV rows
     seed: int | None = None               # last chosen token, KV row not yet written
@@ -107,10 +111,10 @@ class Sequence:
     def refused_unmasked(self) -> None:
         """Its mask refused the choice an overlapped row made without it: a sequence whose
         unmasked choices keep failing (the model writes what the constraint forbids) costs
-        three steps per token overlapped, so it commits its next tokens from masked steps
-        (a wait doubling from 4 up to 64 per refusal, easing by 1 with each choice kept)."""
+        three rows per token overlapped, so it commits its next tokens from masked rows (a wait
+        of 8, then 32, 128, ... up to 1024 per refusal, easing by 1 with each choice kept)."""
         self.mask_wait = self.mask_backoff
-        self.mask_backoff = min(MAX_MASK_BACKOFF, 2 * self.mask_backoff)
+        self.mask_backoff = min(MAX_MASK_BACKOFF, MASK_BACKOFF_GROWTH * self.mask_backoff)
 
     def kept_unmasked(self) -> None:
         """An overlapped choice made without its mask was allowed."""
