@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threaded-rows", type=int, default=C.THREADED_ROWS)
     ap.add_argument("--fill-threads", type=int, default=C.FILL_THREADS,
                     help="threads of a batch fill (default: the engine's, every core)")
+    ap.add_argument("--thread-min-ms", type=float, default=C.THREAD_MIN_MS,
+                    help="a batch goes threaded where one thread would take this long (0: "
+                         "always, from --threaded-rows rows)")
     ap.add_argument("--rounds", type=int, default=3, help="best of this many runs each")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: the process's CPU time (a shared, loaded host's wall time is "
@@ -100,10 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     C.THREADED_ROWS, C.FILL_THREADS = args.threaded_rows, args.fill_threads
+    C.THREAD_MIN_MS = args.thread_min_ms
     tok = Tokenizer.from_metadata(
         GGUFFile(fetch_model("smollm2-135m", models_dir_from_env())).metadata)
     print(f"host ms per constrained step, {args.clock} time (SmolLM2 vocabulary, median step, "
-          f"best of {args.rounds}; {args.fill_threads} threads from {args.threaded_rows} rows)")
+          f"best of {args.rounds}; {args.fill_threads} threads from {args.threaded_rows} rows "
+          f"where one thread takes {args.thread_min_ms} ms)")
     print(f"{'constraint':>12} {'rows':>5} {'one by one':>11} {'batch':>8} {'ratio':>7}")
     for name, (c, text) in CASES.items():
         compiled = C.compile_constraint(tok, c, tok.vocab_size)

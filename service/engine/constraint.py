@@ -22,6 +22,7 @@ import json
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,7 +228,39 @@ THREADED_ROWS = 4
 # Threads of a threaded batch fill: every core (the engine thread waits for the fill; xgrammar's
 # "auto" would take half of them)
 FILL_THREADS = os.cpu_count() or 1
+# The hand-off to the threads costs about half a millisecond (16-core host, 16 rows of a JSON
+# schema: 0.85 ms threaded, against 0.02 ms a row on one thread), so a batch goes threaded only
+# where one thread would take at least THREAD_MIN_MS for it, by the cost per row of the last
+# one-thread fill; while batches go threaded that cost is measured again (one batch on one
+# thread) every REMEASURE batches.
+THREAD_MIN_MS = 1.0
+REMEASURE = 256
 _batchers: dict[int, Any] = {}           # by thread count
+
+
+class FillThreads:
+    """Whether a batch fill of n rows goes to the threads, from what one-thread fills cost."""
+
+    def __init__(self) -> None:
+        self.row_ms: float | None = None    # ms a row of the last one-thread fill
+        self.threaded_since = 0             # threaded batches since that fill
+
+    def threaded(self, n: int) -> bool:
+        if n < THREADED_ROWS or FILL_THREADS <= 1 or self.row_ms is None:
+            return False
+        if self.threaded_since >= REMEASURE:
+            return False
+        return self.row_ms * n >= THREAD_MIN_MS
+
+    def record(self, n: int, threaded: bool, ms: float) -> None:
+        if threaded:
+            self.threaded_since += 1
+        else:
+            self.row_ms, self.threaded_since = ms / n, 0
+
+
+# the process's (its engines' threads share it: it decides how fast a fill runs, never a mask)
+fill_threads = FillThreads()
 
 
 def _batcher(threaded: bool) -> Any:
@@ -242,8 +275,9 @@ def _batcher(threaded: bool) -> Any:
 def advance_rows(matchers: list[Matcher], tokens: list[int],
                  fill: list[bool] | None = None) -> tuple[np.ndarray, list[bool]]:
     """Accept one committed token per matcher and fill the next masks, all in one batch
-    (xgrammar's BatchGrammarMatcher: accept, then fill on its threads from THREADED_ROWS rows
-    up) into one array: (masks (n, W) i32, which rows were filled). A matcher whose `ahead` is
+    (xgrammar's BatchGrammarMatcher: accept, then fill, on its threads where one thread would
+    take long: FillThreads) into one array: (masks (n, W) i32, which rows were filled). A
+    matcher whose `ahead` is
     already its token accepted it before (it is not accepted twice); `fill[i]` False skips
     row i's fill (its mask is filled when asked for), as does a matcher past its stop token.
     Each matcher's `ahead` records its token. A token a matcher refuses leaves it unchanged
@@ -266,8 +300,11 @@ def advance_rows(matchers: list[Matcher], tokens: list[int],
               for i in range(n)]
     keep = [i for i in range(n) if filled[i]]
     if keep:
-        _batcher(len(keep) >= THREADED_ROWS).batch_fill_next_token_bitmask(
-            [matchers[i]._m for i in keep], masks, keep)
+        threaded = fill_threads.threaded(len(keep))
+        t0 = time.perf_counter()
+        _batcher(threaded).batch_fill_next_token_bitmask([matchers[i]._m for i in keep],
+                                                         masks, keep)
+        fill_threads.record(len(keep), threaded, 1e3 * (time.perf_counter() - t0))
     for i, m in enumerate(matchers):
         m.ahead = int(tokens[i]) if ok[i] else None
     return masks, filled

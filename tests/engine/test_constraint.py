@@ -166,6 +166,9 @@ def test_batch_advance_equals_one_row_at_a_time(tok, threaded_rows, monkeypatch)
     the next mask that accept + mask() give it alone, rows of different constraints mixed; a
     refused token leaves its matcher as it was."""
     monkeypatch.setattr(C, "THREADED_ROWS", threaded_rows)
+    monkeypatch.setattr(C, "THREAD_MIN_MS", 0.0)        # threaded whenever THREADED_ROWS says
+    monkeypatch.setattr(C, "FILL_THREADS", 2)
+    monkeypatch.setattr(C, "fill_threads", C.FillThreads())
     cs = [Constraint("regex", r"[a-z ]{1,40}"), Constraint("regex", r"[0-9]+(\.[0-9]+)?"),
           Constraint("json_schema", json.dumps({"type": "object", "properties": {
               "n": {"type": "integer"}, "s": {"type": "string"}}, "required": ["n", "s"]})),
@@ -256,3 +259,30 @@ def test_a_skipped_fill_leaves_the_ends_to_the_next_tokens_check(tok):
     nxt = first(s.row_mask(0))
     s.row_masks = [None]
     assert _check_unmasked(s, nxt) == (True, None) and s.matcher.ahead == nxt
+
+
+def test_a_batch_fill_goes_to_threads_only_where_one_thread_would_take_long(monkeypatch):
+    """FillThreads: the first fill runs on one thread (nothing measured yet); a batch goes
+    threaded when that fill's cost per row times its rows reaches THREAD_MIN_MS (and it has
+    THREADED_ROWS rows); while it goes threaded, one batch in REMEASURE runs on one thread
+    again to measure the cost anew, so a workload turned cheap comes back to one thread."""
+    monkeypatch.setattr(C, "THREADED_ROWS", 4)
+    monkeypatch.setattr(C, "THREAD_MIN_MS", 1.0)
+    monkeypatch.setattr(C, "REMEASURE", 3)
+    monkeypatch.setattr(C, "FILL_THREADS", 16)
+    f = C.FillThreads()
+    assert not f.threaded(16)                   # nothing measured
+    f.record(16, False, 0.32)                   # 0.02 ms a row (a JSON schema)
+    assert not f.threaded(16) and not f.threaded(49)
+    assert f.threaded(50)                       # 50 rows of 0.02 ms: 1 ms on one thread
+    f.record(16, False, 8.0)                    # 0.5 ms a row (a costly regex)
+    assert f.threaded(4) and not f.threaded(3)  # 2 ms, but under THREADED_ROWS
+    for _ in range(3):
+        assert f.threaded(16)
+        f.record(16, True, 1.5)
+    assert not f.threaded(16)                   # measured again on one thread
+    f.record(16, False, 0.4)
+    assert not f.threaded(16) and f.threaded_since == 0
+    monkeypatch.setattr(C, "FILL_THREADS", 1)
+    f.record(16, False, 80.0)
+    assert not f.threaded(16)                   # one core: never
