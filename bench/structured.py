@@ -19,6 +19,11 @@ the model runs, sampled after it (masks_later).
 The synthetic 8B (llama3-8b shapes, Q4_K_M, seeded, generated into --synth-dir and reused)
 carries a real tokenizer, so its masks are as large as a real model's; its text is noise, so
 a constraint may end early (the per-token figure counts only the tokens that came).
+
+Every request asks for --tokens tokens at least (min_tokens: no end token before them, so an
+unconstrained or regex-constrained stream runs them all); a JSON stream ends where its object
+closes. Each case runs twice before it is timed, so the step shapes of its streams' ends are
+captured graphs by then (a step's graph is keyed by its logits rows too).
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ def per_token_ms(eng: Engine, streams: int, tokens: int, constraint: Constraint 
     ids = tuple(eng.text_prompt_ids(PROMPT))
     reqs = [GenerationRequest(f"r{i}", ids, SamplingParams(temperature=0.8, seed=i)
                               if sampled else SamplingParams(temperature=0.0),
-                              StoppingCriteria(max_new_tokens=tokens, ignore_eos=True),
+                              StoppingCriteria(max_new_tokens=tokens, min_tokens=tokens),
                               speculative=False, constraint=constraint)
             for i in range(streams)]
     results = [Collected() for _ in reqs]
@@ -152,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         for n in counts:
             per_token_ms(eng, n, 4, None)              # this batch size's first steps
             for kind, c in cases:
+                # the step shapes this case visits (its rows end at different tokens where the
+                # constraint completes: each step's logits rows key a graph) run twice first,
+                # so they are captured, as on a server that has run a while
+                for _ in range(2):
+                    per_token_ms(eng, n, args.tokens, c, args.sampled)
                 profs = [({}, {}) for _ in range(args.rounds)]
                 runs = [(per_token_ms(eng, n, args.tokens, None, args.sampled, pp),
                          per_token_ms(eng, n, args.tokens, c, args.sampled, pc))
