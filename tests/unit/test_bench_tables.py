@@ -371,3 +371,20 @@ def test_backend_defaults_replace_named_keywords_by_their_types():
     assert f(0) == (16, True, "split", 3)
     with pytest.raises(SystemExit, match="'m' is not a keyword parameter"):
         mod.replace_defaults(f, "m=1")
+
+
+def test_hostcalls_bench_times_the_overlapped_loops_calls(capsys):
+    """bench/hostcalls.py end to end on the CPU (SmolLM2, 2 streams, a few tokens): both sides
+    ran the overlapped loop (submits counted), the constrained side its batch fills, and the
+    wrapped calls are put back afterwards."""
+    from service.engine.runner.model_runner import ModelRunner
+    from tests.support.models import model_path
+    model_path("smollm2")
+    submit = ModelRunner.submit
+    assert _load("hostcalls").main(["--backend", "cpu", "--model", "smollm2-135m",
+                                    "--streams", "2", "--tokens", "5"]) == 0
+    assert ModelRunner.submit is submit
+    out = capsys.readouterr().out
+    plain, constrained = out.split("== constrained")
+    assert "\nsubmit " in plain and "advance_rows" not in plain, out
+    assert "\nsubmit " in constrained and "advance_rows" in constrained, out
