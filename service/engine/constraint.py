@@ -277,12 +277,11 @@ def advance_rows(matchers: list[Matcher], tokens: list[int],
     """Accept one committed token per matcher and fill the next masks, all in one batch
     (xgrammar's BatchGrammarMatcher: accept, then fill, on its threads where one thread would
     take long: FillThreads) into one array: (masks (n, W) i32, which rows were filled). A
-    matcher whose `ahead` is
-    already its token accepted it before (it is not accepted twice); `fill[i]` False skips
-    row i's fill (its mask is filled when asked for), as does a matcher past its stop token.
-    Each matcher's `ahead` records its token. A token a matcher refuses leaves it unchanged
-    with `ahead` None (its row of the array is garbage): the per-token path then refuses it as
-    before."""
+    matcher whose `ahead` is already its token accepted it before (it is not accepted twice);
+    `fill[i]` False skips row i's fill (its mask is filled when asked for), as does a matcher
+    past its stop token. Each matcher's `ahead` records its token. A token a matcher refuses
+    leaves it unchanged with `ahead` None (its row of the array is garbage): the per-token path
+    then refuses it as before."""
     x, n = xgr(), len(matchers)
     masks = np.empty((n, mask_words(matchers[0].vocab_size) if n else 1), np.int32)   # (n, W)
     if not n:
