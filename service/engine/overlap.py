@@ -131,9 +131,12 @@ class OverlappedDecode:
     def _next_mask(self, seq: Sequence):
         """The token mask of `seq`'s row in flight, sampled once the mask is known (after the
         commit of the token before it); every token for a row that will be dropped (its
-        sequence ended, or it was fed a refused token), so the sample op always has a choice."""
+        sequence ended, it was fed a refused token, or its constraint ends at the commit
+        under way: complete, past its stop token or at a dead end), so the sample op always
+        has a choice (a complete constraint's mask allows only the end token, which min_tokens
+        may ban: an empty draw)."""
         mask = None if seq.finished or id(seq) in self._void else seq.row_mask(0)
-        if mask is None or not mask.any():      # a dead end's empty mask: the row is dropped
+        if mask is None or seq.constraint_end(mask) is not None:    # the row is dropped
             return np.full(mask_words(self.runner.model.spec.vocab_size), -1, np.int32)
         return mask
 

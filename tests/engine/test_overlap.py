@@ -454,3 +454,29 @@ def test_an_end_token_under_ignore_eos_ends_constrained_rows_as_the_one_step_loo
     for r in got[:2]:
         assert r.finished.reason is FinishReason.CONSTRAINT and r.token_ids[-1] == eos, r.finished
     assert fed.n >= 1, fed.__dict__
+
+
+def test_a_constraint_complete_before_min_tokens_ends_sampled_rows_as_the_one_step_loop(engines):
+    """A sampled JSON row whose object closes before its min_tokens: the constraint allows
+    nothing but the end token, which min_tokens bans, so the row in flight had an empty draw
+    (the CPU sample op raised and failed the whole step; every stream of the batch ended with
+    an error). That row is dropped anyway (the constraint ends the stream, CONSTRAINT): it now
+    samples over every token. Streams equal the one-step loop's, greedy and unconstrained
+    rows beside them."""
+    on, off = engines
+    digit = json.dumps({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                        "maximum": 9}}, "required": ["a"], "additionalProperties": False})
+    reqs = [GenerationRequest(f"m{i}", tuple(smollm2_prompts()[i % 4]) + (i + 5,), p,
+                              StoppingCriteria(max_new_tokens=24, min_tokens=24),
+                              constraint=c)
+            for i, (p, c) in enumerate([(sampled(1), Constraint("json_schema", digit)),
+                                        (sampled(2), Constraint("json_schema", digit)),
+                                        (GREEDY, Constraint("json_schema", digit)),
+                                        (sampled(3), None)])]
+    fed = FedSteps(on)
+    got, _ = together(on, reqs)
+    ref, _ = together(off, reqs)
+    assert all(r.finished.error is None for r in got), [r.finished for r in got]
+    assert not mismatches(got, ref)
+    assert [r.finished.reason for r in got[:3]] == [FinishReason.CONSTRAINT] * 3, got
+    assert fed.later > 0, fed.__dict__
