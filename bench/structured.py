@@ -22,8 +22,9 @@ a constraint may end early (the per-token figure counts only the tokens that cam
 
 Every request asks for --tokens tokens at least (min_tokens: no end token before them, so an
 unconstrained or regex-constrained stream runs them all); a JSON stream ends where its object
-closes. Each case runs twice before it is timed, so the step shapes of its streams' ends are
-captured graphs by then (a step's graph is keyed by its logits rows too).
+closes. Each case runs untimed first until a run meets no new step shape (warm_shapes), so
+the step shapes of its streams' ends are captured graphs by then, as on a server that has run
+a while (a step's graph is keyed by its logits rows too).
 """
 
 from __future__ import annotations
@@ -113,6 +114,27 @@ def per_token_ms(eng: Engine, streams: int, tokens: int, constraint: Constraint 
     return sum(per) / len(per), eng.stats.mask_refusals
 
 
+WARM_RUNS = 8     # at most this many untimed runs of a case (warm_shapes)
+
+
+def warm_shapes(eng: Engine, streams: int, tokens: int, constraint: Constraint | None,
+                sampled: bool) -> int:
+    """Run the case untimed until a run makes the backend meet no step shape it had not run
+    twice (CUDA: a shape's first step runs eagerly, its second is captured into a graph, the
+    later ones replay it): sampled streams end at different tokens where their constraint
+    completes, and every count of logits rows is a shape of its own, so one run may meet
+    shapes the last did not. At least two runs, at most WARM_RUNS; returns how many ran (a
+    backend that captures nothing: two)."""
+    be = eng.runner.model.backend
+    seen = getattr(be, "_seen", None)
+    for run in range(1, WARM_RUNS + 1):
+        before = (len(seen), be.n_graphs) if seen is not None else None
+        per_token_ms(eng, streams, tokens, constraint, sampled)
+        if run >= 2 and (seen is None or (len(seen), be.n_graphs) == before):
+            return run
+    return WARM_RUNS
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--backend", choices=("cpu", "cuda"), default="cpu")
@@ -157,11 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in counts:
             per_token_ms(eng, n, 4, None)              # this batch size's first steps
             for kind, c in cases:
-                # the step shapes this case visits (its rows end at different tokens where the
-                # constraint completes: each step's logits rows key a graph) run twice first,
-                # so they are captured, as on a server that has run a while
-                for _ in range(2):
-                    per_token_ms(eng, n, args.tokens, c, args.sampled)
+                warm_shapes(eng, n, args.tokens, c, args.sampled)
                 profs = [({}, {}) for _ in range(args.rounds)]
                 runs = [(per_token_ms(eng, n, args.tokens, None, args.sampled, pp),
                          per_token_ms(eng, n, args.tokens, c, args.sampled, pc))

@@ -388,3 +388,31 @@ def test_hostcalls_bench_times_the_overlapped_loops_calls(capsys):
     plain, constrained = out.split("== constrained")
     assert "\nsubmit " in plain and "advance_rows" not in plain, out
     assert "\nsubmit " in constrained and "advance_rows" in constrained, out
+
+
+def test_structured_bench_warms_until_no_new_step_shape(monkeypatch):
+    """warm_shapes runs a case until a run meets no shape the backend had not seen (nor a new
+    graph captured): at least twice, at most WARM_RUNS; twice on a backend without graphs."""
+    from types import SimpleNamespace
+    mod = _load("structured")
+    be = SimpleNamespace(_seen=set(), n_graphs=0)
+    eng = SimpleNamespace(runner=SimpleNamespace(model=SimpleNamespace(backend=be)))
+    # (shapes met for the first time, graphs captured) by each run: the fourth meets nothing
+    deltas = iter([(2, 0), (1, 2), (0, 1), (0, 0), (5, 5)])
+
+    def run(*a):
+        shapes, graphs = next(deltas)
+        be._seen |= {len(be._seen) + i for i in range(shapes)}
+        be.n_graphs += graphs
+        return 1.0, 0
+    monkeypatch.setattr(mod, "per_token_ms", run)
+    assert mod.warm_shapes(eng, 16, 8, None, True) == 4
+    calls = []
+    monkeypatch.setattr(mod, "per_token_ms", lambda *a: calls.append(a) or (1.0, 0))
+    cpu = SimpleNamespace(runner=SimpleNamespace(model=SimpleNamespace(backend=object())))
+    assert mod.warm_shapes(cpu, 16, 8, None, True) == 2 and len(calls) == 2
+    monkeypatch.setattr(mod, "WARM_RUNS", 3)
+    be2 = SimpleNamespace(_seen=set(), n_graphs=0)
+    grow = SimpleNamespace(runner=SimpleNamespace(model=SimpleNamespace(backend=be2)))
+    monkeypatch.setattr(mod, "per_token_ms", lambda *a: be2._seen.add(len(be2._seen)) or (1, 0))
+    assert mod.warm_shapes(grow, 16, 8, None, True) == 3
