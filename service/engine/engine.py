@@ -373,7 +373,8 @@ class Engine:
                     self.config.verify_width, self.config.tree_budget, 1))
                 if self.model.backend.captures_steps:
                     t0 = time.perf_counter()
-                    n = self.runner.warm_steps(rows)
+                    # the overlapped loop's masks-later shapes too (constrained rows)
+                    n = self.runner.warm_steps(rows, masks_later=self.overlap)
                     phase("step_graphs", t0, steps=n, graphs=self.model.backend.n_graphs)
                 if self.config.verify_width >= 2 and self.drafter is not None:
                     width = self.config.verify_width
