@@ -297,6 +297,8 @@ def advance_rows(matchers: list[Matcher], tokens: list[int],
     # unfilled, its sequence ends with the constraint (Sequence._advance)
     filled = [ok[i] and (fill is None or fill[i]) and not matchers[i].terminated
               for i in range(n)]
+    for i, m in enumerate(matchers):    # before the fill: a fill that fails accepted them
+        m.ahead = int(tokens[i]) if ok[i] else None
     keep = [i for i in range(n) if filled[i]]
     if keep:
         threaded = fill_threads.threaded(len(keep))
@@ -304,8 +306,6 @@ def advance_rows(matchers: list[Matcher], tokens: list[int],
         _batcher(threaded).batch_fill_next_token_bitmask([matchers[i]._m for i in keep],
                                                          masks, keep)
         fill_threads.record(len(keep), threaded, 1e3 * (time.perf_counter() - t0))
-    for i, m in enumerate(matchers):
-        m.ahead = int(tokens[i]) if ok[i] else None
     return masks, filled
 
 

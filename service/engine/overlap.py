@@ -189,8 +189,9 @@ class OverlappedDecode:
         if filled is not None:
             filled()
         for r, seq, tok in live:
-            seq.count_step(1)
-            seq.emit([tok], out.logprobs[r:r + 1])
+            if not seq.finished:        # (its constraint failed in advance_constrained)
+                seq.count_step(1)
+                seq.emit([tok], out.logprobs[r:r + 1])
             if seq.finished:
                 if id(seq) in later:
                     seq.n_past -= 1     # that row is not part of its committed context

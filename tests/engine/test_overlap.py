@@ -480,3 +480,45 @@ def test_a_constraint_complete_before_min_tokens_ends_sampled_rows_as_the_one_st
     assert not mismatches(got, ref)
     assert [r.finished.reason for r in got[:3]] == [FinishReason.CONSTRAINT] * 3, got
     assert fed.later > 0, fed.__dict__
+
+
+@pytest.mark.parametrize("side", [0, 1])
+def test_a_constraint_that_fails_ends_its_own_request_not_its_batch(engines, monkeypatch, side):
+    """A matcher whose accept or fill raises (xgrammar failing; injected here for one request's
+    constraint from its third batch on) ends that request with ERROR after the tokens it had
+    streamed; the step's other requests, constrained or not, stream what they stream without
+    it, overlapped (side 0) and in the one-step loop (side 1). It used to fail the whole step:
+    every request in it ended with ERROR."""
+    from service.engine import constraint as C
+    from service.engine.scheduler import sequence as SQ
+    eng = engines[side]
+    poison = r"[a-z ]{1,199}"
+    init, batch = C.Matcher.__init__, SQ.advance_rows
+    calls = {"n": 0}
+
+    def mark(self, compiled, vocab_size):
+        init(self, compiled, vocab_size)
+        self.poisoned = compiled.constraint.text == poison
+
+    def failing(matchers, tokens, fill=None):
+        if any(getattr(m, "poisoned", False) for m in matchers):
+            calls["n"] += 1
+            if calls["n"] >= 3:
+                raise RuntimeError("injected matcher failure")
+        return batch(matchers, tokens, fill)
+    monkeypatch.setattr(C.Matcher, "__init__", mark)
+    monkeypatch.setattr(SQ, "advance_rows", failing)
+    others = constrained_requests()[:4]              # two JSON schemas, a regex, a plain one
+    bad = GenerationRequest("bad", tuple(smollm2_prompts()[1]), GREEDY,
+                            StoppingCriteria(max_new_tokens=20),
+                            constraint=Constraint("regex", poison))
+    got, _ = together(eng, [*others[:2], bad, *others[2:]])
+    ref = [alone(eng, r) for r in others]
+    assert got[2].finished.reason is FinishReason.ERROR, got[2].finished
+    assert "injected matcher failure" in got[2].finished.error
+    assert len(got[2].token_ids) >= 2, got[2].token_ids
+    rest = got[:2] + got[3:]
+    assert all(r.finished.error is None for r in rest), [r.finished for r in rest]
+    assert all(same_output(a, b) for a, b in zip(rest, ref, strict=True))
+    wait_idle(eng)
+    assert eng.pool.used_blocks == 0

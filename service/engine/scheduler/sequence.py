@@ -12,6 +12,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
+
 from service.engine.constraint import advance_rows, allowed, dead_end
 from service.engine.runner.step import Adjustment
 from service.engine.spec.width import DepthAcceptance
@@ -26,6 +28,8 @@ from service.engine.types import (
     TokenLogprob,
     Usage,
 )
+
+log = structlog.get_logger("specstream.engine")
 
 # A refused unmasked choice costs two rows (the refused one and the void one fed from it), a
 # masked row a few percent of a step: after a refusal a sequence commits MIN_MASK_BACKOFF
@@ -363,10 +367,28 @@ def advance_constrained(commits: list[tuple[Sequence, int]],
     token): their matchers accept the tokens and fill their next masks in one batch
     (constraint.advance_rows), before the emits, which then find their masks ready. The
     sequences whose id() is in `lazy` skip the fill (row_masks [None]): their next token,
-    already chosen without a mask, is checked by accepting it (engine/overlap.py)."""
+    already chosen without a mask, is checked by accepting it (engine/overlap.py). When the
+    batch fails, each row is tried alone: a row that fails again ends its request with ERROR
+    (finished: its caller commits nothing more of it), the others go on as they would."""
     commits = [(s, t) for s, t in commits if s.advances(t)]
     if not commits:
         return
+    try:
+        _advance_batch(commits, lazy)
+    except Exception:       # one matcher's failure ends its own request, not its step's
+        for one in commits:
+            try:
+                _advance_batch([one], lazy)
+            except Exception as exc:
+                log.error("constraint_failed", request_id=one[0].request.request_id,
+                          exc_info=exc)
+                one[0].finish(FinishReason.ERROR,
+                              error=f"constraint: {type(exc).__name__}: {exc}")
+
+
+def _advance_batch(commits: list[tuple[Sequence, int]], lazy: frozenset[int] | set[int]) -> None:
+    """advance_constrained's batch (a matcher that accepted its token before a fill failed
+    is not asked to accept it again: its `ahead` says so)."""
     masks, filled = advance_rows([s.matcher for s, _ in commits], [t for _, t in commits],
                                  [id(s) not in lazy for s, _ in commits])       # (n, W)
     for (seq, _), mask, full in zip(commits, masks, filled, strict=True):
