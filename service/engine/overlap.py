@@ -39,6 +39,7 @@ from functools import partial
 from typing import Any
 
 import numpy as np
+import structlog
 
 from service.backends.step_format import mask_words
 from service.engine.constraint import allowed
@@ -49,6 +50,8 @@ from service.engine.scheduler.sequence import Sequence, advance_constrained
 from service.engine.spec.decode import Speculator, choice, verify_input
 from service.engine.stepprofile import EMIT, READBACK, SCHEDULE, STEP, StepStats
 from service.engine.types import FinishReason
+
+log = structlog.get_logger("specstream.engine")
 
 
 class OverlappedDecode:
@@ -167,7 +170,15 @@ class OverlappedDecode:
                 seq.n_past -= 1
                 continue
             if seq.matcher is not None and id(seq) not in masked:
-                ok, end = _check_unmasked(seq, tok)
+                try:
+                    ok, end = _check_unmasked(seq, tok)
+                except Exception as exc:    # its matcher failed: its request ends, not the step
+                    seq.n_past -= 1 + (id(seq) in later)    # this row and the one after it
+                    log.error("constraint_failed", request_id=seq.request.request_id,
+                              exc_info=exc)
+                    seq.finish(FinishReason.ERROR, error=f"constraint: {type(exc).__name__}: {exc}")
+                    self._release(seq)
+                    continue
                 if end is not None:     # the previous token ended the constraint (lazy check)
                     seq.n_past -= 1 + (id(seq) in later)    # this row and the one after it
                     seq.end_after_commits(end)

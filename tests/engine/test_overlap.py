@@ -482,10 +482,12 @@ def test_a_constraint_complete_before_min_tokens_ends_sampled_rows_as_the_one_st
     assert fed.later > 0, fed.__dict__
 
 
-@pytest.mark.parametrize("side", [0, 1])
-def test_a_constraint_that_fails_ends_its_own_request_not_its_batch(engines, monkeypatch, side):
+@pytest.mark.parametrize("side,where", [(0, "batch"), (1, "batch"), (0, "accept")])
+def test_a_constraint_that_fails_ends_its_own_request_not_its_batch(engines, monkeypatch, side,
+                                                                    where):
     """A matcher whose accept or fill raises (xgrammar failing; injected here for one request's
-    constraint from its third batch on) ends that request with ERROR after the tokens it had
+    constraint from its third call on: in the step's batch advance, or in the overlapped
+    loop's check of an unmasked choice) ends that request with ERROR after the tokens it had
     streamed; the step's other requests, constrained or not, stream what they stream without
     it, overlapped (side 0) and in the one-step loop (side 1). It used to fail the whole step:
     every request in it ended with ERROR."""
@@ -493,21 +495,31 @@ def test_a_constraint_that_fails_ends_its_own_request_not_its_batch(engines, mon
     from service.engine.scheduler import sequence as SQ
     eng = engines[side]
     poison = r"[a-z ]{1,199}"
-    init, batch = C.Matcher.__init__, SQ.advance_rows
+    init, batch, accept = C.Matcher.__init__, SQ.advance_rows, C.Matcher.accept
     calls = {"n": 0}
 
     def mark(self, compiled, vocab_size):
         init(self, compiled, vocab_size)
         self.poisoned = compiled.constraint.text == poison
 
-    def failing(matchers, tokens, fill=None):
+    def hit(matchers) -> None:
         if any(getattr(m, "poisoned", False) for m in matchers):
             calls["n"] += 1
             if calls["n"] >= 3:
                 raise RuntimeError("injected matcher failure")
+
+    def failing(matchers, tokens, fill=None):
+        hit(matchers)
         return batch(matchers, tokens, fill)
+
+    def failing_accept(self, token):
+        hit([self])
+        return accept(self, token)
     monkeypatch.setattr(C.Matcher, "__init__", mark)
-    monkeypatch.setattr(SQ, "advance_rows", failing)
+    if where == "batch":
+        monkeypatch.setattr(SQ, "advance_rows", failing)
+    else:
+        monkeypatch.setattr(C.Matcher, "accept", failing_accept)
     others = constrained_requests()[:4]              # two JSON schemas, a regex, a plain one
     bad = GenerationRequest("bad", tuple(smollm2_prompts()[1]), GREEDY,
                             StoppingCriteria(max_new_tokens=20),
