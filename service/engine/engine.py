@@ -374,7 +374,8 @@ class Engine:
                 if self.model.backend.captures_steps:
                     t0 = time.perf_counter()
                     # the overlapped loop's masks-later shapes too (constrained rows)
-                    n = self.runner.warm_steps(rows, masks_later=self.overlap)
+                    n = self.runner.warm_steps(
+                        rows, later_rows=self.config.n_slots if self.overlap else 0)
                     phase("step_graphs", t0, steps=n, graphs=self.model.backend.n_graphs)
                 if self.config.verify_width >= 2 and self.drafter is not None:
                     width = self.config.verify_width

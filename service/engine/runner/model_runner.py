@@ -269,15 +269,16 @@ class ModelRunner:
                 top = r + 1
         self.model.backend.upload_step(h[:top * W], self._mask_dev[:top * W])
 
-    def warm_steps(self, max_rows: int, masks_later: bool = False) -> int:
+    def warm_steps(self, max_rows: int, later_rows: int = 0) -> int:
         """Run every decode and chain-verify step shape of up to `max_rows` rows (each row a
         logits row: (padded n, n) for n = 1..max_rows; with a hidden-state tap also tapped)
         twice at slot 0, positions 0..n-1, so a backend that captures step graphs has loaded,
         captured and replayed each one before a request needs it (the first prefill that uses
-        slot 0 rewrites its rows). `masks_later`: also each shape as the overlapped loop runs
-        it for rows sampled once their masks come (the model without its sample op, then the
-        sample op of n rows: two graphs of their own), so constrained streams ending one by
-        one meet no new shape either. Returns the steps run."""
+        slot 0 rewrites its rows). `later_rows`: also the shapes of up to that many rows as
+        the overlapped loop runs them for rows sampled once their masks come (the model
+        without its sample op, then the sample op of n rows: two graphs of their own; one row
+        a sequence there, so up to the slots), so constrained streams ending one by one meet
+        no new shape either. Returns the steps run."""
         n_max = max(0, min(max_rows, self.model.max_logits, self.model.max_tokens, self.n_ctx))
         taps = (False, True) if self._hidden is not None else (False,)
         every = np.full(self._mask_w, -1, np.int32)         # (W,) i32: every token allowed
@@ -287,14 +288,14 @@ class ModelRunner:
                                 list(range(n)), [GREEDY] * n, hidden=hidden)
                 for _ in range(2):              # first use (eager), then the capture
                     self.step(inp)
-            if masks_later:
+            if n <= later_rows:
                 inp = StepInput(list(range(1, n + 1)), list(range(n)), [0] * n,
                                 list(range(n)), [GREEDY] * n)
                 for _ in range(2):
                     pending = self.submit(inp, None, range(n))
                     self.sample(pending, [every] * n)
                     self.collect(pending)
-        return (2 * len(taps) + 2 * masks_later) * n_max
+        return 2 * len(taps) * n_max + 2 * min(n_max, max(0, later_rows))
 
     def step(self, inp: StepInput) -> StepOutput:
         """Run one step and read its choices back."""
