@@ -39,7 +39,6 @@ from functools import partial
 from typing import Any
 
 import numpy as np
-import structlog
 
 from service.backends.step_format import mask_words
 from service.engine.constraint import allowed
@@ -50,8 +49,6 @@ from service.engine.scheduler.sequence import Sequence, advance_constrained
 from service.engine.spec.decode import Speculator, choice, verify_input
 from service.engine.stepprofile import EMIT, READBACK, SCHEDULE, STEP, StepStats
 from service.engine.types import FinishReason
-
-log = structlog.get_logger("specstream.engine")
 
 
 class OverlappedDecode:
@@ -174,9 +171,7 @@ class OverlappedDecode:
                     ok, end = _check_unmasked(seq, tok)
                 except Exception as exc:    # its matcher failed: its request ends, not the step
                     seq.n_past -= 1 + (id(seq) in later)    # this row and the one after it
-                    log.error("constraint_failed", request_id=seq.request.request_id,
-                              exc_info=exc)
-                    seq.finish(FinishReason.ERROR, error=f"constraint: {type(exc).__name__}: {exc}")
+                    seq.constraint_failed(exc)
                     self._release(seq)
                     continue
                 if end is not None:     # the previous token ended the constraint (lazy check)

@@ -282,15 +282,16 @@ class ModelRunner:
         n_max = max(0, min(max_rows, self.model.max_logits, self.model.max_tokens, self.n_ctx))
         taps = (False, True) if self._hidden is not None else (False,)
         every = np.full(self._mask_w, -1, np.int32)         # (W,) i32: every token allowed
+
+        def rows(n: int, hidden: bool = False) -> StepInput:    # slot 0, positions 0..n-1
+            return StepInput(list(range(1, n + 1)), list(range(n)), [0] * n, list(range(n)),
+                             [GREEDY] * n, hidden=hidden)
         for n in range(1, n_max + 1):
             for hidden in taps:                 # a drafter's tapped steps are shapes of their own
-                inp = StepInput(list(range(1, n + 1)), list(range(n)), [0] * n,
-                                list(range(n)), [GREEDY] * n, hidden=hidden)
                 for _ in range(2):              # first use (eager), then the capture
-                    self.step(inp)
+                    self.step(rows(n, hidden))
             if n <= later_rows:
-                inp = StepInput(list(range(1, n + 1)), list(range(n)), [0] * n,
-                                list(range(n)), [GREEDY] * n)
+                inp = rows(n)
                 for _ in range(2):
                     pending = self.submit(inp, None, range(n))
                     self.sample(pending, [every] * n)

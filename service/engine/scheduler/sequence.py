@@ -327,6 +327,12 @@ class Sequence:
                 and not (tok in self.eog_ids and not self.request.stopping.ignore_eos)
                 and tok not in self.request.stopping.stop_token_ids)
 
+    def constraint_failed(self, exc: Exception) -> None:
+        """Its matcher raised (xgrammar): this request ends with ERROR, logged; the others of
+        its step go on."""
+        log.error("constraint_failed", request_id=self.request.request_id, exc_info=exc)
+        self.finish(FinishReason.ERROR, error=f"constraint: {type(exc).__name__}: {exc}")
+
     def end_after_commits(self, reason: FinishReason) -> None:
         """Finish as emit would have after its last token: the text held back sent first."""
         text = self.text.finish()
@@ -380,10 +386,7 @@ def advance_constrained(commits: list[tuple[Sequence, int]],
             try:
                 _advance_batch([one], lazy)
             except Exception as exc:
-                log.error("constraint_failed", request_id=one[0].request.request_id,
-                          exc_info=exc)
-                one[0].finish(FinishReason.ERROR,
-                              error=f"constraint: {type(exc).__name__}: {exc}")
+                one[0].constraint_failed(exc)
 
 
 def _advance_batch(commits: list[tuple[Sequence, int]], lazy: frozenset[int] | set[int]) -> None:
