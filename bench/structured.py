@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from synth_model import DEFAULT_DIR, synth_model  # noqa: E402
 
 from service.config import EngineConfig, models_dir_from_env  # noqa: E402
+from service.engine import constraint as C  # noqa: E402
 from service.engine.engine import Engine  # noqa: E402
 from service.engine.stepprofile import IterationProfile, StepStats  # noqa: E402
 from service.engine.types import (  # noqa: E402
@@ -156,9 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sampled", action="store_true",
                     help="seeded sampling (temperature 0.8) instead of greedy: constrained rows "
                          "then sample once their masks are filled, overlapped")
+    ap.add_argument("--fill-threads", type=int, default=C.FILL_THREADS,
+                    help="threads of a threaded batch mask fill (constraint.FILL_THREADS; "
+                         "default every core)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     configure_logging("warning")
+    C.FILL_THREADS = args.fill_threads
     counts = [int(s) for s in args.streams.split(",")]
     if args.model in SYNTH:
         path, _ = synth_model(args.synth_dir, SYNTH[args.model], "Q4_K_M", 0)
